@@ -1,0 +1,390 @@
+"""Paged KV cache storage and the metadata pool that hands out its blocks.
+
+:func:`allocate_kv_cache` makes the tensor; :class:`BlockPool` tracks which
+blocks are free, held, or cached, and owns no tensor, so a simulator can use
+it without one. The free queue is an intrusive doubly linked list that doubles
+as the LRU order of cached blocks, after the design of vLLM's
+``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``): a block whose
+reference count drops to 0 joins the tail, allocation pops the head, and a
+cached block popped from the head is evicted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+__all__ = ["allocate_kv_cache", "kv_bytes_per_block", "Block", "BlockPool"]
+
+
+def _check_dims(**dims: int) -> None:
+    for name, v in dims.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+def allocate_kv_cache(
+    num_blocks: int,
+    num_layers: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """Allocate a zeroed paged KV cache.
+
+    Returns:
+        Tensor of shape ``[num_blocks, num_layers, 2, num_kv_heads,
+        block_size, head_dim]``; index 0 / 1 of dim 2 is K / V. Contiguous,
+        so one block's KV for all layers is a single span of
+        ``kv_bytes_per_block(...)`` bytes (one copy per block between tiers).
+
+    Raises:
+        ValueError: a dimension is not a positive int.
+    """
+    _check_dims(
+        num_blocks=num_blocks,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        head_dim=head_dim,
+    )
+    shape = (num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def kv_bytes_per_block(
+    num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block occupies in :func:`allocate_kv_cache`'s tensor (K and V, all layers).
+
+    Raises:
+        ValueError: a dimension is not a positive int.
+    """
+    _check_dims(
+        num_layers=num_layers, num_kv_heads=num_kv_heads, block_size=block_size, head_dim=head_dim
+    )
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * num_kv_heads * block_size * head_dim * itemsize
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """Per-block metadata; ``prev``/``next`` link it into the free queue."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    prev: Block | None = field(default=None, repr=False)
+    next: Block | None = field(default=None, repr=False)
+
+
+class BlockPool:
+    """Reference counts, hashes and the LRU free queue of ``num_blocks`` blocks.
+
+    A block is in exactly one state: *empty* (ref 0, no hash), *evictable*
+    (ref 0, hashed: cached and reusable until evicted) or *in use* (ref > 0,
+    hashed or not). Every ref-0 block sits in the free queue; the queue's
+    head is the next to be handed out.
+
+    Args:
+        num_blocks: number of blocks, > 0. Initially all empty, queued in id
+            order.
+        on_evict: called as ``on_evict(block_id, block_hash)`` when an
+            evictable block is handed out again; must not raise.
+
+    Raises:
+        ValueError: ``num_blocks`` < 1.
+    """
+
+    __slots__ = ("num_blocks", "_blocks", "_head", "_tail", "_num_free", "_num_evictable", "_on_evict")
+
+    def __init__(self, num_blocks: int, on_evict: Callable[[int, bytes], None] | None = None):
+        _check_dims(num_blocks=num_blocks)
+        self.num_blocks = num_blocks
+        self._on_evict = on_evict
+        self._blocks = [Block(i) for i in range(num_blocks)]
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        prev = self._head
+        for b in self._blocks:
+            prev.next = b
+            b.prev = prev
+            prev = b
+        prev.next = self._tail
+        self._tail.prev = prev
+        self._num_free = num_blocks
+        self._num_evictable = 0
+
+    # -- free queue primitives -------------------------------------------
+    def _unlink(self, b: Block) -> None:
+        p, n = b.prev, b.next
+        p.next = n
+        n.prev = p
+        b.prev = b.next = None
+        self._num_free -= 1
+        if b.block_hash is not None:
+            self._num_evictable -= 1
+
+    def _append(self, b: Block) -> None:
+        t = self._tail
+        p = t.prev
+        p.next = b
+        b.prev = p
+        b.next = t
+        t.prev = b
+        self._num_free += 1
+        if b.block_hash is not None:
+            self._num_evictable += 1
+
+    def _push_front(self, b: Block) -> None:
+        h = self._head
+        n = h.next
+        h.next = b
+        b.prev = h
+        b.next = n
+        n.prev = b
+        self._num_free += 1
+
+    def _block(self, block_id: int) -> Block:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id!r} out of range [0, {self.num_blocks})")
+        return self._blocks[block_id]
+
+    # -- public API --------------------------------------------------------
+    def get_new_blocks(self, n: int) -> list[int] | None:
+        """Take ``n`` blocks from the head of the free queue (LRU first).
+
+        Each returned block has ref 1 and no hash. A popped block that was
+        cached is evicted: ``on_evict(block_id, hash)`` is called, then its
+        hash is cleared.
+
+        Returns:
+            the block ids in pop order, or None (pool untouched) when fewer
+            than ``n`` blocks have ref 0.
+
+        Raises:
+            ValueError: ``n`` < 0.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > self._num_free:
+            return None
+        out = []
+        on_evict = self._on_evict
+        for _ in range(n):
+            b = self._head.next
+            self._unlink(b)
+            b.ref_cnt = 1
+            h = b.block_hash
+            if h is not None:
+                if on_evict is not None:
+                    on_evict(b.block_id, h)
+                b.block_hash = None
+            out.append(b.block_id)
+        return out
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to each block; a ref-0 block leaves the free queue.
+
+        This is how a cached prefix is locked against eviction.
+
+        Raises:
+            IndexError: an id is out of range.
+            ValueError: a block has ref 0 and no hash (touch only reuses
+                cached or held blocks; use ``get_new_blocks`` for new ones).
+            Nothing is changed when an error is raised.
+        """
+        blocks = [self._block(i) for i in block_ids]
+        for b in blocks:
+            if b.ref_cnt == 0 and b.block_hash is None:
+                raise ValueError(f"block {b.block_id} is empty; allocate it instead")
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self._unlink(b)
+            b.ref_cnt += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference per id; a block reaching ref 0 joins the queue tail.
+
+        Pass a sequence's blocks tail-first (reversed) so that cached chain
+        tails are evicted before their parents.
+
+        Raises:
+            IndexError: an id is out of range.
+            ValueError: a block would drop below ref 0. Nothing is changed
+                when an error is raised.
+        """
+        blocks = [self._block(i) for i in block_ids]
+        if len({id(b) for b in blocks}) == len(blocks):
+            for b in blocks:
+                if b.ref_cnt < 1:
+                    raise ValueError(f"block {b.block_id} freed more often than held")
+        else:
+            for b, k in Counter(blocks).items():
+                if b.ref_cnt < k:
+                    raise ValueError(f"block {b.block_id} freed more often than held")
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self._append(b)
+
+    def set_hash(self, block_id: int, block_hash: bytes) -> None:
+        """Mark a held block as holding the KV of ``block_hash`` (set once).
+
+        Raises:
+            IndexError: id out of range.
+            TypeError: ``block_hash`` is not bytes.
+            ValueError: the block has ref 0 or already has a hash.
+        """
+        b = self._block(block_id)
+        if not isinstance(block_hash, bytes):
+            raise TypeError("block_hash must be bytes")
+        if b.ref_cnt == 0:
+            raise ValueError(f"block {block_id} is not held")
+        if b.block_hash is not None:
+            raise ValueError(f"block {block_id} already has a hash")
+        b.block_hash = block_hash
+
+    def clear_hash(self, block_id: int) -> bytes | None:
+        """Forget a block's hash (its KV is no longer to be reused).
+
+        A ref-0 block becomes empty and moves to the queue head, so it is
+        reused before any cached block. ``on_evict`` is not called.
+
+        Returns:
+            the hash it had, or None.
+
+        Raises:
+            IndexError: id out of range.
+        """
+        b = self._block(block_id)
+        h = b.block_hash
+        if h is None:
+            return None
+        if b.ref_cnt == 0:
+            self._unlink(b)
+            b.block_hash = None
+            self._push_front(b)
+        else:
+            b.block_hash = None
+        return h
+
+    def get_hash(self, block_id: int) -> bytes | None:
+        """The block's hash, or None. Raises IndexError for a bad id."""
+        return self._block(block_id).block_hash
+
+    def ref_cnt(self, block_id: int) -> int:
+        """The block's reference count. Raises IndexError for a bad id."""
+        return self._block(block_id).ref_cnt
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref 0 (empty + evictable)."""
+        return self._num_free
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks with ref 0 that still hold a hash."""
+        return self._num_evictable
+
+    @property
+    def num_in_use_blocks(self) -> int:
+        """Blocks with ref > 0."""
+        return self.num_blocks - self._num_free
+
+    def usage(self) -> float:
+        """Fraction of blocks in use, in [0, 1]."""
+        return (self.num_blocks - self._num_free) / self.num_blocks
+
+    def free_queue(self) -> list[int]:
+        """Block ids in the free queue, head (next handed out) first. O(num_blocks)."""
+        out = []
+        b = self._head.next
+        while b is not self._tail:
+            out.append(b.block_id)
+            b = b.next
+        return out
+
+    def check_integrity(self) -> None:
+        """Verify queue links and counters against the per-block state.
+
+        Raises:
+            RuntimeError: describing every inconsistency found.
+        """
+        errors: list[str] = []
+        seen: set[int] = set()
+        queued_hashed = 0
+        prev = self._head
+        b = self._head.next
+        steps = 0
+        while b is not self._tail:
+            if b is None:
+                errors.append(f"queue broken after block {prev.block_id}")
+                break
+            steps += 1
+            if steps > self.num_blocks:
+                errors.append("free queue longer than the pool (cycle?)")
+                break
+            if b.prev is not prev:
+                errors.append(f"block {b.block_id}: prev link does not point to {prev.block_id}")
+            if b.block_id in seen:
+                errors.append(f"block {b.block_id} queued twice")
+            if not 0 <= b.block_id < self.num_blocks or self._blocks[b.block_id] is not b:
+                errors.append(f"foreign block {b.block_id} in queue")
+            seen.add(b.block_id)
+            if b.ref_cnt != 0:
+                errors.append(f"block {b.block_id} queued with ref {b.ref_cnt}")
+            if b.block_hash is not None:
+                queued_hashed += 1
+            prev, b = b, b.next
+        if b is self._tail and self._tail.prev is not prev:
+            errors.append("tail sentinel prev link is stale")
+        ref0 = 0
+        for blk in self._blocks:
+            if blk.ref_cnt < 0:
+                errors.append(f"block {blk.block_id} has ref {blk.ref_cnt}")
+            if blk.ref_cnt == 0:
+                ref0 += 1
+                if blk.block_id not in seen:
+                    errors.append(f"block {blk.block_id} has ref 0 but is not queued")
+            elif blk.prev is not None or blk.next is not None:
+                errors.append(f"held block {blk.block_id} still linked")
+        if len(seen) != ref0:
+            errors.append(f"queue holds {len(seen)} blocks, {ref0} have ref 0")
+        if self._num_free != ref0:
+            errors.append(f"num_free counter {self._num_free} != {ref0} ref-0 blocks")
+        if self._num_evictable != queued_hashed:
+            errors.append(f"num_evictable counter {self._num_evictable} != {queued_hashed}")
+        empty = ref0 - queued_hashed
+        if empty + queued_hashed + self.num_in_use_blocks != self.num_blocks:
+            errors.append("empty + evictable + in_use != num_blocks")
+        if errors:
+            raise RuntimeError("BlockPool integrity: " + "; ".join(errors))
+
+    def reset(self) -> list[int]:
+        """Drop every hash; only allowed when no block is in use.
+
+        ``on_evict`` is not called; the caller drops its own index.
+
+        Returns:
+            ids of the blocks that had a hash, in free-queue order.
+
+        Raises:
+            RuntimeError: some block has ref > 0.
+        """
+        if self._num_free != self.num_blocks:
+            raise RuntimeError(f"reset with {self.num_in_use_blocks} blocks in use")
+        out = []
+        b = self._head.next
+        while b is not self._tail:
+            if b.block_hash is not None:
+                b.block_hash = None
+                out.append(b.block_id)
+            b = b.next
+        self._num_evictable = 0
+        return out

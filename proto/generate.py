@@ -1,0 +1,72 @@
+"""Regenerate the Python gRPC code for proto/kvmesh.proto.
+
+The generated modules (``kvmesh_pb2.py``, ``kvmesh_pb2_grpc.py``, ``kvmesh_pb2.pyi``)
+are committed so that installing kvmesh needs no protoc. Run this after editing the
+.proto file::
+
+    python -m proto.generate            # rewrite the generated files
+    python -m proto.generate --check    # exit 1 if they are stale (used by the tests)
+
+It uses grpcio-tools (a test/dev dependency) and writes imports as
+``from proto import kvmesh_pb2`` because the repository root is the import root.
+"""
+from __future__ import annotations
+
+import argparse
+import filecmp
+import pathlib
+import sys
+import tempfile
+
+PROTO_DIR = pathlib.Path(__file__).resolve().parent
+ROOT = PROTO_DIR.parent
+GENERATED = ("kvmesh_pb2.py", "kvmesh_pb2_grpc.py", "kvmesh_pb2.pyi")
+
+
+def generate(out_root: pathlib.Path) -> None:
+    """Run protoc on proto/kvmesh.proto, writing under ``out_root/proto/``.
+
+    Raises:
+        RuntimeError: protoc failed (its exit code is in the message).
+    """
+    from grpc_tools import protoc  # dev dependency, imported lazily
+
+    (out_root / "proto").mkdir(parents=True, exist_ok=True)
+    args = [
+        "grpc_tools.protoc",
+        f"-I{ROOT}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        str(PROTO_DIR / "kvmesh.proto"),
+    ]
+    rc = protoc.main(args)
+    if rc != 0:
+        raise RuntimeError(f"protoc exited with {rc}")
+
+
+def is_current() -> bool:
+    """True when the committed generated files equal a fresh generation."""
+    with tempfile.TemporaryDirectory() as tmp:
+        generate(pathlib.Path(tmp))
+        return all(
+            (PROTO_DIR / name).exists()
+            and filecmp.cmp(PROTO_DIR / name, pathlib.Path(tmp) / "proto" / name, shallow=False)
+            for name in GENERATED
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when generated code is stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        ok = is_current()
+        print("generated code is current" if ok else "generated code is stale: run python -m proto.generate")
+        return 0 if ok else 1
+    generate(ROOT)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh Debian machine: redis-server from Debian, then a Python
+# virtualenv in .venv with kvmesh and its test dependencies. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "[setup] installing redis-server from Debian" >&2
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv" >&2
+  "$PY" -m venv .venv
+fi
+# torch is pinned to the CPU build that this machine kind keeps on local disk; a plain
+# "torch" would pull a multi-GB CUDA build.
+stamp=.venv/.kvmesh-setup
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[test]"
+  touch "$stamp"
+fi

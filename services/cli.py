@@ -1,0 +1,245 @@
+"""The `kvmesh` command line: worker, generate, kv-size (and the cluster commands).
+
+Every sub-command is a thin shell over a library call so that tests can call the same
+code. Errors from a server exit with status 1 and print the gRPC status code name.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+
+import grpc
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local HF model directory (config.json + *.safetensors); "
+                   "default: the built-in tiny Llama with seeded random weights")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the device pool (default 4096)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default cpu)")
+    p.add_argument("--max-batched-tokens", type=int, default=1024, help="token budget per step (default 1024)")
+    p.add_argument("--max-seqs", type=int, default=32, help="max running requests (default 32)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: model's)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+
+
+def make_engine(args: argparse.Namespace, event_sink=None):
+    """Build an `Engine` from parsed worker options."""
+    import torch
+
+    from workers.engine import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return Engine(model_dir=args.model, device=args.device, block_size=args.block_size,
+                  num_blocks=args.num_blocks, max_num_batched_tokens=args.max_batched_tokens,
+                  max_num_seqs=args.max_seqs, max_model_len=args.max_model_len, event_sink=event_sink)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import socket
+
+    from workers.server import serve_worker
+
+    worker_id = args.worker_id or f"{socket.gethostname()}:{args.port}"
+    if not args.redis_url:
+        engine = make_engine(args)
+        asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id))
+        return 0
+    from workers.kv_publisher import KVEventPublisher, WorkerLease
+
+    publisher = KVEventPublisher(args.redis_url, worker_id, cluster=args.cluster)
+    engine = make_engine(args, event_sink=publisher.sink)
+    engine.snapshot_seq_fn = publisher.flush_now
+    info = {"model_id": engine.config.model_id, "block_size": engine.block_size, "num_blocks": engine.num_blocks}
+    lease = WorkerLease(args.redis_url, worker_id, f"{args.host}:{args.port}", info, engine.load,
+                        cluster=args.cluster)
+    try:
+        asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id))
+    finally:
+        lease.close()
+        publisher.close()
+    return 0
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """Parse "1,2,3" into [1, 2, 3]; raises ValueError naming the bad item."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            out.append(int(item))
+        except ValueError:
+            raise ValueError(f"--token-ids: {item!r} is not an integer (expected e.g. 1,2,3)") from None
+    return out
+
+
+def generate(target: str, prompt: str | None = None, token_ids: list[int] | None = None, max_tokens: int = 16,
+             tenant: str = "", temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             ignore_eos: bool = False, timeout: float = 600.0, channel: grpc.Channel | None = None) -> dict:
+    """Run one Generate RPC against a worker or router and collect the stream.
+
+    Returns a dict with ``token_ids``, ``text``, ``worker_id``, ``finish_reason``,
+    ``usage`` {prompt_tokens, cached_tokens, cached_tokens_by_tier, computed_prefill_tokens,
+    completion_tokens} and ``timing`` {queue_ms, prefill_ms, ttft_ms, e2e_ms,
+    client_ttft_ms, client_e2e_ms}.
+
+    Raises:
+        grpc.RpcError: the server answered with an error status.
+    """
+    from proto import kvmesh_pb2 as pb
+    from proto import kvmesh_pb2_grpc as pb_grpc
+    from workers import wire
+
+    req = pb.GenerateRequest(
+        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                   ignore_eos=ignore_eos),
+        cache_salt=tenant, return_text=True)
+    if token_ids is not None:
+        req.token_ids.ids.extend(token_ids)
+    else:
+        req.text = prompt or ""
+    own = channel is None
+    channel = channel or grpc.insecure_channel(target)
+    try:
+        stub = pb_grpc.WorkerStub(channel)
+        t0 = time.perf_counter()
+        first = None
+        out = {"token_ids": [], "text": "", "worker_id": "", "finish_reason": "", "usage": None, "timing": None}
+        for msg in stub.Generate(req, timeout=timeout):
+            if first is None and msg.token_ids:
+                first = time.perf_counter()
+            out["token_ids"].extend(msg.token_ids)
+            out["text"] += msg.text
+            out["worker_id"] = msg.worker_id or out["worker_id"]
+            if msg.finished:
+                out["finish_reason"] = msg.finish_reason
+                out["usage"] = wire.usage_from_proto(msg.usage)
+                out["timing"] = wire.timing_from_proto(msg.timing)
+        end = time.perf_counter()
+        if out["timing"] is None:
+            raise grpc.RpcError("stream ended without a final message")
+        out["timing"]["client_ttft_ms"] = round(1000 * ((first or end) - t0), 3)
+        out["timing"]["client_e2e_ms"] = round(1000 * (end - t0), 3)
+        return out
+    finally:
+        if own:
+            channel.close()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    try:
+        ids = parse_token_ids(args.token_ids) if args.token_ids is not None else None
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        out = generate(args.target, prompt=args.prompt, token_ids=ids, max_tokens=args.max_tokens,
+                       tenant=args.tenant, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                       ignore_eos=args.ignore_eos, timeout=args.timeout)
+    except grpc.RpcError as exc:
+        code = exc.code().name if hasattr(exc, "code") and exc.code() else "UNKNOWN"
+        detail = exc.details() if hasattr(exc, "details") else str(exc)
+        if args.json:
+            print(json.dumps({"error": {"code": code, "message": detail}}))
+        print(f"error: {code}: {detail}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(out))
+    else:
+        u = out["usage"]
+        print(out["text"])
+        print(f"[worker {out['worker_id']}] prompt {u['prompt_tokens']} tokens, cached {u['cached_tokens']}, "
+              f"completion {u['completion_tokens']}, TTFT {out['timing']['ttft_ms']:.1f} ms, "
+              f"E2E {out['timing']['e2e_ms']:.1f} ms", file=sys.stderr)
+    return 0
+
+
+def cmd_kv_size(args: argparse.Namespace) -> int:
+    from workers.config import kv_cache_bytes, resolve_model_shape
+
+    try:
+        cfg = resolve_model_shape(args.model)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.tokens < 0 or args.batch < 1:
+        print("error: --tokens must be >= 0 and --batch >= 1", file=sys.stderr)
+        return 2
+    nbytes = kv_cache_bytes(cfg, args.tokens, batch=args.batch, dtype=args.dtype)
+    result = {
+        "model": args.model, "tokens": args.tokens, "batch": args.batch, "dtype": args.dtype,
+        "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "bytes": int(nbytes), "gib": round(nbytes / 2**30, 4),
+        "bytes_per_token": int(nbytes / max(1, args.tokens * args.batch)) if args.tokens else 0,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{args.model}: {args.tokens} tokens x batch {args.batch} in {args.dtype} = {int(nbytes):,} bytes "
+              f"({result['gib']} GiB); formula 2 x {cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} kv "
+              f"heads x {cfg.head_dim} head_dim x bytes/elem x tokens x batch")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh prefix-cache service")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("worker", help="serve one worker (kvmesh.v1.Worker) until interrupted")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--worker-id", default=None)
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("generate", help="send one Generate request to a worker or router")
+    p.add_argument("--target", required=True, help="HOST:PORT of a worker or router")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--tenant", default="", help="tenant / cache salt: isolates the prefix cache")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=600.0, help="RPC deadline in seconds")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("kv-size", help="KV cache memory for a model shape")
+    p.add_argument("--model", required=True, help="tiny, a known name (e.g. Llama-3-8B) or a model directory")
+    p.add_argument("--tokens", type=int, required=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8", "int4"])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_kv_size)
+
+    from services import cluster_cli
+
+    cluster_cli.add_worker_cluster_args(sub.choices["worker"])
+    cluster_cli.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Cluster sub-commands of the `kvmesh` CLI: router, up, demo (bench is in bench/)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import threading
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from services.router import serve_router
+
+    asyncio.run(serve_router(args.port, args.redis_url, policy=args.policy, host=args.host, model_dir=args.model,
+                             cluster=args.cluster, seed=args.seed))
+    return 0
+
+
+def _spec_from_args(args: argparse.Namespace, policy: str | None = None):
+    from services.launcher import ClusterSpec
+
+    return ClusterSpec(num_workers=args.workers, router_port=getattr(args, "port", 0) or 0,
+                       redis_url=args.redis_url, policy=policy or args.policy, model=args.model,
+                       block_size=args.block_size, num_blocks=args.num_blocks,
+                       max_batched_tokens=args.max_batched_tokens, threads_per_worker=args.threads,
+                       extra_worker_args=["--device", args.device, "--max-seqs", str(args.max_seqs)])
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from services.launcher import LocalCluster
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = LocalCluster(_spec_from_args(args))
+    try:
+        cluster.start()
+        print(f"kvmesh cluster up: router {cluster.router_address} (policy {args.policy}), "
+              f"{len(cluster.workers)} workers, redis {cluster.redis_url}, logs in {cluster.log_dir}", flush=True)
+        print(cluster.router_address, flush=True)
+        while not stop.is_set():
+            stop.wait(0.5)
+            dead = [wid for wid, (_, p) in cluster.workers.items() if p.poll() is not None]
+            if dead:
+                print(f"warning: workers exited: {', '.join(dead)} (see {cluster.log_dir})", file=sys.stderr)
+                for wid in dead:
+                    cluster.workers.pop(wid)
+    finally:
+        cluster.stop()
+        print("kvmesh cluster stopped", flush=True)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from bench.demo import run_demo
+
+    result = run_demo(workers=args.workers, max_requests=args.max_requests, tokens_per_block=args.tokens_per_block,
+                      max_output_tokens=args.max_output_tokens, concurrency=args.concurrency,
+                      num_blocks=args.num_blocks, out_dir=args.out, trace=args.trace,
+                      policies=args.policies.split(","))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0 if result.get("ok", True) else 1
+
+
+def add_worker_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=None, help="publish KV events and a lease to this Redis "
+                   "(omit for a standalone worker)")
+    p.add_argument("--cluster", default="default", help="Redis key namespace of the cluster")
+
+
+def register(sub) -> None:
+    from services.cli import _add_engine_args
+
+    p = sub.add_parser("router", help="serve the KV-aware router (kvmesh.v1.Router)")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--cluster", default="default")
+    p.add_argument("--policy", default="kv_aware")
+    p.add_argument("--model", default=None, help="model directory (for its tokenizer); default built-in")
+    p.add_argument("--seed", type=int, default=None, help="seed of the router's tie-breaking")
+    p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("up", help="start redis-server, a router and N workers on loopback")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--port", type=int, default=0, help="router port (default: a free one)")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--policy", default="kv_aware")
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_up)
+
+    from bench.demo import DEFAULT_POLICIES
+
+    p = sub.add_parser("demo", help="replay the bundled Mooncake trace sample on a local cluster, "
+                       "round_robin vs kv_aware")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--tokens-per-block", type=int, default=16)
+    p.add_argument("--max-output-tokens", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--num-blocks", type=int, default=None, help="blocks per worker (default: sized to the trace)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    p.add_argument("--trace", default=None, help="Mooncake-format JSONL (default: the bundled sample)")
+    p.add_argument("--out", default=os.path.join("runs", "demo"))
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_demo)
+
+    from bench import harness
+
+    harness.register(sub)

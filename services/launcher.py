@@ -1,0 +1,145 @@
+"""A local kvmesh cluster: redis-server, N worker processes and one router process.
+
+`LocalCluster` is what `kvmesh up`, `kvmesh demo` and the end-to-end tests use. Each
+process is a real `kvmesh` CLI child on loopback; stopping the cluster sends SIGTERM to
+every child (SIGKILL after a grace period) and removes the private redis-server.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from services.procs import RedisServer, free_port, python_cmd, spawn, stop_process, wait_healthy
+
+
+@dataclass
+class ClusterSpec:
+    """What to start. Worker options are passed through to `kvmesh worker`."""
+
+    num_workers: int = 2
+    router_port: int = 0                 # 0 = a free port
+    redis_url: str | None = None         # None = start a private redis-server
+    policy: str = "kv_aware"
+    model: str | None = None
+    block_size: int = 16
+    num_blocks: int = 4096
+    threads_per_worker: int = 0          # 0 = cores // workers (at least 1)
+    max_batched_tokens: int = 1024
+    cluster: str = ""                    # Redis key namespace; "" = unique per cluster
+    extra_worker_args: list[str] = field(default_factory=list)
+    log_dir: str | None = None
+
+
+class LocalCluster:
+    """Starts and stops the processes of a `ClusterSpec`.
+
+    Attributes:
+        router_address: "127.0.0.1:PORT" of the router once started.
+        workers: {worker_id: (address, Popen)}.
+
+    Raises:
+        RuntimeError: a process failed to start or to become healthy.
+    """
+
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.redis: RedisServer | None = None
+        self.redis_url = spec.redis_url
+        self.cluster = spec.cluster or f"c{os.getpid()}-{int(time.time() * 1000) % 10**8}"
+        self.log_dir = spec.log_dir or tempfile.mkdtemp(prefix="kvmesh-logs-")
+        self.workers: dict[str, tuple[str, object]] = {}
+        self.router_proc = None
+        self.router_address = ""
+
+    def worker_cmd(self, worker_id: str, port: int) -> list[str]:
+        s = self.spec
+        threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, s.num_workers))
+        cmd = python_cmd("worker", "--port", str(port), "--worker-id", worker_id, "--redis-url", self.redis_url,
+                         "--cluster", self.cluster, "--block-size", str(s.block_size),
+                         "--num-blocks", str(s.num_blocks), "--threads", str(threads),
+                         "--max-batched-tokens", str(s.max_batched_tokens), *s.extra_worker_args)
+        if s.model:
+            cmd += ["--model", s.model]
+        return cmd
+
+    def start_worker(self, worker_id: str, port: int | None = None) -> str:
+        """Start (or restart) one worker; returns its address once healthy."""
+        port = port or free_port()
+        proc = spawn(self.worker_cmd(worker_id, port), os.path.join(self.log_dir, f"{worker_id}.log"))
+        address = f"127.0.0.1:{port}"
+        self.workers[worker_id] = (address, proc)
+        wait_healthy(address, proc=proc)
+        return address
+
+    def start_router(self, port: int | None = None) -> str:
+        s = self.spec
+        port = port or s.router_port or free_port()
+        cmd = python_cmd("router", "--port", str(port), "--redis-url", self.redis_url, "--policy", s.policy,
+                         "--cluster", self.cluster)
+        if s.model:
+            cmd += ["--model", s.model]
+        self.router_proc = spawn(cmd, os.path.join(self.log_dir, "router.log"))
+        self.router_address = f"127.0.0.1:{port}"
+        wait_healthy(self.router_address, proc=self.router_proc)
+        return self.router_address
+
+    def start(self) -> "LocalCluster":
+        try:
+            if self.redis_url is None:
+                self.redis = RedisServer()
+                self.redis_url = self.redis.url
+            for i in range(self.spec.num_workers):
+                self.start_worker(f"worker-{i}")
+            self.start_router()
+            self.wait_registered()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_registered(self, timeout: float = 30.0) -> None:
+        """Wait until the router lists every worker as live."""
+        import grpc
+
+        from proto import kvmesh_pb2 as pb
+        from proto import kvmesh_pb2_grpc as pb_grpc
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.router_address) as ch:
+            stub = pb_grpc.RouterStub(ch)
+            while True:
+                status = stub.Status(pb.RouterStatusRequest(), timeout=5.0)
+                live = {w.worker_id for w in status.workers}
+                alive = {wid for wid, (_, p) in self.workers.items() if p.poll() is None}
+                if alive <= live:
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"router sees workers {sorted(live)}, expected {sorted(alive)}")
+                time.sleep(0.2)
+
+    def kill_worker(self, worker_id: str) -> None:
+        """SIGKILL one worker (fault injection)."""
+        _, proc = self.workers[worker_id]
+        proc.kill()
+        proc.wait(timeout=10)
+
+    def restart_router(self) -> str:
+        port = int(self.router_address.rsplit(":", 1)[1])
+        stop_process(self.router_proc)
+        return self.start_router(port)
+
+    def stop(self) -> None:
+        stop_process(self.router_proc)
+        for _, proc in self.workers.values():
+            stop_process(proc)
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

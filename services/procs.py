@@ -1,0 +1,116 @@
+"""Starting and stopping the local processes of a kvmesh cluster.
+
+Used by `kvmesh up`, `kvmesh demo` and the end-to-end tests: a private redis-server on a
+free loopback port, worker and router processes, and a readiness wait on the standard
+gRPC health service.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A private, non-persistent redis-server on loopback.
+
+    Raises:
+        RuntimeError: redis-server is not on PATH (install Debian's redis-server; the
+            README's set-up does) or did not answer within ``timeout`` seconds.
+    """
+
+    def __init__(self, port: int | None = None, timeout: float = 10.0):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server not found on PATH: run `make setup` (installs Debian's redis-server) "
+                               "or pass --redis-url")
+        self.port = port or free_port()
+        self.dir = tempfile.mkdtemp(prefix="kvmesh-redis-")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir, "--protected-mode", "yes", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        deadline = time.monotonic() + timeout
+        import redis
+
+        while True:
+            try:
+                redis.Redis.from_url(self.url, socket_timeout=0.5).ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server on port {self.port} did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def python_cmd(*args: str) -> list[str]:
+    """Command line running the kvmesh CLI with this interpreter."""
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+def spawn(cmd: list[str], log_path: str | None = None, env: dict | None = None) -> subprocess.Popen:
+    """Start a child process in its own process group, output to ``log_path``."""
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    full_env = dict(os.environ)
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full_env["PYTHONPATH"] = repo_root + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+
+
+def wait_healthy(address: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    """Block until the gRPC health service at ``address`` answers SERVING.
+
+    Raises:
+        RuntimeError: ``proc`` exited first, or ``timeout`` seconds passed.
+    """
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with code {proc.returncode} before serving")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{address} not healthy after {timeout:.0f} s")
+            time.sleep(0.1)
+
+
+def stop_process(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``timeout`` seconds; never raises for a dead process."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,291 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cache_store.block_pool import Block, BlockPool, allocate_kv_cache, kv_bytes_per_block
+
+
+def h(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+# -- KV tensor ---------------------------------------------------------------------
+
+
+def test_allocate_kv_cache_shape_and_layout():
+    kv = allocate_kv_cache(5, 3, 2, 16, 8, torch.float16, "cpu")
+    assert kv.shape == (5, 3, 2, 2, 16, 8)
+    assert kv.dtype == torch.float16 and kv.is_contiguous()
+    assert torch.count_nonzero(kv) == 0
+    per_block = 3 * 2 * 2 * 16 * 8 * 2  # layers * (K, V) * heads * tokens * head_dim * fp16 bytes
+    assert kv_bytes_per_block(3, 2, 16, 8, torch.float16) == per_block == 3072
+    assert kv[1].is_contiguous() and kv[1].numel() * kv.element_size() == per_block
+    # block b starts exactly b * per_block bytes into the storage
+    assert (kv[4].data_ptr() - kv.data_ptr()) == 4 * per_block
+    assert kv_bytes_per_block(1, 1, 1, 1, torch.float32) == 8
+
+
+def test_kv_cache_rejects_bad_dims():
+    with pytest.raises(ValueError):
+        allocate_kv_cache(0, 1, 1, 1, 1, torch.float32, "cpu")
+    with pytest.raises(ValueError):
+        kv_bytes_per_block(1, 1, -16, 1, torch.float32)
+
+
+# -- scenarios on a 10-block pool -----------------------------------------------------
+
+
+def test_fresh_pool():
+    p = BlockPool(10)
+    assert p.num_blocks == 10
+    assert p.free_queue() == list(range(10))
+    assert (p.num_free_blocks, p.num_evictable_blocks, p.num_in_use_blocks) == (10, 0, 0)
+    assert p.usage() == 0.0
+    p.check_integrity()
+    with pytest.raises(ValueError):
+        BlockPool(0)
+
+
+def test_allocate_pops_head_and_free_appends_tail():
+    p = BlockPool(10)
+    assert p.get_new_blocks(3) == [0, 1, 2]
+    assert [p.ref_cnt(i) for i in range(4)] == [1, 1, 1, 0]
+    assert p.num_in_use_blocks == 3 and p.usage() == pytest.approx(0.3)
+    p.free(reversed([0, 1, 2]))
+    assert p.free_queue() == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
+    assert p.get_new_blocks(0) == []
+    assert p.get_new_blocks(8) == [3, 4, 5, 6, 7, 8, 9, 2]
+    p.check_integrity()
+
+
+def test_not_enough_blocks_returns_none_and_changes_nothing():
+    evicted = []
+    p = BlockPool(4, on_evict=lambda b, hh: evicted.append(b))
+    ids = p.get_new_blocks(2)
+    p.set_hash(ids[0], h(1))
+    p.free([ids[0]])
+    before = (p.free_queue(), p.num_free_blocks, p.num_evictable_blocks)
+    assert p.get_new_blocks(4) is None
+    assert (p.free_queue(), p.num_free_blocks, p.num_evictable_blocks) == before
+    assert evicted == [] and p.get_hash(ids[0]) == h(1)
+    with pytest.raises(ValueError):
+        p.get_new_blocks(-1)
+
+
+def test_eviction_order_and_callback():
+    evicted = []
+    p = BlockPool(10, on_evict=lambda b, hh: evicted.append((b, hh, p.get_hash(b))))
+    a = p.get_new_blocks(3)  # [0, 1, 2]
+    for i, b in enumerate(a):
+        p.set_hash(b, h(10 + i))
+    b2 = p.get_new_blocks(2)  # [3, 4]
+    p.set_hash(3, h(20))
+    p.free(reversed(a))  # queue: 5..9, 2, 1, 0
+    p.free(reversed(b2))  # queue: 5..9, 2, 1, 0, 4, 3
+    assert p.free_queue() == [5, 6, 7, 8, 9, 2, 1, 0, 4, 3]
+    assert p.num_evictable_blocks == 4
+    got = p.get_new_blocks(8)
+    assert got == [5, 6, 7, 8, 9, 2, 1, 0]
+    # callback sees the hash before it is cleared
+    assert evicted == [(2, h(12), h(12)), (1, h(11), h(11)), (0, h(10), h(10))]
+    assert all(p.get_hash(b) is None for b in got)
+    assert p.num_evictable_blocks == 1 and p.free_queue() == [4, 3]
+    p.check_integrity()
+
+
+def test_touch_locks_cached_blocks():
+    p = BlockPool(10)
+    ids = p.get_new_blocks(2)
+    p.set_hash(0, h(1))
+    p.set_hash(1, h(2))
+    p.free(reversed(ids))
+    assert p.num_evictable_blocks == 2
+    p.touch([0, 1])
+    assert p.ref_cnt(0) == 1 and p.num_evictable_blocks == 0
+    assert 0 not in p.free_queue() and 1 not in p.free_queue()
+    assert p.get_new_blocks(9) is None
+    p.touch([0])  # second holder
+    p.free([0])
+    assert p.ref_cnt(0) == 1 and 0 not in p.free_queue()
+    p.free([1, 0])
+    assert p.free_queue()[-2:] == [1, 0]
+    p.check_integrity()
+
+
+def test_touch_empty_block_rejected_atomically():
+    p = BlockPool(10)
+    ids = p.get_new_blocks(1)
+    p.set_hash(ids[0], h(1))
+    p.free(ids)
+    with pytest.raises(ValueError):
+        p.touch([0, 5])  # 5 is empty
+    assert p.ref_cnt(0) == 0 and 0 in p.free_queue()
+    with pytest.raises(IndexError):
+        p.touch([10])
+    with pytest.raises(IndexError):
+        p.touch([-1])
+
+
+def test_double_free_rejected_atomically():
+    p = BlockPool(10)
+    p.get_new_blocks(2)
+    with pytest.raises(ValueError):
+        p.free([0, 1, 1])
+    assert p.ref_cnt(0) == 1 and p.ref_cnt(1) == 1
+    with pytest.raises(ValueError):
+        p.free([5])
+    p.touch([0])
+    p.free([0, 0])
+    assert p.ref_cnt(0) == 0
+    p.check_integrity()
+
+
+def test_set_hash_rules():
+    p = BlockPool(10)
+    with pytest.raises(ValueError):
+        p.set_hash(0, h(1))  # not held
+    p.get_new_blocks(1)
+    p.set_hash(0, h(1))
+    with pytest.raises(ValueError):
+        p.set_hash(0, h(2))
+    with pytest.raises(TypeError):
+        p.set_hash(1, "abc")  # type: ignore[arg-type]
+    assert p.get_hash(0) == h(1)
+    with pytest.raises(IndexError):
+        p.get_hash(10)
+
+
+def test_clear_hash_moves_free_block_to_head():
+    p = BlockPool(10)
+    ids = p.get_new_blocks(3)
+    for b in ids:
+        p.set_hash(b, h(b))
+    p.free(reversed(ids))
+    assert p.clear_hash(1) == h(1)
+    assert p.clear_hash(1) is None
+    assert p.free_queue()[0] == 1
+    assert p.num_evictable_blocks == 2
+    ids2 = p.get_new_blocks(1)
+    assert ids2 == [1]
+    p.set_hash(1, h(7))
+    assert p.clear_hash(1) == h(7) and p.ref_cnt(1) == 1
+    p.check_integrity()
+
+
+def test_reset():
+    p = BlockPool(10)
+    ids = p.get_new_blocks(3)
+    p.set_hash(0, h(0))
+    p.set_hash(2, h(2))
+    with pytest.raises(RuntimeError):
+        p.reset()
+    p.free(reversed(ids))
+    assert sorted(p.reset()) == [0, 2]
+    assert p.num_evictable_blocks == 0 and all(p.get_hash(i) is None for i in range(10))
+    p.check_integrity()
+
+
+def test_check_integrity_detects_corruption():
+    p = BlockPool(10)
+    p.get_new_blocks(2)
+    p._blocks[1].ref_cnt = 0  # held block with ref 0, not queued
+    with pytest.raises(RuntimeError, match="not queued"):
+        p.check_integrity()
+    q = BlockPool(10)
+    blk = q._blocks[4]
+    blk.prev.next = blk.next  # unlink without bookkeeping
+    blk.next.prev = blk.prev
+    with pytest.raises(RuntimeError):
+        q.check_integrity()
+    r = BlockPool(10)
+    r._num_evictable = 3
+    with pytest.raises(RuntimeError, match="num_evictable"):
+        r.check_integrity()
+
+
+def test_block_has_slots():
+    b = Block(3)
+    assert not hasattr(b, "__dict__")
+    assert "prev" not in repr(b)
+
+
+# -- model-based property test ------------------------------------------------------
+
+
+class ModelPool:
+    """Reference: plain lists, O(n) everything."""
+
+    def __init__(self, n):
+        self.ref = [0] * n
+        self.hash = [None] * n
+        self.queue = list(range(n))
+        self.evicted = []
+
+    def get(self, k):
+        if k > len(self.queue):
+            return None
+        out = self.queue[:k]
+        del self.queue[:k]
+        for b in out:
+            self.ref[b] = 1
+            if self.hash[b] is not None:
+                self.evicted.append((b, self.hash[b]))
+                self.hash[b] = None
+        return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("gtfsc"), st.integers(0, 11), st.integers(0, 255)), max_size=60))
+def test_pool_matches_reference_model(ops):
+    n = 10
+    evicted = []
+    p = BlockPool(n, on_evict=lambda b, hh: evicted.append((b, hh)))
+    m = ModelPool(n)
+    for op, x, y in ops:
+        if op == "g":
+            k = x % 5
+            assert p.get_new_blocks(k) == m.get(k)
+        elif op == "t":
+            b = x % n
+            if m.ref[b] == 0 and m.hash[b] is None:
+                with pytest.raises(ValueError):
+                    p.touch([b])
+            else:
+                p.touch([b])
+                if m.ref[b] == 0:
+                    m.queue.remove(b)
+                m.ref[b] += 1
+        elif op == "f":
+            b = x % n
+            if m.ref[b] == 0:
+                with pytest.raises(ValueError):
+                    p.free([b])
+            else:
+                p.free([b])
+                m.ref[b] -= 1
+                if m.ref[b] == 0:
+                    m.queue.append(b)
+        elif op == "s":
+            b = x % n
+            if m.ref[b] > 0 and m.hash[b] is None:
+                p.set_hash(b, h(y))
+                m.hash[b] = h(y)
+            else:
+                with pytest.raises(ValueError):
+                    p.set_hash(b, h(y))
+        elif op == "c":
+            b = x % n
+            assert p.clear_hash(b) == m.hash[b]
+            if m.hash[b] is not None and m.ref[b] == 0:
+                m.queue.remove(b)
+                m.queue.insert(0, b)
+            m.hash[b] = None
+        p.check_integrity()
+        assert p.free_queue() == m.queue
+        assert [p.ref_cnt(i) for i in range(n)] == m.ref
+        assert [p.get_hash(i) for i in range(n)] == m.hash
+        assert evicted == m.evicted
+        assert p.num_free_blocks == m.ref.count(0)
+        assert p.num_evictable_blocks == sum(1 for i in range(n) if m.ref[i] == 0 and m.hash[i] is not None)
+        assert p.num_in_use_blocks == n - m.ref.count(0)

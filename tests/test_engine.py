@@ -1,0 +1,249 @@
+"""Engine-level reuse, accounting, isolation, pressure and validation tests.
+
+Every reuse path is compared with a cold run: a cold run is the same request on an
+engine (same seeded weights) whose cache was cleared, so nothing is reused.
+"""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from workers.engine import Engine
+from workers.request import InvalidRequest, Overloaded, SamplingParams
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = Engine(num_blocks=1024, block_size=BS).start()
+    yield e
+    e.stop()
+
+
+def rand_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def run(engine: Engine, prompt, sampling=GREEDY, salt="", logits=None):
+    """Generate and, when ``logits`` is a list, collect each sampled logits row."""
+    if logits is None:
+        return engine.generate(prompt, sampling, cache_salt=salt)
+    rows: dict[str, list] = {}
+    lock = threading.Lock()
+
+    def hook(rid, row):
+        with lock:
+            rows.setdefault(rid, []).append(row)
+
+    engine.logits_hook = hook
+    try:
+        out = engine.generate(prompt, sampling, cache_salt=salt)
+    finally:
+        engine.logits_hook = None
+    (only,) = rows.values()
+    logits.extend(only)
+    return out
+
+
+def cold(engine: Engine, prompt, sampling=GREEDY, salt="", logits=None):
+    engine.clear_cache()
+    out = run(engine, prompt, sampling, salt, logits)
+    assert out["usage"]["cached_tokens"] == 0
+    return out
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert len(a) == len(b)
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def test_outputs_are_not_degenerate(engine):
+    """The built-in model must produce varied tokens, or token equality would prove little."""
+    out = cold(engine, rand_prompt(random.Random(1), 40), SamplingParams(max_tokens=24))
+    assert len(set(out["token_ids"])) >= 4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_prompt_hit_matches_cold(engine, seed):
+    rng = random.Random(seed)
+    shared = rand_prompt(rng, rng.randrange(17, 200))
+    prompt = shared + rand_prompt(rng, rng.randrange(1, 40))
+    cold_logits, hit_logits = [], []
+    ref = cold(engine, prompt, logits=cold_logits)
+    engine.clear_cache()
+    run(engine, shared + rand_prompt(random.Random(99), 5))  # warm the shared prefix only
+    hit = run(engine, prompt, logits=hit_logits)
+    assert hit["usage"]["cached_tokens"] == BS * (len(shared) // BS)
+    assert hit["token_ids"] == ref["token_ids"]
+    assert max_diff(hit_logits, cold_logits) < 1e-4
+    engine.check_integrity()
+
+
+def test_conversation_turn_two_hits_and_matches_cold(engine):
+    rng = random.Random(7)
+    turn1 = rand_prompt(rng, 70)
+    engine.clear_cache()
+    r1 = run(engine, turn1)
+    turn2 = turn1 + r1["token_ids"] + rand_prompt(rng, 30)
+    hit_logits, cold_logits = [], []
+    hit = run(engine, turn2, logits=hit_logits)
+    # KV exists for turn1 + all completion tokens but the last (never fed back)
+    computed_before = len(turn1) + len(r1["token_ids"]) - 1
+    assert hit["usage"]["cached_tokens"] == BS * (computed_before // BS)
+    assert hit["usage"]["cached_tokens"] > BS * (len(turn1) // BS)  # generated blocks were cached too
+    ref = cold(engine, turn2, logits=cold_logits)
+    assert hit["token_ids"] == ref["token_ids"]
+    assert max_diff(hit_logits, cold_logits) < 1e-4
+
+
+@pytest.mark.parametrize("p", [15, 16, 17, 40, 64])
+def test_accounting_shared_prefix(engine, p):
+    rng = random.Random(p)
+    prefix = rand_prompt(rng, p)
+    engine.clear_cache()
+    run(engine, prefix + rand_prompt(rng, 20))
+    out = run(engine, prefix + rand_prompt(random.Random(1000 + p), 20))
+    u = out["usage"]
+    assert u["cached_tokens"] == BS * (p // BS)
+    assert u["cached_tokens_by_tier"]["device"] == u["cached_tokens"]
+    assert u["computed_prefill_tokens"] == u["prompt_tokens"] - u["cached_tokens"]
+
+
+def test_fully_cached_prompt_recomputes_last_block(engine):
+    prompt = rand_prompt(random.Random(3), 4 * BS)
+    ref_logits, hit_logits = [], []
+    ref = cold(engine, prompt, logits=ref_logits)
+    hit = run(engine, prompt, logits=hit_logits)
+    assert hit["usage"]["cached_tokens"] == 3 * BS
+    assert hit["usage"]["computed_prefill_tokens"] == BS
+    assert hit["token_ids"] == ref["token_ids"]
+    assert max_diff(hit_logits, ref_logits) < 1e-4
+
+
+def test_tenants_share_nothing(engine):
+    prompt = rand_prompt(random.Random(5), 90)
+    a = cold(engine, prompt, salt="tenant-a")
+    b = run(engine, prompt, salt="tenant-b")
+    assert b["usage"]["cached_tokens"] == 0
+    assert b["token_ids"] == a["token_ids"]
+    again = run(engine, prompt, salt="tenant-a")
+    assert again["usage"]["cached_tokens"] == BS * ((len(prompt) - 1) // BS)
+
+
+def test_seeded_sampling_same_with_cache(engine):
+    prompt = rand_prompt(random.Random(11), 50)
+    sp = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=1234)
+    ref = cold(engine, prompt, sp)
+    hit = run(engine, prompt, sp)
+    assert hit["usage"]["cached_tokens"] > 0
+    assert hit["token_ids"] == ref["token_ids"]
+    other = run(engine, prompt, SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=4321))
+    assert other["token_ids"] != ref["token_ids"]
+
+
+def test_concurrent_batch_equals_sequential(engine):
+    rng = random.Random(21)
+    prompts = [rand_prompt(rng, rng.randrange(5, 120)) for _ in range(6)]
+    engine.clear_cache()
+    sequential = [cold(engine, p)["token_ids"] for p in prompts]
+    engine.clear_cache()
+    results = [None] * len(prompts)
+
+    def go(i):
+        results[i] = engine.generate(prompts[i], GREEDY)["token_ids"]
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == sequential
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("prompt,sampling,needle", [
+    ([], GREEDY, "empty"),
+    ([1, 2, 384], GREEDY, "out of range"),
+    ([1, 2, -1], GREEDY, "out of range"),
+    ([1, 2, 3], SamplingParams(max_tokens=0), "max_tokens"),
+    ([1, 2, 3], SamplingParams(max_tokens=4, temperature=-1), "temperature"),
+    ([1, 2, 3], SamplingParams(max_tokens=4, top_p=1.5), "top_p"),
+])
+def test_bad_input_is_invalid_argument(engine, prompt, sampling, needle):
+    with pytest.raises(InvalidRequest, match=needle):
+        engine.submit(prompt, sampling, lambda o: None)
+    engine.check_integrity()
+
+
+def test_prompt_beyond_context_is_invalid():
+    e = Engine(num_blocks=64, block_size=BS, max_model_len=128)
+    with pytest.raises(InvalidRequest, match="context"):
+        e.submit([1] * 128, GREEDY, lambda o: None)
+
+
+def test_pressure_tiny_pool_never_crashes_and_matches_cold():
+    """A 12-block pool, 8 concurrent requests of up to 6 blocks each: preemption and
+    eviction must still give every request its cold-run tokens."""
+    e = Engine(num_blocks=12, block_size=BS, max_num_batched_tokens=64).start()
+    try:
+        rng = random.Random(5)
+        common = rand_prompt(rng, 40)
+        prompts = [common + rand_prompt(rng, rng.randrange(1, 40)) for _ in range(8)]
+        sp = SamplingParams(max_tokens=10)
+        expected = []
+        for p in prompts:
+            e.clear_cache()
+            expected.append(e.generate(p, sp)["token_ids"])
+        e.clear_cache()
+        results: list = [None] * len(prompts)
+
+        def go(i):
+            results[i] = e.generate(prompts[i], sp)["token_ids"]
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert results == expected
+        e.check_integrity()
+        assert e.cache.pool.num_in_use_blocks == 0
+        with pytest.raises(Overloaded, match="num-blocks"):
+            e.submit(rand_prompt(rng, 12 * BS), sp, lambda o: None)
+        e.check_integrity()
+    finally:
+        e.stop()
+
+
+def test_queue_limit_is_overloaded():
+    e = Engine(num_blocks=64, block_size=BS, max_waiting=2)  # not started: nothing drains
+    for _ in range(2):
+        e.submit([1, 2, 3], GREEDY, lambda o: None)
+    with pytest.raises(Overloaded, match="queue is full"):
+        e.submit([1, 2, 3], GREEDY, lambda o: None)
+
+
+def test_abort_frees_blocks(engine):
+    done = threading.Event()
+    outs = []
+
+    def on_output(o):
+        outs.append(o)
+        if len(outs) == 2:
+            done.set()
+
+    rid = engine.submit(rand_prompt(random.Random(8), 64), SamplingParams(max_tokens=500, ignore_eos=True), on_output)
+    assert done.wait(60)
+    engine.abort(rid)
+    for _ in range(200):
+        if engine.load()["running_requests"] == 0:
+            break
+        threading.Event().wait(0.02)
+    assert engine.load()["running_requests"] == 0
+    assert engine.cache.pool.num_in_use_blocks == 0
+    engine.check_integrity()

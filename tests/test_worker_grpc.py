@@ -1,0 +1,132 @@
+"""One real worker process over gRPC on loopback: the Generate contract, the CLI's JSON,
+status codes for bad input and overload, health, reflection, cancellation."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto import kvmesh_pb2 as pb
+from proto import kvmesh_pb2_grpc as pb_grpc
+from services.cli import generate
+
+pytestmark = pytest.mark.slow
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    from services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("w") / "worker.log"
+    proc = spawn(python_cmd("worker", "--port", str(port), "--worker-id", "w-test", "--num-blocks", "64",
+                            "--threads", "1"), str(log))
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_healthy(address, proc=proc)
+        yield address
+    finally:
+        stop_process(proc)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_generate_json_hit_and_fields(worker):
+    prompt = "The quick brown fox jumps over the lazy dog; " * 3
+    first = cli("generate", "--target", worker, "--prompt", prompt, "--max-tokens", "6", "--json")
+    assert first.returncode == 0, first.stderr
+    a = json.loads(first.stdout)
+    for key in ("token_ids", "text", "worker_id", "usage", "timing"):
+        assert key in a
+    assert a["worker_id"] == "w-test"
+    assert a["usage"]["prompt_tokens"] == len(prompt.encode())
+    assert a["usage"]["completion_tokens"] == len(a["token_ids"]) == 6
+    assert set(a["usage"]["cached_tokens_by_tier"]) >= {"device", "host", "disk", "peer"}
+    assert a["timing"]["ttft_ms"] > 0 and a["timing"]["e2e_ms"] >= a["timing"]["ttft_ms"]
+    b = json.loads(cli("generate", "--target", worker, "--prompt", prompt, "--max-tokens", "6", "--json").stdout)
+    assert b["usage"]["cached_tokens"] == BS * ((len(prompt.encode()) - 1) // BS)
+    assert b["token_ids"] == a["token_ids"]
+
+
+def test_token_ids_and_tenant_isolation(worker):
+    ids = [random.Random(4).randrange(256) for _ in range(50)]
+    a = generate(worker, token_ids=ids, max_tokens=4, tenant="acme")
+    b = generate(worker, token_ids=ids, max_tokens=4, tenant="globex")
+    assert b["usage"]["cached_tokens"] == 0
+    assert a["token_ids"] == b["token_ids"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prompt", ""], "empty"),
+    (["--token-ids", "1,2,999"], "out of range"),
+    (["--token-ids", "1,2,3", "--max-tokens", "0"], "max_tokens"),
+])
+def test_bad_input_exits_nonzero_with_status(worker, args, needle):
+    res = cli("generate", "--target", worker, *args)
+    assert res.returncode != 0
+    assert "INVALID_ARGUMENT" in res.stderr
+    assert needle in res.stderr
+
+
+def test_prompt_beyond_context(worker):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(worker, token_ids=[1] * 40000, max_tokens=1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "context" in err.value.details()
+
+
+def test_too_big_for_pool_is_resource_exhausted(worker):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(worker, token_ids=[7] * (65 * BS), max_tokens=1)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # the worker is still up and serving
+    assert generate(worker, token_ids=[1, 2, 3], max_tokens=2)["usage"]["completion_tokens"] == 2
+
+
+def test_health_and_reflection(worker):
+    with grpc.insecure_channel(worker) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kvmesh.v1.Worker"))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for r in replies for s in r.list_services_response.service}
+        assert "kvmesh.v1.Worker" in names
+
+
+def test_cancel_mid_stream_frees_blocks(worker):
+    with grpc.insecure_channel(worker) as ch:
+        stub = pb_grpc.WorkerStub(ch)
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(40))),
+                                 sampling=pb.SamplingParams(max_tokens=400, ignore_eos=True))
+        call = stub.Generate(req)
+        next(call)
+        call.cancel()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            load = stub.GetLoad(pb.LoadRequest())
+            if load.running_requests == 0 and load.waiting_requests == 0:
+                break
+            time.sleep(0.05)
+        assert load.running_requests == 0
+        assert load.free_blocks == load.total_blocks  # nothing left locked
+
+
+def test_kv_size_cli():
+    res = cli("kv-size", "--model", "Llama-3-8B", "--tokens", "8192", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    # published Llama-3-8B shape: 32 layers, 8 KV heads, head_dim 128; bf16 = 2 bytes
+    assert out["bytes"] == 2 * 32 * 8 * 128 * 2 * 8192
+    bad = cli("kv-size", "--model", "no-such-model", "--tokens", "10")
+    assert bad.returncode != 0 and "Llama-3-8B" in bad.stderr

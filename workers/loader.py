@@ -1,0 +1,241 @@
+"""Build a `DecoderModel`: seeded random weights for the built-in tiny model, or an HF
+safetensors checkpoint directory (Llama, Mistral, Qwen2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import re
+
+import torch
+
+from workers.config import ModelConfig, normalize_dtype_name
+from workers.model import DecoderModel
+
+__all__ = ["load_model", "save_tiny_checkpoint", "init_random_weights", "checkpoint_fingerprint"]
+
+EMBED_INIT_STD = 1.0
+"""Standard deviation of the random-init embedding (as PyTorch's ``nn.Embedding`` default)."""
+
+_IGNORED_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+_FINGERPRINT_SAMPLE = 1 << 20  # bytes read from each end of each weight file
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, default: str) -> str:
+    return normalize_dtype_name(dtype if dtype is not None else default)
+
+
+def init_random_weights(model: DecoderModel, seed: int) -> None:
+    """Fill ``model`` in place with seeded random weights.
+
+    Embedding ~ N(0, 1); every projection weight ``[out, in]`` (q/k/v/o, gate/up/down,
+    LM head) ~ N(0, 1/in) (LeCun normal: LeCun et al. 1998, "Efficient BackProp"), so each
+    sub-layer output has roughly unit scale and attention is sharp enough for the next token
+    to depend on the context (with a flat N(0, 0.02) init greedy decoding of the tiny model
+    collapses into repeating one token). Biases 0, RMSNorm weights 1.
+
+    Values are drawn in float32 on the CPU from ``torch.Generator().manual_seed(seed)`` in
+    ``named_parameters()`` order and then cast, so they are identical across processes,
+    devices and dtypes (up to the final cast).
+    """
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                std = EMBED_INIT_STD if name == "embed_tokens.weight" else param.shape[1] ** -0.5
+                values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+                param.copy_(values)
+
+
+def _random_model(config: ModelConfig, device: str | torch.device, seed: int) -> DecoderModel:
+    with torch.device("meta"):
+        model = DecoderModel(config)
+    model.to_empty(device=device)
+    model.tie_weights()
+    init_random_weights(model, seed)
+    return model.requires_grad_(False).eval()
+
+
+def checkpoint_fingerprint(model_dir: str) -> str:
+    """Short content hash of a checkpoint directory, used to namespace its KV cache.
+
+    SHA-256 over config.json and, for each ``*.safetensors`` file in name order, its name,
+    size and first/last 1 MiB (header plus leading and trailing weights). Cheap for large
+    checkpoints and different for fine-tunes that share a directory name. Returns 12 hex chars.
+    """
+    h = hashlib.sha256()
+    with open(os.path.join(model_dir, "config.json"), "rb") as fh:
+        h.update(fh.read())
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        size = os.path.getsize(path)
+        h.update(os.path.basename(path).encode())
+        h.update(size.to_bytes(8, "little"))
+        with open(path, "rb") as fh:
+            h.update(fh.read(_FINGERPRINT_SAMPLE))
+            if size > 2 * _FINGERPRINT_SAMPLE:
+                fh.seek(size - _FINGERPRINT_SAMPLE)
+                h.update(fh.read(_FINGERPRINT_SAMPLE))
+            elif size > _FINGERPRINT_SAMPLE:
+                h.update(fh.read())
+    return h.hexdigest()[:12]
+
+
+def read_config(model_dir: str) -> ModelConfig:
+    """The `ModelConfig` of a local HF directory, without loading weights.
+
+    ``model_id`` is ``"<dir name>@<checkpoint_fingerprint>"``, the id workers hash under.
+
+    Raises:
+        ValueError: config.json is missing, unreadable or unsupported (names the file).
+    """
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: config.json not found in model directory {model_dir!r}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot parse config.json ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: config.json must hold a JSON object")
+    name = os.path.basename(os.path.normpath(model_dir))
+    try:
+        return ModelConfig.from_hf_dict(data, model_id=f"{name}@{checkpoint_fingerprint(model_dir)}")
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def _read_tensors(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors weight files found")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        for name, tensor in load_file(path, device="cpu").items():
+            if name in tensors:
+                raise ValueError(f"{path}: tensor {name!r} also appears in another shard")
+            tensors[name] = tensor
+    return tensors
+
+
+def _map_tensors(
+    config: ModelConfig, model: DecoderModel, raw: dict[str, torch.Tensor], model_dir: str
+) -> dict[str, torch.Tensor]:
+    """Map HF tensor names to `DecoderModel` names and check names and shapes."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    mapped: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for hf_name, tensor in raw.items():
+        if _IGNORED_TENSORS.match(hf_name):
+            continue
+        name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+        if name not in expected:
+            unexpected.append(hf_name)
+            continue
+        mapped[name] = tensor
+    if config.tie_word_embeddings and "embed_tokens.weight" in mapped:
+        # Tied checkpoints usually omit lm_head; when present the embedding wins.
+        mapped["lm_head.weight"] = mapped["embed_tokens.weight"]
+    missing = sorted(n if n == "lm_head.weight" else "model." + n for n in expected if n not in mapped)
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(sorted(unexpected))}")
+    for name, tensor in mapped.items():
+        if tuple(tensor.shape) != expected[name]:
+            problems.append(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}")
+    if problems:
+        raise ValueError(f"{model_dir}: checkpoint does not match config.json; " + "; ".join(problems))
+    return mapped
+
+
+def load_model(
+    model_dir: str | None,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    seed: int = 0,
+) -> tuple[ModelConfig, DecoderModel]:
+    """Load a model for inference (returned in eval mode).
+
+    Args:
+        model_dir: None for `ModelConfig.tiny` with seeded random weights
+            (`init_random_weights`); otherwise an HF checkpoint directory with config.json
+            and one or more ``*.safetensors`` files (sharded checkpoints are merged).
+        device: where the weights go.
+        dtype: "float32" / "bfloat16" / "float16" (aliases and ``torch.dtype`` accepted);
+            default the config's dtype (``torch_dtype`` in config.json).
+        seed: random-init seed (only with ``model_dir=None``).
+
+    HF names map as ``model.X -> X`` and ``lm_head.weight -> lm_head.weight``; when
+    ``tie_word_embeddings`` is set the LM head shares ``model.embed_tokens.weight``.
+    For a directory, ``config.model_id`` is ``"<dir name>@<checkpoint_fingerprint>"`` so KV
+    caches of different checkpoints never share a namespace.
+
+    Returns:
+        ``(config, model)`` with the model in eval mode and ``requires_grad`` off;
+        ``config.dtype`` is the dtype actually loaded.
+
+    Raises:
+        ValueError: config.json missing or unparsable, a field missing or unsupported
+            (model_type other than llama / mistral / qwen2, ...), no safetensors files,
+            or missing / unexpected / mis-shaped tensors (the message lists them), or an
+            unsupported ``dtype``.
+    """
+    if model_dir is None:
+        config = ModelConfig.tiny()
+        config = dataclasses.replace(config, dtype=_resolve_dtype(dtype, config.dtype))
+        return config, _random_model(config, device, seed)
+
+    model_dir = os.fspath(model_dir)
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"{model_dir}: model directory not found")
+    config = read_config(model_dir)
+    config = dataclasses.replace(config, dtype=_resolve_dtype(dtype, config.dtype))
+    with torch.device("meta"):
+        model = DecoderModel(config)
+    raw = _read_tensors(model_dir)
+    mapped = _map_tensors(config, model, raw, model_dir)
+    target = getattr(torch, config.dtype)
+    converted = {name: t.to(device=device, dtype=target) for name, t in mapped.items()}
+    model.load_state_dict(converted, strict=True, assign=True)
+    model.tie_weights()
+    return config, model.requires_grad_(False).eval()
+
+
+def save_tiny_checkpoint(directory: str, config: ModelConfig | None = None, seed: int = 0) -> str:
+    """Write an HF-layout checkpoint (config.json + model.safetensors) with seeded random weights.
+
+    ``config`` defaults to `ModelConfig.tiny`; weights come from `init_random_weights` with
+    ``seed`` and are stored in ``config.dtype`` under HF names (``lm_head.weight`` omitted when
+    tied). Loading the directory with `load_model` reproduces ``load_model(None, seed=seed)``
+    for the tiny config. Returns ``directory``.
+    """
+    from safetensors.torch import save_file
+
+    config = config or ModelConfig.tiny()
+    os.makedirs(directory, exist_ok=True)
+    model = _random_model(config, "cpu", seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            if config.tie_word_embeddings:
+                continue
+            hf_name = name
+        else:
+            hf_name = "model." + name
+        tensors[hf_name] = tensor.detach().clone().contiguous()
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config.to_hf_dict(), fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    return directory

@@ -1,0 +1,141 @@
+"""A generation request as the engine sees it: tokens, block table, progress, timing.
+
+One `Request` per Generate call. The engine thread owns and mutates it; other threads
+only read the immutable fields (ids, sampling) and receive `RequestOutput`s.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from cache_store.hashing import Namespace, hash_block, hash_blocks, tokens_to_bytes
+
+
+class InvalidRequest(ValueError):
+    """The request can never be served as sent (maps to gRPC INVALID_ARGUMENT)."""
+
+
+class Overloaded(RuntimeError):
+    """The worker cannot take the request now or ever with its pool (RESOURCE_EXHAUSTED)."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings of one request.
+
+    Attributes:
+        max_tokens: completion length cap in tokens (>= 1).
+        temperature: 0 for greedy (argmax); > 0 divides the logits before sampling.
+        top_p: nucleus sampling mass (Holtzman et al. 2020, "The Curious Case of Neural
+            Text Degeneration"); values <= 0 or >= 1 disable it.
+        seed: seed of the request's own torch.Generator, so a seeded request gives the
+            same tokens whichever other requests share its batch.
+        ignore_eos: keep decoding past EOS until max_tokens.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports after a step for one request.
+
+    ``new_token_ids`` are the tokens generated since the previous output. On the last
+    output ``finished`` is True and ``usage``/``timing`` are filled; ``error`` is set
+    (with ``error_code`` naming a gRPC status) when the request failed instead.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str = ""
+    usage: dict | None = None
+    timing: dict | None = None
+    error: str = ""
+    error_code: str = ""
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one request.
+
+    Token bookkeeping (all counts in tokens):
+        ``token_ids`` = prompt + generated so far.
+        ``num_computed`` tokens have their KV in ``block_table``'s blocks.
+        ``num_cached`` prompt tokens were served from the prefix cache at first schedule.
+        ``block_hashes`` hold the chained hash of every full block of ``token_ids`` whose
+        tokens are known (prompt blocks at arrival, generated blocks as they fill).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    namespace: Namespace
+    block_size: int
+    on_output: Callable[[RequestOutput], None]
+    arrival: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_committed_blocks: int = 0
+    num_cached: int = -1
+    cached_by_tier: dict = field(default_factory=dict)
+    status: RequestStatus = RequestStatus.WAITING
+    generator: torch.Generator | None = None
+    first_scheduled: float | None = None
+    prefill_done: float | None = None
+    first_token: float | None = None
+    num_preemptions: int = 0
+    num_emitted: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+        hashed = hash_blocks(self.token_ids, self.block_size, self.namespace.root_hash())
+        self.block_hashes = list(hashed.hashes)
+        #: little-endian uint32 token ids of the full blocks, block after block
+        self.token_bytes = bytearray(hashed.token_bytes[:len(hashed.hashes) * self.block_size * 4])
+        if self.sampling.temperature > 0:
+            self.generator = torch.Generator().manual_seed(int(self.sampling.seed))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def block_token_bytes(self, i: int) -> bytes:
+        """Token ids of full block i as little-endian uint32 bytes."""
+        step = self.block_size * 4
+        return bytes(self.token_bytes[i * step:(i + 1) * step])
+
+    def append_token(self, token_id: int) -> None:
+        """Add a generated token; hash the block it completes, if any."""
+        self.token_ids.append(token_id)
+        n_full = len(self.token_ids) // self.block_size
+        while len(self.block_hashes) < n_full:
+            i = len(self.block_hashes)
+            data = tokens_to_bytes(self.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = self.block_hashes[-1] if self.block_hashes else self.namespace.root_hash()
+            self.block_hashes.append(hash_block(parent, data))
+            self.token_bytes += data

@@ -1,0 +1,207 @@
+"""Continuous-batching scheduler with chunked prefill over a paged prefix cache.
+
+Each step the scheduler hands the model runner a token budget's worth of work:
+running requests first (one token per decoding request, a chunk per prefilling
+request), then waiting requests in arrival order. A waiting request first looks up
+its longest cached prefix and locks those blocks, so prefill runs only over the
+uncached suffix. The design follows vLLM v1's unified scheduler (every request is
+"num_computed tokens of num_tokens") and Sarathi-Serve's chunked prefill
+(Agrawal et al., OSDI 2024).
+
+Cache hit rule (documented in README): the cached prefix is capped at
+``floor((num_tokens - 1) / block_size)`` full blocks, so at least one prompt token is
+always computed and a fully cached prompt recomputes its whole last block. A shared
+block is therefore never written by a second request.
+
+Memory pressure: blocks come from `PrefixCache.allocate`, which evicts unlocked cached
+blocks LRU-first (chain tails first). If that is not enough, the newest running request
+is preempted (its blocks are freed; it is re-queued at the front and recomputes, mostly
+from the prefix cache) so that the oldest request always makes progress. A request that
+could not fit even alone in the pool is refused at admission (RESOURCE_EXHAUSTED).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from cache_store.prefix_cache import PrefixCache
+from workers.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Work for one model step: request i computes tokens [start_i, start_i + n_i)."""
+
+    requests: list[Request]
+    num_new_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.requests)
+
+
+class Scheduler:
+    """Decides which requests run each step and owns their block tables.
+
+    Args:
+        cache: the worker's prefix cache (pool + radix index).
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_num_seqs: most requests running at once.
+    """
+
+    def __init__(self, cache: PrefixCache, max_num_batched_tokens: int = 1024, max_num_seqs: int = 32):
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ----------------------------------------------------------------- queries
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens not yet computed, over waiting and running requests (tokens)."""
+        return sum(max(0, r.num_tokens - r.num_computed - 1) for r in self.running) + sum(
+            r.num_tokens for r in self.waiting
+        )
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---------------------------------------------------------------- commands
+    def add(self, req: Request) -> None:
+        """Queue a validated request (arrival order)."""
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Drop a request wherever it is and release its blocks (abort or finish)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = RequestStatus.FINISHED
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work; allocates the blocks it needs.
+
+        Mutates block tables, ``running`` and ``waiting``. The returned batch is valid
+        until `update_after_step` is called for it.
+        """
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        # 1. running requests, oldest first; preempt from the newest when out of blocks
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not self._grow(req, req.num_computed + n):
+                # free space by preempting the newest request (possibly this one)
+                while not self._grow(req, req.num_computed + n):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is req:
+                        break
+                if req.status is not RequestStatus.RUNNING:
+                    break
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        # 2. waiting requests in arrival order
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            self._lock_cached_prefix(req)  # a waiting request holds no blocks
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not self._grow(req, req.num_computed + n):
+                self._release(req)  # keep it waiting without holding blocks
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled is None:
+                req.first_scheduled = time.monotonic()
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def update_after_step(self, batch: ScheduledBatch) -> None:
+        """Advance ``num_computed`` and commit newly full blocks to the prefix cache."""
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed += n
+            self._commit_full_blocks(req)
+
+    # ---------------------------------------------------------------- internals
+    def _lock_cached_prefix(self, req: Request) -> None:
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        match = self.cache.index.match(req.block_hashes[:max_blocks], req.block_token_bytes)
+        block_ids = list(match.values[:max_blocks])
+        self.cache.lock(block_ids)
+        req.block_table = block_ids
+        req.num_computed = len(block_ids) * self.block_size
+        req.num_committed_blocks = len(block_ids)
+        if req.num_cached < 0:  # first schedule: this is what usage reports
+            req.num_cached = req.num_computed
+            req.cached_by_tier = {"device": req.num_computed} if req.num_computed else {}
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Make ``req.block_table`` cover ``num_tokens`` tokens; False if out of blocks."""
+        need = self.blocks_needed(num_tokens) - len(req.block_table)
+        if need <= 0:
+            return True
+        new = self.cache.allocate(need)
+        if new is None:
+            return False
+        req.block_table.extend(new)
+        return True
+
+    def _release(self, req: Request) -> None:
+        if req.block_table:
+            self.cache.unlock(req.block_table)
+        req.block_table = []
+        req.num_computed = 0
+        req.num_committed_blocks = 0
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _commit_full_blocks(self, req: Request) -> None:
+        full = min(req.num_computed // self.block_size, len(req.block_hashes))
+        if full > req.num_committed_blocks:
+            self.cache.commit(_ChainView(req), req.block_table, req.num_committed_blocks, full)
+            req.num_committed_blocks = full
+
+
+class _ChainView:
+    """Adapts a Request to the ``BlockHashes`` shape `PrefixCache.commit` reads."""
+
+    __slots__ = ("_req",)
+
+    def __init__(self, req: Request):
+        self._req = req
+
+    @property
+    def hashes(self) -> list[bytes]:
+        return self._req.block_hashes
+
+    @property
+    def block_size(self) -> int:
+        return self._req.block_size
+
+    @property
+    def token_bytes(self) -> bytearray:
+        return self._req.token_bytes
+
+    def block_tokens(self, i: int) -> bytes:
+        return self._req.block_token_bytes(i)
