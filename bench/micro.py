@@ -25,11 +25,16 @@ HASH_TOKENS = 1 << 20  # tokens hashed per hashing run
 PROMPT_TOKENS = 32_768  # tokens of the radix benchmark prompt
 VOCAB = 128_256
 
-# ---------------------------------------------------------------------------
-# Extension hook: each callable returns a dict of extra figures that main()
-# merges into its output (e.g. engine TTFT measurements).
-EXTRA_BENCHES: list[Callable[[], dict]] = []
-# ---------------------------------------------------------------------------
+
+
+def _bench_ttft() -> dict:
+    from bench.ttft import bench_ttft  # imports torch and the engine: only when run
+
+    return bench_ttft()
+
+
+#: Each callable returns a dict of figures that main() merges into its output.
+EXTRA_BENCHES: list[Callable[[], dict]] = [_bench_ttft]
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:

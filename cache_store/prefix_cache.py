@@ -160,8 +160,10 @@ class PrefixCache:
     def commit(self, block_hashes: BlockHashes, block_ids: Sequence[int], start: int, end: int) -> int:
         """Register full blocks ``start .. end-1`` of a sequence as cached.
 
-        ``block_ids[i]`` holds block ``i``; the blocks must be held by the
-        caller. Blocks already cached as the same ids are skipped. Caching
+        ``block_hashes`` is a ``BlockHashes`` or any object with the same
+        members (``hashes``, ``block_size``, ``token_bytes``,
+        ``block_tokens``). ``block_ids[i]`` holds block ``i``; the blocks
+        must be held by the caller. Blocks already cached as the same ids are skipped. Caching
         stops (the rest stays uncached and is simply freed later) at the
         first block whose hash is cached under another block id (another
         sequence computed it meanwhile) or collides; and nothing is cached

@@ -245,7 +245,7 @@ def test_metadata_build_and_validation(tiny):
     kv = allocate_kv_cache(cfg, 4, 16)
     with pytest.raises(ValueError, match="token counts disagree"):
         model(torch.tensor([1, 2]), torch.tensor([0, 1]), AttentionMetadata.build([3], [0], [[0]], 16), kv)
-    assert kv_cache_shape(cfg, 4, 16) == (4, 4, 2, 2, 16, 32)
+    assert kv_cache_shape(cfg, 4, 16) == (4, 4, 2, 2, 16, 64)
 
 
 # --------------------------------------------------------------------------- config / sizes
@@ -279,7 +279,7 @@ def test_known_shapes_and_resolve(tmp_path):
     assert resolve_model_shape("meta-llama/meta-llama-3-70b") is KNOWN_SHAPES["Llama-3-70B"]
     save_tiny_checkpoint(str(tmp_path / "ck"))
     from_dir = resolve_model_shape(str(tmp_path / "ck"))
-    assert from_dir.num_hidden_layers == 4 and from_dir.head_dim == 32
+    assert from_dir.num_hidden_layers == 4 and from_dir.head_dim == 64
     with pytest.raises(ValueError) as err:
         resolve_model_shape("gpt-5")
     for name in ("tiny", "Llama-3-8B", "Qwen2-7B", "Mistral-7B"):
@@ -328,10 +328,10 @@ def test_from_hf_dict_fields():
 
 def test_tiny_config_defaults():
     c = ModelConfig.tiny()
-    assert (c.vocab_size, c.hidden_size, c.intermediate_size) == (384, 256, 768)
-    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4, 8, 2, 32)
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size) == (384, 512, 1536)
+    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4, 8, 2, 64)
     assert (c.bos_token_id, c.eos_token_id, c.eos_token_ids) == (256, 257, (257,))
-    assert c.model_id == "kvmesh-tiny-llama-v1" and c.dtype == "float32"
+    assert c.model_id == "kvmesh-tiny-llama-v2" and c.dtype == "float32"
     assert ModelConfig.from_hf_dict(c.to_hf_dict(), c.model_id) == c
 
 
@@ -345,10 +345,10 @@ def test_random_init_is_seeded(tiny):
     sd, sd2, sd3 = model.state_dict(), again.state_dict(), other.state_dict()
     assert all(torch.equal(sd[k], sd2[k]) for k in sd)
     assert not torch.equal(sd["embed_tokens.weight"], sd3["embed_tokens.weight"])
-    w = sd["layers.0.mlp.up_proj.weight"]  # [768, 256]: N(0, 1/256)
-    assert abs(w.std().item() - 256**-0.5) < 0.002 and abs(w.mean().item()) < 0.002
-    w = sd["layers.0.mlp.down_proj.weight"]  # [256, 768]: N(0, 1/768)
-    assert abs(w.std().item() - 768**-0.5) < 0.002
+    w = sd["layers.0.mlp.up_proj.weight"]  # [1536, 512]: N(0, 1/512)
+    assert abs(w.std().item() - 512**-0.5) < 0.002 and abs(w.mean().item()) < 0.002
+    w = sd["layers.0.mlp.down_proj.weight"]  # [512, 1536]: N(0, 1/1536)
+    assert abs(w.std().item() - 1536**-0.5) < 0.002
     assert abs(sd["embed_tokens.weight"].std().item() - 1.0) < 0.02
     assert torch.equal(sd["norm.weight"], torch.ones(cfg.hidden_size))
 
@@ -460,7 +460,7 @@ def test_loader_errors(tmp_path):
     reshaped = dict(tensors)
     reshaped["model.norm.weight"] = torch.ones(7)
     save_file(reshaped, path)
-    with pytest.raises(ValueError, match=r"'norm.weight' has shape \(7,\), expected \(256,\)"):
+    with pytest.raises(ValueError, match=r"'norm.weight' has shape \(7,\), expected \(512,\)"):
         load_model(d)
 
 

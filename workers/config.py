@@ -191,16 +191,19 @@ class ModelConfig:
         """The built-in default model: a 4-layer GQA Llama over the 384-id byte vocabulary.
 
         Ids 0..255 are UTF-8 bytes, 256 is BOS and 257 is EOS (see `workers.tokenizer.ByteTokenizer`).
+        Hidden size 512 (8 query heads x 64, 2 KV heads, SwiGLU 1536) keeps the projections,
+        not attention, the larger part of a 2,048-token prefill, as in real models; about
+        13M parameters, 16 KiB of KV per token-block row (4 layers x 2 x 2 heads x 64 x fp32).
         """
         return cls(
             architecture="llama",
             vocab_size=384,
-            hidden_size=256,
-            intermediate_size=768,
+            hidden_size=512,
+            intermediate_size=1536,
             num_hidden_layers=4,
             num_attention_heads=8,
             num_key_value_heads=2,
-            head_dim=32,
+            head_dim=64,
             rms_norm_eps=1e-5,
             rope_theta=10000.0,
             max_position_embeddings=32768,
@@ -208,7 +211,7 @@ class ModelConfig:
             attention_bias=False,
             bos_token_id=256,
             eos_token_id=257,
-            model_id="kvmesh-tiny-llama-v1",
+            model_id="kvmesh-tiny-llama-v2",
             dtype="float32",
         )
 

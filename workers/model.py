@@ -382,9 +382,13 @@ class DecoderModel(nn.Module):
             elif q_len > 1 or windowed:
                 q_pos = torch.arange(ctx, total, device=device)[:, None]
                 k_pos = torch.arange(total, device=device)[None, :]
-                mask = k_pos <= q_pos
+                visible = k_pos <= q_pos
                 if windowed:
-                    mask = mask & (k_pos > q_pos - window)
+                    visible = visible & (k_pos > q_pos - window)
+                # additive float mask, built once per step: a bool mask would be converted
+                # inside every layer's attention call
+                dtype = self.embed_tokens.weight.dtype
+                mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
             plans.append(_SeqPlan(start, start + q_len, total, blocks, mask, is_causal))
             start += q_len
         return plans
