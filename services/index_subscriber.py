@@ -1,0 +1,330 @@
+"""Router side of the KV event plane: keeps a ClusterIndex in step with Redis.
+
+One asyncio task polls the worker registry (``kvmesh:{cluster}:workers`` and
+each worker's lease key, see :mod:`workers.kv_publisher`) every
+``poll_interval_s`` and, in between, reads every live worker's event stream
+with a single ``XREAD BLOCK``. Batches go to :meth:`ClusterIndex.apply_batch`.
+
+Recovery, per worker:
+
+* new worker (or one seen again after its lease lapsed): its stream is read
+  from the start, so a router started late rebuilds the index from Redis alone;
+* gap (a batch skipped, e.g. trimmed from the stream or dropped by the
+  publisher), malformed entry, or a stream that starts past the next seq: the
+  ``resync`` callback (the worker's GetSnapshot RPC, supplied by the router)
+  is awaited in a task of its own, its snapshot replaces the worker's entries,
+  and reading resumes where it stopped; batches the snapshot already covers
+  are skipped as duplicates. A failed resync drops the worker's entries and
+  is retried with backoff;
+* restart (the stream's ``epoch`` field changes): the worker's entries are
+  dropped and the new numbering is applied from its first batch;
+* lease lapsed: the worker's entries leave the index at the next registry
+  poll, i.e. within the lease TTL plus ``poll_interval_s``.
+
+All Redis calls go through ``redis.asyncio``; nothing here blocks the loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Awaitable, Callable
+
+import redis
+import redis.asyncio as aioredis
+
+from cache_store.events import decode_batch
+from services.cluster_index import ClusterIndex
+from workers.kv_publisher import DEFAULT_CLUSTER, lease_key, stream_key, workers_key
+
+__all__ = ["IndexSubscriber", "ResyncFn"]
+
+log = logging.getLogger(__name__)
+
+#: ``resync(worker_id, address) -> (seq, [(block_hash, parent_hash | None, medium), ...])``
+ResyncFn = Callable[[str, str], Awaitable[tuple[int, list[tuple[bytes, bytes | None, str]]]]]
+
+_BACKOFF_MAX_S = 10.0
+
+
+def _id_key(stream_id: bytes | str) -> tuple[int, int]:
+    """Stream entry id ``"<ms>-<n>"`` as a comparable tuple."""
+    if isinstance(stream_id, bytes):
+        stream_id = stream_id.decode()
+    ms, _, n = stream_id.partition("-")
+    return int(ms), int(n or 0)
+
+
+class _StreamState:
+    __slots__ = ("cursor", "epoch", "resync_task", "hold_until", "failures", "last_resync")
+
+    def __init__(self) -> None:
+        self.cursor: bytes | str = "0"          # last entry id consumed
+        self.epoch: bytes | None = None         # publisher epoch of the entries applied
+        self.resync_task: asyncio.Task | None = None
+        self.hold_until = 0.0                   # loop time before which the stream is not read
+        self.failures = 0                       # consecutive failed resyncs
+        self.last_resync = float("-inf")        # loop time the last resync ended
+
+
+class IndexSubscriber:
+    """Feeds a :class:`ClusterIndex` from the workers' Redis event streams.
+
+    Args:
+        redis_url: Redis URL.
+        index: the index to keep up to date (only this subscriber's task mutates it;
+            share the event loop with its readers).
+        resync: ``async (worker_id, address) -> (seq, blocks)``, the worker's
+            snapshot: ``blocks`` as for :meth:`ClusterIndex.apply_snapshot`,
+            ``seq`` the last event batch it reflects.
+        cluster: cluster name (key prefix).
+        poll_interval_s: registry poll period and longest XREAD block (seconds).
+        read_count: most entries read per stream per XREAD (batches).
+
+    Attributes:
+        resyncs: snapshots applied so far.
+        resync_failures: resync callbacks that raised so far.
+
+    Raises:
+        ValueError: ``poll_interval_s`` or ``read_count`` is not positive.
+    """
+
+    def __init__(self, redis_url: str, index: ClusterIndex, resync: ResyncFn,
+                 cluster: str = DEFAULT_CLUSTER, poll_interval_s: float = 0.5, read_count: int = 512):
+        if poll_interval_s <= 0 or read_count < 1:
+            raise ValueError("poll_interval_s and read_count must be positive")
+        self.index = index
+        self.cluster = cluster
+        self.poll_interval_s = poll_interval_s
+        self.read_count = read_count
+        self._resync_fn = resync
+        # Replies never take longer than one XREAD block; the margin only bounds a dead connection.
+        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=poll_interval_s + 10.0,
+                                              socket_connect_timeout=5.0)
+        self._live: dict[str, dict] = {}
+        self._streams: dict[str, _StreamState] = {}
+        self._task: asyncio.Task | None = None
+        self._poll_now = asyncio.Event()
+        self._polls = 0
+        self.resyncs = 0
+        self.resync_failures = 0
+
+    # ------------------------------------------------------------------ API
+    def start(self) -> asyncio.Future:
+        """Start the background task on the running event loop.
+
+        Returns:
+            An already completed future, so both ``sub.start()`` and
+            ``await sub.start()`` work.
+
+        Raises:
+            RuntimeError: no running event loop, or already started.
+        """
+        if self._task is not None:
+            raise RuntimeError("IndexSubscriber already started")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name="kv-index-subscriber")
+        done = loop.create_future()
+        done.set_result(None)
+        return done
+
+    async def stop(self) -> None:
+        """Cancel the task and any resyncs in flight, and close the Redis client."""
+        tasks = [st.resync_task for st in self._streams.values() if st.resync_task is not None]
+        if self._task is not None:
+            tasks.append(self._task)
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._task = None
+        await self._redis.aclose()
+
+    def live_workers(self) -> dict[str, dict]:
+        """``{worker_id: lease contents}`` (address, load, block_size, ...) as of the last poll."""
+        return dict(self._live)
+
+    async def wait_synced(self, timeout: float = 10.0) -> None:
+        """Wait until the next registry poll has run and every live worker's stream
+        has been consumed up to the last entry it had when that poll finished,
+        with no resync in flight.
+
+        Raises:
+            TimeoutError: not synced within ``timeout`` seconds.
+            RuntimeError: the subscriber is not running.
+        """
+        async with asyncio.timeout(timeout):
+            polls = self._polls
+            self._poll_now.set()
+            while self._polls <= polls:
+                self._check_running()
+                await asyncio.sleep(0.01)
+            live = list(self._live)
+            if not live:
+                return
+            pipe = self._redis.pipeline(transaction=False)
+            for w in live:
+                pipe.xrevrange(stream_key(w, self.cluster), count=1)
+            tails = await pipe.execute()
+            targets = {w: _id_key(t[0][0]) for w, t in zip(live, tails) if t}
+            while True:
+                self._check_running()
+                pending = False
+                for w, target in targets.items():
+                    st = self._streams.get(w)
+                    if st is None:  # left meanwhile
+                        continue
+                    if st.resync_task is not None or _id_key(st.cursor) < target:
+                        pending = True
+                        break
+                if not pending:
+                    return
+                await asyncio.sleep(0.01)
+
+    def _check_running(self) -> None:
+        if self._task is None:
+            raise RuntimeError("IndexSubscriber is not running")
+        if self._task.done():
+            exc = None if self._task.cancelled() else self._task.exception()
+            raise RuntimeError("IndexSubscriber task ended") from exc
+
+    # ------------------------------------------------------------ main loop
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_poll = 0.0
+        backoff = 0.0
+        while True:
+            try:
+                now = loop.time()
+                if now >= next_poll or self._poll_now.is_set():
+                    self._poll_now.clear()
+                    await self._discover()
+                    self._polls += 1
+                    next_poll = loop.time() + self.poll_interval_s
+                await self._read_once(next_poll)
+                backoff = 0.0
+            except asyncio.CancelledError:
+                raise
+            except (redis.RedisError, OSError) as exc:
+                backoff = min(_BACKOFF_MAX_S, max(self.poll_interval_s, backoff * 2))
+                log.warning("kv index subscriber: redis error (%s); retrying in %.1f s", exc, backoff)
+                await asyncio.sleep(backoff)
+
+    async def _discover(self) -> None:
+        members = sorted(m.decode() if isinstance(m, bytes) else m
+                         for m in await self._redis.smembers(workers_key(self.cluster)))
+        values = await self._redis.mget([lease_key(w, self.cluster) for w in members]) if members else []
+        live: dict[str, dict] = {}
+        for w, raw in zip(members, values):
+            if raw is None:
+                continue
+            try:
+                lease = json.loads(raw)
+            except ValueError:
+                log.warning("ignoring malformed lease of worker %s", w)
+                continue
+            if isinstance(lease, dict):
+                live[w] = lease
+        for w in [w for w in self._streams if w not in live]:
+            self._forget(w)
+        for w in self.index.workers():
+            if w not in live:
+                self.index.remove_worker(w)
+        for w in live:
+            if w not in self._streams:
+                self._streams[w] = _StreamState()
+        self._live = live
+
+    def _forget(self, worker_id: str) -> None:
+        st = self._streams.pop(worker_id)
+        if st.resync_task is not None:
+            st.resync_task.cancel()
+        self.index.remove_worker(worker_id)
+        log.info("worker %s left (lease gone); dropped from the index", worker_id)
+
+    async def _read_once(self, next_poll: float) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        wanted = {stream_key(w, self.cluster): st.cursor for w, st in self._streams.items()
+                  if st.resync_task is None and st.hold_until <= now}
+        wait_s = next_poll - now
+        if wait_s <= 0:
+            return
+        if not wanted:
+            try:
+                await asyncio.wait_for(self._poll_now.wait(), wait_s)
+            except TimeoutError:
+                pass
+            return
+        reply = await self._redis.xread(wanted, count=self.read_count, block=max(1, int(wait_s * 1000)))
+        if isinstance(reply, dict):  # RESP3 shape
+            reply = list(reply.items())
+        prefix = stream_key("", self.cluster)
+        for key, entries in reply or ():
+            key = key.decode() if isinstance(key, bytes) else key
+            worker_id = key[len(prefix):]
+            st = self._streams.get(worker_id)
+            if st is not None:
+                self._consume(worker_id, st, entries)
+
+    def _consume(self, worker_id: str, st: _StreamState, entries: list) -> None:
+        for entry_id, fields in entries:
+            epoch = fields.get(b"epoch", b"")
+            if st.epoch is not None and epoch != st.epoch:
+                log.info("worker %s restarted (new epoch); rebuilding its entries", worker_id)
+                self.index.remove_worker(worker_id)
+            st.epoch = epoch
+            try:
+                batch = decode_batch(fields[b"data"])
+                if batch.worker_id != worker_id:
+                    raise ValueError(f"batch of worker {batch.worker_id!r} in the stream of {worker_id!r}")
+                ok = self.index.apply_batch(batch)
+            except (KeyError, ValueError) as exc:
+                log.warning("malformed entry %s in the stream of %s (%s); resyncing", entry_id, worker_id, exc)
+                st.cursor = entry_id  # unreadable: skip it, the snapshot covers it
+                self._start_resync(worker_id, st)
+                return
+            if not ok:
+                # Leave the cursor before this entry: it is read again after the snapshot,
+                # and skipped as a duplicate if the snapshot covers it.
+                self._start_resync(worker_id, st)
+                return
+            st.cursor = entry_id
+
+    # --------------------------------------------------------------- resync
+    def _start_resync(self, worker_id: str, st: _StreamState) -> None:
+        address = str(self._live.get(worker_id, {}).get("address", ""))
+        st.resync_task = asyncio.get_running_loop().create_task(
+            self._resync(worker_id, address, st), name=f"kv-resync-{worker_id}")
+
+    async def _resync(self, worker_id: str, address: str, st: _StreamState) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            # A stream that still skips a seq right after a snapshot would resync in a
+            # tight loop; space back-to-back resyncs of one worker by a poll interval.
+            wait = st.last_resync + self.poll_interval_s - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            seq, blocks = await self._resync_fn(worker_id, address)
+            if self._streams.get(worker_id) is st:
+                self.index.apply_snapshot(worker_id, int(seq), blocks)
+                self.resyncs += 1
+                st.failures = 0
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the callback is an RPC: any failure means "try later"
+            self.resync_failures += 1
+            st.failures += 1
+            delay = min(_BACKOFF_MAX_S, self.poll_interval_s * 2 ** (st.failures - 1))
+            st.hold_until = loop.time() + delay
+            if self._streams.get(worker_id) is st:
+                self.index.remove_worker(worker_id)  # better no entries than stale ones
+            log.warning("resync of worker %s at %r failed (%s); retrying in %.1f s",
+                        worker_id, address, exc, delay)
+        finally:
+            st.last_resync = loop.time()
+            st.resync_task = None
+            self._poll_now.set()  # let the read loop pick the stream up again promptly

@@ -1,0 +1,280 @@
+"""KV-aware router: kvmesh.v1.Router, with the same Generate contract as a worker.
+
+For each request the router tokenizes once, hashes the prompt's full blocks in the
+request's namespace (model, cache salt, adapter) exactly as workers do, asks the
+`ClusterIndex` how many leading blocks each live worker holds, and lets the routing
+policy pick a worker from that and each worker's load. It then records a short-lived
+speculative index entry for the chosen worker (so a burst of same-prefix requests lands
+together before the worker's KV events arrive) and relays the worker's token stream.
+
+Load seen by policies is the larger of what the worker last reported in its lease and
+what this router knows it has sent there and not yet seen finish (fresh within one
+request). If the chosen worker is unreachable before any token was relayed, the router
+retries once on the next choice; after that the client gets UNAVAILABLE.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from cache_store.hashing import Namespace, hash_blocks
+from proto import kvmesh_pb2 as pb
+from proto import kvmesh_pb2_grpc as pb_grpc
+from services.cluster_index import ClusterIndex, weighted_blocks
+from services.index_subscriber import IndexSubscriber
+from services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
+from workers.config import ModelConfig
+from workers.server import MAX_MESSAGE_BYTES
+from workers.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+#: Lifetime of a speculative index entry (seconds).
+SPECULATIVE_TTL_S = 2.0
+
+
+@dataclass
+class _Inflight:
+    """What this router has sent to one worker and not yet seen answered."""
+
+    running: int = 0
+    pending_prefill_tokens: int = 0
+
+
+class RouterServicer(pb_grpc.RouterServicer):
+    """Implements kvmesh.v1.Router over a ClusterIndex fed by an IndexSubscriber."""
+
+    def __init__(self, index: ClusterIndex, subscriber: IndexSubscriber, policy_name: str = "kv_aware",
+                 model_dir: str | None = None, seed: int | None = None, max_attempts: int = 2):
+        self.index = index
+        self.subscriber = subscriber
+        self.policy = make_policy(policy_name)
+        self.policy_name = policy_name
+        self.config = _load_config(model_dir)
+        self.tokenizer = load_tokenizer(model_dir, self.config)
+        self.rng = random.Random(seed)
+        self.max_attempts = max_attempts
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._inflight: dict[str, _Inflight] = {}
+        self.routed = RoutedShare()
+
+    # ------------------------------------------------------------- helpers
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ])
+            self._channels[address] = ch
+        return ch
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    def _views(self, live: dict[str, dict], hashes: list[bytes], now: float, exclude: set[str]) -> list[WorkerView]:
+        matches = self.index.match(hashes, now) if hashes else {}
+        views = []
+        for wid, info in live.items():
+            if wid in exclude or not info.get("address"):
+                continue
+            load = info.get("load") or {}
+            local = self._inflight.get(wid) or _Inflight()
+            m = matches.get(wid)
+            views.append(WorkerView(
+                worker_id=wid,
+                address=info["address"],
+                matched_blocks=m.num_blocks if m else 0,
+                weighted_blocks=weighted_blocks(m) if m else 0.0,
+                running_requests=max(int(load.get("running_requests", 0)), local.running),
+                waiting_requests=int(load.get("waiting_requests", 0)),
+                queued_prefill_tokens=max(int(load.get("queued_prefill_tokens", 0)), local.pending_prefill_tokens),
+                free_blocks=int(load.get("free_blocks", 0)),
+                total_blocks=int(load.get("total_blocks", 0)),
+                routed_recent=self.routed.value(wid),
+            ))
+        return views
+
+    def _note_routed(self, wid: str, prefill_tokens: int) -> _Inflight:
+        self.routed.note(wid)
+        st = self._inflight.setdefault(wid, _Inflight())
+        st.running += 1
+        st.pending_prefill_tokens += prefill_tokens
+        return st
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind == "text":
+            return self.tokenizer.encode(request.text)
+        return []
+
+    # ----------------------------------------------------------------- RPCs
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        ids = self._prompt_ids(request)
+        if not ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "prompt is empty: send at least one token or non-empty text")
+        live = self.subscriber.live_workers()
+        if not live:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no live workers registered: start workers or retry")
+        block_size = _block_size(live)
+        model_id = next((i["model_id"] for i in live.values() if i.get("model_id")), self.config.model_id)
+        ns = Namespace(model_id=model_id, cache_salt=request.cache_salt, adapter_id=request.adapter_id)
+        hashes = list(hash_blocks(ids, block_size, ns.root_hash()).hashes)
+        forward = pb.GenerateRequest()
+        forward.CopyFrom(request)
+        forward.token_ids.ids[:] = ids  # tokenized once; workers never re-tokenize
+        forward.request_id = request.request_id or uuid.uuid4().hex
+        tried: set[str] = set()
+        last_error = ""
+        for _attempt in range(self.max_attempts):
+            now = time.monotonic()
+            views = self._views(live, hashes, now, tried)
+            if not views:
+                break
+            chosen = self.policy.choose(RouteRequest(len(ids), hashes, block_size), views, self.rng)
+            tried.add(chosen.worker_id)
+            self.index.add_speculative(chosen.worker_id, hashes, now, SPECULATIVE_TTL_S)
+            prefill = len(ids) - chosen.matched_blocks * block_size
+            st = self._note_routed(chosen.worker_id, prefill)
+            relayed = False
+            stub = pb_grpc.WorkerStub(self._channel(chosen.address))
+            timeout = context.time_remaining()
+            try:
+                call = stub.Generate(forward, timeout=timeout)
+                async for msg in call:
+                    if not relayed:
+                        relayed = True
+                        st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - prefill)
+                    yield msg
+                return
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.UNAVAILABLE and not relayed:
+                    last_error = f"worker {chosen.worker_id} at {chosen.address} unavailable: {exc.details()}"
+                    log.warning("%s; trying another worker", last_error)
+                    continue
+                await context.abort(code, exc.details() or code.name)
+            finally:
+                st.running = max(0, st.running - 1)
+                if not relayed:
+                    st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - prefill)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, last_error or "no live worker could take the request")
+
+    async def Status(self, request, context):
+        live = self.subscriber.live_workers()
+        out = pb.RouterStatus(policy=self.policy_name, indexed_blocks=self.index.num_blocks())
+        for wid, info in sorted(live.items()):
+            load = info.get("load") or {}
+            out.workers.append(pb.WorkerStatus(
+                worker_id=wid, address=info.get("address", ""),
+                load=pb.Load(**{k: int(load.get(k, 0)) for k in (
+                    "running_requests", "waiting_requests", "queued_prefill_tokens", "free_blocks",
+                    "total_blocks")}),
+                cached_blocks=self.index.num_blocks(wid)))
+        return out
+
+
+class WorkerFacade(pb_grpc.WorkerServicer):
+    """kvmesh.v1.Worker's Generate and Tokenize served by the router.
+
+    Lets any Worker client (``kvmesh generate``, the load harness) target the router
+    unchanged; the worker-only RPCs (GetInfo, GetSnapshot, ...) stay UNIMPLEMENTED here.
+    """
+
+    def __init__(self, router: RouterServicer):
+        self.router = router
+
+    async def Generate(self, request, context):
+        async for msg in self.router.Generate(request, context):
+            yield msg
+
+    async def Tokenize(self, request, context):
+        return pb.TokenizeResponse(ids=self.router.tokenizer.encode(request.text))
+
+
+def _load_config(model_dir: str | None) -> ModelConfig:
+    if model_dir is None:
+        return ModelConfig.tiny()
+    from workers.loader import read_config
+
+    return read_config(model_dir)
+
+
+def _block_size(live: dict[str, dict]) -> int:
+    sizes = {int(info.get("block_size", 16)) for info in live.values()}
+    if len(sizes) != 1:
+        raise RuntimeError(f"workers disagree on block_size {sorted(sizes)}: one cluster needs one block size")
+    return sizes.pop()
+
+
+async def _resync(address: str) -> tuple[int, list[tuple[bytes, bytes | None, str]]]:
+    async with grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]) as ch:
+        snap = await pb_grpc.WorkerStub(ch).GetSnapshot(pb.SnapshotRequest(), timeout=10.0)
+    return snap.seq, [(b.block_hash, b.parent_block_hash or None, b.medium or "device") for b in snap.blocks]
+
+
+async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host: str = "127.0.0.1",
+                       model_dir: str | None = None, cluster: str = "default", seed: int | None = None,
+                       ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    """Serve kvmesh.v1.Router on host:port until ``stop`` is set or SIGINT/SIGTERM.
+
+    Raises:
+        ValueError: unknown policy name.
+        RuntimeError: the port could not be bound.
+    """
+    index = ClusterIndex()
+
+    async def resync(worker_id: str, address: str):
+        return await _resync(address)
+
+    subscriber = IndexSubscriber(redis_url, index, resync, cluster=cluster)
+    servicer = RouterServicer(index, subscriber, policy, model_dir=model_dir, seed=seed)
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ])
+    pb_grpc.add_RouterServicer_to_server(servicer, server)
+    pb_grpc.add_WorkerServicer_to_server(WorkerFacade(servicer), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = (pb.DESCRIPTOR.services_by_name["Router"].full_name, pb.DESCRIPTOR.services_by_name["Worker"].full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind {host}:{port}: is another process using it?")
+    await subscriber.start()
+    await server.start()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    print(f"kvmesh router ({policy}) listening on {host}:{bound}", flush=True)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    await health.enter_graceful_shutdown()
+    await server.stop(grace=2.0)
+    await subscriber.stop()
+    await servicer.close()

@@ -1,0 +1,437 @@
+"""KV event plane against a real redis-server: publisher -> stream -> subscriber -> index."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import pytest
+import redis
+
+from cache_store.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from services.cluster_index import ClusterIndex
+from services.index_subscriber import IndexSubscriber
+from services.procs import RedisServer, free_port
+from workers.kv_publisher import KVEventPublisher, WorkerLease, lease_key, stream_key, workers_key
+
+POLL = 0.1
+
+
+@pytest.fixture(scope="module")
+def shared_redis():
+    """One private redis-server for this module; tests separate by cluster name."""
+    server = RedisServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def cluster():
+    return "t" + uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def rclient(shared_redis):
+    client = redis.Redis.from_url(shared_redis.url)
+    yield client
+    client.close()
+
+
+def H(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def stored(ids, medium="device") -> BlockStored:
+    return BlockStored([H(i) for i in ids], None, list(range(len(ids))), 1, medium)
+
+
+class Worker:
+    """A publisher, a lease and the cache state the events describe (the snapshot)."""
+
+    def __init__(self, url, cluster, worker_id, ttl_s=3.0, interval_s=0.2, **pub_kw):
+        self.worker_id = worker_id
+        self.blocks: dict[bytes, set[str]] = {}
+        self.pub = KVEventPublisher(url, worker_id, cluster=cluster, flush_interval_s=0.01, **pub_kw)
+        self.lease = WorkerLease(url, worker_id, f"{worker_id}:7000", {"block_size": 1, "model_id": "m"},
+                                 lambda: {"running_requests": 2, "queued_prefill_tokens": 5},
+                                 cluster=cluster, ttl_s=ttl_s, interval_s=interval_s)
+
+    def emit(self, ev):
+        if isinstance(ev, BlockStored):
+            for h in ev.block_hashes:
+                self.blocks.setdefault(h, set()).add(ev.medium)
+        elif isinstance(ev, BlockRemoved):
+            for h in ev.block_hashes:
+                media = self.blocks.get(h, set())
+                media.discard(ev.medium)
+                if not media:
+                    self.blocks.pop(h, None)
+        else:
+            self.blocks.clear()
+        self.pub.sink(ev)
+
+    async def snapshot(self):
+        seq = self.pub.flush_now()
+        return seq, [(h, None, m) for h, media in self.blocks.items() for m in media]
+
+    def expected(self):
+        return {h: frozenset(m) for h, m in self.blocks.items()}
+
+    def close(self, delete=True):
+        self.pub.close()
+        self.lease.close(delete=delete)
+
+
+def no_resync():
+    calls = []
+
+    async def resync(worker_id, address):
+        calls.append(worker_id)
+        raise AssertionError(f"unexpected resync of {worker_id}")
+
+    return resync, calls
+
+
+async def wait_until(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.01)
+
+
+# ------------------------------------------------------------------ publisher
+def test_publisher_numbers_batches_in_order_and_splits_large_ones(shared_redis, cluster, rclient):
+    pub = KVEventPublisher(shared_redis.url, "w1", cluster=cluster, flush_interval_s=0.5, max_batch_events=3)
+    try:
+        assert pub.flush_now() == 0
+        for i in range(7):
+            pub.sink(stored([i]))
+        assert pub.flush_now() == 3  # 7 events -> batches of 3, 3, 1, numbered at once
+        pub.sink(BlockRemoved([H(0)]))
+        pub.sink(AllBlocksCleared())
+        assert pub.wait_published(5.0)
+        assert pub.stats()["last_seq"] == 4
+        entries = rclient.xrange(stream_key("w1", cluster))
+        seqs = [int(f[b"seq"]) for _, f in entries]
+        assert seqs == [1, 2, 3, 4]
+        batches = [decode_batch(f[b"data"]) for _, f in entries]
+        assert [b.seq for b in batches] == seqs and all(b.worker_id == "w1" for b in batches)
+        assert [len(b.events) for b in batches] == [3, 3, 1, 2]
+        assert [e.block_hashes[0] for b in batches[:3] for e in b.events] == [H(i) for i in range(7)]
+        assert len({f[b"epoch"] for _, f in entries}) == 1
+    finally:
+        pub.close()
+
+
+def test_publisher_survives_redis_outage_and_drops_oldest_keeping_numbering(cluster):
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    pub = KVEventPublisher(url, "w1", cluster=cluster, flush_interval_s=0.01, max_queued_batches=2)
+    server = None
+    try:
+        t0 = time.monotonic()
+        for i in range(5):
+            pub.sink(stored([i]))
+            assert pub.flush_now() == i + 1
+        assert time.monotonic() - t0 < 0.5  # the engine side never waits for Redis
+        assert not pub.wait_published(0.2)
+        assert pub.stats()["dropped"] == 3
+        server = RedisServer(port=port)
+        assert pub.wait_published(10.0)
+        client = redis.Redis.from_url(url)
+        seqs = [int(f[b"seq"]) for _, f in client.xrange(stream_key("w1", cluster))]
+        client.close()
+        assert seqs == [4, 5]  # the survivors keep their numbers: readers see the gap
+        stats = pub.stats()
+        assert stats["published"] == 2 and stats["errors"] >= 1
+    finally:
+        pub.close(timeout=1.0)
+        if server is not None:
+            server.stop()
+
+
+def test_lease_is_written_with_ttl_and_deleted_on_close(shared_redis, cluster, rclient):
+    lease = WorkerLease(shared_redis.url, "w9", "10.0.0.9:5000", {"block_size": 16, "model_id": "tiny"},
+                        lambda: {"running_requests": 3}, cluster=cluster, ttl_s=2.0, interval_s=0.1)
+    try:
+        deadline = time.monotonic() + 5
+        while rclient.get(lease_key("w9", cluster)) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        value = json.loads(rclient.get(lease_key("w9", cluster)))
+        assert value["worker_id"] == "w9" and value["address"] == "10.0.0.9:5000"
+        assert value["block_size"] == 16 and value["model_id"] == "tiny"
+        assert value["load"] == {"running_requests": 3} and abs(value["ts"] - time.time()) < 5
+        assert 0 < rclient.pttl(lease_key("w9", cluster)) <= 2000
+        assert rclient.smembers(workers_key(cluster)) == {b"w9"}
+    finally:
+        lease.close()
+    assert rclient.get(lease_key("w9", cluster)) is None
+    assert rclient.smembers(workers_key(cluster)) == {b"w9"}  # "ever registered" stays
+
+
+# ----------------------------------------------------------------- round trip
+def test_round_trip_publisher_to_index(shared_redis, cluster):
+    async def main():
+        a = Worker(shared_redis.url, cluster, "a")
+        b = Worker(shared_redis.url, cluster, "b")
+        index = ClusterIndex()
+        resync, calls = no_resync()
+        sub = IndexSubscriber(shared_redis.url, index, resync, cluster=cluster, poll_interval_s=POLL)
+        await sub.start()  # awaiting is optional
+        with pytest.raises(RuntimeError):
+            sub.start()
+        try:
+            a.emit(stored([1, 2, 3]))
+            a.emit(stored([1, 2], medium="host"))
+            a.emit(BlockRemoved([H(1)], "device"))
+            b.emit(stored([1, 2, 10]))
+            a.pub.wait_published()
+            b.emit(AllBlocksCleared())
+            b.emit(stored([20, 21]))
+            for w in (a, b):
+                assert w.pub.wait_published()
+            await sub.wait_synced(5.0)
+            assert set(sub.live_workers()) == {"a", "b"}
+            lease = sub.live_workers()["a"]
+            assert lease["address"] == "a:7000" and lease["load"]["queued_prefill_tokens"] == 5
+            for w in (a, b):
+                assert index.worker_blocks(w.worker_id) == w.expected()
+                assert index.last_seq(w.worker_id) == w.pub.stats()["last_seq"]
+            m = index.match([H(1), H(2), H(3), H(4)], now=0.0)
+            assert m["a"].num_blocks == 3 and m["a"].by_medium == {"host": 1, "device": 2}
+            assert m["b"].num_blocks == 0
+            # Later traffic keeps flowing in.
+            b.emit(stored([1]))
+            assert b.pub.wait_published()
+            await sub.wait_synced(5.0)
+            assert index.match([H(1)], now=0.0)["b"].num_blocks == 1
+            assert calls == [] and sub.resyncs == 0
+        finally:
+            await sub.stop()
+            a.close()
+            b.close()
+
+    asyncio.run(main())
+
+
+def test_second_subscriber_started_later_rebuilds_the_same_index_from_redis(shared_redis, cluster):
+    async def main():
+        workers = [Worker(shared_redis.url, cluster, f"w{i}") for i in range(3)]
+        first = ClusterIndex()
+        resync, calls = no_resync()
+        sub1 = IndexSubscriber(shared_redis.url, first, resync, cluster=cluster, poll_interval_s=POLL)
+        sub1.start()
+        try:
+            for step in range(30):
+                w = workers[step % 3]
+                w.emit(stored([step, step + 100]))
+                if step % 7 == 6:
+                    w.emit(BlockRemoved([H(step)]))
+                if step == 20:
+                    w.emit(AllBlocksCleared())
+                w.pub.flush_now()
+            for w in workers:
+                assert w.pub.wait_published()
+            await sub1.wait_synced(5.0)
+            # No new traffic from here on: the late subscriber has only what Redis kept.
+            second = ClusterIndex()
+            sub2 = IndexSubscriber(shared_redis.url, second, resync, cluster=cluster, poll_interval_s=POLL)
+            sub2.start()
+            try:
+                await sub2.wait_synced(5.0)
+                assert second.workers() == first.workers() == ["w0", "w1", "w2"]
+                for w in workers:
+                    assert second.worker_blocks(w.worker_id) == first.worker_blocks(w.worker_id) == w.expected()
+                    assert second.last_seq(w.worker_id) == first.last_seq(w.worker_id) > 1
+            finally:
+                await sub2.stop()
+            assert calls == []
+        finally:
+            await sub1.stop()
+            for w in workers:
+                w.close()
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------- resync
+def test_stream_trimmed_before_the_subscriber_starts_triggers_resync(shared_redis, cluster, rclient):
+    async def main():
+        w = Worker(shared_redis.url, cluster, "a")
+        calls = []
+
+        async def resync(worker_id, address):
+            calls.append((worker_id, address))
+            return await w.snapshot()
+
+        try:
+            for i in range(5):
+                w.emit(stored([i]))
+                w.pub.flush_now()
+            assert w.pub.wait_published()
+            rclient.xtrim(stream_key("a", cluster), maxlen=2, approximate=False)  # seqs 4, 5 left
+            index = ClusterIndex()
+            sub = IndexSubscriber(shared_redis.url, index, resync, cluster=cluster, poll_interval_s=POLL)
+            sub.start()
+            try:
+                await sub.wait_synced(5.0)
+                assert calls == [("a", "a:7000")]
+                assert index.worker_blocks("a") == w.expected()
+                assert index.last_seq("a") == 5
+                # After the snapshot it continues from the stream.
+                w.emit(BlockRemoved([H(0)]))
+                assert w.pub.wait_published()
+                await sub.wait_synced(5.0)
+                assert index.worker_blocks("a") == w.expected() and index.last_seq("a") == 6
+                assert len(calls) == 1
+            finally:
+                await sub.stop()
+        finally:
+            w.close()
+
+    asyncio.run(main())
+
+
+def test_failed_resync_drops_the_worker_and_is_retried(shared_redis, cluster, rclient):
+    async def main():
+        # A worker known only through Redis: a lease and hand-written stream entries.
+        lease = WorkerLease(shared_redis.url, "a", "a:7000", {}, dict, cluster=cluster, ttl_s=3.0, interval_s=0.1)
+        key = stream_key("a", cluster)
+
+        def publish(seq, *events):
+            data = encode_batch(EventBatch("a", seq, time.time(), list(events)))
+            rclient.xadd(key, {"seq": str(seq), "epoch": "e1", "data": data})
+
+        calls = []
+        retry_may_finish = asyncio.Event()
+
+        async def resync(worker_id, address):
+            calls.append(worker_id)
+            if len(calls) == 1:
+                raise ConnectionError("worker unreachable")
+            await retry_may_finish.wait()
+            return 4, [(H(7), None, "host")]
+
+        index = ClusterIndex()
+        sub = IndexSubscriber(shared_redis.url, index, resync, cluster=cluster, poll_interval_s=POLL)
+        sub.start()
+        try:
+            publish(1, stored([1, 2]))
+            await sub.wait_synced(5.0)
+            assert index.last_seq("a") == 1 and calls == []
+            publish(3, stored([3]))  # batch 2 never made it
+            publish(5, stored([5]))
+            await wait_until(lambda: len(calls) == 2)
+            # The first attempt failed: no stale entries are kept while waiting for the retry.
+            assert sub.resync_failures == 1
+            assert "a" not in index.workers() and index.match([H(1)], now=0.0) == {}
+            retry_may_finish.set()
+            await wait_until(lambda: index.last_seq("a") == 5)
+            assert index.worker_blocks("a") == {H(7): frozenset({"host"}), H(5): frozenset({"device"})}
+            assert sub.resyncs == 1 and len(calls) == 2
+        finally:
+            retry_may_finish.set()
+            await sub.stop()
+            lease.close()
+
+    asyncio.run(main())
+
+
+def test_injected_gap_is_always_resynced(shared_redis, cluster, rclient):
+    """A forged stream entry that skips a seq (the publisher dropped one) forces a resync."""
+    async def main():
+        w = Worker(shared_redis.url, cluster, "a")
+        calls = []
+
+        async def resync(worker_id, address):
+            calls.append(worker_id)
+            return 9, [(H(50), None, "device"), (H(51), H(50), "disk")]
+
+        index = ClusterIndex()
+        sub = IndexSubscriber(shared_redis.url, index, resync, cluster=cluster, poll_interval_s=POLL)
+        sub.start()
+        try:
+            w.emit(stored([1]))
+            assert w.pub.wait_published()
+            await sub.wait_synced(5.0)
+            key = stream_key("a", cluster)
+            for seq in (3, 9, 10):  # 2 and 4..8 missing; 3 and 9 are covered by the snapshot
+                data = encode_batch(EventBatch("a", seq, time.time(), [stored([seq])]))
+                rclient.xadd(key, {"seq": str(seq), "epoch": w.pub.epoch, "data": data})
+            await wait_until(lambda: index.last_seq("a") == 10)
+            assert calls == ["a"]
+            assert index.worker_blocks("a") == {H(50): frozenset({"device"}), H(51): frozenset({"disk"}),
+                                                H(10): frozenset({"device"})}
+        finally:
+            await sub.stop()
+            w.close()
+
+    asyncio.run(main())
+
+
+def test_restarted_worker_replaces_its_entries(shared_redis, cluster):
+    async def main():
+        old = Worker(shared_redis.url, cluster, "a")
+        index = ClusterIndex()
+        resync, calls = no_resync()
+        sub = IndexSubscriber(shared_redis.url, index, resync, cluster=cluster, poll_interval_s=POLL)
+        sub.start()
+        try:
+            for i in range(4):
+                old.emit(stored([i]))
+                old.pub.flush_now()
+            assert old.pub.wait_published()
+            await sub.wait_synced(5.0)
+            assert index.last_seq("a") == 4
+            old.pub.close()  # crash and restart: a new process numbers from 1 again
+            new = KVEventPublisher(shared_redis.url, "a", cluster=cluster, flush_interval_s=0.01)
+            try:
+                new.sink(stored([77]))
+                assert new.wait_published()
+                await wait_until(lambda: index.last_seq("a") == 1)
+                assert index.worker_blocks("a") == {H(77): frozenset({"device"})}
+                assert calls == []
+            finally:
+                new.close()
+        finally:
+            await sub.stop()
+            old.close()
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------- lease
+def test_lapsed_lease_removes_the_workers_entries_within_ttl_plus_poll(shared_redis, cluster):
+    ttl = 0.6
+
+    async def main():
+        a = Worker(shared_redis.url, cluster, "a", ttl_s=ttl, interval_s=0.1)
+        b = Worker(shared_redis.url, cluster, "b", ttl_s=ttl, interval_s=0.1)
+        index = ClusterIndex()
+        resync, calls = no_resync()
+        sub = IndexSubscriber(shared_redis.url, index, resync, cluster=cluster, poll_interval_s=POLL)
+        sub.start()
+        try:
+            a.emit(stored([1, 2]))
+            b.emit(stored([1]))
+            assert a.pub.wait_published() and b.pub.wait_published()
+            await sub.wait_synced(5.0)
+            assert index.num_blocks("a") == 2
+            a.close(delete=False)  # dies: no more heartbeats, the key just expires
+            gone_at = time.monotonic()
+            await wait_until(lambda: "a" not in index.workers(), timeout=5.0)
+            elapsed = time.monotonic() - gone_at
+            assert elapsed <= ttl + POLL + 0.3, elapsed
+            assert set(sub.live_workers()) == {"b"}
+            assert index.holders(H(1)) == {"b": "device"} and index.num_blocks("a") == 0
+            assert index.match([H(1), H(2)], now=0.0).keys() == {"b"}
+            assert calls == []
+        finally:
+            await sub.stop()
+            a.close()
+            b.close()
+
+    asyncio.run(main())

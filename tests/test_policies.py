@@ -1,0 +1,353 @@
+"""Routing policies: registry, each policy's contract, and kv_aware's behaviour."""
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from services.policies import (
+    RoutedShare,
+    DEFAULT_POLICY,
+    POLICIES,
+    KVAwarePolicy,
+    RouteRequest,
+    RoutingPolicy,
+    WorkerView,
+    make_policy,
+    register,
+)
+
+BS = 16
+
+
+def H(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def view(wid: str, **kw) -> WorkerView:
+    kw.setdefault("total_blocks", 1000)
+    kw.setdefault("free_blocks", 500)
+    if "matched_blocks" in kw:
+        kw.setdefault("weighted_blocks", float(kw["matched_blocks"]))
+    return WorkerView(wid, f"{wid}:50051", **kw)
+
+
+def request(num_blocks: int) -> RouteRequest:
+    return RouteRequest(num_blocks * BS, [H(i) for i in range(num_blocks)], BS)
+
+
+def picks(policy, req, workers, n=400, seed=0) -> Counter:
+    rng = random.Random(seed)
+    return Counter(policy.choose(req, workers, rng).worker_id for _ in range(n))
+
+
+# ------------------------------------------------------------------- registry
+def test_registry_has_the_builtin_policies():
+    assert {"round_robin", "random", "least_loaded", "prefix", "kv_aware"} <= set(POLICIES)
+    assert DEFAULT_POLICY == "kv_aware"
+    for name, cls in POLICIES.items():
+        p = make_policy(name)
+        assert isinstance(p, cls) and p.name == name
+    assert isinstance(make_policy(), KVAwarePolicy)
+
+
+def test_make_policy_unknown_name_lists_known_ones():
+    with pytest.raises(ValueError) as err:
+        make_policy("fastest")
+    for name in ("round_robin", "random", "least_loaded", "prefix", "kv_aware"):
+        assert name in str(err.value)
+
+
+def test_make_policy_passes_kwargs_and_validates():
+    p = make_policy("kv_aware", decode_weight=3.0, share_cap=0.5)
+    assert (p.decode_weight, p.share_cap) == (3.0, 0.5)
+    with pytest.raises(ValueError):
+        make_policy("kv_aware", share_cap=-1)
+    with pytest.raises(ValueError):
+        make_policy("kv_aware", queue_weight=-0.1)
+
+
+def test_register_rejects_a_taken_name_and_accepts_a_new_one():
+    class Impostor(RoutingPolicy):
+        name = "random"
+
+        def choose(self, req, workers, rng):
+            return workers[0]
+
+    with pytest.raises(ValueError):
+        register(Impostor)
+    assert POLICIES["random"] is not Impostor
+
+    class First(RoutingPolicy):
+        name = "test_first_worker"
+
+        def choose(self, req, workers, rng):
+            return workers[0]
+
+    try:
+        assert register(First) is First
+        w = [view("x"), view("y")]
+        assert make_policy("test_first_worker").choose(request(1), w, random.Random(0)) is w[0]
+    finally:
+        POLICIES.pop("test_first_worker", None)
+
+
+@pytest.mark.parametrize("name", ["round_robin", "random", "least_loaded", "prefix", "kv_aware"])
+def test_every_policy_rejects_an_empty_worker_list(name):
+    with pytest.raises(ValueError):
+        make_policy(name).choose(request(4), [], random.Random(0))
+
+
+@pytest.mark.parametrize("name", ["round_robin", "random", "least_loaded", "prefix", "kv_aware"])
+def test_every_policy_returns_one_of_the_views(name):
+    workers = [view("a", matched_blocks=2), view("b", queued_prefill_tokens=10)]
+    rng = random.Random(1)
+    p = make_policy(name)
+    for _ in range(20):
+        pick = p.choose(request(4), workers, rng)
+        assert any(pick is w for w in workers)
+
+
+# ------------------------------------------------------------ simple policies
+def test_round_robin_cycles_in_id_order_across_membership_changes():
+    p = make_policy("round_robin")
+    rng = random.Random(0)
+    ws = [view("c"), view("a"), view("b")]
+    assert [p.choose(request(1), ws, rng).worker_id for _ in range(4)] == ["a", "b", "c", "a"]
+    # b leaves, d joins: the rotation continues after the last id chosen ("a").
+    ws = [view("d"), view("a"), view("c")]
+    assert [p.choose(request(1), ws, rng).worker_id for _ in range(4)] == ["c", "d", "a", "c"]
+
+
+def test_random_is_reproducible_and_covers_all_workers():
+    ws = [view(f"w{i}") for i in range(4)]
+    p = make_policy("random")
+    a, b = picks(p, request(2), ws, seed=7), picks(p, request(2), ws, seed=7)
+    assert a == b
+    assert set(a) == {"w0", "w1", "w2", "w3"} and min(a.values()) > 60
+
+
+def test_least_loaded_orders_by_queued_tokens_then_running():
+    p = make_policy("least_loaded")
+    ws = [view("a", queued_prefill_tokens=500, running_requests=0),
+          view("b", queued_prefill_tokens=100, running_requests=9),
+          view("c", queued_prefill_tokens=100, running_requests=3, matched_blocks=50)]
+    assert set(picks(p, request(60), ws)) == {"c"}
+    ws[2].running_requests = 9
+    assert set(picks(p, request(60), ws)) == {"b", "c"}
+
+
+def test_prefix_takes_the_longest_match_ignoring_load():
+    p = make_policy("prefix")
+    ws = [view("a", matched_blocks=3, queued_prefill_tokens=10**6),
+          view("b", matched_blocks=1), view("c", matched_blocks=3)]
+    assert set(picks(p, request(8), ws)) == {"a", "c"}
+    ws[0].matched_blocks = 4
+    assert set(picks(p, request(8), ws)) == {"a"}
+
+
+# ------------------------------------------------------------------- kv_aware
+def test_kv_aware_a_long_prefix_goes_to_its_holder_when_loads_are_comparable():
+    p = make_policy("kv_aware")
+    req = request(100)
+    ws = [view("holder", matched_blocks=80, queued_prefill_tokens=300, running_requests=5, routed_recent=3.0),
+          view("b", matched_blocks=0, queued_prefill_tokens=200, running_requests=4, routed_recent=2.5),
+          view("c", matched_blocks=1, queued_prefill_tokens=250, running_requests=6, routed_recent=2.8)]
+    assert set(picks(p, req, ws)) == {"holder"}
+
+
+def test_kv_aware_a_host_tier_hit_is_worth_less_than_a_device_hit():
+    p = make_policy("kv_aware")
+    req = request(40)
+    ws = [view("host", matched_blocks=30, weighted_blocks=30 * 0.8),
+          view("device", matched_blocks=27, weighted_blocks=27.0)]
+    assert set(picks(p, req, ws)) == {"device"}
+    ws[1].matched_blocks, ws[1].weighted_blocks = 23, 23.0
+    assert set(picks(p, req, ws)) == {"host"}
+
+
+def test_kv_aware_b_sustained_burst_spills_once_the_queue_costs_more_than_recompute():
+    p = make_policy("kv_aware")
+    req = request(64)  # 1024 tokens; 60 blocks (960 tokens) cached on the holder
+    holder = view("holder", matched_blocks=60)
+    others = [view("b"), view("c")]
+    rng = random.Random(3)
+    seq = []
+    # A burst of identical requests, none finishing; routing history kept even (as with
+    # many routers), so only the queues speak. Each request queues its uncached prefill
+    # (64 tokens on the holder, 1024 elsewhere) where it lands.
+    for _ in range(100):
+        w = p.choose(req, [holder, *others], rng)
+        seq.append(w.worker_id)
+        w.queued_prefill_tokens += req.num_tokens - BS * w.matched_blocks
+        if w is not holder:  # it computed the prefix, so it caches it from now on
+            w.matched_blocks, w.weighted_blocks = 60, 60.0
+    # The holder keeps the burst while half its queue (64 tokens per request, charged at
+    # queue_weight 0.5) is below the 960 tokens a recompute costs: 30 requests; by the
+    # 32nd it spills.
+    assert seq[:30] == ["holder"] * 30
+    assert {"b", "c"} & set(seq[30:32])
+    assert {"b", "c"} <= set(seq)
+
+
+def test_kv_aware_blocks_every_worker_holds_give_no_preference():
+    p = make_policy("kv_aware")
+    req = request(12)
+    # All hold the same 10-block system prompt: a fair coin.
+    ws = [view("a", matched_blocks=10), view("b", matched_blocks=10)]
+    c = picks(p, req, ws)
+    assert set(c) == {"a", "b"} and min(c.values()) > 150
+    # A block beyond the shared ones does count...
+    ws[1].matched_blocks, ws[1].weighted_blocks = 11, 11.0
+    assert set(picks(p, req, ws)) == {"b"}
+    # ...and so does holding the shared ones on a slower tier.
+    ws[1].matched_blocks, ws[1].weighted_blocks = 10, 8.0
+    assert set(picks(p, req, ws)) == {"a"}
+
+
+def test_kv_aware_share_cap_overrides_a_full_hit_well_above_mean():
+    p = make_policy("kv_aware")
+    req = request(20)
+    # mean 10, limit 1.15 * 10 + 4 = 15.5: "hot" at 16 takes nothing despite a full hit.
+    ws = [view("hot", matched_blocks=20, routed_recent=16.0), view("b", routed_recent=10.0),
+          view("c", routed_recent=9.0), view("d", routed_recent=5.0)]
+    assert "hot" not in picks(p, req, ws)
+    # Within the cap a large hit is kept.
+    ws[0].routed_recent, ws[3].routed_recent = 15.0, 6.0
+    assert set(picks(p, req, ws)) == {"hot"}
+    # When every worker is over (impossible with a true mean, but views may be stale), none is excluded.
+    assert p.costs(req, [view("x", routed_recent=10.0)]) == [pytest.approx(20 * BS)]
+
+
+def test_kv_aware_queue_is_charged_at_queue_weight():
+    p = make_policy("kv_aware")
+    req = request(64)  # 1024 tokens, 60 blocks cached on the holder
+    ws = [view("holder", matched_blocks=60, queued_prefill_tokens=1900), view("b")]
+    assert set(picks(p, req, ws)) == {"holder"}  # 64 + 950 < 1024
+    ws[0].queued_prefill_tokens = 1950           # 64 + 975 > 1024
+    assert set(picks(p, req, ws)) == {"b"}
+
+
+def test_kv_aware_costs_follow_the_documented_formula():
+    p = KVAwarePolicy(queue_weight=0.25, decode_weight=10.0, share_cap=0.5, share_slack=1.0)
+    req = request(10)  # 160 tokens
+    ws = [view("a", matched_blocks=4, weighted_blocks=3.0, queued_prefill_tokens=50, running_requests=2,
+               routed_recent=6.0),
+          view("b", matched_blocks=2, weighted_blocks=2.0, queued_prefill_tokens=0, running_requests=1,
+               routed_recent=2.0)]
+    # mean 4, limit 1.5 * 4 + 1 = 7: both eligible
+    cost_a = 160 - BS * 3.0 + 0.25 * 50 + 10 * 2
+    cost_b = 160 - BS * 2.0 + 0 + 10 * 1
+    assert p.costs(req, ws) == pytest.approx([cost_a, cost_b])
+    ws[0].routed_recent = 9.0  # mean 5.5, limit 9.25: still eligible
+    assert p.costs(req, ws)[0] == pytest.approx(cost_a)
+    ws[0].routed_recent = 10.0  # mean 6, limit 10: equal is allowed
+    assert p.costs(req, ws)[0] == pytest.approx(cost_a)
+    ws[0].routed_recent = 10.5  # mean 6.25, limit 10.375: over
+    assert p.costs(req, ws)[0] == math.inf
+
+
+def test_routed_share_decays_per_decision():
+    share = RoutedShare(window=4)
+    share.note("a")
+    assert share.value("a") == pytest.approx(1.0)
+    share.note("b")
+    assert share.value("a") == pytest.approx(0.75) and share.value("b") == pytest.approx(1.0)
+    for _ in range(2000):  # long runs renormalise instead of underflowing
+        share.note("b")
+    assert share.value("b") == pytest.approx(4.0, rel=1e-6)
+    assert share.value("a") < 1e-100
+    with pytest.raises(ValueError):
+        RoutedShare(window=0.5)
+
+
+# ---------------------------------------------------------------- simulation
+def simulate(policy_name: str, workers=4, n=500, follow_up=0.8, service_tokens=None, seed=0, **kw):
+    """Closed-loop routing of a conversation workload.
+
+    Every request starts with one block all requests share; a new conversation adds
+    8-24 blocks of its own, a follow-up (probability ``follow_up``) picks an earlier
+    conversation and appends 2-8 blocks. Workers cache whatever they served (no
+    eviction), queue the uncached prefill tokens and drain ``service_tokens`` per
+    arrival (default: 70 % utilisation); running requests last 2 x workers arrivals;
+    routed_recent is a `RoutedShare` (window 400 decisions), as in the router.
+
+    Returns (request counts per worker, tokens hit, tokens the best worker held).
+    """
+    rng, prng = random.Random(seed), random.Random(seed + 1)
+    policy = make_policy(policy_name, **kw)
+    shared = b"\x00" * 15 + b"\x01"
+    if service_tokens is None:
+        service_tokens = (16 * (1 - follow_up) + 5 * follow_up) * BS / (workers * 0.7)
+    caches = [set() for _ in range(workers)]
+    queued = [0.0] * workers
+    routed = RoutedShare()
+    ends = [[] for _ in range(workers)]
+    convs: list[list[bytes]] = []
+    sent = [0] * workers
+    hit = best = 0
+    for t in range(n):
+        if convs and rng.random() < follow_up:
+            conv = rng.choice(convs)
+            conv.extend(rng.randbytes(16) for _ in range(rng.randint(2, 8)))
+        else:
+            conv = [shared] + [rng.randbytes(16) for _ in range(rng.randint(8, 24))]
+            convs.append(conv)
+        hashes = list(conv)
+        views = []
+        for i in range(workers):
+            m = 0
+            for h in hashes:
+                if h not in caches[i]:
+                    break
+                m += 1
+            ends[i] = [e for e in ends[i] if e > t]
+            views.append(WorkerView(f"w{i}", "", m, float(m), len(ends[i]), 0, int(queued[i]), 0, 0,
+                                    routed.value(f"w{i}")))
+        w = policy.choose(RouteRequest(len(hashes) * BS, hashes, BS), views, prng)
+        i = views.index(w)
+        sent[i] += 1
+        hit += w.matched_blocks * BS
+        best += max(v.matched_blocks for v in views) * BS
+        caches[i].update(hashes)
+        queued[i] += (len(hashes) - w.matched_blocks) * BS
+        ends[i].append(t + 2 * workers)
+        for j in range(workers):
+            queued[j] = max(0.0, queued[j] - service_tokens)
+        routed.note(w.worker_id)
+    return sent, hit, best
+
+
+def share_ratio(sent) -> float:
+    return max(sent) / (sum(sent) / len(sent))
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+def test_simulation_kv_aware_balances_and_keeps_prefix_hits(workers):
+    for seed in range(2):
+        sent, hit, best = simulate("kv_aware", workers=workers, seed=seed)
+        assert share_ratio(sent) <= 1.25, sent
+        assert hit / best >= 0.75
+        rnd_sent, rnd_hit, rnd_best = simulate("random", workers=workers, seed=seed)
+        assert hit > rnd_hit * 1.1  # it does exploit the cache
+
+
+def test_simulation_idle_queues_still_no_pile_up_on_the_shared_block():
+    # Prefill drains at once, so queues never push back: only the share cap does.
+    sent, hit, best = simulate("kv_aware", workers=4, service_tokens=10**9)
+    assert share_ratio(sent) <= 1.25, sent
+    assert hit / best >= 0.75
+    # Without it (nor the decode term) every request follows the shared block to one worker,
+    # as the pure prefix policy does.
+    for name, kw in (("kv_aware", dict(share_cap=1e9, decode_weight=0)), ("prefix", {})):
+        sent, _, _ = simulate(name, workers=4, service_tokens=10**9, **kw)
+        assert share_ratio(sent) > 3.5, (name, sent)
+
+
+def test_c_simulation_short_common_prefix_only_stays_balanced():
+    for workers in (2, 4):
+        for service in (None, 10**9):
+            sent, _, _ = simulate("kv_aware", workers=workers, follow_up=0.0, service_tokens=service, n=400)
+            assert share_ratio(sent) <= 1.25, sent

@@ -1,0 +1,352 @@
+"""Worker side of the KV event plane: event batches to a Redis stream, and a lease.
+
+Redis layout for a cluster named ``C`` (default ``"default"``):
+
+``kvmesh:C:events:<worker_id>`` (stream)
+    One entry per event batch, appended with ``XADD ... MAXLEN ~ N``. Fields:
+    ``seq`` (decimal batch sequence number, 1, 2, 3, ... per publisher),
+    ``epoch`` (random id of the publishing process; a new value means the
+    worker restarted with an empty cache and numbering began again at 1) and
+    ``data`` (the batch, :func:`cache_store.events.encode_batch`).
+``kvmesh:C:worker:<worker_id>`` (string, JSON, with a TTL)
+    The worker's lease: ``worker_id``, ``address``, the static ``info`` fields
+    (``block_size``, ``model_id``, ...), ``load`` (dict of load fields) and
+    ``ts`` (seconds since the epoch). Rewritten with ``SET ... PX ttl`` every
+    heartbeat; the worker counts as alive while the key exists.
+``kvmesh:C:workers`` (set)
+    Ids of every worker that ever registered; readers check each one's lease.
+
+Both classes run their Redis I/O on a daemon thread of their own with the
+synchronous redis client, so the engine thread never waits on the network.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Callable
+
+import redis
+
+from cache_store.events import EventBatch, encode_batch
+
+__all__ = [
+    "DEFAULT_CLUSTER",
+    "stream_key",
+    "lease_key",
+    "workers_key",
+    "KVEventPublisher",
+    "WorkerLease",
+]
+
+log = logging.getLogger(__name__)
+
+#: Cluster name used when none is given.
+DEFAULT_CLUSTER = "default"
+
+_BACKOFF_START_S = 0.05
+_BACKOFF_MAX_S = 2.0
+
+
+def stream_key(worker_id: str, cluster: str = DEFAULT_CLUSTER) -> str:
+    """Redis stream holding ``worker_id``'s event batches: ``kvmesh:{cluster}:events:{worker_id}``."""
+    return f"kvmesh:{cluster}:events:{worker_id}"
+
+
+def lease_key(worker_id: str, cluster: str = DEFAULT_CLUSTER) -> str:
+    """Redis key of ``worker_id``'s lease (JSON string with a TTL): ``kvmesh:{cluster}:worker:{worker_id}``."""
+    return f"kvmesh:{cluster}:worker:{worker_id}"
+
+
+def workers_key(cluster: str = DEFAULT_CLUSTER) -> str:
+    """Redis set of every worker id that ever registered: ``kvmesh:{cluster}:workers``."""
+    return f"kvmesh:{cluster}:workers"
+
+
+def _client(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+
+
+class KVEventPublisher:
+    """Batches a worker's KV events and appends them to its Redis stream.
+
+    ``sink`` is the engine's event callback. A background thread cuts the
+    pending events into batches every ``flush_interval_s`` (sooner once
+    ``max_batch_events`` are pending), numbers them ``seq = last + 1``
+    starting at 1, and appends each with
+    ``XADD <stream> MAXLEN ~ stream_maxlen * seq <seq> epoch <epoch> data <batch>``,
+    strictly in seq order.
+
+    When Redis is unreachable the thread retries with exponential backoff
+    (0.05 s doubling to 2 s) while events keep being batched; at most
+    ``max_queued_batches`` wait, and the oldest are dropped beyond that.
+    Numbering never goes back, so a dropped batch shows up as a gap to readers,
+    who then resync from the worker's snapshot.
+
+    On start the stream is emptied (``XTRIM MAXLEN 0``) before the first append:
+    entries of an earlier process with the same worker id describe a cache
+    that no longer exists.
+
+    Args:
+        redis_url: e.g. ``redis://127.0.0.1:6379/0``.
+        worker_id: this worker's id.
+        cluster: cluster name (key prefix).
+        flush_interval_s: longest time an event waits before being batched (seconds).
+        max_batch_events: most events per batch (events).
+        stream_maxlen: approximate cap on stream entries (batches).
+        max_queued_batches: most batches held while Redis is unreachable (batches).
+
+    Raises:
+        ValueError: a size or interval is not positive.
+    """
+
+    def __init__(self, redis_url: str, worker_id: str, cluster: str = DEFAULT_CLUSTER,
+                 flush_interval_s: float = 0.05, max_batch_events: int = 256,
+                 stream_maxlen: int = 100_000, max_queued_batches: int = 4096):
+        if flush_interval_s <= 0 or max_batch_events < 1 or stream_maxlen < 1 or max_queued_batches < 1:
+            raise ValueError("flush_interval_s, max_batch_events, stream_maxlen and max_queued_batches "
+                             "must be positive")
+        self.worker_id = worker_id
+        self.cluster = cluster
+        self.stream = stream_key(worker_id, cluster)
+        self.epoch = uuid.uuid4().hex
+        self.flush_interval_s = flush_interval_s
+        self.max_batch_events = max_batch_events
+        self.stream_maxlen = stream_maxlen
+        self.max_queued_batches = max_queued_batches
+        self._redis = _client(redis_url)
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)   # signalled when batches leave the queue
+        self._pending: list = []
+        self._queue: collections.deque[tuple[int, float, list]] = collections.deque()
+        self._last_seq = 0        # last seq assigned
+        self._settled_seq = 0     # every seq <= this was appended or dropped
+        self._published = 0
+        self._dropped = 0
+        self._errors = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kv-publisher-{worker_id}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ engine side
+    def sink(self, event) -> None:
+        """Queue one KV event (thread-safe, no I/O; called from the engine thread)."""
+        with self._lock:
+            self._pending.append(event)
+            full = len(self._pending) >= self.max_batch_events
+        if full:
+            self._wake.set()
+
+    def flush_now(self) -> int:
+        """Number the pending events now and return the last seq assigned (0 if none yet).
+
+        Every event passed to :meth:`sink` before the call belongs to a batch
+        with seq <= the returned value; a snapshot taken together with this
+        call therefore reflects exactly batches ``1..seq``. The appends
+        themselves happen on the background thread, in seq order.
+        """
+        with self._lock:
+            self._cut_locked()
+            seq = self._last_seq
+        self._wake.set()
+        return seq
+
+    def wait_published(self, timeout: float = 5.0) -> bool:
+        """Flush, then wait until every batch numbered so far was appended or dropped.
+
+        Returns:
+            True if that happened within ``timeout`` seconds.
+        """
+        target = self.flush_now()
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._settled_seq < target:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._done.wait(left)
+        return True
+
+    def stats(self) -> dict:
+        """Counters: last_seq, published, dropped (batches), errors (failed Redis calls)."""
+        with self._lock:
+            return {"last_seq": self._last_seq, "published": self._published,
+                    "dropped": self._dropped, "errors": self._errors}
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Flush, wait up to ``timeout`` seconds for the appends, stop the thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait_published(timeout)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=timeout + 1.0)
+        self._redis.close()
+
+    # ------------------------------------------------------------- internals
+    def _cut_locked(self) -> None:
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        now = time.time()
+        step = self.max_batch_events
+        for start in range(0, len(pending), step):
+            self._last_seq += 1
+            self._queue.append((self._last_seq, now, pending[start:start + step]))
+        while len(self._queue) > self.max_queued_batches:
+            seq, _, _ = self._queue.popleft()
+            self._dropped += 1
+            self._settled_seq = max(self._settled_seq, seq)
+        self._done.notify_all()
+
+    def _run(self) -> None:
+        trimmed = False
+        backoff = 0.0
+        while True:
+            stopping = self._stop.is_set()
+            if not stopping:
+                if backoff:  # Redis is failing: wait out the backoff even if events pile up
+                    self._stop.wait(backoff)
+                else:
+                    self._wake.wait(self.flush_interval_s)
+                self._wake.clear()
+            with self._lock:
+                self._cut_locked()
+            try:
+                if not trimmed:
+                    self._redis.xtrim(self.stream, maxlen=0, approximate=False)
+                    trimmed = True
+                self._send_queued()
+                backoff = 0.0
+            except redis.RedisError as exc:
+                with self._lock:
+                    self._errors += 1
+                backoff = min(_BACKOFF_MAX_S, max(_BACKOFF_START_S, backoff * 2))
+                log.warning("kv events for %s not published (%s); retrying in %.2f s",
+                            self.worker_id, exc, backoff)
+                if stopping:
+                    return
+                continue
+            if stopping:
+                return
+
+    def _send_queued(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return
+                seq, ts, events = self._queue[0]
+            try:
+                data = encode_batch(EventBatch(self.worker_id, seq, ts, events))
+            except ValueError as exc:
+                log.error("dropping malformed kv event batch %d of %s: %s", seq, self.worker_id, exc)
+                data = None
+            if data is not None:
+                self._redis.xadd(self.stream, {"seq": str(seq), "epoch": self.epoch, "data": data},
+                                 maxlen=self.stream_maxlen, approximate=True)
+            with self._lock:
+                # The head may have been dropped by an overflow meanwhile.
+                if self._queue and self._queue[0][0] == seq:
+                    self._queue.popleft()
+                if data is None:
+                    self._dropped += 1
+                else:
+                    self._published += 1
+                self._settled_seq = max(self._settled_seq, seq)
+                self._done.notify_all()
+
+
+class WorkerLease:
+    """Keeps a worker's lease key alive in Redis from a heartbeat thread.
+
+    Every ``interval_s`` it writes ``kvmesh:{cluster}:worker:{worker_id}`` =
+    JSON ``{**info, "worker_id", "address", "load": load_fn(), "ts"}`` with
+    ``SET ... PX ttl_s*1000`` and adds the id to ``kvmesh:{cluster}:workers``.
+    If the worker stops beating, readers see the key vanish after ``ttl_s``.
+    Redis errors and ``load_fn`` errors are logged and retried on the next
+    beat (the last good load is reused).
+
+    Args:
+        redis_url: Redis URL.
+        worker_id: worker id.
+        address: gRPC address routers dial (host:port).
+        info: static fields, e.g. ``block_size``, ``model_id``, ``num_blocks``.
+        load_fn: returns the current load fields (e.g. ``Engine.load``).
+        cluster: cluster name.
+        ttl_s: lease lifetime without a heartbeat (seconds).
+        interval_s: heartbeat period (seconds), below ``ttl_s``.
+
+    Raises:
+        ValueError: ``interval_s`` is not in ``(0, ttl_s)``.
+    """
+
+    def __init__(self, redis_url: str, worker_id: str, address: str, info: dict,
+                 load_fn: Callable[[], dict], cluster: str = DEFAULT_CLUSTER,
+                 ttl_s: float = 3.0, interval_s: float = 1.0):
+        if not 0 < interval_s < ttl_s:
+            raise ValueError("interval_s must be positive and below ttl_s")
+        self.worker_id = worker_id
+        self.address = address
+        self.info = dict(info)
+        self.load_fn = load_fn
+        self.key = lease_key(worker_id, cluster)
+        self.set_key = workers_key(cluster)
+        self.ttl_s = ttl_s
+        self.interval_s = interval_s
+        self._redis = _client(redis_url)
+        self._load: dict = {}
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"worker-lease-{worker_id}", daemon=True)
+        self._thread.start()
+
+    def lease_value(self) -> dict:
+        """The lease contents the next heartbeat writes (calls ``load_fn``)."""
+        try:
+            self._load = dict(self.load_fn())
+        except Exception:  # the load callback belongs to the engine; never kill the heartbeat
+            log.exception("load_fn of worker %s failed; reusing the last load", self.worker_id)
+        return {**self.info, "worker_id": self.worker_id, "address": self.address,
+                "load": self._load, "ts": time.time()}
+
+    def beat(self) -> None:
+        """Write the lease once, now (the thread does this every ``interval_s``).
+
+        Raises:
+            redis.RedisError: Redis could not be reached.
+        """
+        value = json.dumps(self.lease_value(), separators=(",", ":"))
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(self.key, value, px=int(self.ttl_s * 1000))
+        pipe.sadd(self.set_key, self.worker_id)
+        pipe.execute()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.beat()
+            except redis.RedisError as exc:
+                log.warning("lease of %s not renewed: %s", self.worker_id, exc)
+            self._stop.wait(self.interval_s)
+
+    def close(self, delete: bool = True) -> None:
+        """Stop beating and, if ``delete``, delete the lease key (best effort);
+        otherwise it lapses after ``ttl_s``, as when the worker dies. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + 5.0)
+        if delete:
+            try:
+                self._redis.delete(self.key)
+            except redis.RedisError as exc:
+                log.warning("lease of %s not deleted (expires by itself): %s", self.worker_id, exc)
+        self._redis.close()
