@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from cache_store.hashing import Namespace, hash_blocks
+from cache_store.hashing import NATIVE_HASHING, Namespace, hash_blocks
 from cache_store.radix_index import RadixIndex
 
 BLOCK_SIZE = 16
@@ -88,6 +88,7 @@ def bench_hashing(num_tokens: int = HASH_TOKENS, repeats: int = 7) -> dict:
         "hash_ndarray_mtok_s": round(num_tokens / t_arr / 1e6, 1),
         "hash_32k_mtok_s": round(len(prompts) * PROMPT_TOKENS / t_prompts / 1e6, 1),
         "raw_xxh3_mtok_s": round(num_tokens / t_raw / 1e6, 1),
+        "hash_impl": "c" if NATIVE_HASHING else "python",
     }
 
 

@@ -24,6 +24,7 @@ Every digest is the 16-byte big-endian canonical form produced by
 
 from __future__ import annotations
 
+import os
 import sys
 from array import array
 from dataclasses import dataclass, field
@@ -54,6 +55,14 @@ _xxh3_128_digest = xxhash.xxh3_128_digest
 # and it rejects out-of-range values by itself. Its item is a C unsigned int
 # in native order, so it is only used where that is 4 little-endian bytes.
 _ARRAY_U32_OK = array("I").itemsize == 4 and sys.byteorder == "little"
+
+try:  # C loop over the same definition (cache_store/_chainhash.c); optional at install time
+    from cache_store import _chainhash
+except ImportError:  # pragma: no cover - exercised where libxxhash-dev is absent
+    _chainhash = None
+
+#: True when the C extension is in use (``KVMESH_PURE_PYTHON_HASH=1`` turns it off).
+NATIVE_HASHING = _chainhash is not None and os.environ.get("KVMESH_PURE_PYTHON_HASH", "") not in ("1", "true")
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,8 @@ def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """
     if isinstance(token_ids, np.ndarray):
         return _ndarray_to_bytes(token_ids)
+    if NATIVE_HASHING and isinstance(token_ids, (list, tuple)):
+        return _chainhash.pack_u32(token_ids)
     if _ARRAY_U32_OK:
         try:
             return array("I", token_ids).tobytes()
@@ -206,7 +217,9 @@ def hash_blocks(
     step = block_size * 4
     stop = len(tb) - step + 1
     h = parent_hash
-    if hash_fn is hash_block:
+    if hash_fn is hash_block and NATIVE_HASHING:
+        hashes = _chainhash.chain_hash(tb, block_size, h)
+    elif hash_fn is hash_block:
         d = _xxh3_128_digest
         hashes = [h := d(h + tb[o : o + step]) for o in range(0, stop, step)]
     else:

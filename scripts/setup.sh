@@ -4,11 +4,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "[setup] installing redis-server from Debian" >&2
+# redis-server for the cluster; libxxhash-dev (+ a C compiler) for the C hashing loop
+need=()
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+[ -f /usr/include/xxhash.h ] || need+=(libxxhash-dev)
+command -v cc >/dev/null 2>&1 || need+=(gcc)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "[setup] installing from Debian: ${need[*]}" >&2
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
 PY=${PYTHON:-python3}
@@ -19,7 +24,8 @@ fi
 # torch is pinned to the CPU build that this machine kind keeps on local disk; a plain
 # "torch" would pull a multi-GB CUDA build.
 stamp=.venv/.kvmesh-setup
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+   || [ cache_store/_chainhash.c -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[test]"
