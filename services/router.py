@@ -17,15 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import signal
 import time
 import uuid
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from cache_store.hashing import Namespace, hash_blocks
 from proto import kvmesh_pb2 as pb
@@ -34,7 +30,7 @@ from services.cluster_index import ClusterIndex, weighted_blocks
 from services.index_subscriber import IndexSubscriber
 from services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
 from workers.config import ModelConfig
-from workers.server import MAX_MESSAGE_BYTES
+from workers.grpc_host import CHANNEL_OPTIONS, GrpcHost
 from workers.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -72,10 +68,7 @@ class RouterServicer(pb_grpc.RouterServicer):
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ])
+            ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._channels[address] = ch
         return ch
 
@@ -223,8 +216,7 @@ def _block_size(live: dict[str, dict]) -> int:
 
 
 async def _resync(address: str) -> tuple[int, list[tuple[bytes, bytes | None, str]]]:
-    async with grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]) as ch:
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
         snap = await pb_grpc.WorkerStub(ch).GetSnapshot(pb.SnapshotRequest(), timeout=10.0)
     return snap.seq, [(b.block_hash, b.parent_block_hash or None, b.medium or "device") for b in snap.blocks]
 
@@ -245,36 +237,17 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
 
     subscriber = IndexSubscriber(redis_url, index, resync, cluster=cluster)
     servicer = RouterServicer(index, subscriber, policy, model_dir=model_dir, seed=seed)
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    grpc_host = GrpcHost(host, port, [
+        (pb_grpc.add_RouterServicer_to_server, servicer, pb.DESCRIPTOR.services_by_name["Router"].full_name),
+        (pb_grpc.add_WorkerServicer_to_server, WorkerFacade(servicer),
+         pb.DESCRIPTOR.services_by_name["Worker"].full_name),
     ])
-    pb_grpc.add_RouterServicer_to_server(servicer, server)
-    pb_grpc.add_WorkerServicer_to_server(WorkerFacade(servicer), server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    names = (pb.DESCRIPTOR.services_by_name["Router"].full_name, pb.DESCRIPTOR.services_by_name["Worker"].full_name,
-             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"could not bind {host}:{port}: is another process using it?")
     await subscriber.start()
-    await server.start()
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health.set(names[0], health_pb2.HealthCheckResponse.SERVING)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+    bound = await grpc_host.start()
     print(f"kvmesh router ({policy}) listening on {host}:{bound}", flush=True)
     if ready is not None:
         ready.set()
-    await stop.wait()
-    await health.enter_graceful_shutdown()
-    await server.stop(grace=2.0)
+    await grpc_host.wait(stop)
+    await grpc_host.stop()
     await subscriber.stop()
     await servicer.close()

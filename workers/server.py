@@ -9,25 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import socket
 import uuid
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from proto import kvmesh_pb2 as pb
 from proto import kvmesh_pb2_grpc as pb_grpc
 from workers import wire
 from workers.engine import Engine
+from workers.grpc_host import GrpcHost
 from workers.request import InvalidRequest, Overloaded, RequestOutput
 
 log = logging.getLogger(__name__)
 
-#: Largest message either side accepts (bytes): a 128K-token prompt as uint32 plus slack.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -117,36 +112,15 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
         RuntimeError: the port could not be bound.
     """
     worker_id = worker_id or f"{socket.gethostname()}:{port}"
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ])
     servicer = WorkerServicer(engine, worker_id, f"{host}:{port}")
-    pb_grpc.add_WorkerServicer_to_server(servicer, server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    names = (pb.DESCRIPTOR.services_by_name["Worker"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"could not bind {host}:{port}: is another process using it?")
+    grpc_host = GrpcHost(host, port, [(pb_grpc.add_WorkerServicer_to_server, servicer,
+                                       pb.DESCRIPTOR.services_by_name["Worker"].full_name)])
     engine.start()
-    await server.start()
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health.set(names[0], health_pb2.HealthCheckResponse.SERVING)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
+    bound = await grpc_host.start()
     log.info("worker %s serving on %s:%d", worker_id, host, bound)
     print(f"kvmesh worker {worker_id} listening on {host}:{bound}", flush=True)
     if ready is not None:
         ready.set()
-    await stop.wait()
-    await health.enter_graceful_shutdown()
-    await server.stop(grace=2.0)
+    await grpc_host.wait(stop)
+    await grpc_host.stop()
     engine.stop()

@@ -1,0 +1,71 @@
+"""Hosting gRPC services the same way in every kvmesh process.
+
+A `GrpcHost` binds one grpc.aio server with kvmesh's message limits, the standard
+health service (SERVING for "" and each named service) and server reflection, and
+waits for SIGINT/SIGTERM or an event before a graceful stop. The worker and the router
+both use it.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+#: Largest message either side accepts (bytes): a 128K-token prompt as uint32 plus slack.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class GrpcHost:
+    """One aio server for ``services``: ``[(add_to_server_fn, servicer, full_service_name)]``.
+
+    Raises:
+        RuntimeError: from `start`, when ``host:port`` cannot be bound.
+    """
+
+    def __init__(self, host: str, port: int, services: list[tuple[Callable, object, str]]):
+        self.host = host
+        self.port = port
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.health = health_aio.HealthServicer()
+        self.names = [name for _, _, name in services]
+        for add, servicer, _ in services:
+            add(servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (*self.names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+
+    async def start(self) -> int:
+        """Bind, start and report SERVING; returns the bound port."""
+        bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        if bound == 0:
+            raise RuntimeError(f"could not bind {self.host}:{self.port}: is another process using it?")
+        await self.server.start()
+        for name in ("", *self.names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return bound
+
+    async def wait(self, stop: asyncio.Event | None = None) -> None:
+        """Return when ``stop`` is set or SIGINT/SIGTERM arrives (main thread only)."""
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
+        await stop.wait()
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Report NOT_SERVING, then stop, letting in-flight RPCs finish for ``grace_s`` seconds."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace=grace_s)
