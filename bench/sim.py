@@ -1,79 +1,204 @@
-"""Cluster simulator: replays a Mooncake trace through the real routing code, no model.
+"""Cluster simulator: ``kvmesh sim`` replays a Mooncake trace through the service's routing code.
 
-Each simulated worker is the worker's own `PrefixCache` (block pool + radix index, LRU
-eviction of chain tails first) sized in trace blocks, plus a FIFO queue served one
-request at a time. The router is the service's own code: `ClusterIndex` fed by the
-workers' KV events (applied as soon as a request's blocks are committed) and a policy
-from `services.policies`, given the same `WorkerView` fields the live router builds.
+No model runs. What is simulated is time; what is *not* simulated is the code that decides:
+every worker is the worker's own `cache_store.prefix_cache.PrefixCache` (block pool + radix
+index, leaf-first LRU eviction), its KV events feed the router's own
+`services.cluster_index.ClusterIndex`, and each request is routed by a policy from the
+`services.policies` registry (``make_policy``), given the same `WorkerView` fields, the same
+`RoutedShare` counts and the same speculative index entries as `services.router`.
 
-Unit of caching: one trace block (``hash_ids`` entry, 512 tokens in the trace). A
-request's blocks are its hash_ids, all counted, the partial tail included (as the
-published block-weighted hit rates count them).
+Cache blocks
+------------
+Two granularities, picked by ``block_size``:
 
-Cost model (seconds), calibrated from the engine (see `calibrate`)::
+* ``block_size=None`` (the default, the trace at its real size): one cache block per trace
+  block (``hash_ids`` entry), standing for ``block_tokens`` tokens (512 in the trace). A
+  request's blocks are all its hash ids, the partial tail included, and all may hit: this
+  is how the published block-weighted hit rates of the trace count (105,710 of 288,500
+  block references hit an unbounded cache). Capacity: ``capacity_tokens // block_tokens``
+  blocks per worker.
+* ``block_size=B`` (the live cluster's setting): prompts are synthesized with
+  `bench.trace.synthesize_tokens` (``block_tokens`` tokens per trace block) and hashed with
+  `cache_store.hashing.hash_blocks` in blocks of ``B`` tokens, exactly as the router and the
+  workers do. As in the engine, a hit covers at most ``floor((L - 1) / B)`` blocks, a request
+  allocates blocks for its prompt and output, and only full prompt blocks are cached.
+  ``hit_rate_blocks`` counts the trace blocks whose tokens are all cached, as
+  `bench.report` does for a live run.
 
-    prefill = prefill_s_per_token * computed_prefill_tokens      (one prefill at a time per worker)
-    decode  = decode_s_per_step * output_tokens                  (batched: runs beside later prefills)
+Workers and time
+----------------
+Each worker has one prefill stream served in arrival order and decodes beside it (decode is
+batched with other work, so it does not hold the stream). A request's life:
 
-TTFT = time queued behind earlier prefills + own prefill; a request's end = TTFT + decode.
+1. **Arrival** (the trace timestamp divided by ``time_scale``, or, with ``concurrency=K``, a
+   closed loop of K clients as in ``kvmesh bench``): the policy chooses a worker from the
+   views; the router's bookkeeping follows (`RoutedShare.note`, a speculative index entry for
+   2 s, the estimated prefill ``N - B * matched`` added to the worker's queued prefill).
+2. **Prefill start** (its stream is free): the worker matches its own cache, locks the hit
+   and allocates the rest (if the pool has no room the request runs uncached).
+3. **Prefill end** after ``prefill_s_per_token * computed_tokens`` seconds: its blocks are
+   committed (KV events reach the index at once), TTFT = prefill end - arrival.
+4. **Finish** after ``decode_s_per_step * output_tokens`` more seconds: its blocks are
+   released (chain tails first) and stay cached until evicted.
+
+Cost model (`CostModel`)::
+
+    prefill_s = prefill_s_per_token * (prompt_tokens - cached_tokens)
+    decode_s  = decode_s_per_step  * output_tokens
+
+The defaults are planning constants for a GPU-class worker, not a measurement: 12,000
+prefill tokens/s and 30 ms per decode step, in the range of an 8B-parameter dense model in
+bf16 on one H100-class GPU. A prompt token costs about 2 x 8e9 = 16 GFLOP, so 12,000
+tokens/s is about 190 TFLOP/s, a fifth of the H100 SXM's dense BF16 peak (989 TFLOP/s,
+NVIDIA's datasheet); a decode step of a batch of long-context sequences reads the 16 GB of
+weights plus their KV, tens of GB at its 3.35 TB/s. A prompt whose trace blocks are all
+cached still computes one token. `calibrate` measures both constants on this machine's
+engine instead (``kvmesh sim --calibrate``).
+
+``pooled`` is not a router: one cache holding all workers' capacity, served by as many
+prefill streams from one shared queue, the reference a router's hit rate is measured
+against. It is not a strict bound: LRU is not an optimal eviction order, and a router whose
+partitions shield some conversations from others' churn can occasionally beat it.
+
+Reported per policy: ``hit_rate_blocks``, ``hit_rate_tokens``, ``ttft_ms`` {p50, p99},
+``imbalance`` (max over mean of per-worker request counts), ``prefill_tokens_saved``, and
+``sim_seconds`` (wall time of the replay).
 """
 from __future__ import annotations
 
+import argparse
 import heapq
+import json
 import math
 import random
+import shlex
+import statistics
 import struct
+import sys
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
 
 from cache_store.events import EventBatch
+from cache_store.hashing import Namespace, hash_blocks
 from cache_store.prefix_cache import PrefixCache
 from services.cluster_index import ClusterIndex, weighted_blocks
-from services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
+from services.policies import POLICIES, RoutedShare, RouteRequest, WorkerView, make_policy
 
+__all__ = [
+    "TRACE_BLOCK_TOKENS",
+    "POOLED",
+    "DEFAULT_POLICIES",
+    "DEFAULT_TRACE",
+    "SPECULATIVE_TTL_S",
+    "CostModel",
+    "Workload",
+    "calibrate",
+    "prepare",
+    "simulate",
+    "simulate_live",
+    "run_policies",
+    "results_markdown",
+    "summary",
+    "main",
+    "register",
+]
+
+#: Tokens per block in the Mooncake traces.
 TRACE_BLOCK_TOKENS = 512
+#: Name of the reference layout: one shared cache of all workers' capacity (not a routing policy).
+POOLED = "pooled"
+#: Lifetime of the router's speculative index entries (s); equal to
+#: ``services.router.SPECULATIVE_TTL_S`` (a test keeps them equal).
+SPECULATIVE_TTL_S = 2.0
+#: Policies of a default run: the reference first, then kvmesh's, the field's, and the baselines.
+DEFAULT_POLICIES = (POOLED, "kv_aware", "dynamo_kv", "llmd_precise", "sglang_cache_aware", "ray_prefix_affinity",
+                    "prefix", "least_loaded", "power_of_two", "round_robin", "random")
+#: The full Mooncake conversation trace shipped in the repository (see bench/data/README.md).
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_trace.jsonl.gz"
+
+_ARRIVE, _PREFILL_DONE, _FINISH = 0, 1, 2
 
 
-@dataclass
+# --------------------------------------------------------------------------- cost model
+@dataclass(frozen=True)
 class CostModel:
-    """Seconds per prefill token and per decode step of one worker."""
+    """Seconds per computed prefill token and per decode step of one worker.
 
-    prefill_s_per_token: float = 1 / 3000.0
-    decode_s_per_step: float = 0.02
+    Defaults: a GPU-class worker (see the module docstring); `calibrate` measures them.
+    """
 
+    prefill_s_per_token: float = 1 / 12000.0
+    decode_s_per_step: float = 0.03
 
-@dataclass
-class _Job:
-    idx: int
-    hashes: list[bytes]
-    tokens: bytes
-    num_tokens: int
-    output_tokens: int
-    arrival: float
-    cached_blocks: int = 0
-    prefill_tokens: int = 0
-    start: float = 0.0
-    client: int = -1
+    def __post_init__(self):
+        if not (self.prefill_s_per_token > 0 and self.decode_s_per_step >= 0):
+            raise ValueError("prefill_s_per_token must be > 0 and decode_s_per_step >= 0")
 
 
-@dataclass
-class _SimWorker:
-    worker_id: str
-    cache: PrefixCache
-    queue: deque = field(default_factory=deque)
-    busy: _Job | None = None
-    queued_prefill: int = 0
-    running: int = 0
-    seq: int = 0
-    num_requests: int = 0
+def calibrate(prompt_tokens: Sequence[int] = (256, 512, 1024), decode_steps: int = 32, rounds: int = 3,
+              model_dir: str | None = None, device: str = "cpu", block_size: int = 16, seed: int = 0) -> CostModel:
+    """Measure the engine's prefill seconds per token and decode seconds per step.
+
+    Runs `workers.engine.Engine` (the built-in model unless ``model_dir``) on ``device``:
+
+    * prefill: cold prompts of each length in ``prompt_tokens`` (random token ids, the cache
+      cleared before each), ``rounds`` times; ``prefill_s_per_token`` = the sum of the
+      engine's ``prefill_ms`` over the sum of prompt tokens (the average cost of a token of
+      a cold prefill at those lengths, per-step overheads included);
+    * decode: a 16-token prompt generating ``decode_steps + 1`` tokens (``ignore_eos``),
+      ``rounds`` times; ``decode_s_per_step`` = the median of
+      ``(e2e_ms - ttft_ms) / decode_steps`` (one sequence per step).
+
+    A few seconds on a CPU with the built-in model.
+
+    Raises:
+        ValueError: empty ``prompt_tokens``, or ``decode_steps`` / ``rounds`` < 1.
+    """
+    if not prompt_tokens or decode_steps < 1 or rounds < 1:
+        raise ValueError("need at least one prompt length, decode_steps >= 1 and rounds >= 1")
+    from workers.engine import Engine
+    from workers.request import SamplingParams
+
+    longest = max(prompt_tokens)
+    engine = Engine(model_dir=model_dir, device=device, block_size=block_size,
+                    num_blocks=2 * (longest + decode_steps + 16) // block_size + 16,
+                    max_num_batched_tokens=longest, max_num_seqs=4).start()
+    rng = random.Random(seed)
+    vocab = engine.config.vocab_size
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    try:
+        engine.generate(toks(32), SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+        prefill_ms = 0.0
+        prefill_tokens = 0
+        per_step = []
+        for _ in range(rounds):
+            for n in prompt_tokens:
+                engine.clear_cache()
+                out = engine.generate(toks(n), SamplingParams(max_tokens=1))
+                prefill_ms += out["timing"]["prefill_ms"]
+                prefill_tokens += n
+            engine.clear_cache()
+            out = engine.generate(toks(16), SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True))
+            per_step.append((out["timing"]["e2e_ms"] - out["timing"]["ttft_ms"]) / decode_steps)
+    finally:
+        engine.stop()
+    return CostModel(prefill_s_per_token=max(1e-9, prefill_ms / 1000.0 / prefill_tokens),
+                     decode_s_per_step=max(0.0, statistics.median(per_step) / 1000.0))
 
 
-def _block_hash(hash_id: int) -> bytes:
-    return struct.pack("<QQ", hash_id & 0xFFFFFFFFFFFFFFFF, 0x6B766D657368)  # "kvmesh" tag
+# ----------------------------------------------------------------------------- workload
+class _TraceChain:
+    """`BlockHashes`-shaped view of a trace request at one cache block per hash id.
 
-
-class _Chain:
-    """`BlockHashes`-shaped view of a trace request: one block per hash_id (block_size 1)."""
+    The cache runs with ``block_size`` 1: each "token" is a trace block whose bytes are the
+    low 32 bits of its hash id (the radix index verifies them on every hit).
+    """
 
     __slots__ = ("hashes", "token_bytes", "block_size")
 
@@ -86,154 +211,489 @@ class _Chain:
         return self.token_bytes[4 * i:4 * i + 4]
 
 
-def simulate(reqs, policy: str, num_workers: int, capacity_tokens: int, block_tokens: int = TRACE_BLOCK_TOKENS,
-             concurrency: int | None = None, time_scale: float = 1.0, cost: CostModel | None = None,
-             max_output_tokens: int | None = None, seed: int = 0) -> dict:
-    """Replay ``reqs`` (`bench.trace.TraceRequest`) through ``policy`` on ``num_workers``.
+@dataclass(slots=True)
+class _Spec:
+    """One request, prepared once and replayed under every policy."""
+
+    route_hashes: list[bytes]     # what the router hashes: every full cache block
+    chain: object                 # BlockHashes-like, for the worker's PrefixCache
+    num_tokens: int               # prompt tokens
+    reuse_cap: int                # most cache blocks a hit may cover
+    alloc_blocks: int             # cache blocks the request occupies while it runs
+    commit_blocks: int            # leading cache blocks committed after its prefill
+    output_tokens: int
+    arrival_s: float              # trace arrival time (s)
+    trace_blocks: int             # trace blocks of the request (denominator of the hit rate)
+    block_lengths: tuple          # tokens per trace block (token mode) / per cache block (trace mode)
+    cum_tokens: tuple = ()        # trace mode: tokens in the first k cache blocks, k = 0..n
+
+
+@dataclass
+class Workload:
+    """A trace prepared for replay at one granularity (see the module docstring).
+
+    Attributes:
+        specs: one prepared request per trace line, in file order.
+        block_tokens: tokens per trace block.
+        block_size: tokens per cache block in token mode; None in trace mode.
+    """
+
+    specs: list
+    block_tokens: int
+    block_size: int | None
+
+    @property
+    def cache_block_tokens(self) -> int:
+        """Tokens per cache block (the ``B`` of ``N - B * matched``)."""
+        return self.block_size if self.block_size is not None else self.block_tokens
+
+    def hit_of(self, spec: _Spec, held: int) -> tuple[int, int]:
+        """(trace blocks hit, prompt tokens cached) for ``held`` cached leading blocks."""
+        if self.block_size is None:
+            return held, min(spec.num_tokens - 1, spec.cum_tokens[held])
+        cached = held * self.block_size
+        end = hit = 0
+        for length in spec.block_lengths:
+            end += length
+            if end > cached:
+                break
+            hit += 1
+        return hit, cached
+
+
+def _trace_block_hash(hash_id: int) -> bytes:
+    return struct.pack("<QQ", hash_id & 0xFFFFFFFFFFFFFFFF, 0x6B766D657368)  # "kvmesh" tag
+
+
+def prepare(reqs, block_tokens: int = TRACE_BLOCK_TOKENS, block_size: int | None = None,
+            max_output_tokens: int | None = None, vocab_size: int = 256) -> Workload:
+    """Prepare `bench.trace.TraceRequest` s for replay (hashing is done once, not per policy).
 
     Args:
-        capacity_tokens: KV capacity of each worker in tokens (``pooled`` gets the sum).
-        block_tokens: tokens one trace block stands for (512 = the trace's own size).
-        concurrency: closed loop with this many clients; None = open loop at the trace's
-            timestamps divided by ``time_scale``.
+        block_tokens: tokens one trace block stands for (512: the trace's own size).
+        block_size: None for one cache block per trace block; else the kvmesh block size
+            of token mode (prompts synthesized with ``block_tokens`` tokens per trace block).
+        max_output_tokens: cap on each request's output length.
+        vocab_size: token id range of the synthesized prompts (token mode).
+
+    Raises:
+        ValueError: ``block_tokens`` or ``block_size`` < 1.
+    """
+    from bench.trace import block_token_lengths, synthesize_tokens
+
+    if block_tokens < 1 or (block_size is not None and block_size < 1):
+        raise ValueError("block_tokens and block_size must be >= 1")
+    root = Namespace(model_id="kvmesh-sim").root_hash()
+    specs = []
+    for r in reqs:
+        out = r.output_length if max_output_tokens is None else min(r.output_length, max_output_tokens)
+        lengths = tuple(block_token_lengths(r, block_tokens))
+        n_tok = sum(lengths)
+        if block_size is None:
+            hashes = [_trace_block_hash(h) for h in r.hash_ids]
+            chain = _TraceChain(hashes, struct.pack(f"<{len(hashes)}I", *[h & 0xFFFFFFFF for h in r.hash_ids]))
+            cum = [0]
+            for length in lengths:
+                cum.append(cum[-1] + length)
+            n = len(hashes)
+            specs.append(_Spec(hashes, chain, n_tok, n, n, n, out, r.timestamp_ms / 1000.0, n, lengths,
+                               tuple(cum)))
+        else:
+            tokens = synthesize_tokens(r, block_tokens, vocab_size=vocab_size)
+            bh = hash_blocks(tokens, block_size, root)
+            hashes = list(bh.hashes)
+            specs.append(_Spec(hashes, bh, len(tokens), (len(tokens) - 1) // block_size,
+                               -(-(len(tokens) + out) // block_size), len(hashes), out, r.timestamp_ms / 1000.0,
+                               len(r.hash_ids), lengths))
+    return Workload(specs, block_tokens, block_size)
+
+
+# ---------------------------------------------------------------------------- simulator
+@dataclass(slots=True)
+class _Job:
+    spec: _Spec
+    arrival: float
+    est_prefill: int = 0
+    ids: list = field(default_factory=list)
+    held: int = 0
+    allocated: bool = False
+
+
+class _Worker:
+    __slots__ = ("worker_id", "cache", "queue", "free_streams", "stream_counts", "inflight", "queued_prefill",
+                 "seq", "capacity")
+
+    def __init__(self, worker_id: str, capacity: int, streams: int, block_size: int, index: ClusterIndex | None):
+        self.worker_id = worker_id
+        self.capacity = capacity
+        self.queue: deque = deque()
+        self.free_streams = deque(range(streams))
+        self.stream_counts = [0] * streams
+        self.inflight = 0
+        self.queued_prefill = 0
+        self.seq = 0
+        self.cache = PrefixCache(capacity, block_size, event_sink=self._sink(index) if index is not None else None)
+
+    def _sink(self, index: ClusterIndex) -> Callable[[object], None]:
+        def sink(event) -> None:
+            self.seq += 1
+            index.apply_batch(EventBatch(self.worker_id, self.seq, 0.0, [event]))
+        return sink
+
+
+class _Routed:
+    """One cache and one prefill stream per worker; a policy picks the worker."""
+
+    def __init__(self, policy: str, num_workers: int, capacity: int, block_size: int, policy_kwargs: dict | None):
+        self.index = ClusterIndex()
+        self.workers = [_Worker(f"w{i}", capacity, 1, block_size, self.index) for i in range(num_workers)]
+        self.by_id = {w.worker_id: w for w in self.workers}
+        self.policy = make_policy(policy, **(policy_kwargs or {}))
+        self.routed = RoutedShare()
+
+    def route(self, spec: _Spec, now: float, block: int, rng: random.Random) -> tuple[_Worker, int]:
+        matches = self.index.match(spec.route_hashes, now)
+        views = []
+        for w in self.workers:
+            m = matches.get(w.worker_id)
+            views.append(WorkerView(
+                worker_id=w.worker_id, address="", matched_blocks=m.num_blocks if m else 0,
+                weighted_blocks=weighted_blocks(m) if m else 0.0, running_requests=w.inflight,
+                waiting_requests=len(w.queue), queued_prefill_tokens=w.queued_prefill,
+                free_blocks=w.cache.pool.num_free_blocks, total_blocks=w.capacity,
+                routed_recent=self.routed.value(w.worker_id)))
+        chosen = self.policy.choose(RouteRequest(spec.num_tokens, spec.route_hashes, block), views, rng)
+        w = self.by_id[chosen.worker_id]
+        self.index.add_speculative(w.worker_id, spec.route_hashes, now, SPECULATIVE_TTL_S)
+        self.routed.note(w.worker_id)
+        return w, chosen.matched_blocks
+
+    def counts(self) -> list[int]:
+        return [w.stream_counts[0] for w in self.workers]
+
+
+class _Pooled:
+    """The reference: one cache of all workers' capacity, one shared queue, one stream per worker."""
+
+    def __init__(self, policy: str, num_workers: int, capacity: int, block_size: int, policy_kwargs: dict | None):
+        self.workers = [_Worker("pooled", capacity * num_workers, num_workers, block_size, None)]
+
+    def route(self, spec: _Spec, now: float, block: int, rng: random.Random) -> tuple[_Worker, int]:
+        w = self.workers[0]
+        return w, len(w.cache.index.match(spec.route_hashes, spec.chain.block_tokens).values)
+
+    def counts(self) -> list[int]:
+        return list(self.workers[0].stream_counts)
+
+
+#: Cluster layouts by name; any other name is a routing policy run on `_Routed`.
+_LAYOUTS: dict[str, type] = {POOLED: _Pooled}
+
+
+def _percentile(sorted_xs: list[float], p: float) -> float:
+    """Linear-interpolation percentile (numpy's default method) of sorted values."""
+    if not sorted_xs:
+        return 0.0
+    rank = (len(sorted_xs) - 1) * p / 100.0
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (rank - lo)
+
+
+def simulate(reqs, policy: str, num_workers: int, capacity_tokens: int | None = None, *,
+             num_blocks: int | None = None, block_tokens: int = TRACE_BLOCK_TOKENS, block_size: int | None = None,
+             concurrency: int | None = None, time_scale: float = 1.0, cost: CostModel | None = None,
+             max_output_tokens: int | None = None, seed: int = 0, policy_kwargs: dict | None = None) -> dict:
+    """Replay a trace through ``policy`` on ``num_workers`` simulated workers.
+
+    Args:
+        reqs: `bench.trace.TraceRequest` s, or a `Workload` from `prepare` (then
+            ``block_tokens``, ``block_size`` and ``max_output_tokens`` are the workload's).
+        policy: a registered routing policy, or ``"pooled"`` (the shared-cache reference).
+        capacity_tokens: KV capacity of each worker in tokens.
+        num_blocks: KV capacity of each worker in cache blocks (instead of tokens).
+        block_tokens: tokens one trace block stands for.
+        block_size: None, one cache block per trace block; else kvmesh's block size in
+            tokens (token mode, as the live cluster).
+        concurrency: closed loop with this many clients (as ``kvmesh bench``); None = open
+            loop at the trace's timestamps divided by ``time_scale``.
+        cost: the worker cost model (default: `CostModel()`).
+        seed: seed of the policy's random choices.
+        policy_kwargs: constructor arguments of the policy.
 
     Returns:
-        ``hit_rate_blocks``, ``hit_rate_tokens``, ``ttft_ms`` {p50, p99}, ``imbalance``
-        (max over mean of per-worker request counts), ``prefill_tokens_saved``,
-        ``num_requests``, ``worker_requests``.
+        ``policy``, ``num_requests``, ``hit_rate_blocks``, ``hit_rate_tokens``, ``ttft_ms``
+        {p50, p99}, ``imbalance``, ``prefill_tokens_saved``, ``prefill_tokens_computed``,
+        ``worker_requests``, ``sim_seconds``.
+
+    Raises:
+        ValueError: no capacity given, or a bad count.
     """
+    t0 = time.perf_counter()
+    wl = reqs if isinstance(reqs, Workload) else prepare(reqs, block_tokens, block_size, max_output_tokens)
+    if num_workers < 1 or (concurrency is not None and concurrency < 1) or time_scale <= 0:
+        raise ValueError("num_workers and concurrency must be >= 1, time_scale > 0")
+    block = wl.cache_block_tokens
+    if num_blocks is None:
+        if capacity_tokens is None:
+            raise ValueError("give capacity_tokens or num_blocks")
+        num_blocks = int(capacity_tokens // block)
+    num_blocks = int(num_blocks)
+    if num_blocks < 1:
+        raise ValueError(f"capacity of {num_blocks} cache blocks per worker: give at least one block of {block} tokens")
     cost = cost or CostModel()
-    pooled = policy == "pooled"
-    n_workers = 1 if pooled else num_workers
-    cap_blocks = max(1, capacity_tokens * (num_workers if pooled else 1) // block_tokens)
-    index = ClusterIndex()
-    workers: list[_SimWorker] = []
-    for i in range(n_workers):
-        w = _SimWorker(f"w{i}", None)  # type: ignore[arg-type]
-        w.cache = PrefixCache(cap_blocks, 1, event_sink=_sink(index, w))
-        workers.append(w)
-    pol = None if pooled else make_policy(policy)
-    routed = RoutedShare()
+    cluster = _LAYOUTS.get(policy, _Routed)(policy, num_workers, num_blocks, wl.block_size or 1, policy_kwargs)
     rng = random.Random(seed)
-    events: list = []  # (time, order, kind, payload)
+    events: list = []
     order = 0
-    jobs = []
-    for i, r in enumerate(reqs):
-        hashes = [_block_hash(h) for h in r.hash_ids]
-        out = r.output_length if max_output_tokens is None else min(r.output_length, max_output_tokens)
-        n_tok = r.input_length * block_tokens // TRACE_BLOCK_TOKENS
-        jobs.append(_Job(i, hashes, struct.pack(f"<{len(r.hash_ids)}I", *[h & 0xFFFFFFFF for h in r.hash_ids]),
-                         max(1, n_tok), out, r.timestamp_ms / 1000.0 / time_scale))
+    pending: deque = deque()
     if concurrency is None:
-        for j in jobs:
-            heapq.heappush(events, (j.arrival, order, 0, j))
+        for spec in wl.specs:
+            arrival = spec.arrival_s / time_scale
+            heapq.heappush(events, (arrival, order, _ARRIVE, _Job(spec, arrival)))
             order += 1
-        pending = deque()
     else:
-        pending = deque(jobs)
-        for c in range(min(concurrency, len(jobs))):
-            j = pending.popleft()
-            j.arrival = 0.0
-            j.client = c
-            heapq.heappush(events, (0.0, order, 0, j))
+        pending = deque(wl.specs)
+        for _ in range(min(concurrency, len(pending))):
+            heapq.heappush(events, (0.0, order, _ARRIVE, _Job(pending.popleft(), 0.0)))
             order += 1
     ttfts: list[float] = []
     hit_blocks = total_blocks = hit_tokens = total_tokens = 0
 
-    def start_next(w: _SimWorker, now: float) -> None:
+    def start(w: _Worker, now: float) -> None:
         nonlocal order
-        if w.busy is not None or not w.queue:
-            return
-        j = w.queue.popleft()
-        w.busy = j
-        j.start = now
-        held = list(w.cache.index.match(j.hashes, _Chain(j.hashes, j.tokens).block_tokens).values)
-        j.cached_blocks = len(held)
-        w.cache.lock(held)
-        chain = _Chain(j.hashes, j.tokens)
-        new = w.cache.allocate(len(j.hashes) - len(held))
-        if new is not None:
-            ids = held + new
-            w.cache.commit(chain, ids, len(held), len(j.hashes))
-            w.cache.unlock(ids)
-        else:
-            w.cache.unlock(held)
-        cached_tok = min(j.num_tokens - 1, j.cached_blocks * block_tokens)
-        computed = j.num_tokens - cached_tok
-        w.queued_prefill = max(0, w.queued_prefill - j.prefill_tokens)
-        prefill_s = computed * cost.prefill_s_per_token
-        ttfts.append((now + prefill_s - j.arrival) * 1000.0)
-        # the worker's prefill stream is busy for prefill_s; decode runs batched beside it
-        heapq.heappush(events, (now + prefill_s, order, 1, (w, None, 0)))
-        order += 1
-        heapq.heappush(events, (now + prefill_s + j.output_tokens * cost.decode_s_per_step, order, 2,
-                                (w, j, cached_tok)))
-        order += 1
+        while w.free_streams and w.queue:
+            job = w.queue.popleft()
+            s = w.free_streams.popleft()
+            w.stream_counts[s] += 1
+            spec = job.spec
+            chain = spec.chain
+            held = list(w.cache.index.match(spec.route_hashes[:spec.reuse_cap], chain.block_tokens).values)
+            w.cache.lock(held)
+            new = w.cache.allocate(spec.alloc_blocks - len(held))
+            job.held = len(held)
+            job.allocated = new is not None
+            job.ids = held + new if new is not None else held
+            _, cached = wl.hit_of(spec, job.held)
+            heapq.heappush(events, (now + cost.prefill_s_per_token * (spec.num_tokens - cached), order,
+                                    _PREFILL_DONE, (w, s, job)))
+            order += 1
 
     while events:
         now, _, kind, payload = heapq.heappop(events)
-        if kind == 0:  # arrival: route
-            j = payload
-            if pooled:
-                w = workers[0]
-                matched = 0
-            else:
-                matches = index.match(j.hashes, now)
-                views = []
-                for w in workers:
-                    m = matches.get(w.worker_id)
-                    views.append(WorkerView(
-                        worker_id=w.worker_id, address="", matched_blocks=m.num_blocks if m else 0,
-                        weighted_blocks=weighted_blocks(m) if m else 0.0,
-                        running_requests=w.running, waiting_requests=len(w.queue),
-                        queued_prefill_tokens=w.queued_prefill, free_blocks=w.cache.pool.num_free_blocks,
-                        total_blocks=cap_blocks,
-                        routed_recent=routed.value(w.worker_id)))
-                # request in kvmesh blocks: scale so block_size * blocks ~ tokens
-                chosen = pol.choose(RouteRequest(j.num_tokens, j.hashes, block_tokens), views, rng)
-                w = next(x for x in workers if x.worker_id == chosen.worker_id)
-                matched = chosen.matched_blocks
-                index.add_speculative(w.worker_id, j.hashes, now)
-                routed.note(w.worker_id)
-            j.prefill_tokens = max(1, j.num_tokens - matched * block_tokens)
-            w.queued_prefill += j.prefill_tokens
-            w.num_requests += 1
-            w.queue.append(j)
-            w.running += 1
-            start_next(w, now)
-        elif kind == 1:  # prefill done: the worker takes the next queued request
-            w = payload[0]
-            w.busy = None
-            start_next(w, now)
-        else:  # request finished (last token)
-            w, j, cached_tok = payload
-            w.running -= 1
-            hit_blocks += j.cached_blocks
-            total_blocks += len(j.hashes)
-            hit_tokens += cached_tok
-            total_tokens += j.num_tokens
-            if concurrency is not None and pending:
-                nj = pending.popleft()
-                nj.arrival = now
-                heapq.heappush(events, (now, order, 0, nj))
+        if kind == _ARRIVE:
+            job = payload
+            w, matched = cluster.route(job.spec, now, block, rng)
+            job.est_prefill = max(1, job.spec.num_tokens - matched * block)
+            w.queued_prefill += job.est_prefill
+            w.inflight += 1
+            w.queue.append(job)
+            start(w, now)
+        elif kind == _PREFILL_DONE:
+            w, s, job = payload
+            spec = job.spec
+            if job.allocated:
+                w.cache.commit(spec.chain, job.ids, job.held, spec.commit_blocks)
+            ttfts.append((now - job.arrival) * 1000.0)
+            w.queued_prefill = max(0, w.queued_prefill - job.est_prefill)
+            w.free_streams.append(s)
+            heapq.heappush(events, (now + cost.decode_s_per_step * spec.output_tokens, order, _FINISH, (w, job)))
+            order += 1
+            start(w, now)
+        else:
+            w, job = payload
+            spec = job.spec
+            w.cache.unlock(job.ids)
+            w.inflight -= 1
+            hit, cached = wl.hit_of(spec, job.held)
+            hit_blocks += hit
+            total_blocks += spec.trace_blocks
+            hit_tokens += cached
+            total_tokens += spec.num_tokens
+            if pending:
+                heapq.heappush(events, (now, order, _ARRIVE, _Job(pending.popleft(), now)))
                 order += 1
-    counts = [w.num_requests for w in workers]
+    counts = cluster.counts()
     ttfts.sort()
-    pct = (lambda p: ttfts[min(len(ttfts) - 1, int(round(p / 100 * (len(ttfts) - 1))))] if ttfts else 0.0)
+    mean = sum(counts) / len(counts) if counts else 0.0
     return {
         "policy": policy,
-        "num_requests": len(jobs),
+        "num_requests": len(wl.specs),
         "hit_rate_blocks": hit_blocks / max(1, total_blocks),
         "hit_rate_tokens": hit_tokens / max(1, total_tokens),
-        "ttft_ms": {"p50": round(pct(50), 3), "p99": round(pct(99), 3)},
-        "imbalance": max(counts) / (sum(counts) / len(counts)) if counts and sum(counts) else 0.0,
+        "ttft_ms": {"p50": round(_percentile(ttfts, 50), 3), "p99": round(_percentile(ttfts, 99), 3)},
+        "imbalance": max(counts) / mean if mean else 0.0,
         "prefill_tokens_saved": hit_tokens,
-        "worker_requests": {w.worker_id: w.num_requests for w in workers},
+        "prefill_tokens_computed": total_tokens - hit_tokens,
+        "hit_blocks": hit_blocks,
+        "total_blocks": total_blocks,
+        "worker_requests": counts,
+        "sim_seconds": round(time.perf_counter() - t0, 3),
     }
 
 
-def _sink(index: ClusterIndex, w: _SimWorker):
-    def sink(event) -> None:
-        w.seq += 1
-        index.apply_batch(EventBatch(w.worker_id, w.seq, 0.0, [event]))
-    return sink
+def simulate_live(reqs, policy: str, workers: int, num_blocks: int, tokens_per_block: int = 16,
+                  block_size: int = 16, concurrency: int = 4, max_output_tokens: int | None = 4,
+                  cost: CostModel | None = None, seed: int = 0, vocab_size: int = 256,
+                  policy_kwargs: dict | None = None) -> dict:
+    """The simulator with the knobs of the live demo (``kvmesh demo`` / ``kvmesh bench``).
+
+    ``tokens_per_block`` tokens per trace block, kvmesh blocks of ``block_size`` tokens,
+    ``num_blocks`` blocks per worker, a closed loop of ``concurrency`` clients and outputs
+    capped at ``max_output_tokens``: token mode of `simulate` (same return value;
+    ``hit_rate_blocks`` counts covered trace blocks as `bench.report` does).
+    """
+    wl = prepare(reqs, tokens_per_block, block_size, max_output_tokens, vocab_size)
+    return simulate(wl, policy, workers, num_blocks=num_blocks, concurrency=concurrency, cost=cost, seed=seed,
+                    policy_kwargs=policy_kwargs)
+
+
+def run_policies(reqs, policies: Sequence[str] = DEFAULT_POLICIES, **kwargs) -> dict[str, dict]:
+    """`simulate` each policy on the same prepared workload; ``{name: result}`` in order.
+
+    ``kwargs`` go to `simulate` (``block_tokens``, ``block_size`` and
+    ``max_output_tokens`` to `prepare`). Raises ValueError for an unknown name.
+    """
+    unknown = [p for p in policies if p not in POLICIES and p not in _LAYOUTS]
+    if unknown:
+        raise ValueError(f"unknown policy {', '.join(map(repr, unknown))}; known: "
+                         f"{', '.join(sorted([*POLICIES, *_LAYOUTS]))}")
+    prep = {k: kwargs.pop(k) for k in ("block_tokens", "block_size", "max_output_tokens") if k in kwargs}
+    wl = reqs if isinstance(reqs, Workload) else prepare(reqs, **prep)
+    return {p: simulate(wl, p, **kwargs) for p in policies}
+
+
+# ------------------------------------------------------------------------------ report
+_FIELDS = ("hit_rate_blocks", "hit_rate_tokens", "ttft_ms", "imbalance", "prefill_tokens_saved")
+
+
+def summary(results: dict[str, dict]) -> dict[str, dict]:
+    """``{policy: {hit_rate_blocks, hit_rate_tokens, ttft_ms, imbalance, prefill_tokens_saved}}``."""
+    return {name: {k: r[k] for k in _FIELDS} for name, r in results.items()}
+
+
+def results_markdown(results: dict[str, dict], title: str = "", settings: dict | None = None,
+                     command: str = "") -> str:
+    """A Markdown table of `run_policies` results (with the fraction of ``pooled`` when present)."""
+    pooled = results.get(POOLED, {}).get("hit_rate_blocks")
+    lines = []
+    if title:
+        lines += [f"# {title}", ""]
+    if command:
+        lines += [f"Generated by `{command}`.", ""]
+    if settings:
+        lines += [f"- {k}: {v}" for k, v in settings.items()] + [""]
+    head = "| policy | hit rate (blocks) | of pooled | hit rate (tokens) | TTFT p50 (ms) | TTFT p99 (ms) | " \
+           "imbalance | prefill tokens saved | sim time (s) |"
+    lines += [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        frac = f"{r['hit_rate_blocks'] / pooled:.1%}" if pooled else "—"
+        lines.append(f"| {name} | {r['hit_rate_blocks']:.2%} | {frac} | {r['hit_rate_tokens']:.2%} | "
+                     f"{r['ttft_ms']['p50']:,.0f} | {r['ttft_ms']['p99']:,.0f} | {r['imbalance']:.3f} | "
+                     f"{r['prefill_tokens_saved']:,} | {r['sim_seconds']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The ``kvmesh sim`` command line that reproduces ``args`` (options left at default omitted)."""
+    defaults = vars(_parser().parse_args([]))
+    parts = ["kvmesh", "sim"]
+    for key, value in vars(args).items():
+        if key in defaults and (value != defaults[key] or key in ("trace", "workers")) and key not in ("out", "json"):
+            flag = "--" + key.replace("_", "-")
+            parts += [flag] if value is True else [flag, shlex.quote(str(value))]
+    if args.out:
+        parts += ["--out", shlex.quote(str(args.out))]
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------------- CLI
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default=str(DEFAULT_TRACE),
+                   help="Mooncake-format JSONL, optionally .gz (default: the bundled full conversation trace)")
+    p.add_argument("--workers", type=int, default=10)
+    p.add_argument("--capacity-tokens", type=int, default=None, help="KV capacity of each worker in tokens")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV capacity of each worker in cache blocks")
+    p.add_argument("--block-tokens", type=int, default=TRACE_BLOCK_TOKENS,
+                   help="tokens one trace block stands for (default 512, the trace's own)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="kvmesh block size: synthesize and hash prompts as the live cluster does "
+                        "(default: one cache block per trace block)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help=f"comma-separated, '{POOLED}' = one shared cache of all workers' capacity (default: all)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop with this many clients (default: open loop at the trace's timestamps)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="open loop: divide timestamps by this")
+    p.add_argument("--max-output-tokens", type=int, default=None)
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--prefill-s-per-token", type=float, default=CostModel.prefill_s_per_token)
+    p.add_argument("--decode-s-per-step", type=float, default=CostModel.decode_s_per_step)
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure the cost model on this machine's engine (built-in model) first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="also write OUT.json and OUT.md")
+    p.add_argument("--title", default="", help="title of OUT.md")
+    p.add_argument("--json", action="store_true", help="print {policy: fields} as JSON")
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from bench.trace import load_mooncake
+
+    if args.capacity_tokens is None and args.num_blocks is None:
+        print("error: give --capacity-tokens or --num-blocks", file=sys.stderr)
+        return 2
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    cost = calibrate() if args.calibrate else CostModel(args.prefill_s_per_token, args.decode_s_per_step)
+    reqs = load_mooncake(args.trace, args.max_requests)
+    try:
+        results = run_policies(reqs, policies, num_workers=args.workers, capacity_tokens=args.capacity_tokens,
+                               num_blocks=args.num_blocks, block_tokens=args.block_tokens, block_size=args.block_size,
+                               concurrency=args.concurrency, time_scale=args.time_scale, cost=cost,
+                               max_output_tokens=args.max_output_tokens, seed=args.seed)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    settings = {
+        "trace": Path(args.trace).name, "requests": len(reqs), "workers": args.workers,
+        "capacity_tokens": args.capacity_tokens, "num_blocks": args.num_blocks, "block_tokens": args.block_tokens,
+        "block_size": args.block_size,
+        "arrivals": f"closed loop of {args.concurrency}" if args.concurrency else
+                    f"open loop, trace timestamps / {args.time_scale:g}",
+        "max_output_tokens": args.max_output_tokens,
+        "cost_model": asdict(cost), "seed": args.seed,
+    }
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        command = _command(args)
+        out.with_suffix(".json").write_text(json.dumps({"command": command, "settings": settings, "results": results},
+                                                       indent=2) + "\n")
+        out.with_suffix(".md").write_text(results_markdown(results, title=args.title, settings=settings,
+                                                           command=command))
+    if args.json:
+        print(json.dumps(summary(results), indent=2))
+    else:
+        print(results_markdown(results, title=args.title, settings=settings), end="")
+    return 0
+
+
+def register(sub) -> None:
+    """Add ``kvmesh sim`` to the CLI's sub-parsers."""
+    p = sub.add_parser("sim", help="replay a Mooncake trace through the routing policies on simulated workers "
+                       "(no model): hit rate, TTFT, imbalance per policy")
+    _add_args(p)
+    p.set_defaults(func=cmd_sim)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__.split("\n")[0])
+    _add_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cmd_sim(_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,6 +14,7 @@ Nothing here reads outside ``bench/data`` unless a caller passes another path.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import struct
@@ -94,7 +95,8 @@ def parse_line(text: str, where: str = "<line>") -> TraceRequest:
 def load_mooncake(path: str | Path, max_requests: int | None = None) -> list[TraceRequest]:
     """Read a Mooncake JSON Lines trace, in file order.
 
-    Blank lines are skipped. ``max_requests`` keeps only the first N requests.
+    Blank lines are skipped. ``max_requests`` keeps only the first N requests. A path
+    ending in ``.gz`` is read through gzip.
 
     Raises:
         ValueError: a malformed line, naming the file and its 1-based line number.
@@ -104,7 +106,8 @@ def load_mooncake(path: str | Path, max_requests: int | None = None) -> list[Tra
         raise ValueError(f"max_requests must be >= 0, got {max_requests}")
     path = Path(path)
     out: list[TraceRequest] = []
-    with path.open("r", encoding="utf-8") as fh:
+    opener = gzip.open if path.suffix == ".gz" else open  # a .gz file is read decompressed
+    with opener(path, "rt", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
             if max_requests is not None and len(out) >= max_requests:
                 break

@@ -169,7 +169,7 @@ def test_kv_aware_a_host_tier_hit_is_worth_less_than_a_device_hit():
 
 
 def test_kv_aware_b_sustained_burst_spills_once_the_queue_costs_more_than_recompute():
-    p = make_policy("kv_aware")
+    p = make_policy("kv_aware", queue_weight=0.5, decode_weight=16.0)
     req = request(64)  # 1024 tokens; 60 blocks (960 tokens) cached on the holder
     holder = view("holder", matched_blocks=60)
     others = [view("b"), view("c")]
@@ -224,9 +224,9 @@ def test_kv_aware_share_cap_overrides_a_full_hit_well_above_mean():
 def test_kv_aware_queue_is_charged_at_queue_weight():
     p = make_policy("kv_aware")
     req = request(64)  # 1024 tokens, 60 blocks cached on the holder
-    ws = [view("holder", matched_blocks=60, queued_prefill_tokens=1900), view("b")]
+    ws = [view("holder", matched_blocks=60, queued_prefill_tokens=19000), view("b")]
     assert set(picks(p, req, ws)) == {"holder"}  # 64 + 950 < 1024
-    ws[0].queued_prefill_tokens = 1950           # 64 + 975 > 1024
+    ws[0].queued_prefill_tokens = 19500          # 64 + 975 > 1024
     assert set(picks(p, req, ws)) == {"b"}
 
 

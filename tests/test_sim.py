@@ -1,0 +1,244 @@
+"""bench.sim: the cluster simulator, its cost model, the published figures and `kvmesh sim`."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench import sim
+from bench.sim import DEFAULT_TRACE, POOLED, CostModel, prepare, run_policies, simulate, simulate_live
+from bench.trace import DEFAULT_SAMPLE, TraceRequest, infinite_cache_hit_rate, load_mooncake
+from services.policies import POLICIES, RoutingPolicy, register
+
+SLOW_COST = CostModel(prefill_s_per_token=1e-3, decode_s_per_step=0.01)
+
+
+def req(ids, ts_ms=0, out=1, tokens=None) -> TraceRequest:
+    ids = tuple(ids)
+    return TraceRequest(timestamp_ms=ts_ms, input_length=tokens if tokens is not None else 512 * len(ids),
+                        output_length=out, hash_ids=ids)
+
+
+@pytest.fixture(scope="module")
+def full_trace():
+    return prepare(load_mooncake(DEFAULT_TRACE))
+
+
+# ------------------------------------------------------------ published figures
+def test_bundled_trace_is_the_whole_conversation_trace_with_its_published_reuse():
+    reqs = load_mooncake(DEFAULT_TRACE)
+    assert len(reqs) == 12_031
+    # Published: 105,710 of 288,500 block references hit an unbounded cache (36.64 %).
+    assert infinite_cache_hit_rate(reqs) == (105_710, 288_500)
+
+
+@pytest.mark.slow
+def test_sim_reproduces_the_published_infinite_cache_figure(full_trace):
+    # A cache with room for every block reference, requests one after another.
+    r = simulate(full_trace, POOLED, 1, num_blocks=288_500, concurrency=1)
+    assert (r["hit_blocks"], r["total_blocks"]) == (105_710, 288_500)
+    assert round(100 * r["hit_rate_blocks"], 2) == 36.64
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capacity_tokens,published", [(3_000_000, 0.136), (30_000_000, 0.359)])
+def test_sim_reproduces_the_published_pooled_lru_figures(full_trace, capacity_tokens, published):
+    r = simulate(full_trace, POOLED, 1, capacity_tokens, concurrency=1)
+    assert r["hit_rate_blocks"] == pytest.approx(published, abs=0.005)
+
+
+@pytest.mark.slow
+def test_kv_aware_keeps_97_percent_of_pooled_at_10_workers_of_3m_tokens(full_trace):
+    # The acceptance bar of the routing table in bench/results/mooncake_10x3M.md.
+    res = run_policies(full_trace, [POOLED, "kv_aware", "round_robin"], num_workers=10, capacity_tokens=3_000_000)
+    kv, pooled = res["kv_aware"], res[POOLED]
+    assert kv["hit_rate_blocks"] >= 0.97 * pooled["hit_rate_blocks"]
+    assert kv["imbalance"] <= 1.10
+    assert kv["hit_rate_blocks"] > 2 * res["round_robin"]["hit_rate_blocks"]
+    assert kv["num_requests"] == 12_031 and sum(kv["worker_requests"]) == 12_031
+
+
+# ---------------------------------------------------------------- cache blocks
+def test_a_follow_up_hits_exactly_its_shared_prefix():
+    r = simulate([req([1, 2, 3]), req([1, 2, 9, 10], ts_ms=10_000)], POOLED, 1, num_blocks=100)
+    assert (r["hit_blocks"], r["total_blocks"]) == (2, 7)
+    assert r["prefill_tokens_saved"] == 2 * 512
+    assert r["hit_rate_tokens"] == pytest.approx(1024 / (7 * 512))
+
+
+def test_eviction_takes_leaves_first():
+    # 4 blocks: A (3) then B (2 new) evicts one block: A's leaf 3, not its root 1.
+    reqs = [req([1, 2, 3], 0), req([4, 5], 10_000), req([1, 2, 3], 20_000)]
+    r = simulate(reqs, POOLED, 1, num_blocks=4)
+    assert r["hit_blocks"] == 2
+
+
+def test_a_fully_cached_trace_request_still_computes_one_token():
+    r = simulate([req([1, 2]), req([1, 2], ts_ms=10_000)], POOLED, 1, num_blocks=10, cost=SLOW_COST)
+    assert r["hit_blocks"] == 2  # every trace block counts, as the published rates count them
+    assert r["prefill_tokens_saved"] == 1023
+    assert r["ttft_ms"]["p50"] == pytest.approx((1024 * 1.0 + 1 * 1.0) / 2)  # 1024 ms cold, 1 ms hit
+
+
+def test_token_mode_hashes_like_the_service_and_caps_a_hit_below_the_prompt():
+    # 16 tokens per trace block, kvmesh blocks of 16: the second identical prompt reuses
+    # floor((L - 1) / 16) blocks; its last trace block (partial hit) does not count.
+    reqs = [req([1, 2, 3]), req([1, 2, 3], ts_ms=10_000)]
+    r = simulate_live(reqs, POOLED, 1, num_blocks=64, concurrency=1, max_output_tokens=4)
+    assert r["prefill_tokens_saved"] == 32  # 48 tokens: (48 - 1) // 16 = 2 blocks
+    assert (r["hit_blocks"], r["total_blocks"]) == (2, 6)
+    wl = prepare(reqs, 16, 16, 4)
+    from cache_store.hashing import Namespace, hash_blocks
+    from bench.trace import synthesize_tokens
+    root = Namespace(model_id="kvmesh-sim").root_hash()
+    assert wl.specs[0].route_hashes == list(hash_blocks(synthesize_tokens(reqs[0], 16), 16, root).hashes)
+
+
+def test_capacity_is_required_and_must_hold_a_block():
+    with pytest.raises(ValueError):
+        simulate([req([1])], "kv_aware", 2)
+    with pytest.raises(ValueError):
+        simulate([req([1])], "kv_aware", 2, capacity_tokens=100)  # < one 512-token block
+
+
+# ------------------------------------------------------------------ cost model
+def test_ttft_is_queue_plus_own_prefill_and_decode_does_not_hold_the_stream():
+    # Two cold 1-block prompts at t=0 on one worker: 512 ms, then 512 + 512 ms; the first
+    # request's 1000-step decode does not delay the second's prefill.
+    reqs = [req([1], out=1000), req([2], out=1)]
+    r = simulate(reqs, "round_robin", 1, num_blocks=10, cost=SLOW_COST)
+    assert (r["ttft_ms"]["p50"], r["ttft_ms"]["p99"]) == (pytest.approx(768.0), pytest.approx(1018.88))
+
+
+def test_closed_loop_sends_the_next_request_when_one_finishes():
+    # concurrency 1: no queueing, every TTFT is its own prefill.
+    reqs = [req([i], out=50) for i in range(5)]
+    r = simulate(reqs, "round_robin", 1, num_blocks=10, concurrency=1, cost=SLOW_COST)
+    assert r["ttft_ms"]["p99"] == pytest.approx(512.0)
+    # open loop at t=0: the fifth waits for four prefills.
+    r = simulate(reqs, "round_robin", 1, num_blocks=10, cost=SLOW_COST)
+    assert max(r["ttft_ms"].values()) == pytest.approx(512 * 5 - 0.04 * 512, rel=0.01)
+
+
+def test_cost_model_rejects_nonsense():
+    with pytest.raises(ValueError):
+        CostModel(prefill_s_per_token=0)
+    with pytest.raises(ValueError):
+        CostModel(decode_s_per_step=-1)
+
+
+@pytest.mark.slow
+def test_calibrate_measures_the_engine():
+    cost = sim.calibrate(prompt_tokens=(64, 128), decode_steps=4, rounds=1)
+    assert 0 < cost.prefill_s_per_token < 0.1 and 0 < cost.decode_s_per_step < 5
+    assert math.isfinite(cost.prefill_s_per_token)
+
+
+# ------------------------------------------------------------- routing, layout
+def test_round_robin_is_balanced_and_prefix_piles_up():
+    reqs = [req([0, 100 + i], ts_ms=1000 * i) for i in range(8)]
+    assert simulate(reqs, "round_robin", 2, num_blocks=50)["imbalance"] == 1.0
+    r = simulate(reqs, "prefix", 2, num_blocks=50)
+    assert r["imbalance"] == 2.0 and sorted(r["worker_requests"]) == [0, 8]
+
+
+def test_kv_aware_sends_a_conversations_turns_to_their_holder():
+    # Two conversations, turns a minute apart: every follow-up hits its whole history.
+    reqs = []
+    for turn in range(4):
+        for c in (0, 1):
+            reqs.append(req([1000 * c + k for k in range(2 * turn + 2)], ts_ms=60_000 * turn + c))
+    r = simulate(reqs, "kv_aware", 2, num_blocks=100)
+    followed = sum(2 * t for t in range(1, 4)) * 2
+    assert r["hit_blocks"] == followed
+    assert r["imbalance"] == 1.0
+
+
+def test_the_policy_gets_the_services_views():
+    seen = []
+
+    @register
+    class Spy(RoutingPolicy):
+        name = "test_sim_spy"
+
+        def choose(self, req, workers, rng):
+            seen.append([(w.worker_id, w.matched_blocks, w.total_blocks, w.running_requests) for w in workers])
+            return workers[0]
+
+    try:
+        simulate([req([1, 2]), req([1, 2, 3], ts_ms=1)], "test_sim_spy", 2, num_blocks=7, cost=SLOW_COST)
+    finally:
+        POLICIES.pop("test_sim_spy", None)
+    assert seen[0] == [("w0", 0, 7, 0), ("w1", 0, 7, 0)]
+    # the second arrives while the first is still in prefill: the router's speculative entry
+    # covers its blocks, and the first is in flight on w0
+    assert seen[1] == [("w0", 2, 7, 1), ("w1", 0, 7, 0)]
+
+
+def test_speculative_entries_live_as_long_as_the_routers():
+    from services.router import SPECULATIVE_TTL_S
+
+    assert sim.SPECULATIVE_TTL_S == SPECULATIVE_TTL_S
+
+
+def test_pooled_shares_one_cache_between_its_streams():
+    reqs = [req([1, 2], ts_ms=0), req([1, 2, 3], ts_ms=10_000), req([1, 2, 3, 4], ts_ms=20_000)]
+    r = simulate(reqs, POOLED, 3, num_blocks=2)  # 3 x 2 blocks, one cache
+    assert r["hit_blocks"] == 2 + 3
+    assert sum(r["worker_requests"]) == 3 and len(r["worker_requests"]) == 3
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_registered_policy_replays_a_trace(name):
+    reqs = load_mooncake(DEFAULT_SAMPLE, max_requests=60)
+    r = simulate(reqs, name, 3, capacity_tokens=200 * 512)
+    assert r["num_requests"] == 60 and sum(r["worker_requests"]) == 60
+    assert 0 <= r["hit_rate_blocks"] <= 1 and r["ttft_ms"]["p99"] >= r["ttft_ms"]["p50"] > 0
+
+
+def test_unknown_policy_names_the_known_ones():
+    with pytest.raises(ValueError) as err:
+        run_policies([req([1])], ["kv_aware", "fastest"], num_workers=2, num_blocks=4)
+    assert "fastest" in str(err.value) and "pooled" in str(err.value) and "dynamo_kv" in str(err.value)
+
+
+def test_sample_at_the_demo_settings_kv_aware_near_pooled_and_balanced():
+    # The live demo's knobs: 2 workers x 2,765 blocks of 16 tokens, 16 tokens per trace
+    # block, closed loop of 4, outputs capped at 4 tokens.
+    reqs = load_mooncake(DEFAULT_SAMPLE)
+    wl = prepare(reqs, 16, 16, 4)
+    pooled = simulate(wl, POOLED, 2, num_blocks=2765, concurrency=4)
+    kv = simulate(wl, "kv_aware", 2, num_blocks=2765, concurrency=4)
+    rr = simulate(wl, "round_robin", 2, num_blocks=2765, concurrency=4)
+    assert kv["hit_rate_blocks"] >= 0.96 * pooled["hit_rate_blocks"]
+    assert kv["imbalance"] <= 1.10
+    assert kv["hit_rate_blocks"] > rr["hit_rate_blocks"]
+
+
+# ------------------------------------------------------------------------- CLI
+def test_cli_sim_prints_every_policy_as_json(tmp_path, capsys):
+    from services.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    lines = [json.dumps({"timestamp": 1000 * i, "input_length": 1500, "output_length": 8,
+                         "hash_ids": [0, 10 + i % 3, 20 + i]}) for i in range(12)]
+    trace.write_text("\n".join(lines) + "\n")
+    rc = main(["sim", "--trace", str(trace), "--workers", "2", "--capacity-tokens", str(40 * 512),
+               "--policies", "pooled,kv_aware,round_robin", "--json", "--out", str(tmp_path / "r")])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == ["pooled", "kv_aware", "round_robin"]
+    for fields in out.values():
+        assert set(fields) == {"hit_rate_blocks", "hit_rate_tokens", "ttft_ms", "imbalance", "prefill_tokens_saved"}
+        assert set(fields["ttft_ms"]) == {"p50", "p99"}
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["settings"]["workers"] == 2 and set(saved["results"]) == set(out)
+    assert "| kv_aware |" in (tmp_path / "r.md").read_text()
+
+
+def test_cli_sim_needs_a_capacity(tmp_path, capsys):
+    from services.cli import main
+
+    assert main(["sim", "--trace", str(DEFAULT_SAMPLE), "--workers", "2"]) == 2
+    assert "capacity" in capsys.readouterr().err
