@@ -35,7 +35,7 @@ from cache_store.events import MEDIUMS, AllBlocksCleared, BlockRemoved, BlockSto
 from cache_store.hashing import BlockHashes, hash_block, hash_blocks
 from cache_store.radix_index import RadixIndex
 
-__all__ = ["PrefixMatch", "PrefixCache"]
+__all__ = ["PrefixMatch", "PrefixCache", "EvictedBlock"]
 
 
 class PrefixMatch(NamedTuple):
@@ -50,6 +50,22 @@ class PrefixMatch(NamedTuple):
     num_cached_tokens: int
 
 
+class EvictedBlock(NamedTuple):
+    """A cached block the pool is handing out again, reported before its KV is overwritten.
+
+    Attributes:
+        block_id: pool row that still holds the block's KV.
+        block_hash: its 16-byte chained hash.
+        parent_hash: the previous block's hash; None for block 0.
+        token_bytes: its token ids as little-endian uint32.
+    """
+
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_bytes: bytes
+
+
 class PrefixCache:
     """Block pool and radix index of one worker's KV cache tier.
 
@@ -60,6 +76,11 @@ class PrefixCache:
             ``AllBlocksCleared`` as it happens; None drops them.
         hash_fn: block hash function used by :meth:`hash_blocks`.
         medium: the ``medium`` field of emitted events, one of ``MEDIUMS``.
+        on_offload: called once per :meth:`allocate` that evicts cached
+            blocks, with the list of :class:`EvictedBlock`, before
+            ``allocate`` returns: the blocks' KV is intact until the caller
+            writes into the blocks it was handed, so the callback may copy it
+            to a lower tier. Must not raise.
 
     Not thread-safe: one scheduler owns it.
 
@@ -74,6 +95,7 @@ class PrefixCache:
         event_sink: Callable[[object], None] | None = None,
         hash_fn: Callable[[bytes, bytes], bytes] = hash_block,
         medium: str = "device",
+        on_offload: Callable[[list[EvictedBlock]], None] | None = None,
     ):
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -86,6 +108,8 @@ class PrefixCache:
         self.index = RadixIndex()
         self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
         self._evicted: list[bytes] = []
+        self._on_offload = on_offload
+        self._offload: list[EvictedBlock] = []
         self.num_orphan_evictions = 0  # descendants dropped with an evicted parent
 
     # -- hashing -------------------------------------------------------------
@@ -136,6 +160,9 @@ class PrefixCache:
             ValueError: ``n`` < 0.
         """
         got = self.pool.get_new_blocks(n)
+        if self._offload:
+            batch, self._offload = self._offload, []
+            self._on_offload(batch)
         if self._evicted:
             hashes, self._evicted = self._evicted, []
             self._emit(BlockRemoved(hashes, self.medium))
@@ -146,6 +173,9 @@ class PrefixCache:
         assert node is not None and node.value == block_id, (
             f"evicted block {block_id} is not the index entry for its hash"
         )
+        if self._on_offload is not None:
+            parent = node.parent.block_hash if node.parent is not None else None
+            self._offload.append(EvictedBlock(block_id, block_hash, parent, node.tokens))
         removed = self.index.remove(block_hash)
         self._evicted.append(block_hash)
         # A well-behaved caller never gets here with descendants left (see
@@ -155,6 +185,24 @@ class PrefixCache:
             h = self.pool.clear_hash(v)
             if h is not None:
                 self._evicted.append(h)
+
+    def evict_unused(self) -> int:
+        """Evict every cached block with ref 0 through the normal eviction path
+        (``on_offload`` and ``BlockRemoved`` included), LRU first.
+
+        Used to move a cache's contents down to the lower tiers (tests,
+        benchmarks, a drain before shutdown).
+
+        Returns:
+            number of blocks evicted.
+        """
+        n = self.pool.num_evictable_blocks
+        if n == 0:
+            return 0
+        got = self.allocate(self.pool.num_free_blocks)
+        if got:
+            self.pool.free(got)
+        return n
 
     # -- registration ------------------------------------------------------------
     def commit(self, block_hashes: BlockHashes, block_ids: Sequence[int], start: int, end: int) -> int:

@@ -197,6 +197,34 @@ class ClearCacheResponse(_message.Message):
     blocks_cleared: int
     def __init__(self, blocks_cleared: _Optional[int] = ...) -> None: ...
 
+class FetchBlocksRequest(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class BlockData(_message.Message):
+    __slots__ = ("block_hash", "parent_block_hash", "token_ids", "codec", "dtype", "shape", "checksum", "payload", "format_version")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    parent_block_hash: bytes
+    token_ids: bytes
+    codec: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    checksum: int
+    payload: bytes
+    format_version: int
+    def __init__(self, block_hash: _Optional[bytes] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., codec: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., format_version: _Optional[int] = ...) -> None: ...
+
 class RouterStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

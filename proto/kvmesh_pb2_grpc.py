@@ -64,6 +64,11 @@ class WorkerStub:
                 request_serializer=proto_dot_kvmesh__pb2.ClearCacheRequest.SerializeToString,
                 response_deserializer=proto_dot_kvmesh__pb2.ClearCacheResponse.FromString,
                 _registered_method=True)
+        self.FetchBlocks = channel.unary_stream(
+                '/kvmesh.v1.Worker/FetchBlocks',
+                request_serializer=proto_dot_kvmesh__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=proto_dot_kvmesh__pb2.BlockData.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -105,6 +110,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +148,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ClearCache,
                     request_deserializer=proto_dot_kvmesh__pb2.ClearCacheRequest.FromString,
                     response_serializer=proto_dot_kvmesh__pb2.ClearCacheResponse.SerializeToString,
+            ),
+            'FetchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchBlocks,
+                    request_deserializer=proto_dot_kvmesh__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=proto_dot_kvmesh__pb2.BlockData.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +317,33 @@ class Worker:
             '/kvmesh.v1.Worker/ClearCache',
             proto_dot_kvmesh__pb2.ClearCacheRequest.SerializeToString,
             proto_dot_kvmesh__pb2.ClearCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.Worker/FetchBlocks',
+            proto_dot_kvmesh__pb2.FetchBlocksRequest.SerializeToString,
+            proto_dot_kvmesh__pb2.BlockData.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 import time
 
@@ -25,10 +26,65 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seqs", type=int, default=32, help="max running requests (default 32)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: model's)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    from cache_store.kv_codec import CODECS
+    from cache_store.tier_store import WRITE_MODES
+
+    codecs = sorted(CODECS)
+    t = p.add_argument_group("cache tiers (sizes in bytes; K/M/G/T suffixes are powers of 1024)")
+    t.add_argument("--host-bytes", type=parse_bytes, default=0,
+                   help="host-memory tier for blocks evicted from the device pool (default 0: off)")
+    t.add_argument("--host-codec", choices=codecs, default="none", help="host tier codec (default none)")
+    t.add_argument("--disk-dir", default=None, help="directory of the disk tier (needs --host-bytes)")
+    t.add_argument("--disk-bytes", type=parse_bytes, default=0, help="disk tier capacity")
+    t.add_argument("--disk-codec", choices=codecs, default="none", help="disk tier codec (default none)")
+    t.add_argument("--disk-write-mode", choices=WRITE_MODES, default="through",
+                   help="through: write each block to disk as it enters the host tier (default; survives a "
+                        "restart); back: only when the host tier evicts it")
+    t.add_argument("--peer-bytes", type=parse_bytes, default=64 << 20,
+                   help="staging memory for blocks fetched from peers (default 64M; 0 disables peer fetch)")
+    t.add_argument("--peer-fetch", choices=("auto", "never", "always"), default="auto",
+                   help="fetch a prefix from the peer the router names: auto = only when the measured "
+                        "transfer time beats the measured recompute time (default)")
+    t.add_argument("--peer-fetch-max-s", type=float, default=2.0,
+                   help="longest a peer fetch may take before the request recomputes (seconds, default 2)")
+
+
+_BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse "4096", "64M", "2G", "1.5GiB" into bytes (binary units).
+
+    Raises:
+        argparse.ArgumentTypeError: not a non-negative size.
+    """
+    s = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    unit = s[-1:] if s[-1:] in _BYTE_UNITS and s[-1:] else ""
+    num = s[: len(s) - len(unit)]
+    try:
+        value = float(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (e.g. 4096, 512M, 2G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"size must be >= 0, got {text!r}")
+    return int(value * _BYTE_UNITS[unit])
+
+
+def tier_config(args: argparse.Namespace):
+    """`TierConfig` from parsed worker options (validated by the engine)."""
+    from cache_store.tier_store import TierConfig
+
+    return TierConfig(host_bytes=args.host_bytes, host_codec=args.host_codec, disk_dir=args.disk_dir,
+                      disk_bytes=args.disk_bytes, disk_codec=args.disk_codec, write_mode=args.disk_write_mode,
+                      peer_bytes=args.peer_bytes)
 
 
 def make_engine(args: argparse.Namespace, event_sink=None):
-    """Build an `Engine` from parsed worker options."""
+    """Build an `Engine` from parsed worker options.
+
+    Raises:
+        ValueError: inconsistent options (e.g. --disk-dir without --disk-bytes).
+    """
     import torch
 
     from workers.engine import Engine
@@ -37,7 +93,8 @@ def make_engine(args: argparse.Namespace, event_sink=None):
         torch.set_num_threads(args.threads)
     return Engine(model_dir=args.model, device=args.device, block_size=args.block_size,
                   num_blocks=args.num_blocks, max_num_batched_tokens=args.max_batched_tokens,
-                  max_num_seqs=args.max_seqs, max_model_len=args.max_model_len, event_sink=event_sink)
+                  max_num_seqs=args.max_seqs, max_model_len=args.max_model_len, event_sink=event_sink,
+                  tiers=tier_config(args))
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -46,9 +103,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from workers.server import serve_worker
 
     worker_id = args.worker_id or f"{socket.gethostname()}:{args.port}"
+    try:
+        tier_config(args).validate()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    peer = peer_options(args)
     if not args.redis_url:
         engine = make_engine(args)
-        asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id))
+        asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer))
         return 0
     from workers.kv_publisher import KVEventPublisher, WorkerLease
 
@@ -59,11 +122,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     lease = WorkerLease(args.redis_url, worker_id, f"{args.host}:{args.port}", info, engine.load,
                         cluster=args.cluster)
     try:
-        asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id))
+        asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer))
     finally:
         lease.close()
         publisher.close()
     return 0
+
+
+def peer_options(args: argparse.Namespace) -> dict:
+    """Peer-fetch options of `serve_worker` from parsed worker options."""
+    return {"mode": args.peer_fetch, "max_fetch_s": args.peer_fetch_max_s}
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -133,11 +201,33 @@ def generate(target: str, prompt: str | None = None, token_ids: list[int] | None
             channel.close()
 
 
+def _check_generate_args(args: argparse.Namespace, ids: list[int] | None) -> None:
+    """Range checks the wire format imposes (uint32/uint64 fields); ValueError says what to fix."""
+    u32 = 2**32
+    bad = next((t for t in ids or () if not 0 <= t < u32), None)
+    if bad is not None:
+        raise ValueError(f"--token-ids: {bad} is out of range [0, {u32})")
+    if not 0 <= args.max_tokens < u32:
+        raise ValueError(f"--max-tokens must be in [1, {u32}) (got {args.max_tokens})")
+    if not 0 <= args.seed < 2**64:
+        raise ValueError(f"--seed must be in [0, 2**64) (got {args.seed})")
+    for name in ("temperature", "top_p"):
+        if not math.isfinite(getattr(args, name)):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number")
+
+
+def _print_error(args: argparse.Namespace, code: str, message: str) -> None:
+    if args.json:
+        print(json.dumps({"error": {"code": code, "message": message}}))
+    print(f"error: {code}: {message}", file=sys.stderr)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     try:
         ids = parse_token_ids(args.token_ids) if args.token_ids is not None else None
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _check_generate_args(args, ids)
+    except ValueError as exc:  # caught before sending: the server would say the same
+        _print_error(args, "INVALID_ARGUMENT", str(exc))
         return 2
     try:
         out = generate(args.target, prompt=args.prompt, token_ids=ids, max_tokens=args.max_tokens,
@@ -146,9 +236,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         code = exc.code().name if hasattr(exc, "code") and exc.code() else "UNKNOWN"
         detail = exc.details() if hasattr(exc, "details") else str(exc)
-        if args.json:
-            print(json.dumps({"error": {"code": code, "message": detail}}))
-        print(f"error: {code}: {detail}", file=sys.stderr)
+        _print_error(args, code, detail)
         return 1
     if args.json:
         print(json.dumps(out))
@@ -239,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except (ValueError, RuntimeError) as exc:  # bad option or start-up failure: say it plainly
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

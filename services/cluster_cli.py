@@ -25,14 +25,28 @@ def _spec_from_args(args: argparse.Namespace, policy: str | None = None):
                        redis_url=args.redis_url, policy=policy or args.policy, model=args.model,
                        block_size=args.block_size, num_blocks=args.num_blocks,
                        max_batched_tokens=args.max_batched_tokens, threads_per_worker=args.threads,
-                       extra_worker_args=["--device", args.device, "--max-seqs", str(args.max_seqs)])
+                       extra_worker_args=["--device", args.device, "--max-seqs", str(args.max_seqs),
+                                          *(["--max-model-len", str(args.max_model_len)]
+                                            if args.max_model_len else []),
+                                          *_tier_worker_args(args)],
+                       disk_dir=args.disk_dir)
+
+
+def _tier_worker_args(args: argparse.Namespace) -> list[str]:
+    """Tier flags passed through to every worker (each gets its own --disk-dir subdirectory)."""
+    out = ["--host-bytes", str(args.host_bytes), "--host-codec", args.host_codec, "--disk-codec", args.disk_codec,
+           "--disk-write-mode", args.disk_write_mode, "--peer-bytes", str(args.peer_bytes),
+           "--peer-fetch", args.peer_fetch, "--peer-fetch-max-s", str(args.peer_fetch_max_s)]
+    if args.disk_dir:
+        out += ["--disk-bytes", str(args.disk_bytes)]
+    return out
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     from services.launcher import LocalCluster
 
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: terminal closed
         signal.signal(sig, lambda *_: stop.set())
     cluster = LocalCluster(_spec_from_args(args))
     try:
@@ -111,3 +125,7 @@ def register(sub) -> None:
     from bench import harness
 
     harness.register(sub)
+
+    from bench import sim
+
+    sim.register(sub)

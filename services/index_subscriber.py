@@ -156,33 +156,38 @@ class IndexSubscriber:
             TimeoutError: not synced within ``timeout`` seconds.
             RuntimeError: the subscriber is not running.
         """
-        async with asyncio.timeout(timeout):
-            polls = self._polls
-            self._poll_now.set()
-            while self._polls <= polls:
-                self._check_running()
-                await asyncio.sleep(0.01)
-            live = list(self._live)
-            if not live:
+        try:
+            await asyncio.wait_for(self._wait_synced(), timeout)
+        except asyncio.TimeoutError:  # a distinct class before Python 3.11
+            raise TimeoutError(f"index not synced within {timeout} s") from None
+
+    async def _wait_synced(self) -> None:
+        polls = self._polls
+        self._poll_now.set()
+        while self._polls <= polls:
+            self._check_running()
+            await asyncio.sleep(0.01)
+        live = list(self._live)
+        if not live:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for w in live:
+            pipe.xrevrange(stream_key(w, self.cluster), count=1)
+        tails = await pipe.execute()
+        targets = {w: _id_key(t[0][0]) for w, t in zip(live, tails) if t}
+        while True:
+            self._check_running()
+            pending = False
+            for w, target in targets.items():
+                st = self._streams.get(w)
+                if st is None:  # left meanwhile
+                    continue
+                if st.resync_task is not None or _id_key(st.cursor) < target:
+                    pending = True
+                    break
+            if not pending:
                 return
-            pipe = self._redis.pipeline(transaction=False)
-            for w in live:
-                pipe.xrevrange(stream_key(w, self.cluster), count=1)
-            tails = await pipe.execute()
-            targets = {w: _id_key(t[0][0]) for w, t in zip(live, tails) if t}
-            while True:
-                self._check_running()
-                pending = False
-                for w, target in targets.items():
-                    st = self._streams.get(w)
-                    if st is None:  # left meanwhile
-                        continue
-                    if st.resync_task is not None or _id_key(st.cursor) < target:
-                        pending = True
-                        break
-                if not pending:
-                    return
-                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)
 
     def _check_running(self) -> None:
         if self._task is None:
@@ -256,7 +261,7 @@ class IndexSubscriber:
         if not wanted:
             try:
                 await asyncio.wait_for(self._poll_now.wait(), wait_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # builtin TimeoutError only from Python 3.11
                 pass
             return
         reply = await self._redis.xread(wanted, count=self.read_count, block=max(1, int(wait_s * 1000)))

@@ -30,6 +30,7 @@ class ClusterSpec:
     cluster: str = ""                    # Redis key namespace; "" = unique per cluster
     extra_worker_args: list[str] = field(default_factory=list)
     log_dir: str | None = None
+    disk_dir: str | None = None          # each worker gets --disk-dir DISK_DIR/<worker id>
 
 
 class LocalCluster:
@@ -49,6 +50,7 @@ class LocalCluster:
         self.redis_url = spec.redis_url
         self.cluster = spec.cluster or f"c{os.getpid()}-{int(time.time() * 1000) % 10**8}"
         self.log_dir = spec.log_dir or tempfile.mkdtemp(prefix="kvmesh-logs-")
+        os.makedirs(self.log_dir, exist_ok=True)
         self.workers: dict[str, tuple[str, object]] = {}
         self.router_proc = None
         self.router_address = ""
@@ -62,15 +64,18 @@ class LocalCluster:
                          "--max-batched-tokens", str(s.max_batched_tokens), *s.extra_worker_args)
         if s.model:
             cmd += ["--model", s.model]
+        if s.disk_dir:
+            cmd += ["--disk-dir", os.path.join(s.disk_dir, worker_id)]
         return cmd
 
-    def start_worker(self, worker_id: str, port: int | None = None) -> str:
-        """Start (or restart) one worker; returns its address once healthy."""
+    def start_worker(self, worker_id: str, port: int | None = None, wait: bool = True) -> str:
+        """Start (or restart) one worker; returns its address (once healthy, if ``wait``)."""
         port = port or free_port()
         proc = spawn(self.worker_cmd(worker_id, port), os.path.join(self.log_dir, f"{worker_id}.log"))
         address = f"127.0.0.1:{port}"
         self.workers[worker_id] = (address, proc)
-        wait_healthy(address, proc=proc)
+        if wait:
+            wait_healthy(address, proc=proc)
         return address
 
     def start_router(self, port: int | None = None) -> str:
@@ -90,8 +95,10 @@ class LocalCluster:
             if self.redis_url is None:
                 self.redis = RedisServer()
                 self.redis_url = self.redis.url
-            for i in range(self.spec.num_workers):
-                self.start_worker(f"worker-{i}")
+            for i in range(self.spec.num_workers):  # start together, then wait for each
+                self.start_worker(f"worker-{i}", wait=False)
+            for address, proc in self.workers.values():
+                wait_healthy(address, proc=proc)
             self.start_router()
             self.wait_registered()
         except BaseException:

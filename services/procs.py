@@ -44,7 +44,8 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir, "--protected-mode", "yes", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         deadline = time.monotonic() + timeout
         import redis
@@ -69,14 +70,31 @@ def python_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    """Ask Linux to SIGTERM this child when its parent dies (prctl PR_SET_PDEATHSIG), so
+    a cluster whose launcher is SIGKILLed or loses its terminal leaves nothing behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux/glibc: best effort only
+        pass
+
+
 def spawn(cmd: list[str], log_path: str | None = None, env: dict | None = None) -> subprocess.Popen:
-    """Start a child process in its own process group, output to ``log_path``."""
+    """Start a child process in its own process group, output to ``log_path``.
+
+    The child gets SIGTERM if this process dies (Linux), whatever the cause. Linux ties
+    that signal to the spawning *thread*: call this from a thread that lives as long as
+    the child should (the main thread in kvmesh).
+    """
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     full_env = dict(os.environ)
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     full_env["PYTHONPATH"] = repo_root + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.update(env or {})
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
 
 
 def wait_healthy(address: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:

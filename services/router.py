@@ -11,6 +11,12 @@ Load seen by policies is the larger of what the worker last reported in its leas
 what this router knows it has sent there and not yet seen finish (fresh within one
 request). If the chosen worker is unreachable before any token was relayed, the router
 retries once on the next choice; after that the client gets UNAVAILABLE.
+
+Peer fetch hint: when the policy picks a worker that holds fewer of the request's leading
+blocks than another live worker (the holder was overloaded or over its share), the
+forwarded request names that holder in ``prefix_location`` (`prefix_holder`). The chosen
+worker decides from measured rates whether pulling the blocks beats recomputing them
+(`workers.peer_fetch`).
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ class _Inflight:
 
     running: int = 0
     pending_prefill_tokens: int = 0
+    last_done_wall: float = 0.0   # time.time() when a request of ours there last ended
 
 
 class RouterServicer(pb_grpc.RouterServicer):
@@ -85,15 +92,20 @@ class RouterServicer(pb_grpc.RouterServicer):
                 continue
             load = info.get("load") or {}
             local = self._inflight.get(wid) or _Inflight()
+            # a lease written before our last request there ended still counts that request:
+            # trust our own, fresher, counts until the next heartbeat
+            stale = float(info.get("ts", 0.0)) < local.last_done_wall
             m = matches.get(wid)
             views.append(WorkerView(
                 worker_id=wid,
                 address=info["address"],
                 matched_blocks=m.num_blocks if m else 0,
                 weighted_blocks=weighted_blocks(m) if m else 0.0,
-                running_requests=max(int(load.get("running_requests", 0)), local.running),
+                running_requests=local.running if stale else max(int(load.get("running_requests", 0)),
+                                                                 local.running),
                 waiting_requests=int(load.get("waiting_requests", 0)),
-                queued_prefill_tokens=max(int(load.get("queued_prefill_tokens", 0)), local.pending_prefill_tokens),
+                queued_prefill_tokens=local.pending_prefill_tokens if stale else max(
+                    int(load.get("queued_prefill_tokens", 0)), local.pending_prefill_tokens),
                 free_blocks=int(load.get("free_blocks", 0)),
                 total_blocks=int(load.get("total_blocks", 0)),
                 routed_recent=self.routed.value(wid),
@@ -124,8 +136,16 @@ class RouterServicer(pb_grpc.RouterServicer):
         live = self.subscriber.live_workers()
         if not live:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no live workers registered: start workers or retry")
-        block_size = _block_size(live)
+        try:
+            block_size = _block_size(live)
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         model_id = next((i["model_id"] for i in live.values() if i.get("model_id")), self.config.model_id)
+        if request.WhichOneof("prompt") == "text" and model_id != self.config.model_id:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the router tokenizes for model {self.config.model_id!r} but workers serve {model_id!r}: start the "
+                f"router with --model pointing at the workers' model directory, or send token_ids")
         ns = Namespace(model_id=model_id, cache_salt=request.cache_salt, adapter_id=request.adapter_id)
         hashes = list(hash_blocks(ids, block_size, ns.root_hash()).hashes)
         forward = pb.GenerateRequest()
@@ -134,6 +154,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         forward.request_id = request.request_id or uuid.uuid4().hex
         tried: set[str] = set()
         last_error = ""
+        last_code = grpc.StatusCode.UNAVAILABLE
         for _attempt in range(self.max_attempts):
             now = time.monotonic()
             views = self._views(live, hashes, now, tried)
@@ -143,6 +164,12 @@ class RouterServicer(pb_grpc.RouterServicer):
             tried.add(chosen.worker_id)
             self.index.add_speculative(chosen.worker_id, hashes, now, SPECULATIVE_TTL_S)
             prefill = len(ids) - chosen.matched_blocks * block_size
+            holder = prefix_holder(chosen, views)
+            if holder is not None:
+                forward.prefix_location.CopyFrom(pb.PrefixLocation(
+                    worker_id=holder.worker_id, address=holder.address, num_blocks=holder.matched_blocks))
+            else:
+                forward.ClearField("prefix_location")
             st = self._note_routed(chosen.worker_id, prefill)
             relayed = False
             stub = pb_grpc.WorkerStub(self._channel(chosen.address))
@@ -157,16 +184,19 @@ class RouterServicer(pb_grpc.RouterServicer):
                 return
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
-                if code == grpc.StatusCode.UNAVAILABLE and not relayed:
-                    last_error = f"worker {chosen.worker_id} at {chosen.address} unavailable: {exc.details()}"
+                retryable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                if retryable and not relayed and _attempt + 1 < self.max_attempts:
+                    last_error = f"worker {chosen.worker_id} at {chosen.address}: {code.name}: {exc.details()}"
+                    last_code = code
                     log.warning("%s; trying another worker", last_error)
                     continue
                 await context.abort(code, exc.details() or code.name)
             finally:
                 st.running = max(0, st.running - 1)
+                st.last_done_wall = time.time()
                 if not relayed:
                     st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - prefill)
-        await context.abort(grpc.StatusCode.UNAVAILABLE, last_error or "no live worker could take the request")
+        await context.abort(last_code, last_error or "no live worker could take the request")
 
     async def Status(self, request, context):
         live = self.subscriber.live_workers()
@@ -198,6 +228,22 @@ class WorkerFacade(pb_grpc.WorkerServicer):
 
     async def Tokenize(self, request, context):
         return pb.TokenizeResponse(ids=self.router.tokenizer.encode(request.text))
+
+
+def prefix_holder(chosen: WorkerView, views: list[WorkerView], min_extra_blocks: int = 1) -> WorkerView | None:
+    """The worker to name in ``prefix_location`` for a request sent to ``chosen``, or None.
+
+    That is the other worker holding the most leading blocks of the request (any tier),
+    when it holds at least ``min_extra_blocks`` more than ``chosen``; ties go to the
+    first in ``views``. Pure.
+    """
+    best = None
+    for v in views:
+        if v.worker_id != chosen.worker_id and (best is None or v.matched_blocks > best.matched_blocks):
+            best = v
+    if best is None or best.matched_blocks < chosen.matched_blocks + min_extra_blocks:
+        return None
+    return best
 
 
 def _load_config(model_dir: str | None) -> ModelConfig:

@@ -130,3 +130,46 @@ def test_kv_size_cli():
     assert out["bytes"] == 2 * 32 * 8 * 128 * 2 * 8192
     bad = cli("kv-size", "--model", "no-such-model", "--tokens", "10")
     assert bad.returncode != 0 and "Llama-3-8B" in bad.stderr
+
+
+def test_streamed_text_keeps_multibyte_characters(worker):
+    """Text is decoded incrementally: a character split over tokens is never mangled."""
+    text = "café 日本"
+    ids = list(text.encode())
+    with grpc.insecure_channel(worker) as ch:
+        stub = pb_grpc.WorkerStub(ch)
+        # the byte tokenizer: prompt ids are the bytes; the streamed text is the decoded completion
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), return_text=True,
+                                 sampling=pb.SamplingParams(max_tokens=8))
+        msgs = list(stub.Generate(req))
+    completion = [t for m in msgs for t in m.token_ids]
+    streamed = "".join(m.text for m in msgs)
+    expected = bytes(t for t in completion if t < 256).decode("utf-8", errors="replace")
+    assert streamed == expected
+
+
+def test_duplicate_request_ids_do_not_cancel_each_other(worker):
+    with grpc.insecure_channel(worker) as ch:
+        stub = pb_grpc.WorkerStub(ch)
+        mk = lambda: pb.GenerateRequest(request_id="same-id", token_ids=pb.TokenIds(ids=list(range(30))),  # noqa: E731
+                                        sampling=pb.SamplingParams(max_tokens=40, ignore_eos=True))
+        a = stub.Generate(mk())
+        b = stub.Generate(mk())
+        next(a)
+        a.cancel()  # the first client goes away
+        got = [t for m in b for t in m.token_ids]
+    assert len(got) == 40
+
+
+def test_tiny_temperature_does_not_kill_the_worker(worker):
+    out = generate(worker, token_ids=[5, 6, 7, 8], max_tokens=4, temperature=1e-40, seed=1)
+    assert out["usage"]["completion_tokens"] == 4
+    assert generate(worker, token_ids=[1, 2, 3], max_tokens=2)["usage"]["completion_tokens"] == 2
+
+
+def test_second_worker_on_a_busy_port_fails(worker):
+    port = worker.rsplit(":", 1)[1]
+    res = subprocess.run([sys.executable, "-m", "services.cli", "worker", "--port", port, "--threads", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "could not bind" in res.stderr

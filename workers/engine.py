@@ -12,7 +12,9 @@ drive `step()` directly on a stopped one.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 import logging
 import threading
 import time
@@ -21,8 +23,11 @@ from typing import Callable
 
 import torch
 
+from cache_store.block_record import ZERO_HASH, RecordMeta, checksum, dtype_name
+from cache_store.events import MEDIUMS
 from cache_store.hashing import Namespace
 from cache_store.prefix_cache import PrefixCache
+from cache_store.tier_store import TierConfig, TierStore
 from workers.loader import load_model
 from workers.model import AttentionMetadata, allocate_kv_cache
 from workers.request import (
@@ -37,8 +42,6 @@ from workers.scheduler import ScheduledBatch, Scheduler
 from workers.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
-
-MEDIUMS = ("device", "host", "disk", "peer", "remote")
 
 
 class Engine:
@@ -55,8 +58,14 @@ class Engine:
         max_num_seqs: most requests running at once.
         max_waiting: most queued requests; beyond it `submit` raises `Overloaded`.
         max_model_len: context limit in tokens (default: the model's).
-        event_sink: receives KV events (BlockStored/BlockRemoved/AllBlocksCleared).
+        event_sink: receives KV events (BlockStored/BlockRemoved/AllBlocksCleared), from
+            the engine thread and, for disk-tier changes, the disk writer thread.
         seed: seed of the built-in model's random weights.
+        tiers: host / disk / peer-staging tiers below the device pool
+            (`cache_store.tier_store.TierConfig`); None for the device pool only.
+
+    Raises:
+        ValueError: bad sizes or tier configuration.
     """
 
     def __init__(
@@ -71,9 +80,15 @@ class Engine:
         max_model_len: int | None = None,
         event_sink: Callable[[object], None] | None = None,
         seed: int = 0,
+        tiers: TierConfig | None = None,
     ):
-        if block_size < 1 or num_blocks < 1:
-            raise ValueError("block_size and num_blocks must be >= 1")
+        for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
+                            ("max_waiting", max_waiting)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1 (got {value})")
+        if tiers is not None:
+            tiers.validate()  # before the model loads: a bad flag fails fast
         self.device = torch.device(device)
         self.config, self.model = load_model(model_dir, device=device, seed=seed)
         self.model.eval()
@@ -85,8 +100,10 @@ class Engine:
         self.max_waiting = max_waiting
         self.kv_cache = allocate_kv_cache(self.config, num_blocks, block_size, self.device,
                                           next(self.model.parameters()).dtype)
-        self.cache = PrefixCache(num_blocks, block_size, event_sink=event_sink)
-        self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs)
+        self.tiers = TierStore(self.kv_cache, tiers, event_sink) if tiers is not None and tiers.enabled else None
+        offload = self.tiers.offload if self.tiers is not None and self.tiers.can_offload else None
+        self.cache = PrefixCache(num_blocks, block_size, event_sink=event_sink, on_offload=offload)
+        self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, tiers=self.tiers)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or ())
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -99,6 +116,9 @@ class Engine:
         #: Called under the engine lock when a snapshot is taken; returns the sequence
         #: number of the last KV event batch the snapshot reflects (the publisher's).
         self.snapshot_seq_fn: Callable[[], int] | None = None
+        #: EWMA of prefill throughput measured on this engine's own steps (tokens/s), None
+        #: until measured; see `prefill_tokens_per_s`.
+        self._prefill_rate: float | None = None
         #: Optional observer of every sampled logits row ``[vocab_size]`` (float32), called
         #: on the engine thread with the request id; tests use it to compare cold and hit runs.
         self.logits_hook: Callable[[str, torch.Tensor], None] | None = None
@@ -121,20 +141,20 @@ class Engine:
         vocab = self.config.vocab_size
         if not prompt_ids:
             raise InvalidRequest("prompt is empty: send at least one token or non-empty text")
-        bad = next((t for t in prompt_ids if t < 0 or t >= vocab), None)
-        if bad is not None:
+        if len(prompt_ids) >= self.max_model_len:  # before the per-token scan: cheap for huge prompts
+            raise InvalidRequest(
+                f"prompt has {len(prompt_ids)} tokens but the model's context is {self.max_model_len} tokens: "
+                f"shorten it to at most {self.max_model_len - 1} tokens")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            bad = next(t for t in prompt_ids if t < 0 or t >= vocab)
             raise InvalidRequest(f"token id {bad} is out of range: ids must be in [0, {vocab}) for model "
                                  f"{self.config.model_id}")
         if sampling.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1 (got {sampling.max_tokens})")
-        if sampling.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0 (got {sampling.temperature})")
-        if not 0.0 <= sampling.top_p <= 1.0:
+        if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
+            raise InvalidRequest(f"temperature must be a finite number >= 0 (got {sampling.temperature})")
+        if not 0.0 <= sampling.top_p <= 1.0:  # also false for NaN
             raise InvalidRequest(f"top_p must be in [0, 1] (got {sampling.top_p})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt has {len(prompt_ids)} tokens but the model's context is {self.max_model_len} tokens: "
-                f"shorten it to at most {self.max_model_len - 1} tokens")
         total = min(len(prompt_ids) + sampling.max_tokens, self.max_model_len)
         need = -(-total // self.block_size)
         if need > self.num_blocks:
@@ -153,17 +173,23 @@ class Engine:
         cache_salt: str = "",
         adapter_id: str = "",
         request_id: str = "",
+        arrival: float | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Thread-safe.
+
+        ``arrival`` (``time.monotonic()`` seconds) is when the request reached the worker,
+        if earlier than now (e.g. before a peer fetch); timing is measured from it.
 
         Raises:
             InvalidRequest, Overloaded: see `validate`.
         """
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, sampling)
-        rid = request_id or f"req-{next(self._ids)}"
+        rid = f"{request_id or 'req'}#{next(self._ids)}"  # unique even if a client repeats its id
         req = Request(rid, prompt_ids, sampling, self.namespace(cache_salt, adapter_id),
                       self.block_size, on_output)
+        if arrival is not None:
+            req.arrival = min(arrival, req.arrival)
         with self._cv:
             self._inbox.append(("add", req))
             self._cv.notify()
@@ -185,7 +211,12 @@ class Engine:
         return self
 
     def stop(self) -> None:
-        """Stop the loop; queued and running requests fail with UNAVAILABLE."""
+        """Stop the loop; queued and running requests fail with UNAVAILABLE.
+
+        With a disk tier, the device pool's cached blocks are then offloaded (to host and,
+        in write-through mode, to disk) and queued disk writes finish (bounded wait), so a
+        restart on the same directory starts warm.
+        """
         with self._cv:
             self._stop = True
             self._cv.notify()
@@ -196,6 +227,11 @@ class Engine:
             self._drain_inbox()
             for req in list(self._requests.values()):
                 self._fail(req, "worker is shutting down", "UNAVAILABLE")
+        if self.tiers is not None:
+            if self.tiers.disk is not None:
+                with self._lock:
+                    self.cache.evict_unused()
+            self.tiers.close()
 
     def _loop(self) -> None:
         while True:
@@ -204,7 +240,13 @@ class Engine:
                     self._cv.wait()
                 if self._stop:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception:  # never let the engine thread die behind a healthy server
+                log.exception("engine step failed; failing in-flight requests")
+                with self._lock:
+                    for req in list(self._requests.values()):
+                        self._fail(req, "engine step failed; see the worker log", "INTERNAL")
 
     def _drain_inbox(self) -> None:
         while True:
@@ -228,7 +270,9 @@ class Engine:
             if not batch:
                 return 0
             try:
+                t0 = time.perf_counter()
                 logits = self._forward(batch)
+                self._note_step_rate(batch, time.perf_counter() - t0)
             except Exception as exc:  # keep the worker up; fail what was in flight
                 log.exception("model step failed")
                 for req in list(batch.requests):
@@ -266,6 +310,99 @@ class Engine:
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
         ).float()
 
+    #: Smoothing of the prefill-rate EWMA (weight of the newest sample).
+    RATE_ALPHA = 0.25
+    #: Steps with fewer prompt tokens than this do not update the prefill rate (decode-bound).
+    RATE_MIN_TOKENS = 64
+
+    def _note_step_rate(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Fold one step into the prefill-rate EWMA (called before ``num_computed`` advances).
+
+        Only prompt tokens count; a step that also decodes charges its whole time to them,
+        which errs towards a slower rate (more fetching, never less).
+        """
+        n = sum(k for r, k in zip(batch.requests, batch.num_new_tokens) if r.num_computed < r.num_prompt_tokens)
+        if n < self.RATE_MIN_TOKENS or seconds <= 0:
+            return
+        rate = n / seconds
+        old = self._prefill_rate
+        self._prefill_rate = rate if old is None else old + self.RATE_ALPHA * (rate - old)
+
+    def prefill_tokens_per_s(self) -> float:
+        """Measured prefill throughput (tokens/s): an EWMA over steps of at least
+        ``RATE_MIN_TOKENS`` new tokens. Before any such step, measured once with a
+        256-token forward pass on a scratch KV tensor (the pool is not touched).
+        Thread-safe; may block for that one forward pass.
+        """
+        if self._prefill_rate is None:
+            with self._lock:
+                if self._prefill_rate is None:
+                    self._prefill_rate = self._calibrate_prefill()
+        return self._prefill_rate
+
+    @torch.inference_mode()
+    def _calibrate_prefill(self, num_tokens: int = 256) -> float:
+        n = max(1, min(num_tokens, self.max_model_len - 1))
+        blocks = -(-n // self.block_size)
+        scratch = allocate_kv_cache(self.config, blocks, self.block_size, self.device, self.kv_cache.dtype)
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.config.vocab_size, (n,), generator=gen).to(self.device)
+        pos = torch.arange(n, device=self.device)
+        meta = AttentionMetadata.build([n], [0], [list(range(blocks))], self.block_size, self.device)
+        best = float("inf")
+        for _ in range(2):  # the first pass pays one-off allocation costs
+            t0 = time.perf_counter()
+            self.model(ids, pos, meta, scratch)
+            best = min(best, time.perf_counter() - t0)
+        return n / max(best, 1e-6)
+
+    def local_prefix_blocks(self, block_hashes: list[bytes], block_tokens: Callable[[int], bytes], root: bytes,
+                            limit: int) -> int:
+        """Leading blocks of a chain (at most ``limit``) this worker holds on any tier, verified. Thread-safe."""
+        with self._lock:
+            hit = self.cache.index.match(block_hashes[:limit], block_tokens).num_blocks
+            if self.tiers is not None and hit < limit:
+                located = self.tiers.locate(block_hashes, block_tokens, hit, limit, root)
+                self.tiers.release(located)
+                hit += len(located)
+            return hit
+
+    def export_blocks(self, block_hashes: list[bytes], parent: bytes | None = None,
+                      check_first_parent: bool = False) -> list[tuple[RecordMeta, bytes]]:
+        """Records of the leading run of ``block_hashes`` this worker holds (device, host or disk).
+
+        Device blocks are copied out under the engine lock in the pool dtype (codec
+        ``none``); host and disk blocks keep their tier's codec. The run stops at the
+        first block not held, or whose parent in the device index is not the previous
+        hash (``parent`` for the first block, when ``check_first_parent``). Thread-safe.
+
+        Returns:
+            ``(meta, payload)`` per block, in order (checksums filled in).
+        """
+        out: list[tuple[RecordMeta, bytes]] = []
+        shape = tuple(self.kv_cache.shape[1:])
+        dt = dtype_name(self.kv_cache.dtype)
+        with self._lock:
+            index = self.cache.index
+            prev = parent
+            for i, h in enumerate(block_hashes):
+                node = index.node(h)
+                if node is None:
+                    break
+                parent = node.parent.block_hash if node.parent is not None else None
+                if parent != prev and (i > 0 or check_first_parent):
+                    break
+                payload = self.kv_cache[node.value].cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                out.append((RecordMeta(h, parent or ZERO_HASH, node.tokens, "none", dt, shape, len(payload),
+                                       checksum(payload)), payload))
+                prev = h
+        if self.tiers is not None and len(out) < len(block_hashes):
+            rest = self.tiers.export(block_hashes, len(out))
+            first_unchecked = not out and not check_first_parent
+            if rest and (first_unchecked or rest[0][0].parent_hash == (prev or ZERO_HASH)):
+                out.extend(rest)
+        return out
+
     def _sample_and_emit(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
         now = time.monotonic()
         row = 0
@@ -274,7 +411,13 @@ class Engine:
                 continue  # prefill chunk, nothing to sample yet
             if self.logits_hook is not None:
                 self.logits_hook(req.request_id, logits[row].clone())
-            token = sample_token(logits[row], req.sampling, req.generator)
+            try:
+                token = sample_token(logits[row], req.sampling, req.generator)
+            except Exception as exc:  # this request fails; the others and the worker go on
+                log.exception("sampling failed for %s", req.request_id)
+                self._fail(req, f"sampling failed: {exc}", "INTERNAL")
+                row += 1
+                continue
             row += 1
             if req.prefill_done is None:
                 req.prefill_done = now
@@ -376,20 +519,46 @@ class Engine:
         publisher assigned sequence number S to every event emitted so far, so the
         snapshot equals the state after applying batches 1..S.
         """
-        with self._lock:
+        with self._lock, (self.tiers.lock if self.tiers is not None else contextlib.nullcontext()):
             seq = self.snapshot_seq_fn() if self.snapshot_seq_fn else 0
             nodes = [self.cache.index.node(h) for h, _ in self.cache.index.items()]
             nodes.sort(key=lambda n: n.depth)
             blocks = [(n.block_hash, n.parent.block_hash if n.parent is not None else None, "device")
                       for n in nodes]
+            if self.tiers is not None:
+                blocks.extend(self.tiers.snapshot())
             return {"seq": seq, "blocks": blocks}
 
     def clear_cache(self) -> int:
-        """Drop every cached block not in use (emits AllBlocksCleared). Returns blocks dropped."""
+        """Drop every cached block not in use, in every tier (emits AllBlocksCleared).
+
+        Returns:
+            blocks dropped, all tiers together.
+        """
         with self._lock:
             before = len(self.cache.index)
+            dropped = self.tiers.clear() if self.tiers is not None else 0
             self.cache.clear()
-            return before - len(self.cache.index)
+            return before - len(self.cache.index) + dropped
+
+    def offload_device_cache(self) -> int:
+        """Evict every unused cached device block through the offload path (to the host tier,
+        and from there to disk per the write mode). Returns blocks evicted from the device."""
+        with self._lock:
+            return self.cache.evict_unused()
+
+    def drop_host_tier(self) -> int:
+        """Drop the host tier's blocks (the disk tier keeps its copies). Returns blocks dropped."""
+        with self._lock:
+            return self.tiers.clear_host() if self.tiers is not None else 0
+
+    def flush_tiers(self, timeout: float = 30.0) -> bool:
+        """Wait until queued disk writes are on disk. Returns False on timeout."""
+        return self.tiers.flush(timeout) if self.tiers is not None else True
+
+    def tier_stats(self) -> dict:
+        """Per-tier block/byte counts and offload/load counters (empty without tiers)."""
+        return self.tiers.stats() if self.tiers is not None else {}
 
     def check_integrity(self) -> None:
         """Pool and index invariants hold (raises otherwise)."""
@@ -402,11 +571,20 @@ def sample_token(logits: torch.Tensor, sampling: SamplingParams, generator: torc
 
     Greedy (argmax) when temperature is 0; otherwise softmax(logits / temperature),
     restricted to the smallest set of tokens whose probability reaches top_p (nucleus
-    sampling, Holtzman et al. 2020), drawn with the request's own generator.
+    sampling, Holtzman et al. 2020), drawn with the request's own generator. The logits
+    are shifted by their maximum before scaling, in float64, so a tiny temperature turns
+    into greedy instead of overflowing.
+
+    Raises:
+        FloatingPointError: the logits hold NaN (a broken model or checkpoint); the
+            engine fails that request alone.
     """
+    if torch.isnan(logits).any():
+        raise FloatingPointError("model produced NaN logits")
     if sampling.temperature <= 0 or generator is None:
         return int(torch.argmax(logits).item())
-    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    shifted = logits.double() - logits.max().double()
+    probs = torch.softmax(shifted / sampling.temperature, dim=-1)
     if 0.0 < sampling.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < sampling.top_p

@@ -34,7 +34,8 @@ class GrpcHost:
     def __init__(self, host: str, port: int, services: list[tuple[Callable, object, str]]):
         self.host = host
         self.port = port
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        # no SO_REUSEPORT: a second process on a busy port must fail, not share it silently
+        self.server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
         self.health = health_aio.HealthServicer()
         self.names = [name for _, _, name in services]
         for add, servicer, _ in services:
@@ -46,7 +47,10 @@ class GrpcHost:
 
     async def start(self) -> int:
         """Bind, start and report SERVING; returns the bound port."""
-        bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        try:
+            bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        except RuntimeError:  # grpcio >= 1.5x raises instead of returning 0
+            bound = 0
         if bound == 0:
             raise RuntimeError(f"could not bind {self.host}:{self.port}: is another process using it?")
         await self.server.start()

@@ -13,6 +13,15 @@ Cache hit rule (documented in README): the cached prefix is capped at
 always computed and a fully cached prompt recomputes its whole last block. A shared
 block is therefore never written by a second request.
 
+Lower tiers: with a `TierStore`, the device match continues into the host tier, the
+staging area of peer fetches and the disk tier (``TierStore.locate``: every block's hash,
+parent, tokens and layout are verified against the request's chain). The blocks found
+get device blocks, their KV is copied in (``TierStore.load``: disk payloads are
+checksummed; a block that fails ends the run and the rest is recomputed) and they are
+committed to the device index like freshly computed ones. This happens synchronously
+while the request is first scheduled, so a load's time is part of the request's TTFT
+and of that engine step.
+
 Memory pressure: blocks come from `PrefixCache.allocate`, which evicts unlocked cached
 blocks LRU-first (chain tails first). If that is not enough, the newest running request
 is preempted (its blocks are freed; it is re-queued at the front and recomputes, mostly
@@ -26,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from cache_store.prefix_cache import PrefixCache
+from cache_store.tier_store import TierStore
 from workers.request import Request, RequestStatus
 
 
@@ -51,10 +61,13 @@ class Scheduler:
         cache: the worker's prefix cache (pool + radix index).
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_num_seqs: most requests running at once.
+        tiers: the lower cache tiers, or None.
     """
 
-    def __init__(self, cache: PrefixCache, max_num_batched_tokens: int = 1024, max_num_seqs: int = 32):
+    def __init__(self, cache: PrefixCache, max_num_batched_tokens: int = 1024, max_num_seqs: int = 32,
+                 tiers: TierStore | None = None):
         self.cache = cache
+        self.tiers = tiers
         self.block_size = cache.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -144,12 +157,43 @@ class Scheduler:
         match = self.cache.index.match(req.block_hashes[:max_blocks], req.block_token_bytes)
         block_ids = list(match.values[:max_blocks])
         self.cache.lock(block_ids)
+        num_device = len(block_ids)
+        media: list[str] = []
+        if self.tiers is not None and num_device < max_blocks:
+            media = self._load_from_tiers(req, block_ids, max_blocks)
         req.block_table = block_ids
         req.num_computed = len(block_ids) * self.block_size
         req.num_committed_blocks = len(block_ids)
         if req.num_cached < 0:  # first schedule: this is what usage reports
             req.num_cached = req.num_computed
-            req.cached_by_tier = {"device": req.num_computed} if req.num_computed else {}
+            by_tier = {"device": num_device * self.block_size} if num_device else {}
+            for m in media:
+                by_tier[m] = by_tier.get(m, 0) + self.block_size
+            req.cached_by_tier = by_tier
+
+    def _load_from_tiers(self, req: Request, block_ids: list[int], max_blocks: int) -> list[str]:
+        """Extend ``block_ids`` (the locked device prefix) with blocks loaded from lower tiers.
+
+        Returns:
+            the medium of each block loaded, in order.
+        """
+        start = len(block_ids)
+        located = self.tiers.locate(req.block_hashes, req.block_token_bytes, start, max_blocks,
+                                    req.namespace.root_hash())
+        if not located:
+            return []
+        new = self.cache.allocate(len(located))
+        if new is None:  # no room now; the request computes those blocks instead
+            self.tiers.release(located)
+            return []
+        media = self.tiers.load(located, new)
+        n = len(media)
+        if n < len(new):
+            self.cache.unlock(new[n:])
+        block_ids.extend(new[:n])
+        if n:
+            self.cache.commit(_ChainView(req), block_ids, start, start + n)
+        return media
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Make ``req.block_table`` cover ``num_tokens`` tokens; False if out of blocks."""

@@ -4,12 +4,19 @@ The servicer only translates: it validates and converts the request, submits it 
 `Engine` (which runs on its own thread), and relays the engine's outputs from that
 thread into the RPC's asyncio queue. Engine errors map once to gRPC status codes:
 `InvalidRequest` -> INVALID_ARGUMENT, `Overloaded` -> RESOURCE_EXHAUSTED.
+
+Peer fetch: a request whose ``prefix_location`` names another worker first goes through
+`workers.peer_fetch.PeerFetcher` (bounded by its own deadline), then is submitted; the
+fetched blocks wait in the engine's staging area. ``FetchBlocks`` serves the other side:
+the leading run of the asked-for chain this worker holds, streamed in batches of
+``FETCH_BATCH`` blocks so that memory stays bounded and the engine lock is held briefly.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
+import time
 import uuid
 
 import grpc
@@ -17,21 +24,64 @@ import grpc
 from proto import kvmesh_pb2 as pb
 from proto import kvmesh_pb2_grpc as pb_grpc
 from workers import wire
+from cache_store.block_record import RECORD_FORMAT_VERSION
+from cache_store.hashing import HASH_BYTES
 from workers.engine import Engine
 from workers.grpc_host import GrpcHost
+from workers.peer_fetch import MAX_FETCH_BLOCKS, PeerFetcher
 from workers.request import InvalidRequest, Overloaded, RequestOutput
 
 log = logging.getLogger(__name__)
 
 
 
-class WorkerServicer(pb_grpc.WorkerServicer):
-    """Implements kvmesh.v1.Worker over an `Engine`."""
+#: Blocks exported per engine-lock acquisition when serving FetchBlocks.
+FETCH_BATCH = 32
 
-    def __init__(self, engine: Engine, worker_id: str, address: str = ""):
+
+class _IncrementalText:
+    """Streamed text of a growing token sequence.
+
+    Decoding each message's tokens alone splits multi-byte UTF-8 characters and drops
+    the spaces that SentencePiece-style tokenizers attach to the next token. This decodes
+    the whole completion so far and emits what it adds, holding back a trailing U+FFFD
+    (an incomplete character) until the next tokens complete it, as vLLM's incremental
+    detokenizer does. Cost O(completion length) per message.
+    """
+
+    __slots__ = ("tokenizer", "ids", "sent")
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def add(self, new_ids: list[int], final: bool = False) -> str:
+        self.ids.extend(new_ids)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        # a decoder that revised earlier text cannot take it back: emit only what is new
+        piece = text[len(self.sent):]
+        self.sent = text
+        return piece
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    """Implements kvmesh.v1.Worker over an `Engine`.
+
+    Args:
+        engine: the engine.
+        worker_id: this worker's id.
+        address: this worker's host:port.
+        peer: options of `PeerFetcher` (``mode``, ``max_fetch_s``); None uses the defaults.
+    """
+
+    def __init__(self, engine: Engine, worker_id: str, address: str = "", peer: dict | None = None):
         self.engine = engine
         self.worker_id = worker_id
         self.address = address
+        self.fetcher = PeerFetcher(engine, **(peer or {}))
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -49,16 +99,23 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
         rid = request.request_id or uuid.uuid4().hex
+        arrival = time.monotonic()
         try:
             prompt_ids = self._prompt_ids(request)
-            self.engine.submit(prompt_ids, wire.sampling_from_proto(request), on_output,
-                               cache_salt=request.cache_salt, adapter_id=request.adapter_id,
-                               request_id=rid)
+            sampling = wire.sampling_from_proto(request)
+            if request.HasField("prefix_location"):
+                await self._fetch_prefix(request, prompt_ids, sampling, context)
+            # the engine keys requests by its own unique id: two clients reusing one
+            # request_id never cancel each other
+            engine_rid = self.engine.submit(prompt_ids, sampling, on_output,
+                                            cache_salt=request.cache_salt, adapter_id=request.adapter_id,
+                                            request_id=rid, arrival=arrival)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Overloaded as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         finished = False
+        detok = _IncrementalText(self.engine.tokenizer) if request.return_text else None
         try:
             while not finished:
                 out = await queue.get()
@@ -68,8 +125,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                         out.error)
                 msg = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids,
                                           finished=out.finished, worker_id=self.worker_id)
-                if request.return_text and out.new_token_ids:
-                    msg.text = self.engine.tokenizer.decode(out.new_token_ids)
+                if detok is not None:
+                    msg.text = detok.add(out.new_token_ids, final=out.finished)
                 if out.finished:
                     finished = True
                     msg.finish_reason = out.finish_reason
@@ -78,7 +135,42 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 yield msg
         finally:
             if not finished:  # client cancelled or deadline passed
-                self.engine.abort(rid)
+                self.engine.abort(engine_rid)
+
+    async def _fetch_prefix(self, request: pb.GenerateRequest, prompt_ids: list[int], sampling, context) -> None:
+        """Pull the prompt's prefix from the worker named in ``prefix_location`` (if worth it).
+
+        Raises:
+            InvalidRequest, Overloaded: the request would be refused anyway (checked first,
+                so a bad request never triggers a fetch).
+        """
+        loc = request.prefix_location
+        if not loc.address or loc.worker_id == self.worker_id or loc.address == self.address or not loc.num_blocks:
+            return
+        self.engine.validate([int(t) for t in prompt_ids], sampling)
+        ns = self.engine.namespace(request.cache_salt, request.adapter_id)
+        await self.fetcher.fetch_prefix(prompt_ids, ns, loc.address, loc.num_blocks, context.time_remaining())
+
+    async def FetchBlocks(self, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext):
+        hashes = list(request.block_hashes)
+        if len(hashes) > MAX_FETCH_BLOCKS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"asked for {len(hashes)} blocks; at most {MAX_FETCH_BLOCKS} per call")
+        bad = next((i for i, h in enumerate(hashes) if len(h) != HASH_BYTES), None)
+        if bad is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"block_hashes[{bad}] has {len(hashes[bad])} bytes; hashes are {HASH_BYTES} bytes")
+        for start in range(0, len(hashes), FETCH_BATCH):
+            batch = hashes[start:start + FETCH_BATCH]
+            records = await asyncio.to_thread(self.engine.export_blocks, batch,
+                                              hashes[start - 1] if start else None, start > 0)
+            for meta, payload in records:
+                yield pb.BlockData(block_hash=meta.block_hash, parent_block_hash=meta.parent_hash,
+                                   token_ids=meta.token_bytes, codec=meta.codec, dtype=meta.dtype,
+                                   shape=list(meta.shape), checksum=meta.payload_checksum, payload=payload,
+                                   format_version=RECORD_FORMAT_VERSION)
+            if len(records) < len(batch):
+                return
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         return pb.TokenizeResponse(ids=self.engine.tokenizer.encode(request.text))
@@ -89,11 +181,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                              num_blocks=e.num_blocks, vocab_size=e.config.vocab_size,
                              max_model_len=e.max_model_len, device=str(e.device))
 
+    # The engine lock is held for a whole model step: these run on a thread so the event
+    # loop keeps streaming tokens meanwhile.
     async def GetLoad(self, request, context):
-        return wire.load_to_proto(self.engine.load())
+        return wire.load_to_proto(await asyncio.to_thread(self.engine.load))
 
     async def GetSnapshot(self, request, context):
-        snap = self.engine.snapshot()
+        snap = await asyncio.to_thread(self.engine.snapshot)
         return pb.Snapshot(
             worker_id=self.worker_id, seq=snap["seq"], block_size=self.engine.block_size,
             blocks=[pb.CachedBlock(block_hash=h, parent_block_hash=p or b"", medium=m)
@@ -101,18 +195,21 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
     async def ClearCache(self, request, context):
-        return pb.ClearCacheResponse(blocks_cleared=self.engine.clear_cache())
+        return pb.ClearCacheResponse(blocks_cleared=await asyncio.to_thread(self.engine.clear_cache))
 
 
 async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worker_id: str | None = None,
-                       ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+                       ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
+                       peer: dict | None = None) -> None:
     """Serve the engine on host:port until ``stop`` is set or SIGINT/SIGTERM arrives.
+
+    ``peer`` holds `PeerFetcher` options (``mode``, ``max_fetch_s``).
 
     Raises:
         RuntimeError: the port could not be bound.
     """
     worker_id = worker_id or f"{socket.gethostname()}:{port}"
-    servicer = WorkerServicer(engine, worker_id, f"{host}:{port}")
+    servicer = WorkerServicer(engine, worker_id, f"{host}:{port}", peer=peer)
     grpc_host = GrpcHost(host, port, [(pb_grpc.add_WorkerServicer_to_server, servicer,
                                        pb.DESCRIPTOR.services_by_name["Worker"].full_name)])
     engine.start()
@@ -123,4 +220,5 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
         ready.set()
     await grpc_host.wait(stop)
     await grpc_host.stop()
+    await servicer.fetcher.close()
     engine.stop()

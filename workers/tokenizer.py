@@ -16,7 +16,8 @@ __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer"]
 class Tokenizer(Protocol):
     """What the worker needs from a tokenizer.
 
-    ``encode`` adds no special tokens; callers prepend ``bos_token_id`` when the model wants it.
+    ``encode`` adds the special tokens the tokenizer itself prescribes for a prompt (e.g. BOS
+    from a Llama tokenizer.json's post-processor; none for the byte tokenizer).
     """
 
     vocab_size: int
@@ -92,8 +93,9 @@ class HFTokenizer:
         self.eos_token_ids = tuple(int(i) for i in eos_token_ids)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without special tokens."""
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        """Token ids of a prompt ``text``, with the special tokens (e.g. BOS) that the
+        tokenizer.json's post-processor adds to a single sequence, as HF pipelines do."""
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, skipping special tokens."""

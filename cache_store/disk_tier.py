@@ -1,0 +1,416 @@
+"""Disk tier: KV block records in segment files under one directory, with a byte cap.
+
+Blocks reach disk in batches; each batch becomes one *segment* file holding
+the records (:mod:`cache_store.block_record`) back to back. One file per
+block would pay a file creation and an fsync per block, which for small
+blocks costs more than the data (on ext4 a 64 KiB block file takes longer to
+create and sync than to write); a segment costs one of each per batch.
+
+Segment file format (``SEGMENT_FORMAT_VERSION`` 1, little-endian)::
+
+    magic        4s   b"KVS1"
+    version      u16  SEGMENT_FORMAT_VERSION
+    reserved     u16  0
+    num_records  u32
+    total_len    u64  size of the whole file (bytes)
+    checksum     u64  xxh3_64 of the 20 bytes above
+    records      num_records records (block_record format)
+
+Crash safety: a segment is written to ``seg-<id>.<pid>.tmp``, fsynced,
+renamed to ``seg-<id>.kvs`` and the directory fsynced (once per batch of
+segments written together); only then do its blocks enter the index. A process killed mid-write leaves a ``.tmp`` file,
+which is never read and is deleted at the next start. At start the tier
+re-indexes every ``.kvs`` file: the segment header, the file size, and each
+record's header checksum are checked (payloads are checked when read, so a
+start does not read the whole tier); a file failing any check is deleted.
+A payload that fails its checksum when read drops its whole segment.
+
+Eviction is by segment, least recently used first (a hit on any block
+touches its segment), so the bytes on disk never exceed ``capacity_bytes``
+once a write completes. Blocks written together are usually read together
+(the blocks of one sequence leave the device pool together), which is what
+makes a segment a reasonable eviction unit.
+
+Not thread-safe by itself: the index methods run under
+:class:`cache_store.tier_store.TierStore`'s lock; :meth:`DiskTier.write_segment`
+does file I/O only and runs on the store's writer thread without it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import struct
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import xxhash
+
+from cache_store.block_record import HEADER_BYTES, RecordError, RecordMeta, encode_header, parse_header, verify_payload
+
+__all__ = ["SEGMENT_FORMAT_VERSION", "DiskEntry", "Segment", "DiskTier", "SegmentReadError"]
+
+log = logging.getLogger(__name__)
+
+SEGMENT_FORMAT_VERSION = 1
+_SEG_MAGIC = b"KVS1"
+_SEG_HEAD = struct.Struct("<4sHHIQ")
+_SEG_SUM = struct.Struct("<Q")
+SEGMENT_HEADER_BYTES = _SEG_HEAD.size + _SEG_SUM.size
+_SEG_NAME = re.compile(r"^seg-([0-9a-f]{16})\.kvs$")
+
+
+class SegmentReadError(RecordError):
+    """A record could not be read: ``index`` is its position in the batch read; ``damaged``
+    is True when the file failed a check (False when the block merely left the tier)."""
+
+    def __init__(self, message: str, index: int, segment: int, damaged: bool = True):
+        super().__init__(message)
+        self.index = index
+        self.segment = segment
+        self.damaged = damaged
+
+
+@dataclass(slots=True, eq=False)
+class DiskEntry:
+    """Where one block's record lives: segment id and byte offset of the record."""
+
+    meta: RecordMeta
+    segment: int
+    offset: int
+
+
+@dataclass(slots=True, eq=False)
+class Segment:
+    """One segment file and the blocks of it still indexed."""
+
+    seg_id: int
+    path: str
+    size: int
+    hashes: set = field(default_factory=set)
+
+
+class DiskTier:
+    """Index over the segment files of one directory, capped at ``capacity_bytes``.
+
+    Args:
+        directory: where segments live (created if missing).
+        capacity_bytes: most bytes of segment files kept (bytes), > 0.
+        block_shape: the pool's ``(layers, 2, kv_heads, block_size, head_dim)``.
+        dtype: the pool's dtype name ("float32", ...).
+        segment_bytes: largest segment written (bytes); at least one record
+            always fits, and it is capped at ``capacity_bytes``.
+        fsync: fsync segments and the directory (turn off only in tests of
+            unrelated behaviour).
+
+    Raises:
+        ValueError: capacity not positive.
+        OSError: the directory cannot be created.
+    """
+
+    medium = "disk"
+
+    def __init__(self, directory: str, capacity_bytes: int, block_shape: tuple[int, ...], dtype: str,
+                 segment_bytes: int = 16 << 20, fsync: bool = True):
+        if capacity_bytes <= 0:
+            raise ValueError(f"disk capacity must be > 0 bytes, got {capacity_bytes}")
+        self.directory = os.path.abspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self.capacity_bytes = int(capacity_bytes)
+        self.segment_bytes = int(min(segment_bytes, capacity_bytes))
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self.fsync = fsync
+        self.entries: dict[bytes, DiskEntry] = {}
+        self.segments: OrderedDict[int, Segment] = OrderedDict()  # least recently used first
+        self.used_bytes = 0
+        self._next_id = 0
+        #: segments deleted because a check failed (at start or on read)
+        self.num_damaged = 0
+        #: leftover .tmp files removed at start (writes cut short by a crash)
+        self.num_torn = 0
+
+    # -- start-up ----------------------------------------------------------------
+    def scan(self) -> list[RecordMeta]:
+        """Re-index the directory: delete ``.tmp`` leftovers and damaged segments.
+
+        Segments enter the LRU oldest id first. A block present in two
+        segments is indexed from the newer one. Segments over capacity are
+        evicted, oldest first.
+
+        Returns:
+            metadata of every block indexed, for advertising.
+        """
+        names = sorted(os.listdir(self.directory))
+        found: list[tuple[int, str]] = []
+        for name in names:
+            path = os.path.join(self.directory, name)
+            if name.endswith(".tmp"):
+                _unlink(path)
+                self.num_torn += 1
+                continue
+            m = _SEG_NAME.match(name)
+            if m:
+                found.append((int(m.group(1), 16), path))
+        for seg_id, path in sorted(found):
+            self._next_id = max(self._next_id, seg_id + 1)
+            try:
+                metas, offsets, size = self._read_index(path)
+            except (RecordError, OSError) as exc:
+                log.warning("disk tier: dropping damaged segment %s: %s", path, exc)
+                _unlink(path)
+                self.num_damaged += 1
+                continue
+            seg = Segment(seg_id, path, size)
+            for meta, off in zip(metas, offsets):
+                old = self.entries.get(meta.block_hash)
+                if old is not None:
+                    self.segments[old.segment].hashes.discard(meta.block_hash)
+                self.entries[meta.block_hash] = DiskEntry(meta, seg_id, off)
+                seg.hashes.add(meta.block_hash)
+            self.segments[seg_id] = seg
+            self.used_bytes += size
+        for seg in [s for s in self.segments.values() if not s.hashes]:
+            self._delete_segment(seg.seg_id)
+        self.evict_to_capacity()
+        return [e.meta for e in self.entries.values()]
+
+    def _read_index(self, path: str) -> tuple[list[RecordMeta], list[int], int]:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(SEGMENT_HEADER_BYTES)
+            if len(head) < SEGMENT_HEADER_BYTES:
+                raise RecordError("truncated segment header")
+            magic, version, _, count, total = _SEG_HEAD.unpack_from(head)
+            (csum,) = _SEG_SUM.unpack_from(head, _SEG_HEAD.size)
+            if magic != _SEG_MAGIC or version != SEGMENT_FORMAT_VERSION:
+                raise RecordError("bad segment magic or version")
+            if xxhash.xxh3_64_intdigest(head[: _SEG_HEAD.size]) != csum:
+                raise RecordError("segment header checksum mismatch")
+            if total != size:
+                raise RecordError(f"segment is {size} bytes, header says {total} (truncated?)")
+            metas, offsets = [], []
+            off = SEGMENT_HEADER_BYTES
+            for _ in range(count):
+                f.seek(off)
+                head = f.read(HEADER_BYTES)
+                ntok = struct.unpack_from("<H", head, 6)[0] if len(head) >= 8 else 0
+                toks = f.read(4 * ntok)
+                meta = parse_header(head, toks)
+                if meta.dtype != self.dtype or tuple(meta.shape) != self.block_shape:
+                    raise RecordError(f"layout {meta.dtype}{list(meta.shape)} is not the pool's "
+                                      f"{self.dtype}{list(self.block_shape)}")
+                metas.append(meta)
+                offsets.append(off)
+                off += meta.record_len
+                if off > size:
+                    raise RecordError("record runs past the end of the segment")
+            if off != size:
+                raise RecordError("bytes after the last record")
+        return metas, offsets, size
+
+    # -- writing (no index changes; writer thread) ---------------------------------
+    def new_segment_id(self) -> int:
+        """A fresh segment id (call under the store's lock)."""
+        self._next_id += 1
+        return self._next_id - 1
+
+    def write_segment(self, seg_id: int, items: list[tuple[RecordMeta, object]], sync_dir: bool = True) -> Segment:
+        """Write records as segment ``seg_id``: tmp file, fsync, rename, fsync directory.
+
+        Args:
+            seg_id: from :meth:`new_segment_id`.
+            items: ``(meta, payload)`` per block; payloads are bytes-like of
+                ``meta.payload_len`` bytes matching ``meta.payload_checksum``.
+            sync_dir: fsync the directory after the rename. A caller writing
+                several segments may pass False and call :meth:`sync_directory`
+                once before indexing them (the rename still follows the data
+                fsync, so a file under its final name is never torn; the
+                directory fsync only makes the name itself durable).
+
+        Returns:
+            the segment (not yet indexed; see :meth:`add_segment`). Its
+            ``hashes`` holds the blocks written.
+
+        Raises:
+            OSError: the write failed (the tmp file is removed).
+        """
+        headers = [encode_header(meta) for meta, _ in items]
+        total = SEGMENT_HEADER_BYTES + sum(len(h) + meta.payload_len for h, (meta, _) in zip(headers, items))
+        head = _SEG_HEAD.pack(_SEG_MAGIC, SEGMENT_FORMAT_VERSION, 0, len(items), total)
+        head += _SEG_SUM.pack(xxhash.xxh3_64_intdigest(head))
+        final = os.path.join(self.directory, f"seg-{seg_id:016x}.kvs")
+        tmp = os.path.join(self.directory, f"seg-{seg_id:016x}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            bufs: list = [head]
+            for h, (_, payload) in zip(headers, items):
+                bufs.append(h)
+                bufs.append(memoryview(payload).cast("B"))
+            _write_all(fd, bufs)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, final)
+        if sync_dir:
+            self.sync_directory()
+        return Segment(seg_id, final, total, {meta.block_hash for meta, _ in items})
+
+    def sync_directory(self) -> None:
+        """fsync the directory, making completed renames durable (no-op without ``fsync``)."""
+        if self.fsync:
+            _fsync_dir(self.directory)
+
+    # -- index (under the store's lock) -------------------------------------------
+    def add_segment(self, seg: Segment, metas: list[RecordMeta]) -> tuple[list[RecordMeta], list[RecordMeta]]:
+        """Index a written segment as most recently used, then evict down to capacity.
+
+        Blocks already indexed elsewhere keep their old record.
+
+        Returns:
+            ``(added, removed)``: metadata of the blocks newly indexed, and of
+            the blocks dropped by eviction.
+        """
+        added = []
+        off = SEGMENT_HEADER_BYTES
+        seg.hashes = set()
+        for meta in metas:
+            if meta.block_hash not in self.entries:
+                self.entries[meta.block_hash] = DiskEntry(meta, seg.seg_id, off)
+                seg.hashes.add(meta.block_hash)
+                added.append(meta)
+            off += meta.record_len
+        self.segments[seg.seg_id] = seg
+        self.used_bytes += seg.size
+        removed = self.evict_to_capacity(keep=seg.seg_id)
+        if not seg.hashes and seg.seg_id in self.segments:
+            self._delete_segment(seg.seg_id)
+        return added, removed
+
+    def evict_to_capacity(self, keep: int | None = None) -> list[RecordMeta]:
+        """Delete least recently used segments until within capacity; returns dropped blocks' metadata."""
+        removed: list[RecordMeta] = []
+        while self.used_bytes > self.capacity_bytes:
+            victim = next((s for s in self.segments if s != keep), None)
+            if victim is None:
+                break
+            removed.extend(self._delete_segment(victim))
+        return removed
+
+    def drop_segment(self, seg_id: int) -> list[RecordMeta]:
+        """Delete a segment (damaged, or on request); returns the metadata of its indexed blocks."""
+        return self._delete_segment(seg_id)
+
+    def _delete_segment(self, seg_id: int) -> list[RecordMeta]:
+        seg = self.segments.pop(seg_id, None)
+        if seg is None:
+            return []
+        out = []
+        for h in seg.hashes:
+            e = self.entries.get(h)
+            if e is not None and e.segment == seg_id:
+                del self.entries[h]
+                out.append(e.meta)
+        self.used_bytes -= seg.size
+        _unlink(seg.path)
+        return out
+
+    def touch(self, block_hash: bytes) -> None:
+        """Mark the segment holding ``block_hash`` most recently used."""
+        e = self.entries.get(block_hash)
+        if e is not None and e.segment in self.segments:
+            self.segments.move_to_end(e.segment)
+
+    def clear(self) -> list[RecordMeta]:
+        """Delete every segment; returns the dropped blocks' metadata."""
+        out = []
+        for seg_id in list(self.segments):
+            out.extend(self._delete_segment(seg_id))
+        self.entries.clear()
+        return out
+
+    def read(self, entries: list[DiskEntry]) -> list[memoryview]:
+        """Read and verify the payloads of ``entries`` (in order).
+
+        Records adjacent in one segment are read with one ``pread``.
+
+        Returns:
+            one payload per entry.
+
+        Raises:
+            SegmentReadError: entry ``index`` could not be read or failed a
+                check (header re-parsed against the index, payload checksum);
+                entries before it were fine.
+        """
+        out: list[memoryview] = []
+        i = 0
+        while i < len(entries):
+            e0 = entries[i]
+            seg = self.segments.get(e0.segment)
+            if seg is None or self.entries.get(e0.meta.block_hash) is not e0:
+                raise SegmentReadError("block left the disk tier", i, e0.segment, damaged=False)
+            j, end = i + 1, e0.offset + e0.meta.record_len
+            while j < len(entries) and entries[j].segment == e0.segment and entries[j].offset == end:
+                end += entries[j].meta.record_len
+                j += 1
+            try:
+                fd = os.open(seg.path, os.O_RDONLY)
+                try:
+                    data = os.pread(fd, end - e0.offset, e0.offset)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise SegmentReadError(f"cannot read {seg.path}: {exc}", i, e0.segment) from None
+            mv = memoryview(data)
+            pos = 0
+            for k in range(i, j):
+                e = entries[k]
+                try:
+                    meta = parse_header(mv[pos:])
+                    if meta != e.meta:
+                        raise RecordError("record differs from the indexed one")
+                    start = pos + HEADER_BYTES + len(meta.token_bytes)
+                    payload = mv[start:start + meta.payload_len]
+                    verify_payload(meta, payload)
+                except RecordError as exc:
+                    raise SegmentReadError(f"{seg.path} @ {e.offset}: {exc}", k, e.segment) from None
+                out.append(payload)
+                pos += meta.record_len
+            i = j
+        return out
+
+
+def _write_all(fd: int, bufs: list) -> None:
+    """Write every buffer, in order, with ``writev`` (at most 512 buffers per call)."""
+    iov_max = 512
+    pending = deque(memoryview(b).cast("B") for b in bufs)
+    while pending:
+        n = os.writev(fd, list(itertools.islice(pending, iov_max)))
+        # drop fully written buffers, trim a partially written one
+        while n and pending:
+            if n >= len(pending[0]):
+                n -= len(pending.popleft())
+            else:
+                pending[0] = pending[0][n:]
+                n = 0
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

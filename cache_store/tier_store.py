@@ -1,0 +1,746 @@
+"""The tiers below a worker's device pool: host memory, disk and peer staging.
+
+:class:`TierStore` moves KV blocks between the device pool tensor and the
+lower tiers and keeps their indexes:
+
+* **Offload.** When the device pool evicts cached blocks
+  (``PrefixCache(on_offload=store.offload)``), their KV is copied into the
+  host tier in one batched copy before the pool hands the blocks out. The
+  host tier is inclusive: a block already there is only touched.
+* **Disk.** In ``write_mode="through"`` (the default) every block entering
+  the host tier is queued for disk at once; in ``"back"`` a block is queued
+  only when the host tier evicts it. A writer thread turns the queue into
+  segment files (:mod:`cache_store.disk_tier`); while queued, the block's host
+  slot is pinned so its bytes stay put. The queue is bounded
+  (``max_pending_write_bytes``): past it, writes are skipped, never waited for.
+* **Locate and load.** For the blocks after a request's device hit the
+  scheduler calls :meth:`locate` (host, then peer staging, then disk; each
+  candidate's hash, parent, tokens and layout are verified against the
+  request's chain, see ``block_record.RecordMeta.verify_for``), allocates
+  device blocks and calls :meth:`load`, which copies the KV in (disk payloads
+  are checksummed) and stops at the first block that fails.
+* **Events.** Host and disk changes are reported as ``BlockStored`` /
+  ``BlockRemoved`` with ``medium="host"`` / ``"disk"``; blocks found on disk
+  at start are advertised.
+
+Lookup sources register by kind in :data:`SOURCES`, in lookup order; adding a
+tier means registering a source, not adding a branch.
+
+Thread-safety: every method takes the store's lock (a re-entrant lock; the
+writer thread takes it only to index a finished segment). Disk reads happen
+under it, on the engine thread, so a disk hit's load time is part of that
+request's TTFT and delays the step it happens in (see docs/TIERS.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from cache_store.block_record import (
+    HEADER_BYTES,
+    ZERO_HASH,
+    RecordError,
+    RecordMeta,
+    checksum,
+    dtype_name,
+    host_meta,
+)
+from cache_store.disk_tier import DiskEntry, DiskTier, SegmentReadError
+from cache_store.events import BlockRemoved, BlockStored
+from cache_store.host_tier import HostEntry, HostTier
+from cache_store.kv_codec import CODECS, KVCodec, make_codec
+from cache_store.prefix_cache import EvictedBlock
+
+__all__ = ["WRITE_MODES", "TierConfig", "TierStore", "Located", "SOURCES"]
+
+log = logging.getLogger(__name__)
+
+#: How blocks reach the disk tier.
+WRITE_MODES = ("through", "back")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Sizes and codecs of the tiers below the device pool.
+
+    Attributes:
+        host_bytes: host tier capacity (bytes); 0 disables it (and with it
+            offloading, since every lower tier is fed through host memory).
+        host_codec: codec of the host tier (``kv_codec.CODECS``).
+        disk_dir: directory of the disk tier; None disables it.
+        disk_bytes: disk tier capacity (bytes); required with ``disk_dir``.
+        disk_codec: codec of the disk tier.
+        write_mode: ``"through"`` (default) or ``"back"``; see the module doc.
+        segment_bytes: largest disk segment file (bytes).
+        peer_bytes: staging area for blocks fetched from peers (bytes); 0
+            disables peer fetches.
+        max_pending_write_bytes: most host bytes queued for disk (bytes).
+        fsync: fsync disk segments (leave on outside tests).
+    """
+
+    host_bytes: int = 0
+    host_codec: str = "none"
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    disk_codec: str = "none"
+    write_mode: str = "through"
+    segment_bytes: int = 16 << 20
+    peer_bytes: int = 64 << 20
+    max_pending_write_bytes: int = 256 << 20
+    fsync: bool = True
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        for name in ("host_bytes", "disk_bytes", "peer_bytes", "segment_bytes", "max_pending_write_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0 (bytes), got {v!r}")
+        for name in ("host_codec", "disk_codec"):
+            if getattr(self, name) not in CODECS:
+                raise ValueError(f"{name} {getattr(self, name)!r} is not one of {', '.join(sorted(CODECS))}")
+        if self.write_mode not in WRITE_MODES:
+            raise ValueError(f"write_mode must be one of {WRITE_MODES}, got {self.write_mode!r}")
+        if self.disk_dir:
+            if self.disk_bytes <= 0:
+                raise ValueError("a disk tier (disk_dir) needs disk_bytes > 0")
+            if self.host_bytes <= 0:
+                raise ValueError("a disk tier needs a host tier (host_bytes > 0): blocks reach disk through it")
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0 or self.peer_bytes > 0
+
+
+@dataclass(slots=True, eq=False)
+class Located:
+    """A block found in a lower tier for one position of a request's chain."""
+
+    source: "_Source"
+    handle: object
+    medium: str
+
+
+@dataclass(slots=True, eq=False)
+class _WriteJob:
+    entry: HostEntry
+    slot: int
+    generation: int
+    nbytes: int
+
+
+class _Source:
+    """A tier as the lookup sees it. Subclasses implement the three methods."""
+
+    kind = ""
+
+    def find(self, block_hash: bytes) -> tuple[object, str, RecordMeta] | None:
+        """``(handle, medium credited, metadata to verify)`` for a held block, else None."""
+        raise NotImplementedError
+
+    def load(self, handles: list, block_ids: list[int]) -> int:
+        """Copy ``handles``' KV into pool rows ``block_ids``; returns how many leading ones succeeded."""
+        raise NotImplementedError
+
+    def release(self, handles: list) -> None:
+        """Undo what :meth:`find` holds (pins) for handles that will not be loaded."""
+
+
+class TierStore:
+    """Host, disk and peer-staging tiers of one worker, fed from its device pool.
+
+    Args:
+        kv_cache: the device pool ``[num_blocks, layers, 2, kv_heads, block_size, head_dim]``.
+        config: tier sizes and codecs (validated here).
+        event_sink: receives ``BlockStored`` / ``BlockRemoved`` for the host
+            and disk media (called under the store's lock, possibly from the
+            writer thread).
+
+    Raises:
+        ValueError: invalid ``config``.
+        OSError: the disk directory cannot be created.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, config: TierConfig, event_sink: Callable[[object], None] | None = None):
+        config.validate()
+        self.config = config
+        self.kv_cache = kv_cache
+        self.block_shape = tuple(kv_cache.shape[1:])
+        self.block_size = self.block_shape[3]
+        self.dtype = kv_cache.dtype
+        self.dtype_name = dtype_name(kv_cache.dtype)
+        self._sink = event_sink
+        self.lock = threading.RLock()
+        self._codecs: dict[str, KVCodec] = {}
+        on_cuda = kv_cache.device.type == "cuda"
+        self.host = (HostTier(config.host_bytes, self.codec(config.host_codec), pin_memory=on_cuda)
+                     if config.host_bytes > 0 else None)
+        self.peer = (HostTier(config.peer_bytes, self.codec("none"), pin_memory=on_cuda, medium="peer")
+                     if config.peer_bytes > 0 else None)
+        self.disk: DiskTier | None = None
+        self.disk_codec = self.codec(config.disk_codec)
+        self._generation = 0
+        self._jobs: deque[_WriteJob] = deque()
+        self._pending_bytes = 0
+        self._writing = 0
+        self._cv = threading.Condition(self.lock)
+        self._stop = False
+        self._writer: threading.Thread | None = None
+        self.stats_counters = {"offloaded": 0, "offload_skipped": 0, "writes_skipped": 0, "write_errors": 0,
+                               "segments_written": 0, "loaded": 0, "load_failures": 0}
+        if config.disk_dir:
+            self.disk = DiskTier(config.disk_dir, config.disk_bytes, self.block_shape, self.dtype_name,
+                                 segment_bytes=config.segment_bytes, fsync=config.fsync)
+            with self.lock:
+                metas = self.disk.scan()
+                for meta in metas:
+                    self._emit_stored(meta.block_hash, meta.parent, meta.token_bytes, "disk")
+            if self.disk.num_damaged or self.disk.num_torn:
+                log.warning("disk tier %s: dropped %d damaged segment(s) and %d unfinished write(s) at start",
+                            self.disk.directory, self.disk.num_damaged, self.disk.num_torn)
+            self._writer = threading.Thread(target=self._write_loop, name="kvmesh-disk-writer", daemon=True)
+            self._writer.start()
+        self.sources: list[_Source] = [src for make in SOURCES.values() if (src := make(self)) is not None]
+
+    # -- helpers -------------------------------------------------------------------------
+    def codec(self, name: str) -> KVCodec:
+        """The codec ``name`` for this pool's block shape and dtype (cached).
+
+        Raises:
+            ValueError: unknown codec.
+        """
+        c = self._codecs.get(name)
+        if c is None:
+            c = self._codecs[name] = make_codec(name, self.block_shape, self.dtype)
+        return c
+
+    def _emit_stored(self, block_hash: bytes, parent: bytes | None, token_bytes: bytes, medium: str) -> None:
+        if self._sink is not None:
+            toks = np.frombuffer(token_bytes, dtype="<u4").tolist()
+            self._sink(BlockStored([block_hash], parent, toks, self.block_size, medium))
+
+    def _emit_removed(self, hashes: list[bytes], medium: str) -> None:
+        if self._sink is not None and hashes:
+            self._sink(BlockRemoved(list(hashes), medium))
+
+    @property
+    def can_offload(self) -> bool:
+        return self.host is not None
+
+    # -- offload (engine thread, inside PrefixCache.allocate) ------------------------------
+    def offload(self, evicted: list[EvictedBlock]) -> None:
+        """Copy evicted device blocks into the host tier (and queue disk writes).
+
+        Called with the pool rows still holding the blocks' KV. Blocks already
+        in the host tier are touched instead. When every host slot is pinned
+        the remaining blocks are skipped (they are simply not cached below).
+        """
+        host = self.host
+        if host is None or not evicted:
+            return
+        with self.lock:
+            # The pool evicts chain tails first; reversed, each chain runs parent first, so its
+            # blocks get ascending host slots and adjacent disk records (one copy / read per run).
+            held_here = host.entries
+            fresh = [ev for ev in reversed(evicted) if ev.block_hash not in held_here]
+            if len(fresh) < len(evicted):
+                for ev in evicted:
+                    if ev.block_hash in held_here:
+                        host.touch(ev.block_hash)
+            if not fresh:
+                return
+            back = self.disk is not None and self.config.write_mode == "back"
+            slots, dropped, held = host.reserve(len(fresh), hold=self._wants_disk if back else None)
+            if dropped:
+                self._emit_removed([e.block_hash for e in dropped], "host")
+            for e in held:  # write-back: evicted from host, written to disk from its pinned slot
+                self._queue_write(e, already_pinned=True)
+            if len(slots) < len(fresh):
+                self.stats_counters["offload_skipped"] += len(fresh) - len(slots)
+                fresh = fresh[:len(slots)]
+            if not fresh:
+                return
+            ready = host.store(self.kv_cache, [ev.block_id for ev in fresh], slots)
+            entries = [HostEntry(ev.block_hash, ev.parent_hash or ZERO_HASH, ev.token_bytes, slot, "host", False, ready)
+                       for ev, slot in zip(fresh, slots)]
+            host.insert_many(entries)
+            self._emit_chains(fresh, "host")
+            if self.disk is not None and self.config.write_mode == "through":
+                for entry in entries:
+                    self._queue_write(entry)
+            self.stats_counters["offloaded"] += len(fresh)
+
+    def _emit_chains(self, blocks: list[EvictedBlock], medium: str) -> None:
+        """One ``BlockStored`` per run of blocks where each is the previous one's child."""
+        if self._sink is None:
+            return
+        i = 0
+        while i < len(blocks):
+            j = i + 1
+            while j < len(blocks) and blocks[j].parent_hash == blocks[j - 1].block_hash:
+                j += 1
+            run = blocks[i:j]
+            toks = np.frombuffer(b"".join(b.token_bytes for b in run), dtype="<u4").tolist()
+            self._sink(BlockStored([b.block_hash for b in run], run[0].parent_hash, toks, self.block_size, medium))
+            i = j
+
+    def _wants_disk(self, entry: HostEntry) -> bool:
+        return (self.disk is not None and not entry.on_disk and entry.block_hash not in self.disk.entries
+                and self._pending_bytes + self.host.codec.payload_bytes <= self.config.max_pending_write_bytes)
+
+    def _queue_write(self, entry: HostEntry, already_pinned: bool = False) -> None:
+        nbytes = self.host.codec.payload_bytes
+        if entry.block_hash in self.disk.entries:
+            entry.on_disk = True
+            self.disk.touch(entry.block_hash)
+            if already_pinned:
+                self.host.unpin(entry.slot)
+            return
+        if self._pending_bytes + nbytes > self.config.max_pending_write_bytes:
+            self.stats_counters["writes_skipped"] += 1
+            if already_pinned:
+                self.host.unpin(entry.slot)
+            return
+        if not already_pinned:
+            self.host.pin(entry.slot)
+        entry.on_disk = True
+        self._jobs.append(_WriteJob(entry, entry.slot, self._generation, nbytes))
+        self._pending_bytes += nbytes
+        self._cv.notify_all()
+
+    # -- disk writer thread ------------------------------------------------------------------
+    #: Most segments written per writer batch (their directory fsync is shared).
+    SEGMENTS_PER_BATCH = 8
+
+    def _write_loop(self) -> None:
+        disk = self.disk
+        rec = HEADER_BYTES + 4 * self.block_size + self.disk_codec.payload_bytes
+        while True:
+            with self.lock:
+                while not self._jobs and not self._stop:
+                    self._cv.wait()
+                if not self._jobs:
+                    return  # stopping and drained
+                groups: list[tuple[int, list[_WriteJob]]] = []
+                while self._jobs and len(groups) < self.SEGMENTS_PER_BATCH:
+                    group: list[_WriteJob] = []
+                    size = 0
+                    while self._jobs and (not group or size + rec <= disk.segment_bytes):
+                        group.append(self._jobs.popleft())
+                        size += rec
+                    groups.append((disk.new_segment_id(), group))
+                self._writing += 1
+            try:
+                self._write_batch(groups)
+            finally:
+                with self.lock:
+                    self._writing -= 1
+                    for _, group in groups:
+                        for job in group:
+                            self._pending_bytes -= job.nbytes
+                            self.host.unpin(job.slot)
+                    self._cv.notify_all()
+
+    def _write_batch(self, groups: list[tuple[int, list[_WriteJob]]]) -> None:
+        """Write each group as a segment, fsync the directory once, then index them all."""
+        host, disk = self.host, self.disk
+        written: list[tuple[object, list[RecordMeta], list[_WriteJob]]] = []
+        try:
+            for seg_id, batch in groups:
+                items: list[tuple[RecordMeta, object]] = []
+                for job in batch:
+                    if job.entry.ready is not None:
+                        job.entry.ready.synchronize()
+                    if host.codec.name == self.disk_codec.name:
+                        payload = host.payload_bytes_view(job.slot)
+                    else:
+                        payload = self._transcode(host.codec, host.payload(job.slot), self.disk_codec)
+                    e = job.entry
+                    items.append((RecordMeta(e.block_hash, e.parent_hash, e.token_bytes, self.disk_codec.name,
+                                             self.dtype_name, self.block_shape, len(payload), checksum(payload)),
+                                  payload))
+                seg = disk.write_segment(seg_id, items, sync_dir=False)
+                written.append((seg, [m for m, _ in items], batch))
+            disk.sync_directory()
+        except OSError as exc:
+            log.error("disk tier: segment write failed: %s", exc)
+            with self.lock:
+                self.stats_counters["write_errors"] += 1
+                for _, batch in groups:
+                    for job in batch:
+                        job.entry.on_disk = False
+                for seg, _, _ in written:  # never indexed: do not leave them behind
+                    _remove_file(seg.path)
+            return
+        with self.lock:
+            for seg, metas, batch in written:
+                if any(job.generation != self._generation for job in batch):
+                    _remove_file(seg.path)  # the cache was cleared while this segment was written
+                    continue
+                added, removed = disk.add_segment(seg, metas)
+                self.stats_counters["segments_written"] += 1
+                for meta in added:
+                    self._emit_stored(meta.block_hash, meta.parent, meta.token_bytes, "disk")
+                self._disk_removed(removed)
+
+    def _disk_removed(self, metas: list[RecordMeta]) -> None:
+        if not metas:
+            return
+        for m in metas:
+            e = self.host.get(m.block_hash) if self.host is not None else None
+            if e is not None:
+                e.on_disk = False
+        self._emit_removed([m.block_hash for m in metas], "disk")
+
+    @staticmethod
+    def _transcode(src: KVCodec, row: torch.Tensor, dst: KVCodec) -> memoryview:
+        """One slab row in codec ``src`` as a bytes-like payload in codec ``dst``."""
+        if src.name != dst.name:
+            row = dst.encode(src.decode(row.view(1, -1)))[0]
+        return memoryview(row.contiguous().numpy()).cast("B")
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued disk write finished. Returns False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while self._jobs or self._writing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish queued disk writes (up to ``timeout`` seconds) and stop the writer. Idempotent."""
+        if self._writer is None:
+            return
+        self.flush(timeout)
+        with self.lock:
+            self._stop = True
+            self._cv.notify_all()
+        self._writer.join(timeout=timeout)
+        self._writer = None
+
+    # -- lookup and load (engine thread) ------------------------------------------------------
+    def locate(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
+               root: bytes) -> list[Located]:
+        """Find blocks ``start, start+1, ...`` (before ``stop``) of a chain in the lower tiers.
+
+        Each candidate's identity is verified against the chain (hash, parent,
+        tokens, recomputed hash, layout, codec); the walk stops at the first
+        position no tier holds verifiably. Host slots found are pinned until
+        :meth:`load` or :meth:`release`.
+
+        Args:
+            hashes: the request's block hashes, block 0 first.
+            block_tokens: ``block_tokens(i)`` is block ``i``'s token bytes.
+            start, stop: positions to look at (``stop`` excluded).
+            root: the request's namespace root hash.
+        """
+        out: list[Located] = []
+        if not self.sources or start >= stop:
+            return out
+        with self.lock:
+            for i in range(start, stop):
+                h = hashes[i]
+                parent = hashes[i - 1] if i > 0 else None
+                toks = block_tokens(i)
+                found = None
+                for src in self.sources:
+                    hit = src.find(h)
+                    if hit is None:
+                        continue
+                    handle, medium, meta = hit
+                    try:
+                        meta.verify_for(h, parent, toks, root, self.dtype_name, self.block_shape)
+                    except RecordError as exc:
+                        log.warning("%s tier: block %s rejected: %s", medium, h.hex()[:12], exc)
+                        src.release([handle])
+                        continue
+                    found = Located(src, handle, medium)
+                    break
+                if found is None:
+                    break
+                out.append(found)
+        return out
+
+    def release(self, located: list[Located]) -> None:
+        """Drop what :meth:`locate` holds for blocks that will not be loaded."""
+        with self.lock:
+            for run_src, handles in _runs_by_source(located):
+                run_src.release(handles)
+
+    def load(self, located: list[Located], block_ids: list[int]) -> list[str]:
+        """Copy located blocks into pool rows ``block_ids`` (same order), verifying them.
+
+        Stops at the first block that fails (damaged disk record, block gone);
+        what :meth:`locate` held for the rest is released.
+
+        Returns:
+            the medium credited for each block loaded, in order (a prefix of ``located``).
+        """
+        media: list[str] = []
+        with self.lock:
+            pos = 0
+            runs = list(_runs_by_source(located))
+            for r, (src, handles) in enumerate(runs):
+                ok = src.load(handles, block_ids[pos:pos + len(handles)])
+                media.extend(loc.medium for loc in located[pos:pos + ok])
+                if ok < len(handles):
+                    self.stats_counters["load_failures"] += 1
+                    src.release(handles[ok:])
+                    for later_src, later in runs[r + 1:]:
+                        later_src.release(later)
+                    break
+                pos += len(handles)
+            self.stats_counters["loaded"] += len(media)
+        return media
+
+    # -- peer staging ----------------------------------------------------------------------------
+    def stage(self, blocks: list[tuple[RecordMeta, object]]) -> int:
+        """Keep verified blocks fetched from a peer until the request that asked for them loads them.
+
+        Args:
+            blocks: ``(meta, payload)`` pairs whose payloads were checked
+                (``block_record.verify_payload``) and whose identity was
+                verified against the request's chain by the caller.
+
+        Returns:
+            how many were staged (0 without a staging area; fewer when it is full).
+
+        Raises:
+            RecordError: a record's layout or codec does not fit this pool.
+        """
+        peer = self.peer
+        if peer is None or not blocks:
+            return 0
+        for meta, _ in blocks:
+            if meta.dtype != self.dtype_name or tuple(meta.shape) != self.block_shape or meta.codec not in CODECS:
+                raise RecordError("fetched block does not fit this pool's layout")
+        decoded = self._decode_records(blocks)  # [n, *block_shape] on CPU
+        with self.lock:
+            fresh = [i for i, (m, _) in enumerate(blocks) if m.block_hash not in peer]
+            slots, _, _ = peer.reserve(len(fresh))
+            fresh = fresh[:len(slots)]
+            if not fresh:
+                return 0
+            rows = peer.codec.encode(decoded[fresh])
+            for row, slot, i in zip(rows, slots, fresh):
+                peer.slab[slot].copy_(row)
+                m = blocks[i][0]
+                peer.insert(HostEntry(m.block_hash, m.parent_hash, m.token_bytes, slot, "peer"))
+            return len(fresh)
+
+    def _decode_records(self, blocks: list[tuple[RecordMeta, object]]) -> torch.Tensor:
+        out = torch.empty((len(blocks), *self.block_shape), dtype=self.dtype)
+        for i, (meta, payload) in enumerate(blocks):
+            codec = self.codec(meta.codec)
+            row = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(1, -1)
+            out[i] = codec.decode(row)[0]
+        return out
+
+    # -- export (serving peers) ---------------------------------------------------------------------
+    def export(self, hashes: Sequence[bytes], start: int) -> list[tuple[RecordMeta, bytes]]:
+        """Records for ``hashes[start:]`` held in the host or disk tier, in order, stopping at the first gap.
+
+        Payloads keep their tier's codec; checksums are computed here for host blocks.
+        """
+        out: list[tuple[RecordMeta, bytes]] = []
+        with self.lock:
+            for i in range(start, len(hashes)):
+                h = hashes[i]
+                e = self.host.get(h) if self.host is not None else None
+                if e is not None:
+                    if e.ready is not None:
+                        e.ready.synchronize()
+                    payload = bytes(self.host.payload_bytes_view(e.slot))
+                    c = self.host.codec
+                    out.append((RecordMeta(h, e.parent_hash, e.token_bytes, c.name, self.dtype_name,
+                                           self.block_shape, len(payload), checksum(payload)), payload))
+                    continue
+                d = self.disk.entries.get(h) if self.disk is not None else None
+                if d is None:
+                    break
+                try:
+                    (payload,) = self.disk.read([d])
+                except SegmentReadError as exc:
+                    self._drop_damaged(exc)
+                    break
+                out.append((d.meta, bytes(payload)))
+        return out
+
+    def _drop_damaged(self, exc: SegmentReadError) -> None:
+        if not exc.damaged:
+            return
+        log.warning("disk tier: %s; dropping the segment", exc)
+        self.disk.num_damaged += 1
+        self._disk_removed(self.disk.drop_segment(exc.segment))
+
+    # -- whole-store operations -----------------------------------------------------------------------
+    def snapshot(self) -> list[tuple[bytes, bytes | None, str]]:
+        """``(hash, parent or None, medium)`` of every host and disk block (staging excluded)."""
+        out = []
+        with self.lock:
+            if self.host is not None:
+                out.extend((e.block_hash, e.parent_hash if e.parent_hash != ZERO_HASH else None, "host")
+                           for e in self.host.entries.values())
+            if self.disk is not None:
+                out.extend((m.block_hash, m.parent, "disk") for m in (d.meta for d in self.disk.entries.values()))
+        return out
+
+    def clear(self) -> int:
+        """Drop every block of every lower tier (queued disk writes are discarded). Returns blocks dropped.
+
+        Emits no events: the caller's ``AllBlocksCleared`` covers them.
+        """
+        with self.lock:
+            self._generation += 1
+            n = 0
+            while self._jobs:
+                job = self._jobs.popleft()
+                self._pending_bytes -= job.nbytes
+                self.host.unpin(job.slot)
+            for tier in (self.host, self.peer):
+                if tier is not None:
+                    n += len(tier.clear())
+            if self.disk is not None:
+                n += len(self.disk.clear())
+            self._cv.notify_all()
+            return n
+
+    def clear_host(self) -> int:
+        """Drop the host tier only (events emitted); disk keeps its copies. Returns blocks dropped."""
+        with self.lock:
+            if self.host is None:
+                return 0
+            dropped = self.host.clear()
+            self._emit_removed([e.block_hash for e in dropped], "host")
+            return len(dropped)
+
+    def stats(self) -> dict:
+        """Block and byte counts per tier plus the counters (blocks, bytes)."""
+        with self.lock:
+            out = dict(self.stats_counters)
+            if self.host is not None:
+                out.update(host_blocks=len(self.host), host_bytes=self.host.used_bytes,
+                           host_capacity_bytes=self.host.capacity_bytes)
+            if self.peer is not None:
+                out.update(peer_staged_blocks=len(self.peer))
+            if self.disk is not None:
+                out.update(disk_blocks=len(self.disk.entries), disk_bytes=self.disk.used_bytes,
+                           disk_capacity_bytes=self.disk.capacity_bytes, disk_damaged=self.disk.num_damaged,
+                           disk_torn=self.disk.num_torn, pending_write_bytes=self._pending_bytes)
+            return out
+
+
+def _remove_file(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _runs_by_source(located: list[Located]):
+    i = 0
+    while i < len(located):
+        j = i + 1
+        while j < len(located) and located[j].source is located[i].source:
+            j += 1
+        yield located[i].source, [loc.handle for loc in located[i:j]]
+        i = j
+
+
+class _HostSource(_Source):
+    """The host tier, or the peer staging area (``consume``: entries leave once loaded)."""
+
+    def __init__(self, store: TierStore, tier: HostTier, consume: bool):
+        self.store = store
+        self.tier = tier
+        self.consume = consume
+        self.kind = tier.medium
+
+    def find(self, block_hash):
+        e = self.tier.get(block_hash)
+        if e is None:
+            return None
+        self.tier.pin(e.slot)
+        s, c = self.store, self.tier.codec
+        return e, e.origin, host_meta(e.block_hash, e.parent_hash, e.token_bytes, c.name, s.dtype_name,
+                                      s.block_shape, c.payload_bytes)
+
+    def load(self, handles, block_ids):
+        self.tier.load(self.store.kv_cache, [e.slot for e in handles], block_ids)
+        for e in handles:
+            self.tier.unpin(e.slot)
+            if self.consume:
+                self.tier.remove(e.block_hash)
+            else:
+                self.tier.touch(e.block_hash)
+        return len(handles)
+
+    def release(self, handles):
+        for e in handles:
+            self.tier.unpin(e.slot)
+
+
+class _DiskSource(_Source):
+    """The disk tier; payloads are read, checksummed and decoded on load."""
+
+    kind = "disk"
+
+    def __init__(self, store: TierStore):
+        self.store = store
+
+    def find(self, block_hash):
+        d = self.store.disk.entries.get(block_hash)
+        if d is None:
+            return None
+        return d, "disk", d.meta
+
+    def load(self, handles: list[DiskEntry], block_ids):
+        s = self.store
+        ok = len(handles)
+        try:
+            payloads = s.disk.read(handles)
+        except SegmentReadError as exc:
+            ok = exc.index
+            payloads = s.disk.read(handles[:ok]) if ok else []
+            s._drop_damaged(exc)
+        if ok == 0:
+            return 0
+        kv = s.kv_cache
+        i = 0
+        while i < ok:  # decode runs of one codec together
+            j = i + 1
+            name = handles[i].meta.codec
+            while j < ok and handles[j].meta.codec == name:
+                j += 1
+            codec = s.codec(name)
+            raw = bytearray().join(payloads[i:j])
+            rows = torch.frombuffer(raw, dtype=torch.uint8).view(j - i, codec.payload_bytes)
+            decoded = codec.decode(rows).to(kv.device)
+            kv.index_copy_(0, torch.tensor(block_ids[i:j], dtype=torch.long, device=kv.device), decoded)
+            i = j
+        for d in handles[:ok]:
+            s.disk.touch(d.meta.block_hash)
+        return ok
+
+    def release(self, handles):
+        pass
+
+
+#: Lookup sources by kind, in lookup order: ``factory(store)`` returns the source, or
+#: None when that tier is off.
+SOURCES: dict[str, Callable[[TierStore], _Source | None]] = {
+    "host": lambda s: _HostSource(s, s.host, consume=False) if s.host is not None else None,
+    "peer": lambda s: _HostSource(s, s.peer, consume=True) if s.peer is not None else None,
+    "disk": lambda s: _DiskSource(s) if s.disk is not None else None,
+}

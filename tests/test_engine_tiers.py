@@ -1,0 +1,359 @@
+"""Engine with host and disk tiers: every reuse path against a cold run.
+
+A cold run is the same request after ``clear_cache()`` (every tier emptied), on an engine
+with the same seeded weights. Exact tiers must give the cold run's greedy tokens (and
+logits within the float noise of chunked prefill, 1e-4, as device hits); compressed tiers
+must stay within the error documented in docs/TIERS.md (``bench.codec_error``).
+"""
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+from bench.codec_error import DOCUMENTED_MAX_LOGIT_DIFF
+from cache_store.events import AllBlocksCleared, BlockRemoved, BlockStored
+from cache_store.hashing import hash_blocks
+from cache_store.tier_store import TierConfig
+from workers.engine import Engine
+from workers.request import SamplingParams
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=10)
+BLOCK_BYTES = 4 * 2 * 2 * BS * 64 * 4  # built-in model, float32
+
+
+def rand_prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def run(engine: Engine, prompt, sampling=GREEDY):
+    """Generate; returns (output, logits rows of the sampled tokens)."""
+    rows = []
+    engine.logits_hook = lambda rid, row: rows.append(row)
+    try:
+        out = engine.generate(prompt, sampling)
+    finally:
+        engine.logits_hook = None
+    return out, rows
+
+
+def cold(engine: Engine, prompt, sampling=GREEDY):
+    engine.clear_cache()
+    out, rows = run(engine, prompt, sampling)
+    assert out["usage"]["cached_tokens"] == 0
+    return out, rows
+
+
+def max_diff(a, b) -> float:
+    assert len(a) == len(b)
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def cap_blocks(prompt) -> int:
+    return (len(prompt) - 1) // BS
+
+
+@pytest.fixture(scope="module")
+def events():
+    return []
+
+
+@pytest.fixture(scope="module")
+def disk_engine(tmp_path_factory, events):
+    """Host + disk (write-through) tiers; a 64-block device pool."""
+    d = tmp_path_factory.mktemp("disk")
+    e = Engine(num_blocks=64, block_size=BS, event_sink=events.append,
+               tiers=TierConfig(host_bytes=48 * BLOCK_BYTES, disk_dir=str(d), disk_bytes=64 << 20,
+                                peer_bytes=0)).start()
+    e.disk_dir = str(d)
+    yield e
+    e.stop()
+
+
+def to_host(engine: Engine) -> None:
+    engine.offload_device_cache()
+    assert engine.tiers.flush(30)
+
+
+def test_host_hit_equals_cold_and_device_hit(disk_engine):
+    e = disk_engine
+    prompt = rand_prompt(1, 200)
+    ref, ref_logits = cold(e, prompt)
+    dev, dev_logits = run(e, prompt)  # device hit
+    to_host(e)
+    host, host_logits = run(e, prompt)
+    u = host["usage"]
+    assert u["cached_tokens_by_tier"]["host"] == BS * cap_blocks(prompt) == u["cached_tokens"]
+    assert u["cached_tokens_by_tier"]["device"] == 0
+    assert host["token_ids"] == ref["token_ids"] == dev["token_ids"]
+    assert max_diff(host_logits, ref_logits) < 1e-4
+    # the host tier round trip is exact: the same KV bytes as the device hit, so the same logits
+    assert all(torch.equal(a, b) for a, b in zip(host_logits, dev_logits))
+    e.check_integrity()
+
+
+def test_disk_hit_equals_cold(disk_engine):
+    e = disk_engine
+    prompt = rand_prompt(2, 150)
+    ref, ref_logits = cold(e, prompt)
+    run(e, prompt + [7])  # cache the prompt's blocks
+    to_host(e)
+    e.drop_host_tier()
+    out, logits = run(e, prompt)
+    assert out["usage"]["cached_tokens_by_tier"]["disk"] == BS * cap_blocks(prompt)
+    assert out["token_ids"] == ref["token_ids"]
+    assert max_diff(logits, ref_logits) < 1e-4
+
+
+def test_mixed_device_host_disk_prefix_equals_cold(disk_engine):
+    """Blocks 0..a on device, a..b in host, b.. on disk: one request uses all three tiers."""
+    e = disk_engine
+    prompt = rand_prompt(3, 160)
+    ref, ref_logits = cold(e, prompt)
+    run(e, prompt[:160])
+    to_host(e)
+    e.drop_host_tier()                  # all 9 blocks on disk only
+    run(e, prompt[:97])                 # 6 blocks: loaded from disk, now on device
+    to_host(e)                          # ... and in host
+    run(e, prompt[:49])                 # 3 blocks on device
+    out, logits = run(e, prompt)
+    by = out["usage"]["cached_tokens_by_tier"]
+    assert (by["device"], by["host"], by["disk"]) == (3 * BS, 3 * BS, 3 * BS)
+    assert out["token_ids"] == ref["token_ids"]
+    assert max_diff(logits, ref_logits) < 1e-4
+
+
+def test_restart_reindexes_disk_and_hit_equals_cold(disk_engine, tmp_path):
+    """A second engine on a copy of the same directory (as after a restart) finds the blocks."""
+    e = disk_engine
+    prompt = rand_prompt(4, 130)
+    ref, _ = cold(e, prompt)
+    run(e, prompt + [1, 2])
+    to_host(e)
+    import shutil
+
+    shutil.copytree(e.disk_dir, tmp_path / "copy")
+    seen = []
+    e2 = Engine(num_blocks=64, block_size=BS, event_sink=seen.append,
+                tiers=TierConfig(host_bytes=16 * BLOCK_BYTES, disk_dir=str(tmp_path / "copy"), disk_bytes=64 << 20,
+                                 peer_bytes=0)).start()
+    try:
+        advertised = {h for ev in seen if isinstance(ev, BlockStored) and ev.medium == "disk" for h in ev.block_hashes}
+        assert len(advertised) == e2.tier_stats()["disk_blocks"] >= cap_blocks(prompt)
+        assert {m for _, _, m in e2.snapshot()["blocks"]} == {"disk"}
+        out = e2.generate(prompt, GREEDY)
+        assert out["usage"]["cached_tokens_by_tier"]["disk"] == BS * cap_blocks(prompt)
+        assert out["token_ids"] == ref["token_ids"]
+    finally:
+        e2.stop()
+
+
+def test_corrupted_segment_is_detected_dropped_and_recomputed(disk_engine):
+    e = disk_engine
+    prompt = rand_prompt(5, 120)
+    ref, _ = cold(e, prompt)
+    run(e, prompt + [3])
+    to_host(e)
+    e.drop_host_tier()
+    (seg,) = e.tiers.disk.segments.values()
+    block0 = hash_blocks(prompt, BS, e.namespace().root_hash()).hashes[0]
+    entry = e.tiers.disk.entries[block0]
+    with open(seg.path, "r+b") as f:  # flip a byte in block 0's payload
+        f.seek(entry.offset + entry.meta.record_len - 1)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x80]))
+    damaged_before = e.tier_stats()["disk_damaged"]
+    out, _ = run(e, prompt)
+    assert out["token_ids"] == ref["token_ids"]
+    assert out["usage"]["cached_tokens"] == 0  # block 0 failed: everything recomputed
+    assert e.tier_stats()["disk_damaged"] == damaged_before + 1
+    assert not os.path.exists(seg.path) and e.tier_stats()["disk_blocks"] == 0
+    e.check_integrity()
+
+
+def test_events_snapshot_and_clear(disk_engine, events):
+    e = disk_engine
+    e.clear_cache()
+    events.clear()
+    prompt = rand_prompt(6, 100)
+    run(e, prompt)
+    to_host(e)
+    media = {(type(ev).__name__, getattr(ev, "medium", None)) for ev in events}
+    assert {("BlockStored", "device"), ("BlockRemoved", "device"), ("BlockStored", "host"),
+            ("BlockStored", "disk")} <= media
+    host_stored = [ev for ev in events if isinstance(ev, BlockStored) and ev.medium == "host"]
+    assert all(len(ev.token_ids) == BS * len(ev.block_hashes) for ev in host_stored)
+    snap = e.snapshot()["blocks"]
+    by_medium: dict = {}
+    for h, _, m in snap:
+        by_medium.setdefault(m, set()).add(h)
+    assert by_medium["host"] == by_medium["disk"] and len(by_medium["host"]) == (len(prompt) + 10 - 1) // BS
+    e.drop_host_tier()
+    assert any(isinstance(ev, BlockRemoved) and ev.medium == "host" for ev in events)
+    assert e.clear_cache() >= len(by_medium["disk"])
+    assert isinstance(events[-1], AllBlocksCleared)
+    stats = e.tier_stats()
+    assert stats["host_blocks"] == stats["disk_blocks"] == 0 and not os.listdir(e.disk_dir)
+
+
+def test_host_capacity_and_lru(tmp_path):
+    seen = []
+    e = Engine(num_blocks=32, block_size=BS, event_sink=seen.append,
+               tiers=TierConfig(host_bytes=10 * BLOCK_BYTES + 100, peer_bytes=0)).start()
+    try:
+        a, b = rand_prompt(7, 97), rand_prompt(8, 97)  # 6 cached blocks each
+        run(e, a)
+        e.offload_device_cache()
+        run(e, b)
+        e.offload_device_cache()  # 12 blocks into a 10-block host tier: a's 2 oldest go
+        st = e.tier_stats()
+        assert st["host_blocks"] == 10 and st["host_bytes"] <= st["host_capacity_bytes"]
+        removed = [h for ev in seen if isinstance(ev, BlockRemoved) and ev.medium == "host" for h in ev.block_hashes]
+        assert len(removed) == 2
+        out, _ = run(e, a)  # a's chain now breaks at the evicted blocks
+        assert out["usage"]["cached_tokens_by_tier"]["host"] < 6 * BS
+    finally:
+        e.stop()
+
+
+def test_write_back_reaches_disk_only_on_host_eviction(tmp_path):
+    e = Engine(num_blocks=32, block_size=BS,
+               tiers=TierConfig(host_bytes=8 * BLOCK_BYTES, disk_dir=str(tmp_path), disk_bytes=64 << 20,
+                                write_mode="back", peer_bytes=0)).start()
+    try:
+        a, b = rand_prompt(9, 97), rand_prompt(10, 140)
+        ref, _ = cold(e, a)
+        run(e, a)
+        to_host(e)
+        assert e.tier_stats()["disk_blocks"] == 0  # still only in host
+        run(e, b)
+        to_host(e)  # b's 8 blocks push a's 6 out of the 8-block host tier, onto disk
+        assert e.tier_stats()["disk_blocks"] >= 6
+        e.drop_host_tier()
+        out, _ = run(e, a)
+        assert out["usage"]["cached_tokens_by_tier"]["disk"] == BS * cap_blocks(a)
+        assert out["token_ids"] == ref["token_ids"]
+    finally:
+        e.stop()
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int4"])
+def test_compressed_host_hit_within_documented_error(codec):
+    """Every cached block goes through the codec; the first token's logits stay within the
+    documented bound, and wherever the exact top-2 gap exceeds twice that bound the greedy
+    token cannot flip, so it must equal the exact one."""
+    bound = DOCUMENTED_MAX_LOGIT_DIFF[codec]
+    e = Engine(num_blocks=128, block_size=BS, tiers=TierConfig(host_bytes=64 << 20, host_codec=codec,
+                                                                 peer_bytes=0)).start()
+    try:
+        for seed, n in [(11, 64), (12, 300)]:
+            prompt = rand_prompt(seed, n)
+            ref, ref_logits = cold(e, prompt, SamplingParams(max_tokens=1))
+            e.offload_device_cache()
+            out, logits = run(e, prompt, SamplingParams(max_tokens=1))
+            assert out["usage"]["cached_tokens_by_tier"]["host"] == BS * cap_blocks(prompt)
+            diff = max_diff(logits, ref_logits)
+            assert 0 < diff <= bound  # lossy, and within the documented error
+            top = torch.topk(ref_logits[0], 2).values
+            if float(top[0] - top[1]) > 2 * bound:
+                assert out["token_ids"] == ref["token_ids"]
+    finally:
+        e.stop()
+
+
+def test_compressed_disk_tier_within_documented_error(tmp_path):
+    e = Engine(num_blocks=64, block_size=BS,
+               tiers=TierConfig(host_bytes=32 * BLOCK_BYTES, disk_dir=str(tmp_path), disk_bytes=64 << 20,
+                                disk_codec="fp8", peer_bytes=0)).start()
+    try:
+        prompt = rand_prompt(13, 200)
+        ref, ref_logits = cold(e, prompt, SamplingParams(max_tokens=1))
+        to_host(e)
+        e.drop_host_tier()
+        out, logits = run(e, prompt, SamplingParams(max_tokens=1))
+        assert out["usage"]["cached_tokens_by_tier"]["disk"] == BS * cap_blocks(prompt)
+        assert 0 < max_diff(logits, ref_logits) <= DOCUMENTED_MAX_LOGIT_DIFF["fp8"]
+        # fp8 on disk takes about a quarter of the bytes of the exact codec
+        assert e.tier_stats()["disk_bytes"] < 0.3 * (cap_blocks(prompt) + 1) * BLOCK_BYTES
+    finally:
+        e.stop()
+
+
+def test_pressure_with_tiers_matches_cold(tmp_path):
+    """A 14-block device pool, host and disk tiers, 6 concurrent requests sharing a prefix:
+    preemption, eviction, offload and loads interleave; every request gets its cold tokens."""
+    e = Engine(num_blocks=14, block_size=BS, max_num_batched_tokens=64,
+               tiers=TierConfig(host_bytes=24 * BLOCK_BYTES, disk_dir=str(tmp_path), disk_bytes=64 << 20,
+                                peer_bytes=0)).start()
+    try:
+        common = rand_prompt(14, 40)
+        prompts = [common + rand_prompt(100 + i, 20 + 9 * i) for i in range(6)]
+        sp = SamplingParams(max_tokens=8)
+        expected = [cold(e, p, sp)[0]["token_ids"] for p in prompts]
+        e.clear_cache()
+        results: list = [None] * len(prompts)
+
+        def go(i):
+            results[i] = e.generate(prompts[i], sp)
+
+        for _round in range(2):  # the second round hits the lower tiers
+            threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+            assert [r["token_ids"] for r in results] == expected
+        assert sum(r["usage"]["cached_tokens_by_tier"]["host"] + r["usage"]["cached_tokens_by_tier"]["disk"]
+                   for r in results) > 0
+        e.check_integrity()
+        assert e.cache.pool.num_in_use_blocks == 0
+    finally:
+        e.stop()
+
+
+def test_bad_tier_config_is_rejected():
+    for cfg, needle in [
+        (TierConfig(host_bytes=0, disk_dir="/tmp/x", disk_bytes=1 << 20), "host tier"),
+        (TierConfig(host_bytes=1 << 20, disk_dir="/tmp/x"), "disk_bytes"),
+        (TierConfig(host_bytes=1 << 20, host_codec="zstd"), "host_codec"),
+        (TierConfig(host_bytes=1 << 20, write_mode="sometimes"), "write_mode"),
+        (TierConfig(host_bytes=-1), "host_bytes"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            Engine(num_blocks=8, block_size=BS, tiers=cfg)
+
+
+def test_cli_tier_flags(capsys):
+    import argparse
+
+    from services.cli import build_parser, cmd_worker, parse_bytes, tier_config
+    from services.cluster_cli import _spec_from_args
+    from services.launcher import LocalCluster
+
+    assert parse_bytes("4096") == 4096 and parse_bytes("64M") == 64 << 20 and parse_bytes("1.5GiB") == 3 << 29
+    for bad in ("-1", "lots", "12Q"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_bytes(bad)
+    p = build_parser()
+    args = p.parse_args(["worker", "--port", "1", "--host-bytes", "1G", "--host-codec", "int4", "--disk-dir", "/d",
+                         "--disk-bytes", "2G", "--disk-codec", "fp8", "--disk-write-mode", "back"])
+    cfg = tier_config(args)
+    assert (cfg.host_bytes, cfg.host_codec, cfg.disk_bytes, cfg.disk_codec, cfg.write_mode) == (
+        1 << 30, "int4", 2 << 30, "fp8", "back")
+    for argv, needle in [(["--disk-dir", "/d"], "disk_bytes"), (["--disk-dir", "/d", "--disk-bytes", "1G"], "host")]:
+        assert cmd_worker(p.parse_args(["worker", "--port", "1", *argv])) == 2  # before any model loads
+        assert needle in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        p.parse_args(["worker", "--port", "1", "--host-codec", "zstd"])
+    up = _spec_from_args(p.parse_args(["up", "--host-bytes", "1G", "--disk-dir", "/d", "--disk-bytes", "8G"]))
+    c = LocalCluster(up)
+    c.redis_url = "redis://127.0.0.1:1/0"
+    cmd = c.worker_cmd("worker-1", 1234)
+    assert cmd[cmd.index("--host-bytes") + 1] == str(1 << 30)
+    assert cmd[cmd.index("--disk-dir") + 1] == os.path.join("/d", "worker-1")  # one directory per worker

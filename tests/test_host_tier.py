@@ -1,0 +1,89 @@
+"""Host tier: slot allocation, LRU, pins (a slot being read is never reused), write-back
+holds, and the batched copy in and out of the slab."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_store.host_tier import HostEntry, HostTier
+from cache_store.kv_codec import make_codec
+
+SHAPE = (2, 2, 1, 4, 8)
+
+
+def tier(slots: int, codec: str = "none") -> HostTier:
+    c = make_codec(codec, SHAPE, torch.float32)
+    return HostTier(slots * c.payload_bytes + 7, c)
+
+
+def add(t: HostTier, name: bytes) -> HostEntry:
+    (slot,), _, _ = t.reserve(1)
+    e = HostEntry(name.ljust(16, b"."), bytes(16), bytes(16), slot, "host")
+    t.insert(e)
+    return e
+
+
+def test_capacity_lru_and_touch():
+    t = tier(3)
+    assert t.num_slots == 3
+    a, b, c = (add(t, n) for n in (b"a", b"b", b"c"))
+    assert [a.slot, b.slot, c.slot] == [0, 1, 2]
+    t.touch(a.block_hash)
+    slots, evicted, held = t.reserve(2)
+    assert [e.block_hash for e in evicted] == [b.block_hash, c.block_hash]  # a was touched
+    assert slots == [1, 2] and not held and a.block_hash in t
+    assert t.used_bytes == t.codec.payload_bytes
+
+
+def test_pinned_entries_are_not_evicted_and_slots_not_reused():
+    t = tier(2)
+    a, b = add(t, b"a"), add(t, b"b")
+    t.pin(a.slot)
+    slots, evicted, _ = t.reserve(2)
+    assert slots == [b.slot] and [e.block_hash for e in evicted] == [b.block_hash]
+    t.release(slots)
+    t.remove(a.block_hash)  # removed while pinned: the slot stays out of use
+    assert t.reserve(2)[0] == [b.slot]
+    t.unpin(a.slot)
+    assert t.reserve(1)[0] == [a.slot]
+    with pytest.raises(ValueError, match="not pinned"):
+        t.unpin(a.slot)
+
+
+def test_hold_keeps_an_evicted_slot_pinned():
+    t = tier(2)
+    a, b = add(t, b"a"), add(t, b"b")
+    slots, evicted, held = t.reserve(1, hold=lambda e: e is a)
+    assert [e.block_hash for e in held] == [a.block_hash]
+    assert [e.block_hash for e in evicted] == [a.block_hash, b.block_hash]
+    assert slots == [b.slot]  # a's slot is held (pinned) for its write, not handed out
+    t.unpin(a.slot)
+    assert t.reserve(1)[0] == [a.slot]
+
+
+def test_insert_checks():
+    t = tier(2)
+    a = add(t, b"a")
+    with pytest.raises(ValueError, match="already"):
+        t.insert(HostEntry(a.block_hash, bytes(16), bytes(16), 1, "host"))
+    with pytest.raises(ValueError, match="not reserved"):
+        t.insert(HostEntry(b"z" * 16, bytes(16), bytes(16), 1, "host"))
+
+
+@pytest.mark.parametrize("codec", ["none", "fp8"])
+def test_store_and_load_scattered_blocks(codec):
+    kv = torch.randn(10, *SHAPE)
+    t = tier(8, codec)
+    slots, _, _ = t.reserve(5)
+    src = [7, 2, 9, 0, 4]
+    t.store(kv, src, slots)
+    out = torch.zeros_like(kv)
+    dst = [1, 3, 5, 6, 8]
+    t.load(out, list(reversed(slots)), list(reversed(dst)))  # any order, same pairing
+    for s_id, d_id in zip(src, dst):
+        if codec == "none":
+            assert torch.equal(out[d_id], kv[s_id])
+        else:
+            assert float((out[d_id] - kv[s_id]).abs().max()) <= float(kv[s_id].abs().max()) / 8
+    untouched = [i for i in range(10) if i not in dst]
+    assert not out[untouched].any()
