@@ -15,7 +15,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: BlockPool itself needs none
+    import torch
 
 __all__ = ["allocate_kv_cache", "kv_bytes_per_block", "Block", "BlockPool"]
 
@@ -54,6 +57,8 @@ def allocate_kv_cache(
         head_dim=head_dim,
     )
     shape = (num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim)
+    import torch
+
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
@@ -68,6 +73,8 @@ def kv_bytes_per_block(
     _check_dims(
         num_layers=num_layers, num_kv_heads=num_kv_heads, block_size=block_size, head_dim=head_dim
     )
+    import torch
+
     itemsize = torch.empty((), dtype=dtype).element_size()
     return num_layers * 2 * num_kv_heads * block_size * head_dim * itemsize
 

@@ -26,10 +26,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seqs", type=int, default=32, help="max running requests (default 32)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: model's)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    from cache_store.kv_codec import CODECS
-    from cache_store.tier_store import WRITE_MODES
-
-    codecs = sorted(CODECS)
+    # names only: the codec registry imports torch, which the CLI loads only when a worker
+    # starts; TierConfig.validate checks them against the registry then
+    codecs = ("none", "fp8", "int4")
     t = p.add_argument_group("cache tiers (sizes in bytes; K/M/G/T suffixes are powers of 1024)")
     t.add_argument("--host-bytes", type=parse_bytes, default=0,
                    help="host-memory tier for blocks evicted from the device pool (default 0: off)")
@@ -37,7 +36,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--disk-dir", default=None, help="directory of the disk tier (needs --host-bytes)")
     t.add_argument("--disk-bytes", type=parse_bytes, default=0, help="disk tier capacity")
     t.add_argument("--disk-codec", choices=codecs, default="none", help="disk tier codec (default none)")
-    t.add_argument("--disk-write-mode", choices=WRITE_MODES, default="through",
+    t.add_argument("--disk-write-mode", choices=("through", "back"), default="through",
                    help="through: write each block to disk as it enters the host tier (default; survives a "
                         "restart); back: only when the host tier evicts it")
     t.add_argument("--peer-bytes", type=parse_bytes, default=64 << 20,

@@ -101,3 +101,15 @@ def test_registry_and_input_checks():
     with pytest.raises(ValueError, match="already registered"):
         register_codec(Dup)
     assert CODECS["fp8"].__name__ == "Fp8Codec"
+
+
+def test_cli_codec_names_are_the_registered_ones():
+    """The CLI lists codec names without importing torch; they must match the registry."""
+    from cache_store.kv_codec import CODECS
+    from cache_store.tier_store import WRITE_MODES
+    from services.cli import build_parser
+
+    worker = build_parser()._subparsers._group_actions[0].choices["worker"]
+    by_dest = {a.dest: a for a in worker._actions}
+    assert set(by_dest["host_codec"].choices) == set(CODECS) == set(by_dest["disk_codec"].choices)
+    assert set(by_dest["disk_write_mode"].choices) == set(WRITE_MODES)

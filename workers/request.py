@@ -10,9 +10,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
+from typing import TYPE_CHECKING
 
 from cache_store.hashing import Namespace, hash_block, hash_blocks, tokens_to_bytes
+
+if TYPE_CHECKING:  # the CLI imports this module for SamplingParams without loading torch
+    import torch
 
 
 class InvalidRequest(ValueError):
@@ -110,6 +113,8 @@ class Request:
         #: little-endian uint32 token ids of the full blocks, block after block
         self.token_bytes = bytearray(hashed.token_bytes[:len(hashed.hashes) * self.block_size * 4])
         if self.sampling.temperature > 0:
+            import torch
+
             self.generator = torch.Generator().manual_seed(int(self.sampling.seed))
 
     @property
