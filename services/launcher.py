@@ -50,6 +50,7 @@ class LocalCluster:
         self.redis_url = spec.redis_url
         self.cluster = spec.cluster or f"c{os.getpid()}-{int(time.time() * 1000) % 10**8}"
         self.log_dir = spec.log_dir or tempfile.mkdtemp(prefix="kvmesh-logs-")
+        self._own_log_dir = spec.log_dir is None
         os.makedirs(self.log_dir, exist_ok=True)
         self.workers: dict[str, tuple[str, object]] = {}
         self.router_proc = None
@@ -144,6 +145,11 @@ class LocalCluster:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self._own_log_dir:  # a temporary log folder nobody wrote to is not worth keeping
+            try:
+                os.rmdir(self.log_dir)
+            except OSError:
+                pass
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

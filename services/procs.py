@@ -42,10 +42,10 @@ class RedisServer:
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="kvmesh-redis-")
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--protected-mode", "yes", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            _with_parent_death_signal(
+                [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", self.dir, "--protected-mode", "yes", "--loglevel", "warning"]),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         deadline = time.monotonic() + timeout
         import redis
@@ -70,15 +70,16 @@ def python_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    """Ask Linux to SIGTERM this child when its parent dies (prctl PR_SET_PDEATHSIG), so
-    a cluster whose launcher is SIGKILLed or loses its terminal leaves nothing behind."""
-    try:
-        import ctypes
+def _with_parent_death_signal(cmd: list[str]) -> list[str]:
+    """``cmd`` prefixed so the child gets SIGTERM when its parent dies (Linux).
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux/glibc: best effort only
-        pass
+    Uses util-linux's ``setpriv --pdeathsig TERM`` (prctl PR_SET_PDEATHSIG, kept across
+    exec), so a cluster whose launcher is SIGKILLed or loses its terminal leaves nothing
+    behind. A ``preexec_fn`` would do the same in-process but can deadlock a
+    multi-threaded parent between fork and exec. Without setpriv the command is unchanged.
+    """
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else list(cmd)
 
 
 def spawn(cmd: list[str], log_path: str | None = None, env: dict | None = None) -> subprocess.Popen:
@@ -93,8 +94,8 @@ def spawn(cmd: list[str], log_path: str | None = None, env: dict | None = None) 
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     full_env["PYTHONPATH"] = repo_root + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.update(env or {})
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    return subprocess.Popen(_with_parent_death_signal(cmd), stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                            start_new_session=True)
 
 
 def wait_healthy(address: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
