@@ -36,7 +36,7 @@ from services.cluster_index import ClusterIndex, weighted_blocks
 from services.index_subscriber import IndexSubscriber
 from services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
 from workers.config import ModelConfig
-from workers.grpc_host import CHANNEL_OPTIONS, GrpcHost
+from workers.grpc_host import CHANNEL_OPTIONS, ChannelPool, GrpcHost
 from workers.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -67,22 +67,16 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.tokenizer = load_tokenizer(model_dir, self.config)
         self.rng = random.Random(seed)
         self.max_attempts = max_attempts
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool()
         self._inflight: dict[str, _Inflight] = {}
         self.routed = RoutedShare()
 
     # ------------------------------------------------------------- helpers
     def _channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self._channels[address] = ch
-        return ch
+        return self._channels.get(address)
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        await self._channels.close()
 
     def _views(self, live: dict[str, dict], hashes: list[bytes], now: float, exclude: set[str]) -> list[WorkerView]:
         matches = self.index.match(hashes, now) if hashes else {}
@@ -136,6 +130,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         live = self.subscriber.live_workers()
         if not live:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no live workers registered: start workers or retry")
+        await self._channels.discard_except({i.get("address") for i in live.values()})  # workers that left
         try:
             block_size = _block_size(live)
         except RuntimeError as exc:

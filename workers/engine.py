@@ -35,7 +35,6 @@ from workers.request import (
     Overloaded,
     Request,
     RequestOutput,
-    RequestStatus,
     SamplingParams,
 )
 from workers.scheduler import ScheduledBatch, Scheduler

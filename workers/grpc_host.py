@@ -24,6 +24,35 @@ CHANNEL_OPTIONS = [
 ]
 
 
+class ChannelPool:
+    """One reusable grpc.aio channel per peer address, with kvmesh's message limits.
+
+    ``factory(address)`` replaces the default channel (tests use it to inject faults).
+    """
+
+    def __init__(self, factory: Callable[[str], grpc.aio.Channel] | None = None):
+        self._factory = factory
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = (self._factory(address) if self._factory
+                  else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
+            self._channels[address] = ch
+        return ch
+
+    async def discard_except(self, keep: set[str]) -> None:
+        """Close channels to addresses not in ``keep`` (peers that left)."""
+        for address in [a for a in self._channels if a not in keep]:
+            await self._channels.pop(address).close()
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+
 class GrpcHost:
     """One aio server for ``services``: ``[(add_to_server_fn, servicer, full_service_name)]``.
 

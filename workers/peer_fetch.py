@@ -41,7 +41,7 @@ import grpc
 
 from cache_store.block_record import RECORD_FORMAT_VERSION, RecordError, RecordMeta, verify_payload
 from cache_store.hashing import hash_blocks
-from workers.grpc_host import CHANNEL_OPTIONS
+from workers.grpc_host import ChannelPool
 
 __all__ = ["TransferModel", "FetchDecision", "PeerFetcher", "FETCH_MODES", "decide", "MAX_FETCH_BLOCKS"]
 
@@ -170,22 +170,14 @@ class PeerFetcher:
         self.mode = mode
         self.max_fetch_s = float(max_fetch_s)
         self.models: dict[str, TransferModel] = {}
-        self._channel_factory = channel_factory
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool(channel_factory)
         self.last: FetchResult | None = None
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = (self._channel_factory(address) if self._channel_factory
-                  else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
-            self._channels[address] = ch
-        return ch
+        return self._channels.get(address)
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        await self._channels.close()
 
     async def fetch_prefix(self, prompt_ids: list[int], namespace, address: str, holder_blocks: int,
                            time_left_s: float | None = None) -> FetchResult:
