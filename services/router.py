@@ -130,7 +130,6 @@ class RouterServicer(pb_grpc.RouterServicer):
         live = self.subscriber.live_workers()
         if not live:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no live workers registered: start workers or retry")
-        await self._channels.discard_except({i.get("address") for i in live.values()})  # workers that left
         try:
             block_size = _block_size(live)
         except RuntimeError as exc:

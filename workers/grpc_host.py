@@ -42,11 +42,6 @@ class ChannelPool:
             self._channels[address] = ch
         return ch
 
-    async def discard_except(self, keep: set[str]) -> None:
-        """Close channels to addresses not in ``keep`` (peers that left)."""
-        for address in [a for a in self._channels if a not in keep]:
-            await self._channels.pop(address).close()
-
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
