@@ -3,12 +3,16 @@
 ``python -m bench.tiers --json`` prints one JSON object, every figure measured in this run,
 each tier path side by side with its baseline (medians over ``--repeats``):
 
-Copy, write and encode rates are best-of-``--repeats``, each tier path measured right
-after its baseline in every repeat (on a shared machine the best run is the one least
-disturbed, for both alike); TTFTs are medians over ``--rounds`` rounds.
+Each tier path is timed in back-to-back pairs with its baseline (order alternating; 3 x
+``--repeats`` pairs for copies, ``--repeats`` for disk writes): rates are medians, and the
+``*_over_*`` ratios are the median of the per-pair ratios, so that a burst of background
+load on this shared machine hits both sides of a pair alike. Encode rates are best-of;
+TTFTs are medians over ``--rounds`` rounds.
 
-* ``d2h_gbps``: offloading ``BLOCKS`` scattered blocks of the device pool into the host
-  tier through ``TierStore.offload`` (slot reservation, batched gather, index, events);
+* ``d2h_gbps``: offloading ``BLOCKS`` scattered blocks of the device pool (chains of 16
+  blocks, as the pool evicts them) into the host tier through ``TierStore.offload``
+  (slot reservation, batched gather, index, and the ``BlockStored`` events a worker
+  publishes);
   ``raw_memcpy_gbps``: one ``Tensor.copy_`` of the same number of bytes, contiguous.
 * ``d2h_large_block_gbps`` / ``raw_memcpy_large_block_gbps``: the same with Llama-3-8B's
   2 MiB blocks (32 of them), where per-block bookkeeping is negligible.
@@ -77,26 +81,27 @@ def bench_copies(repeats: int = 7, blocks: int = BLOCKS, directory: str | None =
     nbytes = blocks * block_bytes
     rng = random.Random(0)
     ids = rng.sample(range(pool_blocks), blocks)
-    toks = bytes(4 * BLOCK_SIZE)
-    evicted = [EvictedBlock(b, rng.randbytes(16), None, toks) for b in ids]
+    evicted = _evicted_chains(ids, rng)
 
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    host_only = TierStore(kv, TierConfig(host_bytes=nbytes, peer_bytes=0))
+    events: list = []  # the KV events a worker would publish, built as in a worker
+    host_only = TierStore(kv, TierConfig(host_bytes=nbytes, peer_bytes=0), events.append)
     host_only.offload(evicted)  # first touch of the slab pages
-    t_raw, t_d2h = [], []
-    for _ in range(repeats):  # interleaved, so interference hits both alike
+    def d2h():
         host_only.clear()
-        t_raw.append(_timed(lambda: dst.copy_(src)))
-        t_d2h.append(_timed(lambda: host_only.offload(evicted)))
+        events.clear()
+        return _timed(lambda: host_only.offload(evicted))
+
+    t_raw, t_d2h = _paired(lambda: _timed(lambda: dst.copy_(src)), d2h, 3 * repeats)
 
     own_dir = directory is None
     base = directory or tempfile.mkdtemp(prefix="kvmesh-bench-")
     disk_times, raw_disk_times = [], []
     try:
         for r in range(repeats):
-            raw_disk_times.append(_raw_file_write(os.path.join(base, f"raw-{r}.bin"), src.numpy().view("u1")))
+            raw = _raw_file_write(os.path.join(base, f"raw-{r}.bin"), src.numpy().view("u1"))
             d = os.path.join(base, f"tier-{r}")
             store = TierStore(kv, TierConfig(host_bytes=nbytes, disk_dir=d, disk_bytes=2 * nbytes, peer_bytes=0))
             try:
@@ -105,6 +110,7 @@ def bench_copies(repeats: int = 7, blocks: int = BLOCKS, directory: str | None =
                 if not store.flush(300):
                     raise RuntimeError("disk writes did not finish")
                 disk_times.append(time.perf_counter() - t0)
+                raw_disk_times.append(raw)
                 if store.stats()["disk_blocks"] != blocks:
                     raise RuntimeError(f"expected {blocks} blocks on disk, got {store.stats()}")
             finally:
@@ -126,16 +132,32 @@ def bench_copies(repeats: int = 7, blocks: int = BLOCKS, directory: str | None =
     out = {
         "block_bytes": block_bytes,
         "copy_bytes": nbytes,
-        "d2h_gbps": round(nbytes / min(t_d2h) / gb, 3),
-        "raw_memcpy_gbps": round(nbytes / min(t_raw) / gb, 3),
-        "h2disk_gbps": round(nbytes / min(disk_times) / gb, 3),
-        "raw_disk_gbps": round(nbytes / min(raw_disk_times) / gb, 3),
+        "d2h_gbps": round(nbytes / statistics.median(t_d2h) / gb, 3),
+        "raw_memcpy_gbps": round(nbytes / statistics.median(t_raw) / gb, 3),
+        "h2disk_gbps": round(nbytes / statistics.median(disk_times) / gb, 3),
+        "raw_disk_gbps": round(nbytes / statistics.median(raw_disk_times) / gb, 3),
         "fp8_encode_gbps": round(sample_bytes / enc["fp8"] / gb, 3),
         "int4_encode_gbps": round(sample_bytes / enc["int4"] / gb, 3),
     }
     out.update(_d2h_large_blocks(repeats))
-    out["d2h_over_memcpy"] = round(out["d2h_gbps"] / out["raw_memcpy_gbps"], 4)
-    out["h2disk_over_raw_disk"] = round(out["h2disk_gbps"] / out["raw_disk_gbps"], 4)
+    out["d2h_over_memcpy"] = _median_ratio(t_raw, t_d2h)
+    out["h2disk_over_raw_disk"] = _median_ratio(raw_disk_times, disk_times)
+    return out
+
+
+def _evicted_chains(block_ids: list[int], rng: random.Random, chain_blocks: int = 16) -> list:
+    """Evicted blocks as the pool reports them: chains of ``chain_blocks`` blocks (256
+    tokens, a short prompt), each chain tail first, on scattered pool rows."""
+    from cache_store.prefix_cache import EvictedBlock
+
+    out = []
+    for c in range(0, len(block_ids), chain_blocks):
+        chain, parent = [], None
+        for b in block_ids[c:c + chain_blocks]:
+            h = rng.randbytes(16)
+            chain.append(EvictedBlock(b, h, parent, rng.randbytes(4 * BLOCK_SIZE)))
+            parent = h
+        out.extend(reversed(chain))
     return out
 
 
@@ -152,21 +174,40 @@ def _d2h_large_blocks(repeats: int, blocks: int = 32) -> dict:
     block_bytes = kv[0].numel() * kv.element_size()
     nbytes = blocks * block_bytes
     rng = random.Random(1)
-    evicted = [EvictedBlock(b, rng.randbytes(16), None, bytes(4 * BLOCK_SIZE))
-               for b in rng.sample(range(2 * blocks), blocks)]
-    store = TierStore(kv, TierConfig(host_bytes=nbytes, peer_bytes=0))
+    evicted = _evicted_chains(rng.sample(range(2 * blocks), blocks), rng)
+    store = TierStore(kv, TierConfig(host_bytes=nbytes, peer_bytes=0), [].append)
     store.offload(evicted)
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16).normal_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    t_raw, t_d2h = [], []
-    for _ in range(repeats):
+    def d2h():
         store.clear()
-        t_raw.append(_timed(lambda: dst.copy_(src)))
-        t_d2h.append(_timed(lambda: store.offload(evicted)))
+        return _timed(lambda: store.offload(evicted))
+
+    t_raw, t_d2h = _paired(lambda: _timed(lambda: dst.copy_(src)), d2h, 3 * repeats)
     return {"large_block_bytes": block_bytes,
-            "d2h_large_block_gbps": round(nbytes / min(t_d2h) / 1e9, 3),
-            "raw_memcpy_large_block_gbps": round(nbytes / min(t_raw) / 1e9, 3)}
+            "d2h_large_block_gbps": round(nbytes / statistics.median(t_d2h) / 1e9, 3),
+            "raw_memcpy_large_block_gbps": round(nbytes / statistics.median(t_raw) / 1e9, 3),
+            "d2h_large_block_over_memcpy": _median_ratio(t_raw, t_d2h)}
+
+
+def _paired(baseline, measured, n: int) -> tuple[list[float], list[float]]:
+    """``n`` back-to-back pairs of timings (seconds), the order alternating, so that the
+    machine's background load hits both sides of a pair alike."""
+    a, b = [], []
+    for i in range(n):
+        if i % 2:
+            b.append(measured())
+            a.append(baseline())
+        else:
+            a.append(baseline())
+            b.append(measured())
+    return a, b
+
+
+def _median_ratio(t_base: list[float], t_measured: list[float]) -> float:
+    """Median over pairs of baseline time / measured time (= measured rate / baseline rate)."""
+    return round(statistics.median(x / y for x, y in zip(t_base, t_measured)), 4)
 
 
 def _raw_file_write(path: str, data) -> float:

@@ -20,20 +20,32 @@ serializes access under its lock.
 
 from __future__ import annotations
 
+import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
 from cache_store.kv_codec import KVCodec
 
-__all__ = ["HostEntry", "HostTier"]
+__all__ = ["BlockIdentity", "HostEntry", "HostTier"]
+
+_ZERO_HASH = bytes(16)
 
 
-@dataclass(slots=True, eq=False)
+class BlockIdentity(Protocol):
+    """What the host tier keeps about a block besides its payload (``EvictedBlock`` and
+    ``RecordMeta`` both fit): ``parent_hash`` may be None or 16 zero bytes for block 0."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_bytes: bytes
+
+
+@dataclass(slots=True, frozen=True)
 class HostEntry:
-    """One block in the host tier.
+    """A read-only view of one block in the host tier (built on request by :meth:`HostTier.get`).
 
     Attributes:
         block_hash: 16-byte chained hash.
@@ -41,7 +53,7 @@ class HostEntry:
         token_bytes: the block's token ids as little-endian uint32.
         slot: slab row holding the payload.
         origin: medium the block is credited to when loaded: the tier's
-            medium, or ``"peer"`` for blocks staged by a peer fetch.
+            medium (``"host"``, or ``"peer"`` for the staging area of peer fetches).
         on_disk: a disk copy exists or is queued.
         ready: CUDA event the copy into the slot was recorded with (None on
             CPU); wait on it before reading the slot from the CPU.
@@ -58,6 +70,10 @@ class HostEntry:
 
 class HostTier:
     """A slab of encoded blocks with an LRU over its entries.
+
+    Per-block state lives in per-slot lists, not in one object per block, so
+    that offloading a batch of ``n`` blocks costs a few list stores per block
+    besides the copy itself (``n`` is ~1,000 per batch on a busy worker).
 
     Args:
         capacity_bytes: slab size budget (bytes); ``capacity_bytes //
@@ -77,15 +93,19 @@ class HostTier:
         self.codec = codec
         self.medium = medium
         self.capacity_bytes = int(capacity_bytes)
-        self.num_slots = self.capacity_bytes // codec.payload_bytes
+        self.num_slots = n = self.capacity_bytes // codec.payload_bytes
         pin = bool(pin_memory and torch.cuda.is_available())
-        self.slab = torch.empty((max(self.num_slots, 1), codec.payload_bytes), dtype=torch.uint8, pin_memory=pin)
-        self._slab_np = self.slab.numpy()  # one zero-copy view; per-row Tensor.numpy() is slow
-        self.entries: OrderedDict[bytes, HostEntry] = OrderedDict()  # oldest first
-        self._free = list(range(self.num_slots - 1, -1, -1))  # free slots; sorted descending when not _unsorted
+        self.slab = torch.empty((max(n, 1), codec.payload_bytes), dtype=torch.uint8, pin_memory=pin)
+        self._slab_mv = memoryview(self.slab.numpy()).cast("B")  # flat zero-copy view: rows are slices
+        self.entries: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, oldest first
+        self._free = list(range(n - 1, -1, -1))  # free slots; sorted descending when not _unsorted
         self._unsorted = False
-        self._owner: list[bytes | None] = [None] * self.num_slots
-        self._pins = [0] * self.num_slots
+        self._owner: list[bytes | None] = [None] * n  # hash of the entry on the slot; b"" = reserved
+        self._pins = [0] * n
+        # identity of the block last stored in each slot (kept after removal, for held slots)
+        self._block: list[BlockIdentity | None] = [None] * n
+        self._on_disk = bytearray(n)
+        self._ready: list[object] = [None] * n
 
     # -- queries ---------------------------------------------------------------
     def __len__(self) -> int:
@@ -94,8 +114,44 @@ class HostTier:
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self.entries
 
-    def get(self, block_hash: bytes) -> HostEntry | None:
+    def slot_of(self, block_hash: bytes) -> int | None:
+        """The slot holding ``block_hash``, or None."""
         return self.entries.get(block_hash)
+
+    def get(self, block_hash: bytes) -> HostEntry | None:
+        """A view of the entry for ``block_hash``, or None."""
+        slot = self.entries.get(block_hash)
+        return None if slot is None else self.view(slot)
+
+    def view(self, slot: int) -> HostEntry:
+        """A view of the block last stored in ``slot`` (also after it was removed while pinned).
+
+        Raises:
+            ValueError: nothing was ever stored in ``slot``.
+        """
+        b = self._block[slot]
+        if b is None:
+            raise ValueError(f"slot {slot} holds no block")
+        return HostEntry(b.block_hash, b.parent_hash or _ZERO_HASH, b.token_bytes, slot, self.medium,
+                         bool(self._on_disk[slot]), self._ready[slot])
+
+    def blocks(self) -> Iterator[tuple[bytes, bytes | None]]:
+        """``(block hash, parent hash or None for block 0)`` of every entry, oldest first."""
+        blk = self._block
+        for h, slot in self.entries.items():
+            p = blk[slot].parent_hash
+            yield h, (None if not p or p == _ZERO_HASH else p)
+
+    def on_disk(self, slot: int) -> bool:
+        return bool(self._on_disk[slot])
+
+    def set_on_disk(self, slot: int, value: bool) -> None:
+        """Record whether the block in ``slot`` has a disk copy (or one queued)."""
+        self._on_disk[slot] = 1 if value else 0
+
+    def ready(self, slot: int) -> object:
+        """The CUDA event of the copy into ``slot`` (None on CPU)."""
+        return self._ready[slot]
 
     @property
     def used_bytes(self) -> int:
@@ -123,41 +179,49 @@ class HostTier:
         if self._pins[slot] == 0 and self._owner[slot] is None:
             self._give_back(slot)
 
-    def reserve(self, n: int, hold: Callable[[HostEntry], bool] | None = None
-                ) -> tuple[list[int], list[HostEntry], list[HostEntry]]:
+    def reserve(self, n: int, hold: Callable[[int], bool] | None = None
+                ) -> tuple[list[int], list[bytes], list[int]]:
         """Take up to ``n`` free slots, evicting unpinned LRU entries as needed.
 
         Args:
             n: slots wanted.
-            hold: for an entry about to be evicted, True keeps its slot pinned
-                (the caller still needs its bytes, e.g. to write it to disk
-                and then :meth:`unpin` it); such a slot does not count
-                towards ``n``.
+            hold: for the slot of an entry about to be evicted, True keeps the
+                slot pinned (the caller still needs its bytes, e.g. to write it
+                to disk and then :meth:`unpin` it); such a slot does not count
+                towards ``n``. :meth:`view` still describes it.
 
         Returns:
             ``(slots, evicted, held)``: the slots (ascending; fewer than ``n``
-            when every other slot is pinned or held), every entry evicted, and
-            the evicted entries whose slots were held.
+            when every other slot is pinned or held), the hashes of every entry
+            evicted, and the slots held.
         """
-        evicted: list[HostEntry] = []
-        held: list[HostEntry] = []
+        evicted: list[bytes] = []
+        held: list[int] = []
         free_after = len(self._free)
         if n > free_after:
+            pins = self._pins
             victims = []
-            for e in self.entries.values():  # oldest first
+            for h, slot in self.entries.items():  # oldest first
                 if free_after >= n:
                     break
-                if self._pins[e.slot]:
+                if pins[slot]:
                     continue
-                keep = hold is not None and hold(e)
-                victims.append((e, keep))
+                keep = hold is not None and hold(slot)
+                victims.append((h, slot, keep))
                 if not keep:
                     free_after += 1
-            for e, keep in victims:
+            entries, owner = self.entries, self._owner
+            for h, slot, keep in victims:
+                del entries[h]
+                owner[slot] = None
+                evicted.append(h)
                 if keep:
-                    self.pin(e.slot)
-                    held.append(e)
-                evicted.append(self.remove(e.block_hash))
+                    pins[slot] += 1
+                    held.append(slot)
+                else:
+                    self._free.append(slot)
+            if len(held) < len(victims):
+                self._unsorted = True
         k = min(n, len(self._free))
         if self._unsorted:
             self._free.sort(reverse=True)
@@ -175,56 +239,76 @@ class HostTier:
             if self._pins[s] == 0:
                 self._give_back(s)
 
-    def insert(self, entry: HostEntry) -> None:
-        """Add an entry on a reserved slot, as most recently used.
+    def insert(self, block: BlockIdentity, slot: int, ready: object = None) -> None:
+        """Add a block on a reserved slot, as most recently used.
 
         Raises:
             ValueError: the hash is present or the slot was not reserved.
         """
-        if entry.block_hash in self.entries:
-            raise ValueError("block already in the host tier")
-        if self._owner[entry.slot] != b"":
-            raise ValueError(f"slot {entry.slot} was not reserved")
-        self._owner[entry.slot] = entry.block_hash
-        self.entries[entry.block_hash] = entry
+        self.insert_many([block], [slot], ready)
 
-    def insert_many(self, entries: list[HostEntry]) -> None:
-        """:meth:`insert` for a batch (same checks, one call; nothing changes on error).
+    def insert_many(self, blocks: Sequence[BlockIdentity], slots: Sequence[int], ready: object = None,
+                    hashes: Sequence[bytes] | None = None, checked: bool = False) -> None:
+        """Add blocks on reserved slots (same order), most recently used last; nothing changes on error.
+
+        Args:
+            blocks: the blocks' identities (kept by reference).
+            slots: reserved slots, one per block.
+            ready: CUDA event of the copy into these slots (None on CPU).
+            hashes: the blocks' hashes, when the caller has them at hand.
+            checked: the caller guarantees the hashes are distinct and absent
+                (skips those checks; the slot check still runs).
 
         Raises:
-            ValueError: a hash is present or repeated, or a slot was not reserved.
+            ValueError: a hash is present or repeated, a slot was not reserved,
+                or the lengths differ.
         """
         owner, index = self._owner, self.entries
-        hashes = [e.block_hash for e in entries]
-        slots = [e.slot for e in entries]
-        if (len(set(hashes)) != len(hashes) or not index.keys().isdisjoint(hashes)
-                or not all(map(b"".__eq__, map(owner.__getitem__, slots)))):
-            raise ValueError("a block is already present, or a slot was not reserved")
-        for slot, h in zip(slots, hashes):
-            owner[slot] = h
-        index.update(zip(hashes, entries))
+        if hashes is None:
+            hashes = [b.block_hash for b in blocks]
+        if len(slots) != len(hashes):
+            raise ValueError(f"{len(hashes)} blocks for {len(slots)} slots")
+        if not checked and (len(set(hashes)) != len(hashes) or not index.keys().isdisjoint(hashes)):
+            raise ValueError("a block is already present or repeated")
+        runs = list(_runs_any(slots))
+        if any(owner[s0:s0 + k].count(b"") != k for s0, k, _ in runs):
+            raise ValueError("a slot was not reserved")
+        blk, on_disk, ready_of = self._block, self._on_disk, self._ready
+        for s0, k, pos in runs:  # slice stores: one C-level copy per run of slots
+            owner[s0:s0 + k] = hashes[pos:pos + k]
+            blk[s0:s0 + k] = blocks[pos:pos + k]
+            on_disk[s0:s0 + k] = bytes(k)
+            if ready is not None or self._ready_used:
+                ready_of[s0:s0 + k] = [ready] * k
+        if ready is not None:
+            self._ready_used = True
+        index.update(zip(hashes, slots))
 
-    def remove(self, block_hash: bytes) -> HostEntry | None:
-        """Drop an entry; its slot is reused once it has no pins. Returns it, or None."""
-        e = self.entries.pop(block_hash, None)
-        if e is None:
+    _ready_used = False  # set once a CUDA event was stored (CPU pools skip the per-slot store)
+
+    def remove(self, block_hash: bytes) -> int | None:
+        """Drop an entry; its slot is reused once it has no pins. Returns its slot, or None."""
+        slot = self.entries.pop(block_hash, None)
+        if slot is None:
             return None
-        self._owner[e.slot] = None
-        if self._pins[e.slot] == 0:
-            self._give_back(e.slot)
-        return e
+        self._owner[slot] = None
+        if self._pins[slot] == 0:
+            self._give_back(slot)
+        return slot
 
     def _give_back(self, slot: int) -> None:
         self._free.append(slot)
         self._unsorted = True
 
-    def clear(self) -> list[HostEntry]:
-        """Drop every entry (pinned slots are freed when unpinned); returns them."""
-        out = [self.remove(h) for h in list(self.entries)]
-        return [e for e in out if e is not None]
+    def clear(self) -> list[bytes]:
+        """Drop every entry (pinned slots are freed when unpinned); returns their hashes."""
+        hashes = list(self.entries)
+        for h in hashes:
+            self.remove(h)
+        return hashes
 
     # -- data movement -------------------------------------------------------------
-    def store(self, kv_cache: torch.Tensor, block_ids: list[int], slots: list[int]) -> torch.cuda.Event | None:
+    def store(self, kv_cache: torch.Tensor, block_ids: Sequence[int], slots: list[int]) -> torch.cuda.Event | None:
         """Copy pool blocks ``block_ids`` into slab rows ``slots`` (same order), encoding them.
 
         Args:
@@ -240,7 +324,7 @@ class HostTier:
         if not block_ids:
             return None
         dev = kv_cache.device
-        ids = torch.tensor(block_ids, dtype=torch.long, device=dev)
+        ids = torch.frombuffer(array.array("q", block_ids), dtype=torch.long).to(dev)
         exact_same_device = self.codec.exact and dev.type == "cpu"
         encoded = None
         if exact_same_device:
@@ -287,13 +371,29 @@ class HostTier:
 
     def payload_bytes_view(self, slot: int) -> memoryview:
         """Slab row ``slot`` as a zero-copy memoryview of ``payload_bytes`` bytes."""
-        return memoryview(self._slab_np[slot])
+        p = self.codec.payload_bytes
+        return self._slab_mv[slot * p:(slot + 1) * p]
 
 
 def _flat_rows(kv_cache: torch.Tensor) -> torch.Tensor:
     """The pool as ``[num_blocks, values per block]`` in its own dtype (a view; the pool is
     contiguous). Gathers of these rows run at memcpy speed; as uint8 they are slower."""
     return kv_cache.view(kv_cache.shape[0], -1)
+
+
+def _runs_any(slots: Sequence[int]):
+    """``(start, length, position)`` of each run of consecutive values in a list (any order)."""
+    n = len(slots)
+    if n and slots[-1] - slots[0] == n - 1 and list(slots) == list(range(slots[0], slots[0] + n)):
+        yield slots[0], n, 0  # one run (the usual case)
+        return
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and slots[j] == slots[j - 1] + 1:
+            j += 1
+        yield slots[i], j - i, i
+        i = j
 
 
 def _runs(sorted_slots: list[int]):

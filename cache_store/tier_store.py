@@ -34,11 +34,14 @@ request's TTFT and delays the step it happens in (see docs/TIERS.md).
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import os
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -47,7 +50,6 @@ import torch
 
 from cache_store.block_record import (
     HEADER_BYTES,
-    ZERO_HASH,
     RecordError,
     RecordMeta,
     checksum,
@@ -56,7 +58,7 @@ from cache_store.block_record import (
 )
 from cache_store.disk_tier import DiskEntry, DiskTier, SegmentReadError
 from cache_store.events import BlockRemoved, BlockStored
-from cache_store.host_tier import HostEntry, HostTier
+from cache_store.host_tier import HostTier
 from cache_store.kv_codec import CODECS, KVCodec, make_codec
 from cache_store.prefix_cache import EvictedBlock
 
@@ -131,8 +133,11 @@ class Located:
 
 @dataclass(slots=True, eq=False)
 class _WriteJob:
-    entry: HostEntry
+    block_hash: bytes
+    parent_hash: bytes
+    token_bytes: bytes
     slot: int
+    ready: object
     generation: int
     nbytes: int
 
@@ -201,11 +206,12 @@ class TierStore:
                                  segment_bytes=config.segment_bytes, fsync=config.fsync)
             with self.lock:
                 metas = self.disk.scan()
-                for meta in metas:
-                    self._emit_stored(meta.block_hash, meta.parent, meta.token_bytes, "disk")
+                self._emit_chains([m.block_hash for m in metas], [m.parent for m in metas],
+                                  [m.token_bytes for m in metas], "disk")
             if self.disk.num_damaged or self.disk.num_torn:
                 log.warning("disk tier %s: dropped %d damaged segment(s) and %d unfinished write(s) at start",
                             self.disk.directory, self.disk.num_damaged, self.disk.num_torn)
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-disk-io")
             self._writer = threading.Thread(target=self._write_loop, name="kvmesh-disk-writer", daemon=True)
             self._writer.start()
         self.sources: list[_Source] = [src for make in SOURCES.values() if (src := make(self)) is not None]
@@ -250,8 +256,9 @@ class TierStore:
             # The pool evicts chain tails first; reversed, each chain runs parent first, so its
             # blocks get ascending host slots and adjacent disk records (one copy / read per run).
             held_here = host.entries
-            fresh = [ev for ev in reversed(evicted) if ev.block_hash not in held_here]
-            if len(fresh) < len(evicted):
+            fresh = evicted[::-1]
+            if not held_here.keys().isdisjoint(map(_hash_of, fresh)):
+                fresh = [ev for ev in fresh if ev.block_hash not in held_here]
                 for ev in evicted:
                     if ev.block_hash in held_here:
                         host.touch(ev.block_hash)
@@ -260,59 +267,68 @@ class TierStore:
             back = self.disk is not None and self.config.write_mode == "back"
             slots, dropped, held = host.reserve(len(fresh), hold=self._wants_disk if back else None)
             if dropped:
-                self._emit_removed([e.block_hash for e in dropped], "host")
-            for e in held:  # write-back: evicted from host, written to disk from its pinned slot
-                self._queue_write(e, already_pinned=True)
+                self._emit_removed(dropped, "host")
+            for slot in held:  # write-back: evicted from host, written to disk from its pinned slot
+                self._queue_write(slot, already_pinned=True)
             if len(slots) < len(fresh):
                 self.stats_counters["offload_skipped"] += len(fresh) - len(slots)
                 fresh = fresh[:len(slots)]
             if not fresh:
                 return
-            ready = host.store(self.kv_cache, [ev.block_id for ev in fresh], slots)
-            entries = [HostEntry(ev.block_hash, ev.parent_hash or ZERO_HASH, ev.token_bytes, slot, "host", False, ready)
-                       for ev, slot in zip(fresh, slots)]
-            host.insert_many(entries)
-            self._emit_chains(fresh, "host")
+            block_ids, hashes, parents, tokens = zip(*fresh)  # columns, built once
+            ready = host.store(self.kv_cache, block_ids, slots)
+            # checked: fresh holds distinct hashes (the pool's) that are not in the host tier
+            host.insert_many(fresh, slots, ready, hashes=hashes, checked=True)
+            self._emit_chains(hashes, parents, tokens, "host")
             if self.disk is not None and self.config.write_mode == "through":
-                for entry in entries:
-                    self._queue_write(entry)
+                for slot in slots:
+                    self._queue_write(slot)
             self.stats_counters["offloaded"] += len(fresh)
 
-    def _emit_chains(self, blocks: list[EvictedBlock], medium: str) -> None:
-        """One ``BlockStored`` per run of blocks where each is the previous one's child."""
-        if self._sink is None:
+    def _emit_chains(self, hashes: Sequence[bytes], parents: Sequence[bytes | None], tokens: Sequence[bytes],
+                     medium: str) -> None:
+        """One ``BlockStored`` per run of blocks where each is the previous one's child.
+
+        Args:
+            hashes, parents, tokens: per block, in order: its hash, its parent's
+                hash (None for block 0) and its token ids as little-endian uint32.
+        """
+        if self._sink is None or not hashes:
             return
-        i = 0
-        while i < len(blocks):
-            j = i + 1
-            while j < len(blocks) and blocks[j].parent_hash == blocks[j - 1].block_hash:
-                j += 1
-            run = blocks[i:j]
-            toks = np.frombuffer(b"".join(b.token_bytes for b in run), dtype="<u4").tolist()
-            self._sink(BlockStored([b.block_hash for b in run], run[0].parent_hash, toks, self.block_size, medium))
-            i = j
+        n = len(hashes)
+        # run starts: block 0 and every block whose parent is not the block before it
+        starts = [0, *itertools.compress(range(1, n), map(operator.ne, parents[1:], hashes[:-1]))]
+        toks = np.frombuffer(b"".join(tokens), dtype="<u4").tolist()
+        bs = self.block_size
+        for i, j in zip(starts, starts[1:] + [n]):
+            self._sink(BlockStored(list(hashes[i:j]), parents[i], toks[i * bs:j * bs], bs, medium))
 
-    def _wants_disk(self, entry: HostEntry) -> bool:
-        return (self.disk is not None and not entry.on_disk and entry.block_hash not in self.disk.entries
-                and self._pending_bytes + self.host.codec.payload_bytes <= self.config.max_pending_write_bytes)
+    def _wants_disk(self, slot: int) -> bool:
+        host = self.host
+        return (self.disk is not None and not host.on_disk(slot) and host.view(slot).block_hash not in self.disk.entries
+                and self._pending_bytes + host.codec.payload_bytes <= self.config.max_pending_write_bytes)
 
-    def _queue_write(self, entry: HostEntry, already_pinned: bool = False) -> None:
-        nbytes = self.host.codec.payload_bytes
-        if entry.block_hash in self.disk.entries:
-            entry.on_disk = True
-            self.disk.touch(entry.block_hash)
+    def _queue_write(self, slot: int, already_pinned: bool = False) -> None:
+        """Queue the block in host ``slot`` for the disk writer, pinning the slot until written."""
+        host = self.host
+        nbytes = host.codec.payload_bytes
+        e = host.view(slot)
+        if e.block_hash in self.disk.entries:
+            host.set_on_disk(slot, True)
+            self.disk.touch(e.block_hash)
             if already_pinned:
-                self.host.unpin(entry.slot)
+                host.unpin(slot)
             return
         if self._pending_bytes + nbytes > self.config.max_pending_write_bytes:
             self.stats_counters["writes_skipped"] += 1
             if already_pinned:
-                self.host.unpin(entry.slot)
+                host.unpin(slot)
             return
         if not already_pinned:
-            self.host.pin(entry.slot)
-        entry.on_disk = True
-        self._jobs.append(_WriteJob(entry, entry.slot, self._generation, nbytes))
+            host.pin(slot)
+        host.set_on_disk(slot, True)
+        self._jobs.append(_WriteJob(e.block_hash, e.parent_hash, e.token_bytes, slot, e.ready, self._generation,
+                                    nbytes))
         self._pending_bytes += nbytes
         self._cv.notify_all()
 
@@ -350,33 +366,35 @@ class TierStore:
                     self._cv.notify_all()
 
     def _write_batch(self, groups: list[tuple[int, list[_WriteJob]]]) -> None:
-        """Write each group as a segment, fsync the directory once, then index them all."""
-        host, disk = self.host, self.disk
-        written: list[tuple[object, list[RecordMeta], list[_WriteJob]]] = []
-        try:
-            for seg_id, batch in groups:
-                items: list[tuple[RecordMeta, object]] = []
-                for job in batch:
-                    if job.entry.ready is not None:
-                        job.entry.ready.synchronize()
-                    if host.codec.name == self.disk_codec.name:
-                        payload = host.payload_bytes_view(job.slot)
-                    else:
-                        payload = self._transcode(host.codec, host.payload(job.slot), self.disk_codec)
-                    e = job.entry
-                    items.append((RecordMeta(e.block_hash, e.parent_hash, e.token_bytes, self.disk_codec.name,
-                                             self.dtype_name, self.block_shape, len(payload), checksum(payload)),
-                                  payload))
-                seg = disk.write_segment(seg_id, items, sync_dir=False)
-                written.append((seg, [m for m, _ in items], batch))
-            disk.sync_directory()
-        except OSError as exc:
-            log.error("disk tier: segment write failed: %s", exc)
+        """Write each group as a segment, fsync the directory once, then index them all.
+
+        Preparing a segment (checksums, headers: CPU) overlaps with writing and
+        fsyncing the previous one (I/O, on the ``kvmesh-disk-io`` thread).
+        """
+        pending: list[tuple[Future, list[RecordMeta], list[_WriteJob]]] = []
+        error: OSError | None = None
+        for seg_id, batch in groups:
+            items = self._records(batch)
+            pending.append((self._io.submit(self.disk.write_segment, seg_id, items, False),
+                            [m for m, _ in items], batch))
+        written = []
+        for fut, metas, batch in pending:
+            try:
+                written.append((fut.result(), metas, batch))
+            except OSError as exc:
+                error = error or exc
+        if error is None:
+            try:
+                self.disk.sync_directory()
+            except OSError as exc:
+                error = exc
+        if error is not None:
+            log.error("disk tier: segment write failed: %s", error)
             with self.lock:
                 self.stats_counters["write_errors"] += 1
                 for _, batch in groups:
-                    for job in batch:
-                        job.entry.on_disk = False
+                    for job in batch:  # the slot is still pinned by this job: not reused
+                        self.host.set_on_disk(job.slot, False)
                 for seg, _, _ in written:  # never indexed: do not leave them behind
                     _remove_file(seg.path)
             return
@@ -385,19 +403,34 @@ class TierStore:
                 if any(job.generation != self._generation for job in batch):
                     _remove_file(seg.path)  # the cache was cleared while this segment was written
                     continue
-                added, removed = disk.add_segment(seg, metas)
+                added, removed = self.disk.add_segment(seg, metas)
                 self.stats_counters["segments_written"] += 1
-                for meta in added:
-                    self._emit_stored(meta.block_hash, meta.parent, meta.token_bytes, "disk")
+                if added:
+                    self._emit_chains([m.block_hash for m in added], [m.parent for m in added],
+                                      [m.token_bytes for m in added], "disk")
                 self._disk_removed(removed)
+
+    def _records(self, batch: list[_WriteJob]) -> list[tuple[RecordMeta, object]]:
+        """``(meta, payload)`` in the disk codec for each job's host slot (checksummed)."""
+        host, codec = self.host, self.disk_codec
+        same = host.codec.name == codec.name
+        items = []
+        for job in batch:
+            if job.ready is not None:
+                job.ready.synchronize()
+            payload = (host.payload_bytes_view(job.slot) if same
+                       else self._transcode(host.codec, host.payload(job.slot), codec))
+            items.append((RecordMeta(job.block_hash, job.parent_hash, job.token_bytes, codec.name, self.dtype_name,
+                                     self.block_shape, len(payload), checksum(payload)), payload))
+        return items
 
     def _disk_removed(self, metas: list[RecordMeta]) -> None:
         if not metas:
             return
         for m in metas:
-            e = self.host.get(m.block_hash) if self.host is not None else None
-            if e is not None:
-                e.on_disk = False
+            slot = self.host.slot_of(m.block_hash) if self.host is not None else None
+            if slot is not None:
+                self.host.set_on_disk(slot, False)
         self._emit_removed([m.block_hash for m in metas], "disk")
 
     @staticmethod
@@ -428,6 +461,7 @@ class TierStore:
             self._cv.notify_all()
         self._writer.join(timeout=timeout)
         self._writer = None
+        self._io.shutdown(wait=False)
 
     # -- lookup and load (engine thread) ------------------------------------------------------
     def locate(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
@@ -533,10 +567,9 @@ class TierStore:
             if not fresh:
                 return 0
             rows = peer.codec.encode(decoded[fresh])
-            for row, slot, i in zip(rows, slots, fresh):
+            for row, slot in zip(rows, slots):
                 peer.slab[slot].copy_(row)
-                m = blocks[i][0]
-                peer.insert(HostEntry(m.block_hash, m.parent_hash, m.token_bytes, slot, "peer"))
+            peer.insert_many([blocks[i][0] for i in fresh], slots)
             return len(fresh)
 
     def _decode_records(self, blocks: list[tuple[RecordMeta, object]]) -> torch.Tensor:
@@ -590,8 +623,7 @@ class TierStore:
         out = []
         with self.lock:
             if self.host is not None:
-                out.extend((e.block_hash, e.parent_hash if e.parent_hash != ZERO_HASH else None, "host")
-                           for e in self.host.entries.values())
+                out.extend((h, parent, "host") for h, parent in self.host.blocks())
             if self.disk is not None:
                 out.extend((m.block_hash, m.parent, "disk") for m in (d.meta for d in self.disk.entries.values()))
         return out
@@ -622,7 +654,7 @@ class TierStore:
             if self.host is None:
                 return 0
             dropped = self.host.clear()
-            self._emit_removed([e.block_hash for e in dropped], "host")
+            self._emit_removed(dropped, "host")
             return len(dropped)
 
     def stats(self) -> dict:
@@ -639,6 +671,9 @@ class TierStore:
                            disk_capacity_bytes=self.disk.capacity_bytes, disk_damaged=self.disk.num_damaged,
                            disk_torn=self.disk.num_torn, pending_write_bytes=self._pending_bytes)
             return out
+
+
+_hash_of = operator.attrgetter("block_hash")
 
 
 def _remove_file(path: str) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from cache_store.host_tier import HostEntry, HostTier
 from cache_store.kv_codec import make_codec
+from cache_store.prefix_cache import EvictedBlock
 
 SHAPE = (2, 2, 1, 4, 8)
 
@@ -16,10 +17,15 @@ def tier(slots: int, codec: str = "none") -> HostTier:
     return HostTier(slots * c.payload_bytes + 7, c)
 
 
+def block(name: bytes, parent: bytes | None = None) -> EvictedBlock:
+    return EvictedBlock(0, name.ljust(16, b"."), parent, bytes(16))
+
+
 def add(t: HostTier, name: bytes) -> HostEntry:
     (slot,), _, _ = t.reserve(1)
-    e = HostEntry(name.ljust(16, b"."), bytes(16), bytes(16), slot, "host")
-    t.insert(e)
+    t.insert(block(name), slot)
+    e = t.get(name.ljust(16, b"."))
+    assert e is not None and e.slot == slot
     return e
 
 
@@ -30,7 +36,7 @@ def test_capacity_lru_and_touch():
     assert [a.slot, b.slot, c.slot] == [0, 1, 2]
     t.touch(a.block_hash)
     slots, evicted, held = t.reserve(2)
-    assert [e.block_hash for e in evicted] == [b.block_hash, c.block_hash]  # a was touched
+    assert evicted == [b.block_hash, c.block_hash]  # a was touched
     assert slots == [1, 2] and not held and a.block_hash in t
     assert t.used_bytes == t.codec.payload_bytes
 
@@ -40,7 +46,7 @@ def test_pinned_entries_are_not_evicted_and_slots_not_reused():
     a, b = add(t, b"a"), add(t, b"b")
     t.pin(a.slot)
     slots, evicted, _ = t.reserve(2)
-    assert slots == [b.slot] and [e.block_hash for e in evicted] == [b.block_hash]
+    assert slots == [b.slot] and evicted == [b.block_hash]
     t.release(slots)
     t.remove(a.block_hash)  # removed while pinned: the slot stays out of use
     assert t.reserve(2)[0] == [b.slot]
@@ -53,9 +59,9 @@ def test_pinned_entries_are_not_evicted_and_slots_not_reused():
 def test_hold_keeps_an_evicted_slot_pinned():
     t = tier(2)
     a, b = add(t, b"a"), add(t, b"b")
-    slots, evicted, held = t.reserve(1, hold=lambda e: e is a)
-    assert [e.block_hash for e in held] == [a.block_hash]
-    assert [e.block_hash for e in evicted] == [a.block_hash, b.block_hash]
+    slots, evicted, held = t.reserve(1, hold=lambda slot: slot == a.slot)
+    assert held == [a.slot] and t.view(a.slot).block_hash == a.block_hash  # still describable
+    assert evicted == [a.block_hash, b.block_hash]
     assert slots == [b.slot]  # a's slot is held (pinned) for its write, not handed out
     t.unpin(a.slot)
     assert t.reserve(1)[0] == [a.slot]
@@ -65,9 +71,27 @@ def test_insert_checks():
     t = tier(2)
     a = add(t, b"a")
     with pytest.raises(ValueError, match="already"):
-        t.insert(HostEntry(a.block_hash, bytes(16), bytes(16), 1, "host"))
+        t.insert(block(a.block_hash), 1)
     with pytest.raises(ValueError, match="not reserved"):
-        t.insert(HostEntry(b"z" * 16, bytes(16), bytes(16), 1, "host"))
+        t.insert(block(b"z" * 16), 1)
+    (slot,), _, _ = t.reserve(1)
+    with pytest.raises(ValueError, match="repeated"):
+        t.insert_many([block(b"y"), block(b"y")], [slot, slot])
+    assert len(t) == 1 and b"y".ljust(16, b".") not in t  # nothing changed on error
+
+
+def test_views_blocks_and_disk_flag():
+    t = tier(3)
+    (s0, s1), _, _ = t.reserve(2)
+    root, child = block(b"r"), block(b"c", parent=b"r".ljust(16, b"."))
+    t.insert_many([root, child], [s0, s1])
+    assert list(t.blocks()) == [(root.block_hash, None), (child.block_hash, root.block_hash)]
+    e = t.get(root.block_hash)
+    assert e.parent_hash == bytes(16) and e.origin == "host" and not e.on_disk
+    t.set_on_disk(s1, True)
+    assert t.get(child.block_hash).on_disk and not t.on_disk(s0)
+    assert t.remove(child.block_hash) == s1 and t.get(child.block_hash) is None
+    assert t.clear() == [root.block_hash] and len(t) == 0
 
 
 @pytest.mark.parametrize("codec", ["none", "fp8"])
