@@ -68,7 +68,6 @@ def bench_copies(repeats: int = 7, blocks: int = BLOCKS, directory: str | None =
     import torch
 
     from cache_store.kv_codec import make_codec
-    from cache_store.prefix_cache import EvictedBlock
     from cache_store.tier_store import TierConfig, TierStore
     from workers.config import ModelConfig
     from workers.model import allocate_kv_cache
@@ -167,7 +166,6 @@ def _d2h_large_blocks(repeats: int, blocks: int = 32) -> dict:
     with the built-in model's 64 KiB blocks."""
     import torch
 
-    from cache_store.prefix_cache import EvictedBlock
     from cache_store.tier_store import TierConfig, TierStore
 
     kv = torch.empty((2 * blocks, 32, 2, 8, BLOCK_SIZE, 128), dtype=torch.bfloat16).normal_()

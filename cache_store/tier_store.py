@@ -1,4 +1,4 @@
-"""The tiers below a worker's device pool: host memory, disk and peer staging.
+"""The tiers below a worker's device pool: host memory, disk, peer staging and the shared remote tier.
 
 :class:`TierStore` moves KV blocks between the device pool tensor and the
 lower tiers and keeps their indexes:
@@ -19,6 +19,11 @@ lower tiers and keeps their indexes:
   request's chain, see ``block_record.RecordMeta.verify_for``), allocates
   device blocks and calls :meth:`load`, which copies the KV in (disk payloads
   are checksummed) and stops at the first block that fails.
+* **Remote.** With ``remote_bytes`` the blocks entering the host tier are
+  also queued for the cluster's shared remote tier in Redis
+  (:mod:`cache_store.remote_tier`); a second writer thread sends them in
+  batches. ``locate`` asks it after the local tiers, one round trip per run
+  of positions they miss, and verifies each record like a disk record.
 * **Events.** Host and disk changes are reported as ``BlockStored`` /
   ``BlockRemoved`` with ``medium="host"`` / ``"disk"``; blocks found on disk
   at start are advertised.
@@ -61,6 +66,7 @@ from cache_store.events import BlockRemoved, BlockStored
 from cache_store.host_tier import HostTier
 from cache_store.kv_codec import CODECS, KVCodec, make_codec
 from cache_store.prefix_cache import EvictedBlock
+from cache_store.remote_tier import RemoteTier
 
 __all__ = ["WRITE_MODES", "TierConfig", "TierStore", "Located", "SOURCES"]
 
@@ -85,8 +91,17 @@ class TierConfig:
         segment_bytes: largest disk segment file (bytes).
         peer_bytes: staging area for blocks fetched from peers (bytes); 0
             disables peer fetches.
-        max_pending_write_bytes: most host bytes queued for disk (bytes).
+        max_pending_write_bytes: most host bytes queued for disk (bytes), and
+            separately most queued for the remote tier.
         fsync: fsync disk segments (leave on outside tests).
+        remote_url: Redis URL of the shared remote tier (``redis://host:port/db``);
+            used when ``remote_bytes > 0``.
+        remote_bytes: the cluster-wide cap of the remote tier (bytes of
+            records, see :mod:`cache_store.remote_tier`); 0 disables it.
+        remote_codec: codec of the records this worker puts in the remote tier.
+        remote_cluster: cluster name, the Redis key namespace.
+        remote_timeout_s: socket timeout of each Redis call of the remote tier
+            (seconds); a slower Redis counts as a miss, never a long wait.
     """
 
     host_bytes: int = 0
@@ -99,14 +114,20 @@ class TierConfig:
     peer_bytes: int = 64 << 20
     max_pending_write_bytes: int = 256 << 20
     fsync: bool = True
+    remote_url: str | None = None
+    remote_bytes: int = 0
+    remote_codec: str = "none"
+    remote_cluster: str = "default"
+    remote_timeout_s: float = 1.0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        for name in ("host_bytes", "disk_bytes", "peer_bytes", "segment_bytes", "max_pending_write_bytes"):
+        for name in ("host_bytes", "disk_bytes", "peer_bytes", "segment_bytes", "max_pending_write_bytes",
+                     "remote_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0 (bytes), got {v!r}")
-        for name in ("host_codec", "disk_codec"):
+        for name in ("host_codec", "disk_codec", "remote_codec"):
             if getattr(self, name) not in CODECS:
                 raise ValueError(f"{name} {getattr(self, name)!r} is not one of {', '.join(sorted(CODECS))}")
         if self.write_mode not in WRITE_MODES:
@@ -116,10 +137,17 @@ class TierConfig:
                 raise ValueError("a disk tier (disk_dir) needs disk_bytes > 0")
             if self.host_bytes <= 0:
                 raise ValueError("a disk tier needs a host tier (host_bytes > 0): blocks reach disk through it")
+        if self.remote_bytes:
+            if not self.remote_url:
+                raise ValueError("a remote tier (remote_bytes > 0) needs remote_url, the cluster's Redis")
+            if self.host_bytes <= 0:
+                raise ValueError("a remote tier needs a host tier (host_bytes > 0): blocks reach it through it")
+            if not self.remote_timeout_s > 0:
+                raise ValueError(f"remote_timeout_s must be > 0 seconds, got {self.remote_timeout_s!r}")
 
     @property
     def enabled(self) -> bool:
-        return self.host_bytes > 0 or self.peer_bytes > 0
+        return self.host_bytes > 0 or self.peer_bytes > 0 or self.remote_bytes > 0
 
 
 @dataclass(slots=True, eq=False)
@@ -200,7 +228,14 @@ class TierStore:
         self._stop = False
         self._writer: threading.Thread | None = None
         self.stats_counters = {"offloaded": 0, "offload_skipped": 0, "writes_skipped": 0, "write_errors": 0,
-                               "segments_written": 0, "loaded": 0, "load_failures": 0}
+                               "segments_written": 0, "loaded": 0, "load_failures": 0,
+                               "remote_puts_skipped": 0, "remote_put_errors": 0}
+        self.remote: RemoteTier | None = None
+        self.remote_codec = self.codec(config.remote_codec)
+        self._rjobs: deque[_WriteJob] = deque()
+        self._rpending_bytes = 0
+        self._rwriting = 0
+        self._remote_writer: threading.Thread | None = None
         if config.disk_dir:
             self.disk = DiskTier(config.disk_dir, config.disk_bytes, self.block_shape, self.dtype_name,
                                  segment_bytes=config.segment_bytes, fsync=config.fsync)
@@ -214,7 +249,13 @@ class TierStore:
             self._io = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-disk-io")
             self._writer = threading.Thread(target=self._write_loop, name="kvmesh-disk-writer", daemon=True)
             self._writer.start()
+        if config.remote_bytes:
+            self.remote = _connect_remote(config)
+            self._remote_writer = threading.Thread(target=self._remote_loop, name="kvmesh-remote-writer",
+                                                   daemon=True)
+            self._remote_writer.start()
         self.sources: list[_Source] = [src for make in SOURCES.values() if (src := make(self)) is not None]
+        self._remote_source = _RemoteSource(self) if self.remote is not None else None
 
     # -- helpers -------------------------------------------------------------------------
     def codec(self, name: str) -> KVCodec:
@@ -283,6 +324,8 @@ class TierStore:
             if self.disk is not None and self.config.write_mode == "through":
                 for slot in slots:
                     self._queue_write(slot)
+            if self.remote is not None:
+                self._queue_remote(slots)
             self.stats_counters["offloaded"] += len(fresh)
 
     def _emit_chains(self, hashes: Sequence[bytes], parents: Sequence[bytes | None], tokens: Sequence[bytes],
@@ -332,6 +375,49 @@ class TierStore:
         self._pending_bytes += nbytes
         self._cv.notify_all()
 
+    def _queue_remote(self, slots: Sequence[int]) -> None:
+        """Queue host slots for the remote writer (pinned until sent); past the budget, skip."""
+        host = self.host
+        nbytes = host.codec.payload_bytes
+        room = (self.config.max_pending_write_bytes - self._rpending_bytes) // nbytes
+        if room < len(slots):
+            self.stats_counters["remote_puts_skipped"] += len(slots) - max(room, 0)
+            slots = slots[:max(room, 0)]
+        for slot in slots:
+            e = host.view(slot)
+            host.pin(slot)
+            self._rjobs.append(_WriteJob(e.block_hash, e.parent_hash, e.token_bytes, slot, e.ready,
+                                         self._generation, nbytes))
+        self._rpending_bytes += nbytes * len(slots)
+        if slots:
+            self._cv.notify_all()
+
+    def _remote_loop(self) -> None:
+        """Send queued host blocks to the remote tier, in batches of about ``max_batch_bytes``."""
+        rec = HEADER_BYTES + 4 * self.block_size + self.remote_codec.payload_bytes
+        per_batch = max(1, self.remote.max_batch_bytes // rec)
+        while True:
+            with self.lock:
+                while not self._rjobs and not self._stop:
+                    self._cv.wait()
+                if not self._rjobs:
+                    return  # stopping and drained
+                batch = [self._rjobs.popleft() for _ in range(min(per_batch, len(self._rjobs)))]
+                self._rwriting += 1
+            try:
+                stored, _ = self.remote.put_many(self._records(batch, self.remote_codec))
+            except Exception:  # a bug here must not kill the writer: log it, count it, go on
+                log.exception("remote tier: put failed")
+                with self.lock:
+                    self.stats_counters["remote_put_errors"] += 1
+            finally:
+                with self.lock:
+                    self._rwriting -= 1
+                    for job in batch:
+                        self._rpending_bytes -= job.nbytes
+                        self.host.unpin(job.slot)
+                    self._cv.notify_all()
+
     # -- disk writer thread ------------------------------------------------------------------
     #: Most segments written per writer batch (their directory fsync is shared).
     SEGMENTS_PER_BATCH = 8
@@ -374,7 +460,7 @@ class TierStore:
         pending: list[tuple[Future, list[RecordMeta], list[_WriteJob]]] = []
         error: OSError | None = None
         for seg_id, batch in groups:
-            items = self._records(batch)
+            items = self._records(batch, self.disk_codec)
             pending.append((self._io.submit(self.disk.write_segment, seg_id, items, False),
                             [m for m, _ in items], batch))
         written = []
@@ -410,9 +496,9 @@ class TierStore:
                                       [m.token_bytes for m in added], "disk")
                 self._disk_removed(removed)
 
-    def _records(self, batch: list[_WriteJob]) -> list[tuple[RecordMeta, object]]:
-        """``(meta, payload)`` in the disk codec for each job's host slot (checksummed)."""
-        host, codec = self.host, self.disk_codec
+    def _records(self, batch: list[_WriteJob], codec: KVCodec) -> list[tuple[RecordMeta, object]]:
+        """``(meta, payload)`` in ``codec`` for each job's (pinned) host slot, checksummed."""
+        host = self.host
         same = host.codec.name == codec.name
         items = []
         for job in batch:
@@ -441,10 +527,10 @@ class TierStore:
         return memoryview(row.contiguous().numpy()).cast("B")
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued disk write finished. Returns False on timeout."""
+        """Wait until every queued disk write and remote put finished. Returns False on timeout."""
         deadline = time.monotonic() + timeout
         with self.lock:
-            while self._jobs or self._writing:
+            while self._jobs or self._writing or self._rjobs or self._rwriting:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -452,20 +538,24 @@ class TierStore:
         return True
 
     def close(self, timeout: float = 10.0) -> None:
-        """Finish queued disk writes (up to ``timeout`` seconds) and stop the writer. Idempotent."""
-        if self._writer is None:
+        """Finish queued disk writes and remote puts (up to ``timeout`` seconds) and stop the
+        writer threads. Idempotent."""
+        if self._writer is None and self._remote_writer is None:
             return
         self.flush(timeout)
         with self.lock:
             self._stop = True
             self._cv.notify_all()
-        self._writer.join(timeout=timeout)
-        self._writer = None
-        self._io.shutdown(wait=False)
+        for t in (self._writer, self._remote_writer):
+            if t is not None:
+                t.join(timeout=timeout)
+        self._writer = self._remote_writer = None
+        if self.disk is not None:
+            self._io.shutdown(wait=False)
 
     # -- lookup and load (engine thread) ------------------------------------------------------
     def locate(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
-               root: bytes) -> list[Located]:
+               root: bytes, remote: bool = True) -> list[Located]:
         """Find blocks ``start, start+1, ...`` (before ``stop``) of a chain in the lower tiers.
 
         Each candidate's identity is verified against the chain (hash, parent,
@@ -478,12 +568,16 @@ class TierStore:
             block_tokens: ``block_tokens(i)`` is block ``i``'s token bytes.
             start, stop: positions to look at (``stop`` excluded).
             root: the request's namespace root hash.
+            remote: also look in the shared remote tier (one Redis round trip per
+                run of positions the local tiers miss; the records are read here).
         """
         out: list[Located] = []
         if not self.sources or start >= stop:
             return out
+        far = self._remote_source if remote else None
         with self.lock:
-            for i in range(start, stop):
+            i = start
+            while i < stop:
                 h = hashes[i]
                 parent = hashes[i - 1] if i > 0 else None
                 toks = block_tokens(i)
@@ -502,8 +596,14 @@ class TierStore:
                     found = Located(src, handle, medium)
                     break
                 if found is None:
-                    break
+                    run = far.find_run(hashes, block_tokens, i, stop, root) if far is not None else []
+                    if not run:
+                        break
+                    out.extend(run)
+                    i += len(run)
+                    continue
                 out.append(found)
+                i += 1
         return out
 
     def release(self, located: list[Located]) -> None:
@@ -571,6 +671,22 @@ class TierStore:
                 peer.slab[slot].copy_(row)
             peer.insert_many([blocks[i][0] for i in fresh], slots)
             return len(fresh)
+
+    def _decode_into(self, metas: Sequence[RecordMeta], payloads: Sequence[object], block_ids: Sequence[int]) -> None:
+        """Decode record payloads (verified) into pool rows ``block_ids``, one batch per run of one codec."""
+        kv = self.kv_cache
+        i, n = 0, len(metas)
+        while i < n:
+            j = i + 1
+            name = metas[i].codec
+            while j < n and metas[j].codec == name:
+                j += 1
+            codec = self.codec(name)
+            raw = bytearray().join(payloads[i:j])
+            rows = torch.frombuffer(raw, dtype=torch.uint8).view(j - i, codec.payload_bytes)
+            decoded = codec.decode(rows).to(kv.device)
+            kv.index_copy_(0, torch.tensor(list(block_ids[i:j]), dtype=torch.long, device=kv.device), decoded)
+            i = j
 
     def _decode_records(self, blocks: list[tuple[RecordMeta, object]]) -> torch.Tensor:
         out = torch.empty((len(blocks), *self.block_shape), dtype=self.dtype)
@@ -640,6 +756,10 @@ class TierStore:
                 job = self._jobs.popleft()
                 self._pending_bytes -= job.nbytes
                 self.host.unpin(job.slot)
+            while self._rjobs:  # the remote tier itself is the cluster's: it is not cleared
+                job = self._rjobs.popleft()
+                self._rpending_bytes -= job.nbytes
+                self.host.unpin(job.slot)
             for tier in (self.host, self.peer):
                 if tier is not None:
                     n += len(tier.clear())
@@ -659,6 +779,7 @@ class TierStore:
 
     def stats(self) -> dict:
         """Block and byte counts per tier plus the counters (blocks, bytes)."""
+        remote = self.remote.stats() if self.remote is not None else {}  # Redis calls: outside the lock
         with self.lock:
             out = dict(self.stats_counters)
             if self.host is not None:
@@ -670,6 +791,8 @@ class TierStore:
                 out.update(disk_blocks=len(self.disk.entries), disk_bytes=self.disk.used_bytes,
                            disk_capacity_bytes=self.disk.capacity_bytes, disk_damaged=self.disk.num_damaged,
                            disk_torn=self.disk.num_torn, pending_write_bytes=self._pending_bytes)
+            if self.remote is not None:
+                out.update(remote, pending_remote_bytes=self._rpending_bytes)
             return out
 
 
@@ -751,25 +874,58 @@ class _DiskSource(_Source):
             s._drop_damaged(exc)
         if ok == 0:
             return 0
-        kv = s.kv_cache
-        i = 0
-        while i < ok:  # decode runs of one codec together
-            j = i + 1
-            name = handles[i].meta.codec
-            while j < ok and handles[j].meta.codec == name:
-                j += 1
-            codec = s.codec(name)
-            raw = bytearray().join(payloads[i:j])
-            rows = torch.frombuffer(raw, dtype=torch.uint8).view(j - i, codec.payload_bytes)
-            decoded = codec.decode(rows).to(kv.device)
-            kv.index_copy_(0, torch.tensor(block_ids[i:j], dtype=torch.long, device=kv.device), decoded)
-            i = j
+        s._decode_into([d.meta for d in handles[:ok]], payloads[:ok], block_ids[:ok])
         for d in handles[:ok]:
             s.disk.touch(d.meta.block_hash)
         return ok
 
     def release(self, handles):
         pass
+
+
+class _RemoteSource(_Source):
+    """The cluster's shared remote tier: looked up a run at a time (one Redis round trip),
+    after the local tiers; records are read and verified during :meth:`TierStore.locate`."""
+
+    kind = "remote"
+
+    def __init__(self, store: TierStore):
+        self.store = store
+
+    def find_run(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
+                 root: bytes) -> list[Located]:
+        """Located blocks ``start, start+1, ...`` held remotely, verified against the chain."""
+        s = self.store
+        out = []
+        for k, (meta, payload) in enumerate(s.remote.get_run(hashes[start:stop])):
+            i = start + k
+            try:
+                meta.verify_for(hashes[i], hashes[i - 1] if i > 0 else None, block_tokens(i), root,
+                                s.dtype_name, s.block_shape)
+            except RecordError as exc:
+                log.warning("remote tier: block %s rejected: %s", hashes[i].hex()[:12], exc)
+                break
+            out.append(Located(self, (meta, payload), "remote"))
+        return out
+
+    def find(self, block_hash):
+        return None  # looked up by runs (find_run), not block by block
+
+    def load(self, handles, block_ids):
+        self.store._decode_into([m for m, _ in handles], [p for _, p in handles], block_ids)
+        return len(handles)
+
+
+def _connect_remote(config: TierConfig) -> RemoteTier:
+    """A :class:`RemoteTier` on ``config.remote_url`` whose every call is bounded by the timeout."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    t = config.remote_timeout_s
+    client = redis.Redis.from_url(config.remote_url, socket_timeout=t, socket_connect_timeout=t,
+                                  retry=Retry(NoBackoff(), 1))
+    return RemoteTier(client, config.remote_bytes, cluster=config.remote_cluster)
 
 
 #: Lookup sources by kind, in lookup order: ``factory(store)`` returns the source, or

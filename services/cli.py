@@ -39,6 +39,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--disk-write-mode", choices=("through", "back"), default="through",
                    help="through: write each block to disk as it enters the host tier (default; survives a "
                         "restart); back: only when the host tier evicts it")
+    t.add_argument("--remote-bytes", type=parse_bytes, default=0,
+                   help="share blocks through the cluster's Redis (--redis-url), capped at this many bytes for "
+                        "the whole cluster (default 0: off; needs --host-bytes)")
+    t.add_argument("--remote-codec", choices=codecs, default="none",
+                   help="codec of the blocks this worker puts in the remote tier (default none)")
     t.add_argument("--peer-bytes", type=parse_bytes, default=64 << 20,
                    help="staging memory for blocks fetched from peers (default 64M; 0 disables peer fetch)")
     t.add_argument("--peer-fetch", choices=("auto", "never", "always"), default="auto",
@@ -75,7 +80,8 @@ def tier_config(args: argparse.Namespace):
 
     return TierConfig(host_bytes=args.host_bytes, host_codec=args.host_codec, disk_dir=args.disk_dir,
                       disk_bytes=args.disk_bytes, disk_codec=args.disk_codec, write_mode=args.disk_write_mode,
-                      peer_bytes=args.peer_bytes)
+                      peer_bytes=args.peer_bytes, remote_bytes=args.remote_bytes, remote_codec=args.remote_codec,
+                      remote_url=getattr(args, "redis_url", None), remote_cluster=getattr(args, "cluster", "default"))
 
 
 def make_engine(args: argparse.Namespace, event_sink=None):

@@ -39,6 +39,8 @@ def _tier_worker_args(args: argparse.Namespace) -> list[str]:
            "--peer-fetch", args.peer_fetch, "--peer-fetch-max-s", str(args.peer_fetch_max_s)]
     if args.disk_dir:
         out += ["--disk-bytes", str(args.disk_bytes)]
+    if args.remote_bytes:
+        out += ["--remote-bytes", str(args.remote_bytes), "--remote-codec", args.remote_codec]
     return out
 
 

@@ -324,6 +324,10 @@ def test_bad_tier_config_is_rejected():
         (TierConfig(host_bytes=1 << 20, host_codec="zstd"), "host_codec"),
         (TierConfig(host_bytes=1 << 20, write_mode="sometimes"), "write_mode"),
         (TierConfig(host_bytes=-1), "host_bytes"),
+        (TierConfig(host_bytes=1 << 20, remote_bytes=1 << 20), "remote_url"),
+        (TierConfig(remote_bytes=1 << 20, remote_url="redis://127.0.0.1:1/0"), "host tier"),
+        (TierConfig(host_bytes=1 << 20, remote_bytes=1 << 20, remote_url="redis://x", remote_codec="lz4"),
+         "remote_codec"),
     ]:
         with pytest.raises(ValueError, match=needle):
             Engine(num_blocks=8, block_size=BS, tiers=cfg)
@@ -346,7 +350,13 @@ def test_cli_tier_flags(capsys):
     cfg = tier_config(args)
     assert (cfg.host_bytes, cfg.host_codec, cfg.disk_bytes, cfg.disk_codec, cfg.write_mode) == (
         1 << 30, "int4", 2 << 30, "fp8", "back")
-    for argv, needle in [(["--disk-dir", "/d"], "disk_bytes"), (["--disk-dir", "/d", "--disk-bytes", "1G"], "host")]:
+    args = p.parse_args(["worker", "--port", "1", "--host-bytes", "1G", "--remote-bytes", "2G", "--remote-codec",
+                         "fp8", "--redis-url", "redis://127.0.0.1:7/0", "--cluster", "c1"])
+    cfg = tier_config(args)
+    assert (cfg.remote_bytes, cfg.remote_codec, cfg.remote_url, cfg.remote_cluster) == (
+        2 << 30, "fp8", "redis://127.0.0.1:7/0", "c1")
+    for argv, needle in [(["--disk-dir", "/d"], "disk_bytes"), (["--disk-dir", "/d", "--disk-bytes", "1G"], "host"),
+                         (["--host-bytes", "1G", "--remote-bytes", "1G"], "remote_url")]:
         assert cmd_worker(p.parse_args(["worker", "--port", "1", *argv])) == 2  # before any model loads
         assert needle in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -357,3 +367,9 @@ def test_cli_tier_flags(capsys):
     cmd = c.worker_cmd("worker-1", 1234)
     assert cmd[cmd.index("--host-bytes") + 1] == str(1 << 30)
     assert cmd[cmd.index("--disk-dir") + 1] == os.path.join("/d", "worker-1")  # one directory per worker
+    assert "--remote-bytes" not in cmd
+    up = _spec_from_args(p.parse_args(["up", "--host-bytes", "1G", "--remote-bytes", "4G"]))
+    c = LocalCluster(up)
+    c.redis_url = "redis://127.0.0.1:1/0"
+    cmd = c.worker_cmd("worker-1", 1234)
+    assert cmd[cmd.index("--remote-bytes") + 1] == str(4 << 30) and "--redis-url" in cmd

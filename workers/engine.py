@@ -227,7 +227,8 @@ class Engine:
             for req in list(self._requests.values()):
                 self._fail(req, "worker is shutting down", "UNAVAILABLE")
         if self.tiers is not None:
-            if self.tiers.disk is not None:
+            if self.tiers.disk is not None or self.tiers.remote is not None:
+                # keep what the device pool cached: on disk for a restart, remotely for the cluster
                 with self._lock:
                     self.cache.evict_unused()
             self.tiers.close()
@@ -361,7 +362,7 @@ class Engine:
         with self._lock:
             hit = self.cache.index.match(block_hashes[:limit], block_tokens).num_blocks
             if self.tiers is not None and hit < limit:
-                located = self.tiers.locate(block_hashes, block_tokens, hit, limit, root)
+                located = self.tiers.locate(block_hashes, block_tokens, hit, limit, root, remote=False)
                 self.tiers.release(located)
                 hit += len(located)
             return hit

@@ -56,7 +56,7 @@ def usage_to_proto(usage: dict) -> pb.Usage:
     )
 
 
-def usage_from_proto(u: pb.Usage, mediums: tuple[str, ...] = ("device", "host", "disk", "peer")) -> dict:
+def usage_from_proto(u: pb.Usage, mediums: tuple[str, ...] = ("device", "host", "disk", "peer", "remote")) -> dict:
     by_tier = {m: 0 for m in mediums}
     by_tier.update({k: int(v) for k, v in u.cached_tokens_by_tier.items()})
     return {

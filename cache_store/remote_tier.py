@@ -1,0 +1,514 @@
+"""Remote tier: KV block records shared by every worker of a cluster, kept in Redis.
+
+A worker that starts (or restarts) with an empty device pool can warm from
+what the rest of the cluster stored here. Records are the byte format of
+:mod:`cache_store.block_record`; this module only stores, counts and evicts
+them.
+
+Redis keys (``C`` is the cluster name, ``H`` a block hash in lowercase hex)::
+
+    kvmesh:C:kv:H      string  the encoded record (block_record.encode_record format)
+    kvmesh:C:kv-lru    zset    member H, score = access stamp (higher = used more recently)
+    kvmesh:C:kv-bytes  string  integer, total record bytes of the blocks in the tier
+    kvmesh:C:kv-len    hash    field H -> record bytes counted for H in kv-bytes
+    kvmesh:C:kv-clock  string  integer counter that hands out access stamps (INCRBY)
+
+Every change to these keys is made by one Lua script (``redis.register_script``),
+and Redis runs a script without interleaving other commands, so several
+workers writing at once never see or leave a half-made change:
+
+* *put* stores each record that is absent (SET, ZADD, HSET kv-len, INCRBY
+  kv-bytes) and only re-stamps one already present; then, while kv-bytes
+  exceeds the cap, it pops the lowest stamp (ZPOPMIN) and deletes that block,
+  subtracting the bytes counted for it. When the script returns, kv-bytes is
+  at most the cap, whoever else is writing.
+* *touch* re-stamps the blocks a read returned (``ZADD XX``: a block evicted
+  meanwhile is not brought back into the zset).
+* *drop* deletes one block and its accounting (a damaged record, or
+  :meth:`RemoteTier.clear`).
+
+Invariant kept by the scripts: the members of kv-lru are the fields of
+kv-len, and kv-bytes is the sum of kv-len's values. kv-len exists so that
+the bytes subtracted for a block are the bytes added for it even when the
+stored value was changed or lost behind the tier's back (a damaged or
+truncated value, a key removed by Redis's own ``maxmemory`` eviction); with
+STRLEN the counter would drift in those cases. A key lost that way is a
+miss on read; its kv-len entry is settled when it is evicted or stored again.
+
+Eviction is least recently used across the whole cluster: a stamp is taken
+from the shared kv-clock when a block is stored, found present by a put, or
+returned by :meth:`RemoteTier.get_run`. Within one call the stamps decrease
+along the list given (the first block gets the highest), so of blocks used
+together the chain's tail is evicted before its head and what stays cached
+is a prefix. The cap (``capacity_bytes``) is per cluster, not per worker: it
+is an argument of the put script, so the cap given by the most recent writer
+applies to the whole tier at that moment.
+
+What a read verifies: :func:`cache_store.block_record.decode_record` (magic,
+version, header checksum, length, payload checksum) and that the record's
+hash is the hash it was stored under. A record failing either is deleted and
+counted (``remote_damaged``), and the read stops before it. Whether the
+record is the block the *requester* needs (parent, tokens, namespace,
+layout) is the caller's check, :meth:`RecordMeta.verify_for`.
+
+Errors and waiting: the class never waits longer than the client lets it.
+Build the client with ``socket_timeout`` and ``socket_connect_timeout`` and
+a small ``retry`` (redis-py retries a failed command 10 times with backoff
+by default), e.g.::
+
+    redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5,
+                         retry=Retry(NoBackoff(), 1))
+
+A Redis error (``redis.exceptions.RedisError``: connection refused, timeout,
+OOM, ...) in :meth:`~RemoteTier.get_run`, :meth:`~RemoteTier.put_many` and
+:meth:`~RemoteTier.contains` is logged at warning level and counted
+(``remote_errors``); the call returns what it has (a miss), it does not
+raise. A script whose reply was lost to a timeout may still have run to
+completion on the server; its effects are then consistent but not reported.
+
+Deployment notes: the block keys are built inside the scripts, so the tier
+needs a single Redis instance (not Redis Cluster). Give Redis room for the
+cap plus overhead; with ``maxmemory-policy noeviction`` a full Redis refuses
+puts (counted as errors), with an ``allkeys-*`` policy it may drop blocks,
+which the tier tolerates as misses.
+
+Units: sizes are bytes of encoded records (header + tokens + payload).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+from typing import Sequence
+
+import redis
+
+from cache_store.block_record import RecordError, RecordMeta, decode_record, encode_header
+
+__all__ = [
+    "RemoteTier",
+    "block_key",
+    "lru_key",
+    "bytes_key",
+    "lengths_key",
+    "clock_key",
+]
+
+log = logging.getLogger(__name__)
+
+#: Record size assumed for sizing the first MGET chunk of a read, before
+#: any record was seen (bytes): the upper end of block payloads.
+_FIRST_RECORD_GUESS = (2 << 20) + 4096
+#: Blocks deleted per script call by :meth:`RemoteTier.clear`.
+_CLEAR_BATCH = 512
+_HEX_HASH = re.compile(rb"^[0-9a-f]{32}$")
+
+
+def block_key(block_hash: bytes, cluster: str = "default") -> str:
+    """Redis key of one block's record: ``kvmesh:{cluster}:kv:{block_hash.hex()}``."""
+    return f"kvmesh:{cluster}:kv:{block_hash.hex()}"
+
+
+def lru_key(cluster: str = "default") -> str:
+    """Sorted set of the tier's blocks by access stamp: ``kvmesh:{cluster}:kv-lru``."""
+    return f"kvmesh:{cluster}:kv-lru"
+
+
+def bytes_key(cluster: str = "default") -> str:
+    """Integer total of the tier's record bytes: ``kvmesh:{cluster}:kv-bytes``."""
+    return f"kvmesh:{cluster}:kv-bytes"
+
+
+def lengths_key(cluster: str = "default") -> str:
+    """Hash of the bytes counted per block: ``kvmesh:{cluster}:kv-len``."""
+    return f"kvmesh:{cluster}:kv-len"
+
+
+def clock_key(cluster: str = "default") -> str:
+    """Counter handing out access stamps: ``kvmesh:{cluster}:kv-clock``."""
+    return f"kvmesh:{cluster}:kv-clock"
+
+
+# Every script: KEYS = lru, bytes, lengths, clock; ARGV[1] = block key prefix.
+_PRELUDE = """
+local lru, used_key, lens, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local prefix = ARGV[1]
+
+-- Delete one block and its accounting; returns 1 if its key existed.
+local function forget(hex)
+  local len = tonumber(redis.call('HGET', lens, hex))
+  if len then
+    redis.call('HDEL', lens, hex)
+    if redis.call('DECRBY', used_key, len) < 0 then redis.call('SET', used_key, 0) end
+  end
+  redis.call('ZREM', lru, hex)
+  return redis.call('DEL', prefix .. hex)
+end
+"""
+
+# ARGV[2] = cap (bytes), ARGV[3] = n, ARGV[4..3+n] = hex hashes,
+# ARGV[4+n..3+2n] = records ('' = only touch the block if present).
+# Returns {stored count, {evicted hex, ...}}.
+_PUT = _PRELUDE + """
+local cap = tonumber(ARGV[2])
+local n = tonumber(ARGV[3])
+local top = redis.call('INCRBY', clock, n)
+local stored = 0
+for i = 1, n do
+  local hex = ARGV[3 + i]
+  local rec = ARGV[3 + n + i]
+  local key = prefix .. hex
+  local stamp = top - i + 1
+  if redis.call('EXISTS', key) == 1 then
+    if redis.call('HEXISTS', lens, hex) == 0 then
+      -- written outside the tier: start counting it
+      local len = redis.call('STRLEN', key)
+      redis.call('HSET', lens, hex, len)
+      redis.call('INCRBY', used_key, len)
+    end
+    redis.call('ZADD', lru, stamp, hex)
+  elseif #rec > 0 and #rec <= cap then
+    local old = tonumber(redis.call('HGET', lens, hex))
+    if old then
+      -- the value was lost behind the tier's back: stop counting it
+      redis.call('DECRBY', used_key, old)
+    end
+    redis.call('SET', key, rec)
+    redis.call('HSET', lens, hex, #rec)
+    redis.call('INCRBY', used_key, #rec)
+    redis.call('ZADD', lru, stamp, hex)
+    stored = stored + 1
+  end
+end
+local evicted = {}
+while tonumber(redis.call('GET', used_key) or '0') > cap do
+  local popped = redis.call('ZPOPMIN', lru)
+  if #popped == 0 then
+    redis.call('SET', used_key, 0)
+    break
+  end
+  forget(popped[1])
+  evicted[#evicted + 1] = popped[1]
+end
+return {stored, evicted}
+"""
+
+# ARGV[2..] = hex hashes, most important first. Returns the count given.
+_TOUCH = _PRELUDE + """
+local n = #ARGV - 1
+local top = redis.call('INCRBY', clock, n)
+for i = 1, n do
+  redis.call('ZADD', lru, 'XX', top - i + 1, ARGV[1 + i])
+end
+return n
+"""
+
+# ARGV[2] = hex hash, ARGV[3] = sha1 hex of the damaged value read. Deletes the
+# block only if it still holds that value (another worker may have replaced it).
+_DROP_DAMAGED = _PRELUDE + """
+local v = redis.call('GET', prefix .. ARGV[2])
+if not v or redis.sha1hex(v) ~= ARGV[3] then return 0 end
+return forget(ARGV[2])
+"""
+
+# ARGV[2..] = hex hashes. Returns how many block keys existed.
+_FORGET = _PRELUDE + """
+local dropped = 0
+for i = 2, #ARGV do dropped = dropped + forget(ARGV[i]) end
+return dropped
+"""
+
+
+class RemoteTier:
+    """The cluster's shared store of block records in Redis, capped at ``capacity_bytes``.
+
+    Thread-safe: any number of threads (and processes, and workers) may use
+    one instance or several over the same cluster; redis-py clients pool
+    their connections.
+
+    Args:
+        client: a synchronous ``redis.Redis`` with ``decode_responses=False``
+            (the default). Give it ``socket_timeout``, ``socket_connect_timeout``
+            and a small ``retry``; the tier waits as long as the client does
+            (see the module docstring).
+        capacity_bytes: most record bytes the cluster's remote tier holds
+            (bytes), > 0. Shared by all workers of ``cluster``: every put
+            evicts down to the cap of the instance making it.
+        cluster: cluster name, the key prefix ``kvmesh:{cluster}:``.
+        max_batch_bytes: most record bytes sent in one put script call or
+            asked for in one MGET (bytes), > 0; a single larger record still
+            goes alone. Bounds Redis's time inside one command and the
+            memory of one reply.
+
+    Raises:
+        ValueError: ``capacity_bytes`` or ``max_batch_bytes`` not positive, or
+            the client decodes responses.
+    """
+
+    medium = "remote"
+
+    def __init__(self, client: redis.Redis, capacity_bytes: int, cluster: str = "default", *,
+                 max_batch_bytes: int = 32 << 20):
+        if capacity_bytes <= 0:
+            raise ValueError(f"remote tier capacity must be > 0 bytes (pass the cluster-wide byte cap, "
+                             f"e.g. 8 << 30 for 8 GiB), got {capacity_bytes}")
+        if max_batch_bytes <= 0:
+            raise ValueError(f"max_batch_bytes must be > 0 bytes, got {max_batch_bytes}")
+        kwargs = client.get_connection_kwargs()
+        if kwargs.get("decode_responses"):
+            raise ValueError("the remote tier needs a redis client with decode_responses=False "
+                             "(records are binary)")
+        if kwargs.get("socket_timeout") is None:
+            log.warning("remote tier: the redis client has no socket_timeout; a stalled Redis "
+                        "blocks callers until the connection breaks")
+        self.client = client
+        self.capacity_bytes = int(capacity_bytes)
+        self.cluster = cluster
+        self.max_batch_bytes = int(max_batch_bytes)
+        self._prefix = f"kvmesh:{cluster}:kv:"
+        self._keys = [lru_key(cluster), bytes_key(cluster), lengths_key(cluster), clock_key(cluster)]
+        self._put = client.register_script(_PUT)
+        self._touch = client.register_script(_TOUCH)
+        self._drop_damaged = client.register_script(_DROP_DAMAGED)
+        self._forget = client.register_script(_FORGET)
+        self._record_guess = _FIRST_RECORD_GUESS  # largest record of the last read (bytes)
+        self._lock = threading.Lock()
+        self._counters = {"remote_stored": 0, "remote_present": 0, "remote_evicted": 0, "remote_refused": 0,
+                          "remote_hits": 0, "remote_damaged": 0, "remote_errors": 0}
+
+    # -- writing -----------------------------------------------------------------
+    def put_many(self, records: list[tuple[RecordMeta, bytes | memoryview]]) -> tuple[int, list[bytes]]:
+        """Store the records not already in the tier; re-stamp those that are.
+
+        One round trip checks which blocks are present, then the absent ones
+        are sent in put-script calls of at most ``max_batch_bytes`` of
+        records (last chunk first, so stamps decrease along ``records``:
+        the first record is the most recently used). A block found present
+        is not sent again; if it is evicted between the check and the put
+        it stays absent.
+
+        Args:
+            records: ``(meta, payload)`` per block; the payload is bytes-like
+                of ``meta.payload_len`` bytes whose xxh3_64 is
+                ``meta.payload_checksum`` (a wrong checksum is stored, then
+                dropped as damaged when read).
+
+        Returns:
+            ``(stored, evicted)``: blocks newly stored by this call, and the
+            hashes this call evicted to keep the cluster's tier within
+            ``capacity_bytes`` (may include blocks it just stored, when the
+            records alone exceed the cap). A record larger than
+            ``capacity_bytes`` is refused: not stored, not counted in
+            ``stored`` (counted as ``remote_refused``). On a Redis error the
+            result covers the script calls that completed before it
+            (``(0, [])`` when none did); the error is logged and counted.
+
+        Raises:
+            ValueError: a payload's length differs from ``meta.payload_len``,
+                or the metadata cannot be encoded (before anything is sent).
+        """
+        todo: list[tuple[RecordMeta, bytes, memoryview]] = []
+        refused = 0
+        for meta, payload in records:
+            mv = memoryview(payload).cast("B")
+            if len(mv) != meta.payload_len:
+                raise ValueError(f"payload has {len(mv)} bytes, header says {meta.payload_len}")
+            head = encode_header(meta)  # ValueError on a malformed meta, before any I/O
+            if meta.record_len > self.capacity_bytes:
+                refused += 1
+            else:
+                todo.append((meta, head, mv))
+        if refused:
+            self._count(remote_refused=refused)
+        if not todo:
+            return 0, []
+        try:
+            present = self._exists([meta.block_hash for meta, _, _ in todo])
+        except redis.RedisError as exc:
+            self._error("put", exc)
+            return 0, []
+        # (hash, header + payload to store, or None to only re-stamp a block found present)
+        chunks: list[list[tuple[bytes, tuple[bytes, memoryview] | None]]] = []
+        chunk: list[tuple[bytes, tuple[bytes, memoryview] | None]] = []
+        chunk_bytes = 0
+        for (meta, head, mv), here in zip(todo, present):
+            size = 0 if here else meta.record_len
+            if chunk and chunk_bytes + size > self.max_batch_bytes:
+                chunks.append(chunk)
+                chunk, chunk_bytes = [], 0
+            chunk.append((meta.block_hash, None if here else (head, mv)))
+            chunk_bytes += size
+        chunks.append(chunk)
+        stored, evicted = 0, []
+        try:
+            for chunk in reversed(chunks):
+                n, out = self._put_chunk(chunk)
+                stored += n
+                evicted.extend(out)
+        except redis.RedisError as exc:
+            self._error("put", exc)
+        self._count(remote_stored=stored, remote_present=sum(present), remote_evicted=len(evicted))
+        return stored, evicted
+
+    def _put_chunk(self, chunk: list[tuple[bytes, tuple[bytes, memoryview] | None]]) -> tuple[int, list[bytes]]:
+        hexes = [h.hex() for h, _ in chunk]
+        # one copy of each payload, into the record sent (redis-py writes large values as they are)
+        values = [b"" if parts is None else b"".join(parts) for _, parts in chunk]
+        stored, evicted = self._put(keys=self._keys,
+                                    args=[self._prefix, self.capacity_bytes, len(chunk), *hexes, *values])
+        return int(stored), [bytes.fromhex(h.decode("ascii")) for h in evicted]
+
+    # -- reading -----------------------------------------------------------------
+    def get_run(self, hashes: Sequence[bytes]) -> list[tuple[RecordMeta, memoryview]]:
+        """Records of ``hashes[0], hashes[1], ...`` up to the first one absent or damaged.
+
+        Reads with MGET in chunks of about ``max_batch_bytes`` of records
+        (sized from the largest record of the previous chunk), then
+        re-stamps the blocks returned in one script call, ``hashes[0]`` the
+        most recent. A damaged record (``decode_record`` raises
+        :class:`RecordError`, or its hash is not the one asked for) is
+        deleted, with its accounting, unless another worker replaced it
+        meanwhile, and counted as ``remote_damaged``.
+
+        Only each record's own integrity is checked; the caller checks it
+        against its chain with :meth:`RecordMeta.verify_for`.
+
+        Returns:
+            ``(meta, payload)`` per block of the run, the payload a view into
+            the bytes Redis returned. On a Redis error: what was read before
+            it (possibly ``[]``); the error is logged and counted, not raised.
+        """
+        out: list[tuple[RecordMeta, memoryview]] = []
+        try:
+            self._read_run([bytes(h) for h in hashes], out)
+        except redis.RedisError as exc:
+            self._error("get_run", exc)
+        if out:
+            try:
+                self._touch(keys=self._keys, args=[self._prefix, *(m.block_hash.hex() for m, _ in out)])
+            except redis.RedisError as exc:
+                self._error("touch", exc)
+            self._count(remote_hits=len(out))
+        return out
+
+    def _read_run(self, hashes: list[bytes], out: list) -> None:
+        i = 0
+        while i < len(hashes):
+            n = max(1, self.max_batch_bytes // self._record_guess)
+            chunk = hashes[i:i + n]
+            values = self.client.mget([self._prefix + h.hex() for h in chunk])
+            sizes = [len(v) for v in values if v is not None]
+            if sizes:
+                self._record_guess = max(1, max(sizes))
+            for h, value in zip(chunk, values):
+                if value is None:
+                    return
+                try:
+                    meta, payload = decode_record(value)
+                    if meta.block_hash != h:
+                        raise RecordError(f"record of block {meta.block_hash.hex()} stored under {h.hex()}")
+                except RecordError as exc:
+                    self._count(remote_damaged=1)
+                    log.warning("remote tier: dropping damaged record %s: %s", h.hex(), exc)
+                    self._drop_damaged(keys=self._keys,
+                                       args=[self._prefix, h.hex(), hashlib.sha1(value).hexdigest()])
+                    return
+                out.append((meta, payload))
+            i += n
+
+    def contains(self, hashes: Sequence[bytes]) -> list[bool]:
+        """Whether each block is in the tier now (one round trip; no LRU change).
+
+        Returns:
+            one bool per hash; all False on a Redis error (logged and counted).
+        """
+        try:
+            return [bool(x) for x in self._exists(hashes)]
+        except redis.RedisError as exc:
+            self._error("contains", exc)
+            return [False] * len(hashes)
+
+    def _exists(self, hashes: Sequence[bytes]) -> list[int]:
+        if not hashes:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for h in hashes:
+            pipe.exists(self._prefix + h.hex())
+        return pipe.execute()
+
+    # -- management ----------------------------------------------------------------
+    def stats(self) -> dict:
+        """Tier size and this instance's counters.
+
+        Returns:
+            ``remote_blocks`` and ``remote_bytes`` (the cluster's tier now,
+            blocks and bytes; None if Redis could not be read),
+            ``remote_capacity_bytes`` (this instance's cap, bytes), and counts
+            of blocks since this instance was made: ``remote_stored``,
+            ``remote_present`` (found already stored by a put),
+            ``remote_evicted`` (by this instance's puts), ``remote_refused``
+            (larger than the cap), ``remote_hits`` (returned by get_run),
+            ``remote_damaged``; and ``remote_errors`` (failed Redis calls).
+        """
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zcard(self._keys[0])
+            pipe.get(self._keys[1])
+            blocks, used = pipe.execute()
+            blocks, used = int(blocks), int(used or 0)
+        except redis.RedisError as exc:
+            self._error("stats", exc)
+            blocks = used = None
+        with self._lock:
+            counters = dict(self._counters)
+        return {"remote_blocks": blocks, "remote_bytes": used, "remote_capacity_bytes": self.capacity_bytes,
+                **counters}
+
+    def clear(self) -> int:
+        """Delete every block of this cluster's remote tier, for all its workers.
+
+        Deletes the blocks in the LRU in batches, then any ``kv:`` key left
+        outside it (written behind the tier's back). Safe while other
+        workers write; blocks they store during the call may survive it.
+
+        Returns:
+            block keys deleted.
+
+        Raises:
+            redis.RedisError: Redis failed (blocks deleted until then stay deleted).
+        """
+        dropped = 0
+        rounds = int(self.client.zcard(self._keys[0])) // _CLEAR_BATCH + 2
+        for _ in range(rounds):
+            members = self.client.zrange(self._keys[0], 0, _CLEAR_BATCH - 1)
+            if not members:
+                break
+            dropped += int(self._forget(keys=self._keys, args=[self._prefix, *members]))
+        stray: list[bytes] = []
+        plen = len(self._prefix.encode())
+        for key in self.client.scan_iter(match=_glob_escape(self._prefix) + "*", count=1000):
+            if _HEX_HASH.match(key[plen:]):
+                stray.append(key[plen:])
+            if len(stray) >= _CLEAR_BATCH:
+                dropped += int(self._forget(keys=self._keys, args=[self._prefix, *stray]))
+                stray = []
+        if stray:
+            dropped += int(self._forget(keys=self._keys, args=[self._prefix, *stray]))
+        return dropped
+
+    # -- internals ---------------------------------------------------------------
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                self._counters[name] += d
+
+    def _error(self, what: str, exc: Exception) -> None:
+        self._count(remote_errors=1)
+        log.warning("remote tier (%s): %s failed: %s: %s", self.cluster, what, type(exc).__name__, exc)
+
+
+def _glob_escape(s: str) -> str:
+    """``s`` with Redis glob metacharacters escaped, for SCAN MATCH."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", s)

@@ -1,0 +1,200 @@
+"""The shared remote tier (Redis) as a reuse path, against a cold run.
+
+Engines here are two "workers" of one cluster on a private redis-server: what one puts
+in the remote tier, the other loads. A cold run is the same request on an engine with
+nothing cached; the same seeded built-in weights make it the reference for every engine.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+import torch
+
+from bench.codec_error import DOCUMENTED_MAX_LOGIT_DIFF
+from cache_store.remote_tier import block_key
+from cache_store.tier_store import TierConfig
+from services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+from tests.test_engine_tiers import max_diff, rand_prompt, run
+from workers.engine import Engine
+from workers.request import SamplingParams
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=10)
+
+
+def cached_blocks(prompt) -> int:
+    return (len(prompt) - 1) // BS
+
+
+def remote_engine(url: str, cluster: str = "t", codec: str = "none", **kw) -> Engine:
+    return Engine(num_blocks=64, block_size=BS,
+                  tiers=TierConfig(host_bytes=8 << 20, peer_bytes=0, remote_url=url, remote_bytes=64 << 20,
+                                   remote_codec=codec, remote_cluster=cluster, **kw)).start()
+
+
+def publish(engine: Engine, prompt) -> dict:
+    """Run ``prompt`` on ``engine`` and push its blocks down to the remote tier."""
+    out, _ = run(engine, prompt)
+    engine.offload_device_cache()
+    assert engine.tiers.flush(30)
+    return out
+
+
+@pytest.fixture()
+def cold_engine():
+    e = Engine(num_blocks=64, block_size=BS).start()
+    yield e
+    e.stop()
+
+
+def test_remote_hit_on_another_engine_equals_cold(redis_server, cold_engine):
+    prompt = rand_prompt(1, 200)
+    ref, ref_logits = run(cold_engine, prompt)
+    a, b = remote_engine(redis_server.url), remote_engine(redis_server.url)
+    try:
+        publish(a, prompt)
+        assert a.tier_stats()["remote_blocks"] >= cached_blocks(prompt)
+        out, logits = run(b, prompt)
+        u = out["usage"]
+        assert u["cached_tokens_by_tier"]["remote"] == BS * cached_blocks(prompt) == u["cached_tokens"]
+        assert out["token_ids"] == ref["token_ids"]
+        assert max_diff(logits, ref_logits) < 1e-4
+        b.check_integrity()
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_local_tiers_first_then_remote_for_the_rest(redis_server, cold_engine):
+    """B holds the first 100 tokens on its own host tier; the rest comes from the remote tier."""
+    prompt = rand_prompt(2, 220)
+    ref, _ = run(cold_engine, prompt)
+    a, b = remote_engine(redis_server.url), remote_engine(redis_server.url)
+    try:
+        publish(a, prompt)
+        run(b, prompt[:100])
+        b.offload_device_cache()
+        out, _ = run(b, prompt)
+        by = out["usage"]["cached_tokens_by_tier"]
+        assert by["host"] == BS * (99 // BS)
+        assert by["host"] + by["remote"] == BS * cached_blocks(prompt)
+        assert out["token_ids"] == ref["token_ids"]
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_compressed_remote_hit_within_documented_error(redis_server, cold_engine):
+    bound = DOCUMENTED_MAX_LOGIT_DIFF["fp8"]
+    prompt = rand_prompt(3, 180)
+    ref, ref_logits = run(cold_engine, prompt, SamplingParams(max_tokens=1))
+    a = remote_engine(redis_server.url, codec="fp8")
+    b = remote_engine(redis_server.url)
+    try:
+        publish(a, prompt)
+        out, logits = run(b, prompt, SamplingParams(max_tokens=1))
+        assert out["usage"]["cached_tokens_by_tier"]["remote"] == BS * cached_blocks(prompt)
+        assert 0 < max_diff(logits, ref_logits) <= bound
+        top = torch.topk(ref_logits[0], 2).values
+        if float(top[0] - top[1]) > 2 * bound:
+            assert out["token_ids"] == ref["token_ids"]
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_damaged_remote_record_is_dropped_and_recomputed(redis_server, cold_engine):
+    prompt = rand_prompt(4, 200)
+    ref, _ = run(cold_engine, prompt)
+    a, b = remote_engine(redis_server.url), remote_engine(redis_server.url)
+    try:
+        publish(a, prompt)
+        from cache_store.hashing import hash_blocks
+
+        hashes = hash_blocks(prompt, BS, b.namespace().root_hash()).hashes
+        raw = redis.Redis.from_url(redis_server.url)
+        key = block_key(hashes[5], "t")
+        value = bytearray(raw.get(key))
+        value[-7] ^= 0x5A  # one payload byte
+        raw.set(key, bytes(value))
+        out, _ = run(b, prompt)
+        assert out["usage"]["cached_tokens_by_tier"]["remote"] == 5 * BS  # stops before the damaged block
+        assert out["token_ids"] == ref["token_ids"]
+        assert raw.get(key) is None  # dropped from the cluster's tier
+        assert b.tier_stats()["remote_damaged"] == 1
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_clusters_do_not_share_and_salt_separates(redis_server, cold_engine):
+    prompt = rand_prompt(5, 120)
+    a = remote_engine(redis_server.url, cluster="one")
+    b = remote_engine(redis_server.url, cluster="two")
+    try:
+        publish(a, prompt)
+        out, _ = run(b, prompt)
+        assert out["usage"]["cached_tokens"] == 0
+        c = remote_engine(redis_server.url, cluster="one")
+        try:
+            salted = c.generate(prompt, SamplingParams(max_tokens=2), cache_salt="tenant-b")
+            assert salted["usage"]["cached_tokens"] == 0  # same tokens, other namespace: no reuse
+        finally:
+            c.stop()
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_unreachable_redis_is_a_miss_not_a_hang(cold_engine):
+    prompt = rand_prompt(6, 160)
+    ref, _ = run(cold_engine, prompt)
+    e = remote_engine(f"redis://127.0.0.1:{free_port()}/0", remote_timeout_s=0.2)
+    try:
+        t0 = time.monotonic()
+        out, _ = run(e, prompt)
+        e.offload_device_cache()
+        assert e.tiers.flush(10)
+        out2, _ = run(e, prompt)
+        assert time.monotonic() - t0 < 20
+        assert out["token_ids"] == out2["token_ids"] == ref["token_ids"]
+        assert out2["usage"]["cached_tokens_by_tier"]["host"] == BS * cached_blocks(prompt)
+        assert e.tier_stats()["remote_errors"] >= 1
+    finally:
+        e.stop()
+
+
+@pytest.mark.slow
+def test_new_worker_process_warms_from_the_cluster(redis_server, tmp_path):
+    """Worker A serves a prompt and pushes it down; A stops. Worker B, started afterwards
+    with nothing cached, serves the same prompt from the remote tier with A's cold tokens."""
+    from tests.test_worker_tiers import generate
+
+    def start(name):
+        port = free_port()
+        cmd = python_cmd("worker", "--port", str(port), "--worker-id", name, "--threads", "1", "--num-blocks", "160",
+                         "--host-bytes", "8M", "--remote-bytes", "64M", "--redis-url", redis_server.url,
+                         "--cluster", "warm")
+        proc = spawn(cmd, str(tmp_path / f"{name}.log"))
+        wait_healthy(f"127.0.0.1:{port}", proc=proc, timeout=120)
+        return f"127.0.0.1:{port}", proc
+
+    prompt = rand_prompt(7, 300)
+    addr_a, proc_a = start("a")
+    try:
+        ref = generate(addr_a, prompt)
+        assert ref["usage"]["cached_tokens"] == 0
+        # a second, longer request pushes the first one's blocks out of the 160-block pool
+        for seed in range(3):
+            generate(addr_a, rand_prompt(100 + seed, 1000), max_tokens=1)
+    finally:
+        stop_process(proc_a)  # graceful: queued remote puts are flushed
+    addr_b, proc_b = start("b")
+    try:
+        out = generate(addr_b, prompt)
+        assert out["usage"]["cached_tokens_by_tier"]["remote"] == BS * cached_blocks(prompt)
+        assert out["token_ids"] == ref["token_ids"]
+    finally:
+        stop_process(proc_b)
