@@ -106,6 +106,7 @@ class HostTier:
         self._block: list[BlockIdentity | None] = [None] * n
         self._on_disk = bytearray(n)
         self._ready: list[object] = [None] * n
+        self._origin: list[str | None] = [None] * n  # medium credited, when not the tier's own
 
     # -- queries ---------------------------------------------------------------
     def __len__(self) -> int:
@@ -132,8 +133,8 @@ class HostTier:
         b = self._block[slot]
         if b is None:
             raise ValueError(f"slot {slot} holds no block")
-        return HostEntry(b.block_hash, b.parent_hash or _ZERO_HASH, b.token_bytes, slot, self.medium,
-                         bool(self._on_disk[slot]), self._ready[slot])
+        return HostEntry(b.block_hash, b.parent_hash or _ZERO_HASH, b.token_bytes, slot,
+                         self._origin[slot] or self.medium, bool(self._on_disk[slot]), self._ready[slot])
 
     def blocks(self) -> Iterator[tuple[bytes, bytes | None]]:
         """``(block hash, parent hash or None for block 0)`` of every entry, oldest first."""
@@ -248,7 +249,7 @@ class HostTier:
         self.insert_many([block], [slot], ready)
 
     def insert_many(self, blocks: Sequence[BlockIdentity], slots: Sequence[int], ready: object = None,
-                    hashes: Sequence[bytes] | None = None, checked: bool = False) -> None:
+                    hashes: Sequence[bytes] | None = None, checked: bool = False, origin: str | None = None) -> None:
         """Add blocks on reserved slots (same order), most recently used last; nothing changes on error.
 
         Args:
@@ -258,6 +259,8 @@ class HostTier:
             hashes: the blocks' hashes, when the caller has them at hand.
             checked: the caller guarantees the hashes are distinct and absent
                 (skips those checks; the slot check still runs).
+            origin: the medium these blocks are credited to when loaded, when
+                not the tier's own (a staging area holds blocks from several).
 
         Raises:
             ValueError: a hash is present or repeated, a slot was not reserved,
@@ -280,11 +283,16 @@ class HostTier:
             on_disk[s0:s0 + k] = bytes(k)
             if ready is not None or self._ready_used:
                 ready_of[s0:s0 + k] = [ready] * k
+            if origin is not None or self._origin_used:
+                self._origin[s0:s0 + k] = [origin] * k
         if ready is not None:
             self._ready_used = True
+        if origin is not None:
+            self._origin_used = True
         index.update(zip(hashes, slots))
 
     _ready_used = False  # set once a CUDA event was stored (CPU pools skip the per-slot store)
+    _origin_used = False  # set once an origin was given (only staging areas pay the per-slot store)
 
     def remove(self, block_hash: bytes) -> int | None:
         """Drop an entry; its slot is reused once it has no pins. Returns its slot, or None."""

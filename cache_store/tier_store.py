@@ -22,8 +22,10 @@ lower tiers and keeps their indexes:
 * **Remote.** With ``remote_bytes`` the blocks entering the host tier are
   also queued for the cluster's shared remote tier in Redis
   (:mod:`cache_store.remote_tier`); a second writer thread sends them in
-  batches. ``locate`` asks it after the local tiers, one round trip per run
-  of positions they miss, and verifies each record like a disk record.
+  batches. Before a request is submitted, :meth:`TierStore.prefetch_remote`
+  (in the submitter's thread) reads the run after the local tiers' from
+  Redis, verifies each record like a disk record, and stages it; scheduling
+  then loads it from the staging area and never waits for Redis.
 * **Events.** Host and disk changes are reported as ``BlockStored`` /
   ``BlockRemoved`` with ``medium="host"`` / ``"disk"``; blocks found on disk
   at start are advertised.
@@ -89,8 +91,9 @@ class TierConfig:
         disk_codec: codec of the disk tier.
         write_mode: ``"through"`` (default) or ``"back"``; see the module doc.
         segment_bytes: largest disk segment file (bytes).
-        peer_bytes: staging area for blocks fetched from peers (bytes); 0
-            disables peer fetches.
+        peer_bytes: staging area for blocks fetched from peers or read from
+            the remote tier before their request is scheduled (bytes); 0
+            disables peer fetches and reads from the remote tier.
         max_pending_write_bytes: most host bytes queued for disk (bytes), and
             separately most queued for the remote tier.
         fsync: fsync disk segments (leave on outside tests).
@@ -142,6 +145,9 @@ class TierConfig:
                 raise ValueError("a remote tier (remote_bytes > 0) needs remote_url, the cluster's Redis")
             if self.host_bytes <= 0:
                 raise ValueError("a remote tier needs a host tier (host_bytes > 0): blocks reach it through it")
+            if self.peer_bytes <= 0:
+                raise ValueError("a remote tier needs a staging area (peer_bytes > 0): blocks read from it wait "
+                                 "there for their request")
             if not self.remote_timeout_s > 0:
                 raise ValueError(f"remote_timeout_s must be > 0 seconds, got {self.remote_timeout_s!r}")
 
@@ -246,7 +252,7 @@ class TierStore:
             if self.disk.num_damaged or self.disk.num_torn:
                 log.warning("disk tier %s: dropped %d damaged segment(s) and %d unfinished write(s) at start",
                             self.disk.directory, self.disk.num_damaged, self.disk.num_torn)
-            self._io = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-disk-io")
+            self._io = ThreadPoolExecutor(2, thread_name_prefix="kvmesh-disk-io")
             self._writer = threading.Thread(target=self._write_loop, name="kvmesh-disk-writer", daemon=True)
             self._writer.start()
         if config.remote_bytes:
@@ -431,14 +437,14 @@ class TierStore:
                     self._cv.wait()
                 if not self._jobs:
                     return  # stopping and drained
+                # as few segments as the cap allows, evenly filled (no small trailing file)
+                per_segment = max(1, disk.segment_bytes // rec)
+                n = min(len(self._jobs), per_segment * self.SEGMENTS_PER_BATCH)
+                num_groups = -(-n // per_segment)
                 groups: list[tuple[int, list[_WriteJob]]] = []
-                while self._jobs and len(groups) < self.SEGMENTS_PER_BATCH:
-                    group: list[_WriteJob] = []
-                    size = 0
-                    while self._jobs and (not group or size + rec <= disk.segment_bytes):
-                        group.append(self._jobs.popleft())
-                        size += rec
-                    groups.append((disk.new_segment_id(), group))
+                for g in range(num_groups):
+                    size = n * (g + 1) // num_groups - n * g // num_groups
+                    groups.append((disk.new_segment_id(), [self._jobs.popleft() for _ in range(size)]))
                 self._writing += 1
             try:
                 self._write_batch(groups)
@@ -455,7 +461,10 @@ class TierStore:
         """Write each group as a segment, fsync the directory once, then index them all.
 
         Preparing a segment (checksums, headers: CPU) overlaps with writing and
-        fsyncing the previous one (I/O, on the ``kvmesh-disk-io`` thread).
+        fsyncing the previous ones, on two ``kvmesh-disk-io`` threads so that one
+        segment's fsync (the disk busy, the CPU idle) overlaps the next one's
+        write into the page cache. Each segment is still fsynced before its
+        rename, so crash safety is that of :meth:`DiskTier.write_segment`.
         """
         pending: list[tuple[Future, list[RecordMeta], list[_WriteJob]]] = []
         error: OSError | None = None
@@ -555,7 +564,7 @@ class TierStore:
 
     # -- lookup and load (engine thread) ------------------------------------------------------
     def locate(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
-               root: bytes, remote: bool = True) -> list[Located]:
+               root: bytes) -> list[Located]:
         """Find blocks ``start, start+1, ...`` (before ``stop``) of a chain in the lower tiers.
 
         Each candidate's identity is verified against the chain (hash, parent,
@@ -568,16 +577,16 @@ class TierStore:
             block_tokens: ``block_tokens(i)`` is block ``i``'s token bytes.
             start, stop: positions to look at (``stop`` excluded).
             root: the request's namespace root hash.
-            remote: also look in the shared remote tier (one Redis round trip per
-                run of positions the local tiers miss; the records are read here).
+
+        The remote tier is not looked at here (this runs in scheduling, which must
+        not wait for a network): :meth:`prefetch_remote` stages its blocks before
+        the request is submitted, and they are found in the staging area.
         """
         out: list[Located] = []
         if not self.sources or start >= stop:
             return out
-        far = self._remote_source if remote else None
         with self.lock:
-            i = start
-            while i < stop:
+            for i in range(start, stop):
                 h = hashes[i]
                 parent = hashes[i - 1] if i > 0 else None
                 toks = block_tokens(i)
@@ -596,14 +605,8 @@ class TierStore:
                     found = Located(src, handle, medium)
                     break
                 if found is None:
-                    run = far.find_run(hashes, block_tokens, i, stop, root) if far is not None else []
-                    if not run:
-                        break
-                    out.extend(run)
-                    i += len(run)
-                    continue
+                    break
                 out.append(found)
-                i += 1
         return out
 
     def release(self, located: list[Located]) -> None:
@@ -638,14 +641,51 @@ class TierStore:
             self.stats_counters["loaded"] += len(media)
         return media
 
+    def prefetch_remote(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
+                        root: bytes) -> int:
+        """Stage the blocks after the local tiers' run, read from the remote tier (caller's thread).
+
+        Runs in the thread of whoever submits the request, not the engine's: the
+        local lookup takes the store's lock briefly; the Redis read (bounded by
+        ``remote_timeout_s`` per call) and decoding run without it. The blocks land
+        in the staging area (credited ``remote``) where the scheduler's ``locate``
+        finds them; the scheduler itself never waits for Redis.
+
+        Args:
+            hashes, block_tokens, root: the request's chain, as for :meth:`locate`.
+            start: the first position not held by the device pool.
+            stop: one past the last position worth loading (``(L - 1) // block_size``).
+
+        Returns:
+            blocks staged (0 without a remote tier or a staging area, or on a miss).
+        """
+        if self.remote is None or self.peer is None or start >= stop:
+            return 0
+        with self.lock:
+            local = self.locate(hashes, block_tokens, start, stop, root)
+            self.release(local)
+        first = start + len(local)
+        if first >= stop:
+            return 0
+        run = self._remote_source.find_run(hashes, block_tokens, first, stop, root)
+        if not run:
+            return 0
+        try:
+            return self.stage([loc.handle for loc in run], origin="remote")
+        except RecordError as exc:
+            log.warning("remote tier: blocks not staged: %s", exc)
+            return 0
+
     # -- peer staging ----------------------------------------------------------------------------
-    def stage(self, blocks: list[tuple[RecordMeta, object]]) -> int:
-        """Keep verified blocks fetched from a peer until the request that asked for them loads them.
+    def stage(self, blocks: list[tuple[RecordMeta, object]], origin: str = "peer") -> int:
+        """Keep verified blocks fetched from a peer (or the remote tier) until the request that
+        asked for them loads them.
 
         Args:
             blocks: ``(meta, payload)`` pairs whose payloads were checked
                 (``block_record.verify_payload``) and whose identity was
                 verified against the request's chain by the caller.
+            origin: the medium the blocks are credited to when loaded.
 
         Returns:
             how many were staged (0 without a staging area; fewer when it is full).
@@ -669,7 +709,7 @@ class TierStore:
             rows = peer.codec.encode(decoded[fresh])
             for row, slot in zip(rows, slots):
                 peer.slab[slot].copy_(row)
-            peer.insert_many([blocks[i][0] for i in fresh], slots)
+            peer.insert_many([blocks[i][0] for i in fresh], slots, origin=None if origin == peer.medium else origin)
             return len(fresh)
 
     def _decode_into(self, metas: Sequence[RecordMeta], payloads: Sequence[object], block_ids: Sequence[int]) -> None:
@@ -884,8 +924,8 @@ class _DiskSource(_Source):
 
 
 class _RemoteSource(_Source):
-    """The cluster's shared remote tier: looked up a run at a time (one Redis round trip),
-    after the local tiers; records are read and verified during :meth:`TierStore.locate`."""
+    """The cluster's shared remote tier, read a run at a time (one Redis round trip) by
+    :meth:`TierStore.prefetch_remote`; what it finds is staged, then loaded from staging."""
 
     kind = "remote"
 
@@ -909,11 +949,7 @@ class _RemoteSource(_Source):
         return out
 
     def find(self, block_hash):
-        return None  # looked up by runs (find_run), not block by block
-
-    def load(self, handles, block_ids):
-        self.store._decode_into([m for m, _ in handles], [p for _, p in handles], block_ids)
-        return len(handles)
+        return None  # looked up by runs (find_run), from prefetch_remote only
 
 
 def _connect_remote(config: TierConfig) -> RemoteTier:

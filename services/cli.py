@@ -45,7 +45,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--remote-codec", choices=codecs, default="none",
                    help="codec of the blocks this worker puts in the remote tier (default none)")
     t.add_argument("--peer-bytes", type=parse_bytes, default=64 << 20,
-                   help="staging memory for blocks fetched from peers (default 64M; 0 disables peer fetch)")
+                   help="staging memory for blocks fetched from peers or read from the remote tier "
+                        "(default 64M; 0 disables both)")
     t.add_argument("--peer-fetch", choices=("auto", "never", "always"), default="auto",
                    help="fetch a prefix from the peer the router names: auto = only when the measured "
                         "transfer time beats the measured recompute time (default)")

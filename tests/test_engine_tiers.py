@@ -326,6 +326,7 @@ def test_bad_tier_config_is_rejected():
         (TierConfig(host_bytes=-1), "host_bytes"),
         (TierConfig(host_bytes=1 << 20, remote_bytes=1 << 20), "remote_url"),
         (TierConfig(remote_bytes=1 << 20, remote_url="redis://127.0.0.1:1/0"), "host tier"),
+        (TierConfig(host_bytes=1 << 20, remote_bytes=1 << 20, remote_url="redis://x", peer_bytes=0), "staging"),
         (TierConfig(host_bytes=1 << 20, remote_bytes=1 << 20, remote_url="redis://x", remote_codec="lz4"),
          "remote_codec"),
     ]:

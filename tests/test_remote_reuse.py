@@ -30,7 +30,7 @@ def cached_blocks(prompt) -> int:
 
 def remote_engine(url: str, cluster: str = "t", codec: str = "none", **kw) -> Engine:
     return Engine(num_blocks=64, block_size=BS,
-                  tiers=TierConfig(host_bytes=8 << 20, peer_bytes=0, remote_url=url, remote_bytes=64 << 20,
+                  tiers=TierConfig(host_bytes=8 << 20, peer_bytes=16 << 20, remote_url=url, remote_bytes=64 << 20,
                                    remote_codec=codec, remote_cluster=cluster, **kw)).start()
 
 
@@ -198,3 +198,55 @@ def test_new_worker_process_warms_from_the_cluster(redis_server, tmp_path):
         assert out["token_ids"] == ref["token_ids"]
     finally:
         stop_process(proc_b)
+
+
+def test_silent_redis_delays_only_the_prefetch_and_never_the_engine(cold_engine):
+    """A Redis that accepts connections and never answers: each call ends at the remote
+    tier's timeout. A request submitted without prefetch (so only the engine thread is
+    involved) finishes at engine speed while puts to that Redis are stuck."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    held = []
+    stop = threading.Event()
+
+    def accept():
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])  # keep it open, say nothing
+            except OSError:
+                pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    e = remote_engine(f"redis://127.0.0.1:{srv.getsockname()[1]}/0", remote_timeout_s=0.3)
+    try:
+        prompt = rand_prompt(8, 160)
+        ref, _ = run(cold_engine, prompt)
+        t0 = time.monotonic()
+        out, _ = run(e, prompt)  # prefetch: one MGET that times out
+        assert time.monotonic() - t0 < 5 and out["token_ids"] == ref["token_ids"]
+        e.offload_device_cache()  # queues puts that will hang until their timeout
+        done = threading.Event()
+        got = {}
+
+        def on_output(o):
+            got.setdefault("ids", []).extend(o.new_token_ids)
+            if o.finished:
+                done.set()
+
+        t0 = time.monotonic()
+        e.submit(rand_prompt(9, 100), GREEDY, on_output)
+        assert done.wait(10) and len(got["ids"]) == GREEDY.max_tokens
+        assert time.monotonic() - t0 < 5
+        assert e.tiers.flush(10)  # every stuck put ended (timeout, counted)
+        assert e.tier_stats()["remote_errors"] >= 1
+    finally:
+        e.stop()
+        stop.set()
+        srv.close()
+        for c in held:
+            c.close()

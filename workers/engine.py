@@ -25,7 +25,7 @@ import torch
 
 from cache_store.block_record import ZERO_HASH, RecordMeta, checksum, dtype_name
 from cache_store.events import MEDIUMS
-from cache_store.hashing import Namespace
+from cache_store.hashing import Namespace, hash_blocks
 from cache_store.prefix_cache import PrefixCache
 from cache_store.tier_store import TierConfig, TierStore
 from workers.loader import load_model
@@ -362,7 +362,7 @@ class Engine:
         with self._lock:
             hit = self.cache.index.match(block_hashes[:limit], block_tokens).num_blocks
             if self.tiers is not None and hit < limit:
-                located = self.tiers.locate(block_hashes, block_tokens, hit, limit, root, remote=False)
+                located = self.tiers.locate(block_hashes, block_tokens, hit, limit, root)
                 self.tiers.release(located)
                 hit += len(located)
             return hit
@@ -472,6 +472,28 @@ class Engine:
         }
 
     # --------------------------------------------------------------- helpers
+    def prefetch(self, prompt_ids: list[int], cache_salt: str = "", adapter_id: str = "") -> int:
+        """Stage what the cluster's remote tier holds of this prompt beyond the local tiers.
+
+        Call it before `submit`, from the submitter's thread (it waits for Redis, at
+        most the remote tier's timeout per call, and briefly for the engine lock to
+        read the device index); the scheduler then loads the staged blocks without
+        waiting for the network. Thread-safe. A no-op without a remote tier.
+
+        Returns:
+            blocks staged.
+        """
+        if self.tiers is None or self.tiers.remote is None:
+            return 0
+        limit = (len(prompt_ids) - 1) // self.block_size
+        if limit <= 0:
+            return 0
+        root = self.namespace(cache_salt, adapter_id).root_hash()
+        hashed = hash_blocks([int(t) for t in prompt_ids[:limit * self.block_size]], self.block_size, root)
+        with self._lock:
+            hit = self.cache.index.match(hashed.hashes, hashed.block_tokens).num_blocks
+        return self.tiers.prefetch_remote(hashed.hashes, hashed.block_tokens, hit, limit, root)
+
     def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
                  cache_salt: str = "", timeout: float = 300.0) -> dict:
         """Blocking generate for tests and benchmarks (the engine must be started).
@@ -493,7 +515,9 @@ class Engine:
                            error=o.error, error_code=o.error_code)
                 done.set()
 
-        self.submit(prompt_ids, sampling or SamplingParams(), on_output, cache_salt=cache_salt)
+        arrival = time.monotonic()
+        self.prefetch(prompt_ids, cache_salt)
+        self.submit(prompt_ids, sampling or SamplingParams(), on_output, cache_salt=cache_salt, arrival=arrival)
         if not done.wait(timeout):
             raise TimeoutError(f"no result within {timeout} s")
         if out.get("error"):
