@@ -103,6 +103,24 @@ def make_engine(args: argparse.Namespace, event_sink=None):
                   tiers=tier_config(args))
 
 
+def advertised_address(host: str, port: int, advertise: str | None) -> str:
+    """The ``HOST:PORT`` a worker puts in its lease: ``advertise``, else ``host:port``.
+
+    Raises:
+        ValueError: ``advertise`` is not ``HOST:PORT`` with a port in 1..65535, or it is
+            missing while ``host`` is a wildcard (0.0.0.0, ::), which nobody can dial.
+    """
+    if advertise:
+        h, sep, p = advertise.rpartition(":")
+        if not sep or not h or not p.isdigit() or not 0 < int(p) < 65536:
+            raise ValueError(f"--advertise {advertise!r} is not HOST:PORT (e.g. 10.0.3.7:50051)")
+        return advertise
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        raise ValueError(f"--host {host or repr(host)} binds every interface; pass --advertise HOST:PORT "
+                         "with the address the router and peers should dial")
+    return f"{host}:{port}"
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     import socket
 
@@ -115,9 +133,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     peer = peer_options(args)
+    try:
+        advertise = advertised_address(args.host, args.port, args.advertise)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if not args.redis_url:
         engine = make_engine(args)
-        asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer))
+        asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
+                                 advertise=advertise))
         return 0
     from workers.kv_publisher import KVEventPublisher, WorkerLease
 
@@ -125,10 +149,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     engine = make_engine(args, event_sink=publisher.sink)
     engine.snapshot_seq_fn = publisher.flush_now
     info = {"model_id": engine.config.model_id, "block_size": engine.block_size, "num_blocks": engine.num_blocks}
-    lease = WorkerLease(args.redis_url, worker_id, f"{args.host}:{args.port}", info, engine.load,
-                        cluster=args.cluster)
+    lease = WorkerLease(args.redis_url, worker_id, advertise, info, engine.load, cluster=args.cluster)
     try:
-        asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer))
+        asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
+                                 advertise=advertise))
     finally:
         lease.close()
         publisher.close()
@@ -289,7 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="serve one worker (kvmesh.v1.Worker) until interrupted")
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                   help="address the router and peers use to reach this worker (default --host:--port; "
+                        "required when --host is 0.0.0.0 or ::, e.g. the pod IP on Kubernetes)")
     p.add_argument("--worker-id", default=None)
     _add_engine_args(p)
     p.set_defaults(func=cmd_worker)

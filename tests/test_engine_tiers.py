@@ -374,3 +374,18 @@ def test_cli_tier_flags(capsys):
     c.redis_url = "redis://127.0.0.1:1/0"
     cmd = c.worker_cmd("worker-1", 1234)
     assert cmd[cmd.index("--remote-bytes") + 1] == str(4 << 30) and "--redis-url" in cmd
+
+
+def test_worker_advertised_address(capsys):
+    from services.cli import advertised_address, build_parser, cmd_worker
+
+    assert advertised_address("127.0.0.1", 5000, None) == "127.0.0.1:5000"
+    assert advertised_address("0.0.0.0", 5000, "10.0.3.7:5000") == "10.0.3.7:5000"
+    assert advertised_address("::", 5000, "[fd00::7]:5000") == "[fd00::7]:5000"
+    for host, adv in [("0.0.0.0", None), ("::", None), ("127.0.0.1", "10.0.3.7"), ("127.0.0.1", "h:0"),
+                      ("127.0.0.1", ":5000")]:
+        with pytest.raises(ValueError, match="--advertise|--host"):
+            advertised_address(host, 5000, adv)
+    p = build_parser()
+    assert cmd_worker(p.parse_args(["worker", "--port", "1", "--host", "0.0.0.0"])) == 2  # before any model loads
+    assert "--advertise" in capsys.readouterr().err

@@ -205,16 +205,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
 async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worker_id: str | None = None,
                        ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
-                       peer: dict | None = None) -> None:
+                       peer: dict | None = None, advertise: str | None = None) -> None:
     """Serve the engine on host:port until ``stop`` is set or SIGINT/SIGTERM arrives.
 
-    ``peer`` holds `PeerFetcher` options (``mode``, ``max_fetch_s``).
+    ``peer`` holds `PeerFetcher` options (``mode``, ``max_fetch_s``); ``advertise`` is the
+    ``HOST:PORT`` other processes reach this worker at (default ``host:port``).
 
     Raises:
         RuntimeError: the port could not be bound.
     """
     worker_id = worker_id or f"{socket.gethostname()}:{port}"
-    servicer = WorkerServicer(engine, worker_id, f"{host}:{port}", peer=peer)
+    servicer = WorkerServicer(engine, worker_id, advertise or f"{host}:{port}", peer=peer)
     grpc_host = GrpcHost(host, port, [(pb_grpc.add_WorkerServicer_to_server, servicer,
                                        pb.DESCRIPTOR.services_by_name["Worker"].full_name)])
     engine.start()
