@@ -106,6 +106,7 @@ class IndexSubscriber:
         self._task: asyncio.Task | None = None
         self._poll_now = asyncio.Event()
         self._polls = 0
+        self._stopping = False
         self.resyncs = 0
         self.resync_failures = 0
 
@@ -128,20 +129,32 @@ class IndexSubscriber:
         done.set_result(None)
         return done
 
-    async def stop(self) -> None:
-        """Cancel the task and any resyncs in flight, and close the Redis client."""
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Cancel the task and any resyncs in flight, and close the Redis client.
+
+        Each of the two steps waits at most ``timeout`` seconds: redis-py's asyncio client
+        can swallow a cancellation during a blocking read, or wait forever for a socket to
+        finish closing (redis/redis-py#2028, #3941), and a shutdown must not hang on either;
+        what does not finish in time is abandoned with a warning.
+        """
+        self._stopping = True  # the main loop also checks this: it ends even if a cancel is lost
         tasks = [st.resync_task for st in self._streams.values() if st.resync_task is not None]
         if self._task is not None:
             tasks.append(self._task)
         for t in tasks:
             t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=timeout)
+            for t in done:
+                if not t.cancelled():
+                    t.exception()  # retrieved: an error while stopping is not worth a warning
+            if pending:
+                log.warning("kv index subscriber: %d task(s) did not stop within %.1f s", len(pending), timeout)
         self._task = None
-        await self._redis.aclose()
+        try:
+            await asyncio.wait_for(self._redis.aclose(), timeout)
+        except (asyncio.TimeoutError, redis.RedisError, OSError) as exc:
+            log.warning("kv index subscriber: redis client did not close within %.1f s (%r)", timeout, exc)
 
     def live_workers(self) -> dict[str, dict]:
         """``{worker_id: lease contents}`` (address, load, block_size, ...) as of the last poll."""
@@ -201,7 +214,7 @@ class IndexSubscriber:
         loop = asyncio.get_running_loop()
         next_poll = 0.0
         backoff = 0.0
-        while True:
+        while not self._stopping:
             try:
                 now = loop.time()
                 if now >= next_poll or self._poll_now.is_set():
@@ -214,6 +227,8 @@ class IndexSubscriber:
             except asyncio.CancelledError:
                 raise
             except (redis.RedisError, OSError) as exc:
+                if self._stopping:
+                    return
                 backoff = min(_BACKOFF_MAX_S, max(self.poll_interval_s, backoff * 2))
                 log.warning("kv index subscriber: redis error (%s); retrying in %.1f s", exc, backoff)
                 await asyncio.sleep(backoff)

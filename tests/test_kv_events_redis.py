@@ -438,3 +438,33 @@ def test_lapsed_lease_removes_the_workers_entries_within_ttl_plus_poll(shared_re
             b.close()
 
     asyncio.run(main())
+
+
+def test_stop_is_prompt_even_when_a_read_swallows_the_cancel(shared_redis, cluster):
+    """redis-py's asyncio client can swallow a CancelledError during a blocking read
+    (redis/redis-py#2028); injected here, ``stop`` must still end the subscriber promptly
+    instead of leaving a task that never finishes (which also hangs ``asyncio.run``)."""
+    async def main():
+        index = ClusterIndex()
+        resync, _ = no_resync()
+        sub = IndexSubscriber(shared_redis.url, index, resync, cluster=cluster, poll_interval_s=POLL)
+        real = sub._read_once
+        swallowed = []
+
+        async def swallowing(next_poll):
+            try:
+                await real(next_poll)
+            except asyncio.CancelledError:
+                swallowed.append(True)
+
+        sub._read_once = swallowing
+        sub.start()
+        await sub.wait_synced(5.0)
+        await asyncio.sleep(2 * POLL)  # inside a read now
+        t0 = time.monotonic()
+        await sub.stop(timeout=3.0)
+        assert time.monotonic() - t0 < 2.0
+        assert swallowed == [True]  # the fault was injected: the cancel arrived during a read
+        assert sub._task is None
+
+    asyncio.run(main())
