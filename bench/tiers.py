@@ -29,9 +29,15 @@ TTFTs are medians over ``--rounds`` rounds.
   2,048-token prompt whose first 1,792 tokens are cached in that tier (cold: nothing
   cached). Before the disk case the segment files are dropped from the page cache
   (``posix_fadvise(DONTNEED)``), so it reads from the disk, not from memory.
+* ``ttft_remote_ms`` / ``ttft_remote_cold_ms``: the same prompt on a second engine whose
+  only copy of the prefix is in the cluster's remote tier (a private redis-server on
+  loopback; the read, verification and staging count in the TTFT), and cold on that engine
+  (absent without redis-server; no target).
 
 Rates are in GB/s (10^9 bytes per second); the ``*_over_*`` fields are the ratios the
-targets are stated in, and ``targets`` says which are met. Everything runs on the
+targets are stated in, and ``targets`` says which are met (the exit status is 0 either way:
+this is a measurement, not a test). ``block_bytes`` / ``large_block_bytes`` are the block
+sizes measured and ``copy_bytes`` the bytes per copy (bytes). Everything runs on the
 engine's device: on a CPU-only machine "device" memory is host memory too, so
 ``d2h_gbps`` measures the tier's bookkeeping and gather against a plain memcpy.
 """
@@ -319,6 +325,57 @@ def bench_ttft(rounds: int = 5, seed: int = 0, directory: str | None = None) -> 
     return out
 
 
+def bench_ttft_remote(rounds: int = 5, seed: int = 1) -> dict:
+    """TTFT of the same 2,048-token prompt with its first 1,792 tokens in the cluster's remote
+    tier only, read by a second engine (a worker that never saw the prompt), against cold on
+    that engine; both engines share a private redis-server. Empty without redis-server."""
+    if shutil.which("redis-server") is None:
+        return {}
+    from cache_store.tier_store import TierConfig
+    from services.procs import RedisServer
+    from workers.engine import Engine
+    from workers.request import SamplingParams
+
+    server = RedisServer()
+    tiers = TierConfig(host_bytes=64 << 20, peer_bytes=64 << 20, remote_url=server.url, remote_bytes=1 << 30,
+                       remote_cluster="bench")
+    blocks = (3 * PROMPT_TOKENS) // BLOCK_SIZE + 64
+    writer = Engine(num_blocks=blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=PROMPT_TOKENS,
+                    tiers=tiers).start()
+    reader = Engine(num_blocks=blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=PROMPT_TOKENS,
+                    tiers=tiers).start()
+    rng = random.Random(seed)
+    one = SamplingParams(max_tokens=1)
+    tail = PROMPT_TOKENS - CACHED_TOKENS
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(256) for _ in range(n)]
+
+    res: dict[str, list[float]] = {"cold": [], "remote": []}
+    try:
+        reader.generate(toks(64), one)  # warm-up
+        for _ in range(rounds):
+            reader.clear_cache()
+            out = reader.generate(toks(PROMPT_TOKENS), one)
+            res["cold"].append(out["timing"]["ttft_ms"])
+            prefix = toks(CACHED_TOKENS)
+            writer.generate(prefix + toks(tail), one)
+            writer.offload_device_cache()
+            writer.flush_tiers(60)
+            reader.clear_cache()
+            out = reader.generate(prefix + toks(tail), one)
+            if out["usage"]["cached_tokens_by_tier"]["remote"] != CACHED_TOKENS:
+                raise RuntimeError(f"expected {CACHED_TOKENS} tokens from the remote tier, got {out['usage']}")
+            res["remote"].append(out["timing"]["ttft_ms"])
+    finally:
+        writer.stop()
+        reader.stop()
+        server.stop()
+    med = {k: statistics.median(v) for k, v in res.items()}
+    return {"ttft_remote_cold_ms": round(med["cold"], 3), "ttft_remote_ms": round(med["remote"], 3),
+            "ttft_remote_over_cold": round(med["remote"] / med["cold"], 4)}
+
+
 def check_targets(results: dict) -> dict:
     """``{ratio name: {"value", "target", "met"}}`` for every target in ``TARGETS``."""
     out = {}
@@ -332,7 +389,8 @@ def check_targets(results: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tiers", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--repeats", type=int, default=7, help="repeats per copy/write figure (best of)")
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="pairs per figure: 3x this for copies, 2x for disk writes (medians; best of for encodes)")
     parser.add_argument("--rounds", type=int, default=5, help="TTFT rounds (median)")
     parser.add_argument("--dir", default=None, help="directory for the disk measurements (default: a temp dir)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
@@ -343,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     results = bench_copies(args.repeats, directory=args.dir)
     results.update(bench_ttft(args.rounds, directory=args.dir))
+    results.update(bench_ttft_remote(args.rounds))
     results["targets"] = check_targets(results)
     if args.json:
         print(json.dumps(results))

@@ -12,6 +12,7 @@ Redis keys (``C`` is the cluster name, ``H`` a block hash in lowercase hex)::
     kvmesh:C:kv-bytes  string  integer, total record bytes of the blocks in the tier
     kvmesh:C:kv-len    hash    field H -> record bytes counted for H in kv-bytes
     kvmesh:C:kv-clock  string  integer counter that hands out access stamps (INCRBY)
+    kvmesh:C:kv-cap    string  the cluster's cap in bytes, set by the first put
 
 Every change to these keys is made by one Lua script (``redis.register_script``),
 and Redis runs a script without interleaving other commands, so several
@@ -40,9 +41,10 @@ from the shared kv-clock when a block is stored, found present by a put, or
 returned by :meth:`RemoteTier.get_run`. Within one call the stamps decrease
 along the list given (the first block gets the highest), so of blocks used
 together the chain's tail is evicted before its head and what stays cached
-is a prefix. The cap (``capacity_bytes``) is per cluster, not per worker: it
-is an argument of the put script, so the cap given by the most recent writer
-applies to the whole tier at that moment.
+is a prefix. The cap is per cluster, not per worker: the first put stores its
+writer's ``capacity_bytes`` in ``kv-cap`` and every put evicts down to that
+value; a worker configured differently logs a warning and follows the
+cluster's. An operator changes it with ``SET kvmesh:C:kv-cap <bytes>``.
 
 What a read verifies: :func:`cache_store.block_record.decode_record` (magic,
 version, header checksum, length, payload checksum) and that the record's
@@ -63,7 +65,10 @@ A Redis error (``redis.exceptions.RedisError``: connection refused, timeout,
 OOM, ...) in :meth:`~RemoteTier.get_run`, :meth:`~RemoteTier.put_many` and
 :meth:`~RemoteTier.contains` is logged at warning level and counted
 (``remote_errors``); the call returns what it has (a miss), it does not
-raise. A script whose reply was lost to a timeout may still have run to
+raise. After a connection failure or a timeout the tier stops trying Redis for
+``cooldown_s`` (10 s by default; calls are then misses at once, counted as
+``remote_skipped``), so a hung Redis costs one timeout per cooldown, not one
+per request. A script whose reply was lost to a timeout may still have run to
 completion on the server; its effects are then consistent but not reported.
 
 Deployment notes: the block keys are built inside the scripts, so the tier
@@ -81,6 +86,7 @@ import hashlib
 import logging
 import re
 import threading
+import time
 from typing import Sequence
 
 import redis
@@ -94,6 +100,7 @@ __all__ = [
     "bytes_key",
     "lengths_key",
     "clock_key",
+    "cap_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -131,7 +138,12 @@ def clock_key(cluster: str = "default") -> str:
     return f"kvmesh:{cluster}:kv-clock"
 
 
-# Every script: KEYS = lru, bytes, lengths, clock; ARGV[1] = block key prefix.
+def cap_key(cluster: str = "default") -> str:
+    """The cluster's byte cap, set by the first put: ``kvmesh:{cluster}:kv-cap``."""
+    return f"kvmesh:{cluster}:kv-cap"
+
+
+# Every script: KEYS = lru, bytes, lengths, clock, cap; ARGV[1] = block key prefix.
 _PRELUDE = """
 local lru, used_key, lens, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix = ARGV[1]
@@ -148,11 +160,15 @@ local function forget(hex)
 end
 """
 
-# ARGV[2] = cap (bytes), ARGV[3] = n, ARGV[4..3+n] = hex hashes,
-# ARGV[4+n..3+2n] = records ('' = only touch the block if present).
-# Returns {stored count, {evicted hex, ...}}.
+# ARGV[2] = this writer's cap (bytes; it becomes the cluster's if none is set yet),
+# ARGV[3] = n, ARGV[4..3+n] = hex hashes, ARGV[4+n..3+2n] = records ('' = only touch
+# the block if present). Returns {stored count, {evicted hex, ...}, cluster cap}.
 _PUT = _PRELUDE + """
-local cap = tonumber(ARGV[2])
+local cap = tonumber(redis.call('GET', KEYS[5]))
+if not cap then
+  cap = tonumber(ARGV[2])
+  redis.call('SET', KEYS[5], cap)
+end
 local n = tonumber(ARGV[3])
 local top = redis.call('INCRBY', clock, n)
 local stored = 0
@@ -192,7 +208,7 @@ while tonumber(redis.call('GET', used_key) or '0') > cap do
   forget(popped[1])
   evicted[#evicted + 1] = popped[1]
 end
-return {stored, evicted}
+return {stored, evicted, cap}
 """
 
 # ARGV[2..] = hex hashes, most important first. Returns the count given.
@@ -234,28 +250,35 @@ class RemoteTier:
             and a small ``retry``; the tier waits as long as the client does
             (see the module docstring).
         capacity_bytes: most record bytes the cluster's remote tier holds
-            (bytes), > 0. Shared by all workers of ``cluster``: every put
-            evicts down to the cap of the instance making it.
+            (bytes), > 0. The first put of a cluster stores it as the
+            cluster's cap (``kv-cap``); later writers keep that one and log a
+            warning when theirs differs, so one worker with a small setting
+            cannot empty the tier of every other.
         cluster: cluster name, the key prefix ``kvmesh:{cluster}:``.
         max_batch_bytes: most record bytes sent in one put script call or
             asked for in one MGET (bytes), > 0; a single larger record still
             goes alone. Bounds Redis's time inside one command and the
             memory of one reply.
+        cooldown_s: after a connection failure or a timeout, Redis is not
+            tried for this long (seconds; 0 = always try): every call returns
+            a miss at once instead of each waiting for its own timeout.
 
     Raises:
-        ValueError: ``capacity_bytes`` or ``max_batch_bytes`` not positive, or
-            the client decodes responses.
+        ValueError: ``capacity_bytes`` or ``max_batch_bytes`` not positive,
+            ``cooldown_s`` negative, or the client decodes responses.
     """
 
     medium = "remote"
 
     def __init__(self, client: redis.Redis, capacity_bytes: int, cluster: str = "default", *,
-                 max_batch_bytes: int = 32 << 20):
+                 max_batch_bytes: int = 32 << 20, cooldown_s: float = 10.0):
         if capacity_bytes <= 0:
             raise ValueError(f"remote tier capacity must be > 0 bytes (pass the cluster-wide byte cap, "
                              f"e.g. 8 << 30 for 8 GiB), got {capacity_bytes}")
         if max_batch_bytes <= 0:
             raise ValueError(f"max_batch_bytes must be > 0 bytes, got {max_batch_bytes}")
+        if cooldown_s < 0:
+            raise ValueError(f"cooldown_s must be >= 0 seconds, got {cooldown_s}")
         kwargs = client.get_connection_kwargs()
         if kwargs.get("decode_responses"):
             raise ValueError("the remote tier needs a redis client with decode_responses=False "
@@ -264,11 +287,15 @@ class RemoteTier:
             log.warning("remote tier: the redis client has no socket_timeout; a stalled Redis "
                         "blocks callers until the connection breaks")
         self.client = client
-        self.capacity_bytes = int(capacity_bytes)
+        self.capacity_bytes = int(capacity_bytes)  # the cluster's, once a put has read it
+        self.configured_bytes = int(capacity_bytes)
+        self.cooldown_s = float(cooldown_s)
+        self._down_until = 0.0  # monotonic time before which Redis is not tried
         self.cluster = cluster
         self.max_batch_bytes = int(max_batch_bytes)
         self._prefix = f"kvmesh:{cluster}:kv:"
-        self._keys = [lru_key(cluster), bytes_key(cluster), lengths_key(cluster), clock_key(cluster)]
+        self._keys = [lru_key(cluster), bytes_key(cluster), lengths_key(cluster), clock_key(cluster),
+                      cap_key(cluster)]
         self._put = client.register_script(_PUT)
         self._touch = client.register_script(_TOUCH)
         self._drop_damaged = client.register_script(_DROP_DAMAGED)
@@ -276,7 +303,7 @@ class RemoteTier:
         self._record_guess = _FIRST_RECORD_GUESS  # largest record of the last read (bytes)
         self._lock = threading.Lock()
         self._counters = {"remote_stored": 0, "remote_present": 0, "remote_evicted": 0, "remote_refused": 0,
-                          "remote_hits": 0, "remote_damaged": 0, "remote_errors": 0}
+                          "remote_hits": 0, "remote_damaged": 0, "remote_errors": 0, "remote_skipped": 0}
 
     # -- writing -----------------------------------------------------------------
     def put_many(self, records: list[tuple[RecordMeta, bytes | memoryview]]) -> tuple[int, list[bytes]]:
@@ -322,7 +349,7 @@ class RemoteTier:
                 todo.append((meta, head, mv))
         if refused:
             self._count(remote_refused=refused)
-        if not todo:
+        if not todo or not self._available():
             return 0, []
         try:
             present = self._exists([meta.block_hash for meta, _, _ in todo])
@@ -356,9 +383,18 @@ class RemoteTier:
         hexes = [h.hex() for h, _ in chunk]
         # one copy of each payload, into the record sent (redis-py writes large values as they are)
         values = [b"" if parts is None else b"".join(parts) for _, parts in chunk]
-        stored, evicted = self._put(keys=self._keys,
-                                    args=[self._prefix, self.capacity_bytes, len(chunk), *hexes, *values])
+        stored, evicted, cap = self._put(keys=self._keys,
+                                         args=[self._prefix, self.configured_bytes, len(chunk), *hexes, *values])
+        self._adopt_cap(int(cap))
         return int(stored), [bytes.fromhex(h.decode("ascii")) for h in evicted]
+
+    def _adopt_cap(self, cap: int) -> None:
+        if cap != self.capacity_bytes:
+            if cap != self.configured_bytes:
+                log.warning("remote tier (%s): the cluster's cap is %d bytes (set by its first writer; SET %s to "
+                            "change it); this worker's %d bytes do not apply", self.cluster, cap,
+                            cap_key(self.cluster), self.configured_bytes)
+            self.capacity_bytes = cap
 
     # -- reading -----------------------------------------------------------------
     def get_run(self, hashes: Sequence[bytes]) -> list[tuple[RecordMeta, memoryview]]:
@@ -381,6 +417,8 @@ class RemoteTier:
             it (possibly ``[]``); the error is logged and counted, not raised.
         """
         out: list[tuple[RecordMeta, memoryview]] = []
+        if not hashes or not self._available():
+            return out
         try:
             self._read_run([bytes(h) for h in hashes], out)
         except redis.RedisError as exc:
@@ -424,6 +462,8 @@ class RemoteTier:
         Returns:
             one bool per hash; all False on a Redis error (logged and counted).
         """
+        if not self._available():
+            return [False] * len(hashes)
         try:
             return [bool(x) for x in self._exists(hashes)]
         except redis.RedisError as exc:
@@ -445,22 +485,25 @@ class RemoteTier:
         Returns:
             ``remote_blocks`` and ``remote_bytes`` (the cluster's tier now,
             blocks and bytes; None if Redis could not be read),
-            ``remote_capacity_bytes`` (this instance's cap, bytes), and counts
+            ``remote_capacity_bytes`` (the cluster's cap as last seen, else this
+            instance's, bytes), and counts
             of blocks since this instance was made: ``remote_stored``,
             ``remote_present`` (found already stored by a put),
             ``remote_evicted`` (by this instance's puts), ``remote_refused``
             (larger than the cap), ``remote_hits`` (returned by get_run),
-            ``remote_damaged``; and ``remote_errors`` (failed Redis calls).
+            ``remote_damaged``; ``remote_errors`` (failed Redis calls) and
+            ``remote_skipped`` (calls not made while Redis was cooling down).
         """
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.zcard(self._keys[0])
-            pipe.get(self._keys[1])
-            blocks, used = pipe.execute()
-            blocks, used = int(blocks), int(used or 0)
-        except redis.RedisError as exc:
-            self._error("stats", exc)
-            blocks = used = None
+        blocks = used = None
+        if self._available():
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.zcard(self._keys[0])
+                pipe.get(self._keys[1])
+                b, u = pipe.execute()
+                blocks, used = int(b), int(u or 0)
+            except redis.RedisError as exc:
+                self._error("stats", exc)
         with self._lock:
             counters = dict(self._counters)
         return {"remote_blocks": blocks, "remote_bytes": used, "remote_capacity_bytes": self.capacity_bytes,
@@ -504,8 +547,25 @@ class RemoteTier:
             for name, d in deltas.items():
                 self._counters[name] += d
 
+    def _available(self) -> bool:
+        """False (and counted as ``remote_skipped``) while Redis is cooling down after a
+        connection failure or a timeout."""
+        if self._down_until and time.monotonic() < self._down_until:
+            self._count(remote_skipped=1)
+            return False
+        return True
+
     def _error(self, what: str, exc: Exception) -> None:
         self._count(remote_errors=1)
+        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) and self.cooldown_s > 0:
+            # unreachable or silent: every caller would wait its timeout again; stop trying for a while
+            with self._lock:
+                opened = time.monotonic() >= self._down_until
+                self._down_until = time.monotonic() + self.cooldown_s
+            if opened:
+                log.warning("remote tier (%s): %s failed: %s: %s; not trying Redis for %.0f s", self.cluster,
+                            what, type(exc).__name__, exc, self.cooldown_s)
+            return
         log.warning("remote tier (%s): %s failed: %s: %s", self.cluster, what, type(exc).__name__, exc)
 
 

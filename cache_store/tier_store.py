@@ -256,6 +256,10 @@ class TierStore:
             self._writer = threading.Thread(target=self._write_loop, name="kvmesh-disk-writer", daemon=True)
             self._writer.start()
         if config.remote_bytes:
+            record = HEADER_BYTES + 4 * self.block_size + self.remote_codec.payload_bytes
+            if config.remote_bytes < record:
+                raise ValueError(f"remote_bytes {config.remote_bytes} cannot hold one block record ({record} bytes "
+                                 f"with codec {config.remote_codec!r}); give the remote tier at least that")
             self.remote = _connect_remote(config)
             self._remote_writer = threading.Thread(target=self._remote_loop, name="kvmesh-remote-writer",
                                                    daemon=True)
@@ -960,7 +964,7 @@ def _connect_remote(config: TierConfig) -> RemoteTier:
 
     t = config.remote_timeout_s
     client = redis.Redis.from_url(config.remote_url, socket_timeout=t, socket_connect_timeout=t,
-                                  retry=Retry(NoBackoff(), 1))
+                                  retry=Retry(NoBackoff(), 0))  # one attempt: a failure is a miss
     return RemoteTier(client, config.remote_bytes, cluster=config.remote_cluster)
 
 

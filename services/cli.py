@@ -46,7 +46,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="codec of the blocks this worker puts in the remote tier (default none)")
     t.add_argument("--peer-bytes", type=parse_bytes, default=64 << 20,
                    help="staging memory for blocks fetched from peers or read from the remote tier "
-                        "(default 64M; 0 disables both)")
+                        "(default 64M; 0 disables peer fetch, and a remote tier needs it)")
     t.add_argument("--peer-fetch", choices=("auto", "never", "always"), default="auto",
                    help="fetch a prefix from the peer the router names: auto = only when the measured "
                         "transfer time beats the measured recompute time (default)")
@@ -139,14 +139,23 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not args.redis_url:
-        engine = make_engine(args)
+        try:
+            engine = make_engine(args)
+        except ValueError as exc:  # a setting that only the model's shape can check
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
                                  advertise=advertise))
         return 0
     from workers.kv_publisher import KVEventPublisher, WorkerLease
 
     publisher = KVEventPublisher(args.redis_url, worker_id, cluster=args.cluster)
-    engine = make_engine(args, event_sink=publisher.sink)
+    try:
+        engine = make_engine(args, event_sink=publisher.sink)
+    except ValueError as exc:
+        publisher.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     engine.snapshot_seq_fn = publisher.flush_now
     info = {"model_id": engine.config.model_id, "block_size": engine.block_size, "num_blocks": engine.num_blocks}
     lease = WorkerLease(args.redis_url, worker_id, advertise, info, engine.load, cluster=args.cluster)

@@ -29,7 +29,7 @@ def _spec_from_args(args: argparse.Namespace, policy: str | None = None):
                                           *(["--max-model-len", str(args.max_model_len)]
                                             if args.max_model_len else []),
                                           *_tier_worker_args(args)],
-                       disk_dir=args.disk_dir)
+                       disk_dir=args.disk_dir, cluster=getattr(args, "cluster", None))
 
 
 def _tier_worker_args(args: argparse.Namespace) -> list[str]:
@@ -44,9 +44,29 @@ def _tier_worker_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _tier_flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the tier flags every worker would get, checked before anything starts."""
+    import dataclasses
+
+    from services.cli import tier_config
+
+    cfg = tier_config(args)
+    if cfg.remote_bytes and not cfg.remote_url:
+        cfg = dataclasses.replace(cfg, remote_url="redis://started-by-up")  # up provides the Redis
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from services.launcher import LocalCluster
 
+    problem = _tier_flag_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: terminal closed
         signal.signal(sig, lambda *_: stop.set())
@@ -104,6 +124,9 @@ def register(sub) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--port", type=int, default=0, help="router port (default: a free one)")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--cluster", default=None,
+                   help="Redis key namespace (default: a new one per run; name one to share a --redis-url's "
+                        "remote tier across runs)")
     p.add_argument("--policy", default="kv_aware")
     _add_engine_args(p)
     p.set_defaults(func=cmd_up)

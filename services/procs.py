@@ -94,8 +94,10 @@ def spawn(cmd: list[str], log_path: str | None = None, env: dict | None = None) 
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     full_env["PYTHONPATH"] = repo_root + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.update(env or {})
-    return subprocess.Popen(_with_parent_death_signal(cmd), stdout=out, stderr=subprocess.STDOUT, env=full_env,
+    proc = subprocess.Popen(_with_parent_death_signal(cmd), stdout=out, stderr=subprocess.STDOUT, env=full_env,
                             start_new_session=True)
+    proc.log_path = log_path  # named in errors about this process
+    return proc
 
 
 def wait_healthy(address: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
@@ -109,7 +111,9 @@ def wait_healthy(address: str, timeout: float = 120.0, proc: subprocess.Popen | 
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"process for {address} exited with code {proc.returncode} before serving")
+                log = getattr(proc, "log_path", None)
+                raise RuntimeError(f"process for {address} exited with code {proc.returncode} before serving"
+                                   + (f"; its log: {log}" if log else ""))
             try:
                 resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:

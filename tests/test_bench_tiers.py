@@ -34,6 +34,6 @@ def test_main_prints_one_json_object_with_ttfts(tmp_path, capsys, monkeypatch):
     assert tiers.main(["--json", "--rounds", "1", "--dir", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ttft_cold_ms"] > out["ttft_device_ms"] > 0
-    for tier in ("device", "host", "disk"):
+    for tier in ("device", "host", "disk", "remote"):
         assert 0 < out[f"ttft_{tier}_over_cold"] < 1
     assert set(out["targets"]) == set(tiers.TARGETS)

@@ -389,3 +389,17 @@ def test_worker_advertised_address(capsys):
     p = build_parser()
     assert cmd_worker(p.parse_args(["worker", "--port", "1", "--host", "0.0.0.0"])) == 2  # before any model loads
     assert "--advertise" in capsys.readouterr().err
+
+
+def test_remote_flags_are_checked_before_anything_starts(capsys, redis_server):
+    from services.cli import build_parser, cmd_worker
+    from services.cluster_cli import cmd_up
+    from services.procs import free_port
+
+    p = build_parser()
+    assert cmd_up(p.parse_args(["up", "--remote-bytes", "1G"])) == 2  # no redis-server, no worker started
+    assert "host tier" in capsys.readouterr().err
+    args = p.parse_args(["worker", "--port", str(free_port()), "--host-bytes", "8M", "--remote-bytes", "32K",
+                         "--redis-url", redis_server.url])
+    assert cmd_worker(args) == 2  # known once the model's block size is: one record is ~64 KiB
+    assert "cannot hold one block record" in capsys.readouterr().err

@@ -250,3 +250,59 @@ def test_silent_redis_delays_only_the_prefetch_and_never_the_engine(cold_engine)
         srv.close()
         for c in held:
             c.close()
+
+
+@pytest.mark.slow
+def test_worker_with_a_hung_redis_keeps_answering_concurrent_requests(tmp_path):
+    """The cluster's Redis accepts connections and never answers (as if SIGSTOPped). Eight
+    concurrent requests to a worker using it as its remote tier all finish in about one
+    Redis timeout, not one timeout each in a queue."""
+    import socket
+    import threading
+
+    from tests.test_worker_tiers import generate
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    held, stop = [], threading.Event()
+
+    def accept():
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    port = free_port()
+    cmd = python_cmd("worker", "--port", str(port), "--worker-id", "w", "--threads", "1", "--num-blocks", "160",
+                     "--host-bytes", "8M", "--remote-bytes", "64M", "--redis-url",
+                     f"redis://127.0.0.1:{srv.getsockname()[1]}/0", "--cluster", "hung")
+    proc = spawn(cmd, str(tmp_path / "w.log"))
+    try:
+        wait_healthy(f"127.0.0.1:{port}", proc=proc, timeout=120)
+        walls = []
+
+        def one(seed):
+            walls.append(generate(f"127.0.0.1:{port}", rand_prompt(seed, 120), max_tokens=2)["wall_s"])
+
+        took = []
+        for rounds in range(2):  # the second round finds the tier cooling down: no wait at all
+            walls.clear()
+            threads = [threading.Thread(target=one, args=(10 * rounds + i,)) for i in range(8)]
+            t0 = time.monotonic()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            took.append(time.monotonic() - t0)
+            assert len(walls) == 8, walls
+        assert took[0] < 6.0 and took[1] < 2.0, took
+    finally:
+        stop_process(proc)
+        stop.set()
+        srv.close()
+        for c in held:
+            c.close()

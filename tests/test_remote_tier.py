@@ -14,7 +14,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from cache_store.block_record import HEADER_BYTES, encode_record
-from cache_store.remote_tier import RemoteTier, block_key, bytes_key, lengths_key, lru_key
+from cache_store.remote_tier import RemoteTier, block_key, bytes_key, cap_key, lengths_key, lru_key
 from services.procs import free_port
 from tests.test_disk_tier import items  # a chain of n (meta, payload) records
 
@@ -188,12 +188,19 @@ def test_workers_share_a_cluster_and_clusters_are_separate(new_tier, raw):
     check_accounting(raw, "b")
 
 
-def test_cap_of_the_latest_writer_applies(new_tier, raw):
+def test_cap_of_the_first_writer_is_the_clusters(new_tier, raw, caplog):
     big, small = new_tier(cap=4 * REC), new_tier(cap=2 * REC)
-    its = items(5)
+    its = items(6)
     big.put_many(its[:4])
-    stored, evicted = small.put_many(its[4:])
-    assert stored == 1 and len(evicted) == 3
+    assert int(raw.get(cap_key())) == 4 * REC
+    with caplog.at_level("WARNING", logger="cache_store.remote_tier"):
+        stored, evicted = small.put_many(its[4:5])  # a worker set up smaller does not empty the tier
+    assert stored == 1 and evicted == [its[3][0].block_hash]  # the oldest stamp: the first put's tail
+    assert small.capacity_bytes == 4 * REC and "cluster's cap is" in caplog.text
+    assert check_accounting(raw) == 4 * REC
+    raw.set(cap_key(), 2 * REC)  # the operator's way to change it
+    stored, evicted = big.put_many(its[5:])
+    assert stored == 1 and len(evicted) == 3 and big.capacity_bytes == 2 * REC
     assert check_accounting(raw) == 2 * REC
 
 
@@ -285,24 +292,48 @@ def test_unreachable_redis_returns_misses_quickly():
     with socket.socket() as s:  # a port with nothing listening
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    _assert_fails_soft(RemoteTier(_fast_failing_client(port), 1 << 20), items(2))
+    _assert_fails_soft(RemoteTier(_fast_failing_client(port), 1 << 20, cooldown_s=0), items(2))
 
 
 def test_stalled_redis_bounded_by_socket_timeout():
     with socket.socket() as s:  # accepts connections (kernel backlog) but never answers
         s.bind(("127.0.0.1", 0))
         s.listen(16)
-        _assert_fails_soft(RemoteTier(_fast_failing_client(s.getsockname()[1]), 1 << 20), items(2))
+        _assert_fails_soft(RemoteTier(_fast_failing_client(s.getsockname()[1]), 1 << 20, cooldown_s=0), items(2))
 
 
 def test_redis_stopped_under_a_working_tier(redis_server):
     c = redis.Redis.from_url(redis_server.url, socket_timeout=0.2, socket_connect_timeout=0.2,
                              retry=Retry(NoBackoff(), 0))
-    t = RemoteTier(c, 1 << 20)
+    t = RemoteTier(c, 1 << 20, cooldown_s=0)
     its = items(2)
     assert t.put_many(its) == (2, [])
     redis_server.stop()
     _assert_fails_soft(t, its)
+
+
+def test_silent_redis_costs_one_timeout_per_cooldown():
+    """After one call times out, the tier answers misses at once for cooldown_s instead of
+    making every caller wait for its own timeout; then it tries Redis again."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        t = RemoteTier(_fast_failing_client(s.getsockname()[1], timeout=0.3), 1 << 20, cooldown_s=1.0)
+        its = items(2)
+        start = time.monotonic()
+        assert t.get_run(hashes(its)) == []  # waits one timeout
+        first = time.monotonic() - start
+        start = time.monotonic()
+        for _ in range(20):
+            assert t.get_run(hashes(its)) == [] and t.put_many(its) == (0, [])
+            assert t.contains(hashes(its)) == [False, False]
+        assert time.monotonic() - start < 0.2 < first
+        st = t.stats()
+        assert st["remote_errors"] == 1 and st["remote_skipped"] == 61 and st["remote_blocks"] is None
+        time.sleep(1.0)
+        start = time.monotonic()
+        assert t.get_run(hashes(its)) == []  # cooled down: tried (and timed out) again
+        assert time.monotonic() - start >= 0.25 and t.stats()["remote_errors"] == 2
 
 
 def test_concurrent_writers_never_exceed_cap(new_tier, raw):

@@ -30,6 +30,8 @@ import uuid
 from typing import Callable
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from cache_store.events import EventBatch, encode_batch
 
@@ -67,7 +69,9 @@ def workers_key(cluster: str = DEFAULT_CLUSTER) -> str:
 
 
 def _client(redis_url: str) -> redis.Redis:
-    return redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    # at most two attempts of 2 s per call: a hung Redis must not stretch a worker's shutdown
+    return redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                retry=Retry(NoBackoff(), 1))
 
 
 class KVEventPublisher:
@@ -187,7 +191,8 @@ class KVEventPublisher:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=timeout + 1.0)
-        self._redis.close()
+        if not self._thread.is_alive():  # else it is still in a Redis call: leave it its client
+            self._redis.close()
 
     # ------------------------------------------------------------- internals
     def _cut_locked(self) -> None:
@@ -349,4 +354,5 @@ class WorkerLease:
                 self._redis.delete(self.key)
             except redis.RedisError as exc:
                 log.warning("lease of %s not deleted (expires by itself): %s", self.worker_id, exc)
-        self._redis.close()
+        if not self._thread.is_alive():
+            self._redis.close()

@@ -20,6 +20,7 @@ import logging
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -84,6 +85,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.worker_id = worker_id
         self.address = address
         self.fetcher = PeerFetcher(engine, **(peer or {}))
+        # remote-tier reads wait on Redis: their own threads, so that a slow Redis never
+        # holds up the threads GetLoad, GetSnapshot and FetchBlocks run on
+        self._prefetch_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-prefetch")
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -109,7 +113,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 await self._fetch_prefix(request, prompt_ids, sampling, context)
             if self.engine.tiers is not None and self.engine.tiers.remote is not None:
                 self.engine.validate([int(t) for t in prompt_ids], sampling)  # no Redis read for a bad request
-                await asyncio.to_thread(self.engine.prefetch, prompt_ids, request.cache_salt, request.adapter_id)
+                await loop.run_in_executor(self._prefetch_pool, self.engine.prefetch, prompt_ids,
+                                           request.cache_salt, request.adapter_id)
             # the engine keys requests by its own unique id: two clients reusing one
             # request_id never cancel each other
             engine_rid = self.engine.submit(prompt_ids, sampling, on_output,
@@ -227,4 +232,5 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     await grpc_host.wait(stop)
     await grpc_host.stop()
     await servicer.fetcher.close()
+    servicer._prefetch_pool.shutdown(wait=False, cancel_futures=True)
     engine.stop()
