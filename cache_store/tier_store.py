@@ -22,10 +22,13 @@ lower tiers and keeps their indexes:
 * **Remote.** With ``remote_bytes`` the blocks entering the host tier are
   also queued for the cluster's shared remote tier in Redis
   (:mod:`cache_store.remote_tier`); a second writer thread sends them in
-  batches. Before a request is submitted, :meth:`TierStore.prefetch_remote`
-  (in the submitter's thread) reads the run after the local tiers' from
-  Redis, verifies each record like a disk record, and stages it; scheduling
-  then loads it from the staging area and never waits for Redis.
+  batches.
+* **Prefetch.** Before a request is submitted, :meth:`TierStore.prefetch`
+  (in the submitter's thread) reads what only the disk holds of the prompt,
+  then the remote tier's run after the local tiers', verifies every record,
+  and stages it; scheduling then loads it from the staging area and waits
+  neither for the disk nor for Redis (it still reads the disk itself for
+  whatever was not prefetched).
 * **Events.** Host and disk changes are reported as ``BlockStored`` /
   ``BlockRemoved`` with ``medium="host"`` / ``"disk"``; blocks found on disk
   at start are advertised.
@@ -34,9 +37,10 @@ Lookup sources register by kind in :data:`SOURCES`, in lookup order; adding a
 tier means registering a source, not adding a branch.
 
 Thread-safety: every method takes the store's lock (a re-entrant lock; the
-writer thread takes it only to index a finished segment). Disk reads happen
-under it, on the engine thread, so a disk hit's load time is part of that
-request's TTFT and delays the step it happens in (see docs/TIERS.md).
+writer threads take it only to pick up jobs and to index a finished segment).
+:meth:`TierStore.prefetch` does its disk and Redis reads without it, in the
+submitter's thread; what it did not stage is read from disk by :meth:`load`
+under the lock on the engine thread, delaying that step (see docs/TIERS.md).
 """
 
 from __future__ import annotations
@@ -583,8 +587,9 @@ class TierStore:
             root: the request's namespace root hash.
 
         The remote tier is not looked at here (this runs in scheduling, which must
-        not wait for a network): :meth:`prefetch_remote` stages its blocks before
-        the request is submitted, and they are found in the staging area.
+        not wait for a network): :meth:`prefetch` stages its blocks, and the disk
+        tier's, before the request is submitted, and they are found in the staging
+        area. The disk is still read here for what was not prefetched.
         """
         out: list[Located] = []
         if not self.sources or start >= stop:
@@ -645,15 +650,28 @@ class TierStore:
             self.stats_counters["loaded"] += len(media)
         return media
 
-    def prefetch_remote(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
-                        root: bytes) -> int:
-        """Stage the blocks after the local tiers' run, read from the remote tier (caller's thread).
+    @property
+    def can_prefetch(self) -> bool:
+        """Whether :meth:`prefetch` has anything to do: a staging area and a disk or remote tier."""
+        return self.peer is not None and (self.disk is not None or self.remote is not None)
 
-        Runs in the thread of whoever submits the request, not the engine's: the
-        local lookup takes the store's lock briefly; the Redis read (bounded by
-        ``remote_timeout_s`` per call) and decoding run without it. The blocks land
-        in the staging area (credited ``remote``) where the scheduler's ``locate``
-        finds them; the scheduler itself never waits for Redis.
+    def prefetch(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
+                 root: bytes) -> dict[str, int]:
+        """Stage the request's blocks that only the disk or the remote tier holds (caller's thread).
+
+        Runs in the thread of whoever submits the request, not the engine's, so
+        that scheduling never waits for a disk read or for Redis. Under the
+        store's lock it walks positions ``start, start+1, ...``: blocks in host
+        memory or already staged are left where they are, blocks on disk are
+        noted, and the walk ends at the first position no local tier holds.
+        Without the lock it then reads the disk records (checksummed), and from
+        that position on the remote tier's run (one round trip, bounded by
+        ``remote_timeout_s``); every block is verified against the chain and
+        staged, credited to the tier it came from. The scheduler's
+        :meth:`locate` finds them in the staging area. A record that fails its
+        checks ends the run, as in :meth:`load` (a damaged disk segment is
+        dropped). Blocks the staging area has no room for are simply not
+        staged: the scheduler reads them from disk itself, or computes them.
 
         Args:
             hashes, block_tokens, root: the request's chain, as for :meth:`locate`.
@@ -661,23 +679,69 @@ class TierStore:
             stop: one past the last position worth loading (``(L - 1) // block_size``).
 
         Returns:
-            blocks staged (0 without a remote tier or a staging area, or on a miss).
+            blocks staged per medium, e.g. ``{"disk": 12, "remote": 40}`` (empty when
+            there was nothing to do).
         """
-        if self.remote is None or self.peer is None or start >= stop:
-            return 0
+        out: dict[str, int] = {}
+        if not self.can_prefetch or start >= stop:
+            return out
+        from_disk: list[tuple[int, DiskEntry]] = []
         with self.lock:
-            local = self.locate(hashes, block_tokens, start, stop, root)
-            self.release(local)
-        first = start + len(local)
-        if first >= stop:
-            return 0
-        run = self._remote_source.find_run(hashes, block_tokens, first, stop, root)
-        if not run:
-            return 0
+            i = start
+            while i < stop:
+                h = hashes[i]
+                if h in self.host or h in self.peer:  # fast enough for scheduling (verified there)
+                    i += 1
+                    continue
+                d = self.disk.entries.get(h) if self.disk is not None else None
+                if d is None:
+                    break
+                try:
+                    d.meta.verify_for(h, hashes[i - 1] if i > 0 else None, block_tokens(i), root, self.dtype_name,
+                                      self.block_shape)
+                except RecordError:
+                    break  # the scheduler's locate logs and skips it
+                from_disk.append((i, d))
+                i += 1
+        first = i
+        if from_disk:
+            entries = [d for _, d in from_disk]
+            payloads, ok = self._read_disk(entries)
+            if ok < len(entries):
+                first = from_disk[ok][0]  # the run ends at the bad record
+            if ok:
+                out["disk"] = self._stage_quietly([(d.meta, p) for d, p in zip(entries[:ok], payloads)], "disk")
+        if self.remote is not None and first < stop and first == i:
+            run = self._remote_source.find_run(hashes, block_tokens, first, stop, root)
+            if run:
+                out["remote"] = self._stage_quietly([loc.handle for loc in run], "remote")
+        return out
+
+    def _read_disk(self, entries: list[DiskEntry]) -> tuple[list, int]:
+        """Read records outside the lock: ``(payloads, how many leading ones are good)``.
+
+        A segment that failed a check while still indexed is dropped (under the lock);
+        one evicted meanwhile is just a miss.
+        """
         try:
-            return self.stage([loc.handle for loc in run], origin="remote")
+            return self.disk.read(entries), len(entries)
+        except SegmentReadError as exc:
+            ok, good = exc.index, []
+            if ok:  # the records before the bad one, read again before its segment goes
+                try:
+                    good = self.disk.read(entries[:ok])
+                except SegmentReadError:
+                    ok = 0
+            with self.lock:
+                if exc.damaged and exc.segment in self.disk.segments:
+                    self._drop_damaged(exc)
+            return good, ok
+
+    def _stage_quietly(self, blocks: list[tuple[RecordMeta, object]], origin: str) -> int:
+        try:
+            return self.stage(blocks, origin=origin)
         except RecordError as exc:
-            log.warning("remote tier: blocks not staged: %s", exc)
+            log.warning("%s tier: blocks not staged: %s", origin, exc)
             return 0
 
     # -- peer staging ----------------------------------------------------------------------------
@@ -929,7 +993,7 @@ class _DiskSource(_Source):
 
 class _RemoteSource(_Source):
     """The cluster's shared remote tier, read a run at a time (one Redis round trip) by
-    :meth:`TierStore.prefetch_remote`; what it finds is staged, then loaded from staging."""
+    :meth:`TierStore.prefetch`; what it finds is staged, then loaded from staging."""
 
     kind = "remote"
 
@@ -953,7 +1017,7 @@ class _RemoteSource(_Source):
         return out
 
     def find(self, block_hash):
-        return None  # looked up by runs (find_run), from prefetch_remote only
+        return None  # looked up by runs (find_run), from prefetch only
 
 
 def _connect_remote(config: TierConfig) -> RemoteTier:

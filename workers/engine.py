@@ -472,27 +472,28 @@ class Engine:
         }
 
     # --------------------------------------------------------------- helpers
-    def prefetch(self, prompt_ids: list[int], cache_salt: str = "", adapter_id: str = "") -> int:
-        """Stage what the cluster's remote tier holds of this prompt beyond the local tiers.
+    def prefetch(self, prompt_ids: list[int], cache_salt: str = "", adapter_id: str = "") -> dict[str, int]:
+        """Stage what only the disk or the cluster's remote tier holds of this prompt.
 
-        Call it before `submit`, from the submitter's thread (it waits for Redis, at
-        most the remote tier's timeout per call, and briefly for the engine lock to
-        read the device index); the scheduler then loads the staged blocks without
-        waiting for the network. Thread-safe. A no-op without a remote tier.
+        Call it before `submit`, from the submitter's thread: it reads the disk and
+        waits for Redis (at most the remote tier's timeout per call), and briefly for
+        the engine lock to read the device index; the scheduler then loads the staged
+        blocks without waiting for either (`TierStore.prefetch`). Thread-safe. A no-op
+        without a staging area or without a disk or remote tier.
 
         Returns:
-            blocks staged.
+            blocks staged per medium.
         """
-        if self.tiers is None or self.tiers.remote is None:
-            return 0
+        if self.tiers is None or not self.tiers.can_prefetch:
+            return {}
         limit = (len(prompt_ids) - 1) // self.block_size
         if limit <= 0:
-            return 0
+            return {}
         root = self.namespace(cache_salt, adapter_id).root_hash()
         hashed = hash_blocks([int(t) for t in prompt_ids[:limit * self.block_size]], self.block_size, root)
         with self._lock:
             hit = self.cache.index.match(hashed.hashes, hashed.block_tokens).num_blocks
-        return self.tiers.prefetch_remote(hashed.hashes, hashed.block_tokens, hit, limit, root)
+        return self.tiers.prefetch(hashed.hashes, hashed.block_tokens, hit, limit, root)
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
                  cache_salt: str = "", timeout: float = 300.0) -> dict:

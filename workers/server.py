@@ -7,9 +7,9 @@ thread into the RPC's asyncio queue. Engine errors map once to gRPC status codes
 
 Peer fetch: a request whose ``prefix_location`` names another worker first goes through
 `workers.peer_fetch.PeerFetcher` (bounded by its own deadline), then is submitted; the
-fetched blocks wait in the engine's staging area. With a remote tier, `Engine.prefetch`
-(on a thread, before submitting) stages what the cluster's Redis holds of the prompt the
-same way. ``FetchBlocks`` serves the other side:
+fetched blocks wait in the engine's staging area. With a disk or remote tier,
+`Engine.prefetch` (on a thread, before submitting) stages what only the disk or the
+cluster's Redis holds of the prompt the same way. ``FetchBlocks`` serves the other side:
 the leading run of the asked-for chain this worker holds, streamed in batches of
 ``FETCH_BATCH`` blocks so that memory stays bounded and the engine lock is held briefly.
 """
@@ -85,8 +85,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.worker_id = worker_id
         self.address = address
         self.fetcher = PeerFetcher(engine, **(peer or {}))
-        # remote-tier reads wait on Redis: their own threads, so that a slow Redis never
-        # holds up the threads GetLoad, GetSnapshot and FetchBlocks run on
+        # prefetches wait on the disk and on Redis: their own threads, so that a slow Redis
+        # never holds up the threads GetLoad, GetSnapshot and FetchBlocks run on
         self._prefetch_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-prefetch")
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
@@ -111,8 +111,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             sampling = wire.sampling_from_proto(request)
             if request.HasField("prefix_location"):
                 await self._fetch_prefix(request, prompt_ids, sampling, context)
-            if self.engine.tiers is not None and self.engine.tiers.remote is not None:
-                self.engine.validate([int(t) for t in prompt_ids], sampling)  # no Redis read for a bad request
+            if self.engine.tiers is not None and self.engine.tiers.can_prefetch:
+                self.engine.validate([int(t) for t in prompt_ids], sampling)  # no read for a bad request
                 await loop.run_in_executor(self._prefetch_pool, self.engine.prefetch, prompt_ids,
                                            request.cache_salt, request.adapter_id)
             # the engine keys requests by its own unique id: two clients reusing one
