@@ -10,6 +10,22 @@ import sys
 import threading
 
 
+def redis_url(text: str) -> str:
+    """argparse type of ``--redis-url``: a URL redis-py accepts (``redis://host:port/db``,
+    ``rediss://...``, ``unix:///path``), checked before anything starts.
+
+    Raises:
+        argparse.ArgumentTypeError: not such a URL.
+    """
+    from redis.connection import parse_url
+
+    try:
+        parse_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Redis URL ({exc}); e.g. redis://127.0.0.1:6379/0")
+    return text
+
+
 def cmd_router(args: argparse.Namespace) -> int:
     from services.router import serve_router
 
@@ -102,7 +118,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def add_worker_cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=None, help="publish KV events and a lease to this Redis "
+    p.add_argument("--redis-url", default=None, type=redis_url, help="publish KV events and a lease to this Redis "
                    "(omit for a standalone worker)")
     p.add_argument("--cluster", default="default", help="Redis key namespace of the cluster")
 
@@ -113,7 +129,7 @@ def register(sub) -> None:
     p = sub.add_parser("router", help="serve the KV-aware router (kvmesh.v1.Router)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--redis-url", required=True)
+    p.add_argument("--redis-url", required=True, type=redis_url)
     p.add_argument("--cluster", default="default")
     p.add_argument("--policy", default="kv_aware")
     p.add_argument("--model", default=None, help="model directory (for its tokenizer); default built-in")
@@ -123,7 +139,7 @@ def register(sub) -> None:
     p = sub.add_parser("up", help="start redis-server, a router and N workers on loopback")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--port", type=int, default=0, help="router port (default: a free one)")
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--redis-url", default=None, type=redis_url, help="use this Redis instead of starting one")
     p.add_argument("--cluster", default=None,
                    help="Redis key namespace (default: a new one per run; name one to share a --redis-url's "
                         "remote tier across runs)")

@@ -403,3 +403,7 @@ def test_remote_flags_are_checked_before_anything_starts(capsys, redis_server):
                          "--redis-url", redis_server.url])
     assert cmd_worker(args) == 2  # known once the model's block size is: one record is ~64 KiB
     assert "cannot hold one block record" in capsys.readouterr().err
+    for argv in (["worker", "--port", "1"], ["up"], ["router", "--port", "1"]):
+        with pytest.raises(SystemExit) as exit_:
+            p.parse_args([*argv, "--redis-url", "notaurl"])
+        assert exit_.value.code == 2 and "is not a Redis URL" in capsys.readouterr().err
