@@ -478,6 +478,18 @@ class RemoteTier:
             pipe.exists(self._prefix + h.hex())
         return pipe.execute()
 
+    def forget(self, hashes: Sequence[bytes]) -> int:
+        """Delete blocks (with their accounting) that a reader found unusable, e.g. a
+        record whose payload size does not fit the model. Returns block keys deleted;
+        0 on a Redis error (logged and counted)."""
+        if not hashes or not self._available():
+            return 0
+        try:
+            return int(self._forget(keys=self._keys, args=[self._prefix, *(bytes(h).hex() for h in hashes)]))
+        except redis.RedisError as exc:
+            self._error("forget", exc)
+            return 0
+
     # -- management ----------------------------------------------------------------
     def stats(self) -> dict:
         """Tier size and this instance's counters.

@@ -607,6 +607,7 @@ class TierStore:
                     handle, medium, meta = hit
                     try:
                         meta.verify_for(h, parent, toks, root, self.dtype_name, self.block_shape)
+                        self.check_layout(meta)
                     except RecordError as exc:
                         log.warning("%s tier: block %s rejected: %s", medium, h.hex()[:12], exc)
                         src.release([handle])
@@ -663,7 +664,9 @@ class TierStore:
         that scheduling never waits for a disk read or for Redis. Under the
         store's lock it walks positions ``start, start+1, ...``: blocks in host
         memory or already staged are left where they are, blocks on disk are
-        noted, and the walk ends at the first position no local tier holds.
+        noted, and the walk ends at the first position no local tier holds (or
+        once as many blocks as the staging area holds were noted: it never reads
+        more than it can stage).
         Without the lock it then reads the disk records (checksummed), and from
         that position on the remote tier's run (one round trip, bounded by
         ``remote_timeout_s``); every block is verified against the chain and
@@ -685,10 +688,12 @@ class TierStore:
         out: dict[str, int] = {}
         if not self.can_prefetch or start >= stop:
             return out
+        budget = self.peer.num_slots  # never read more than the staging area can hold
         from_disk: list[tuple[int, DiskEntry]] = []
         with self.lock:
+            generation = self._generation
             i = start
-            while i < stop:
+            while i < stop and len(from_disk) < budget:
                 h = hashes[i]
                 if h in self.host or h in self.peer:  # fast enough for scheduling (verified there)
                     i += 1
@@ -699,6 +704,7 @@ class TierStore:
                 try:
                     d.meta.verify_for(h, hashes[i - 1] if i > 0 else None, block_tokens(i), root, self.dtype_name,
                                       self.block_shape)
+                    self.check_layout(d.meta)
                 except RecordError:
                     break  # the scheduler's locate logs and skips it
                 from_disk.append((i, d))
@@ -710,11 +716,13 @@ class TierStore:
             if ok < len(entries):
                 first = from_disk[ok][0]  # the run ends at the bad record
             if ok:
-                out["disk"] = self._stage_quietly([(d.meta, p) for d, p in zip(entries[:ok], payloads)], "disk")
-        if self.remote is not None and first < stop and first == i:
-            run = self._remote_source.find_run(hashes, block_tokens, first, stop, root)
+                out["disk"] = self._stage_quietly([(d.meta, p) for d, p in zip(entries[:ok], payloads)], "disk",
+                                                  generation)
+        room = budget - len(from_disk)
+        if self.remote is not None and first < stop and first == i and room > 0:
+            run = self._remote_source.find_run(hashes, block_tokens, first, min(stop, first + room), root)
             if run:
-                out["remote"] = self._stage_quietly([loc.handle for loc in run], "remote")
+                out["remote"] = self._stage_quietly([loc.handle for loc in run], "remote", generation)
         return out
 
     def _read_disk(self, entries: list[DiskEntry]) -> tuple[list, int]:
@@ -737,15 +745,15 @@ class TierStore:
                     self._drop_damaged(exc)
             return good, ok
 
-    def _stage_quietly(self, blocks: list[tuple[RecordMeta, object]], origin: str) -> int:
+    def _stage_quietly(self, blocks: list[tuple[RecordMeta, object]], origin: str, generation: int) -> int:
         try:
-            return self.stage(blocks, origin=origin)
+            return self.stage(blocks, origin=origin, generation=generation)
         except RecordError as exc:
             log.warning("%s tier: blocks not staged: %s", origin, exc)
             return 0
 
     # -- peer staging ----------------------------------------------------------------------------
-    def stage(self, blocks: list[tuple[RecordMeta, object]], origin: str = "peer") -> int:
+    def stage(self, blocks: list[tuple[RecordMeta, object]], origin: str = "peer", generation: int | None = None) -> int:
         """Keep verified blocks fetched from a peer (or the remote tier) until the request that
         asked for them loads them.
 
@@ -754,21 +762,25 @@ class TierStore:
                 (``block_record.verify_payload``) and whose identity was
                 verified against the request's chain by the caller.
             origin: the medium the blocks are credited to when loaded.
+            generation: the store's ``generation`` when the caller started reading
+                the blocks; if the cache was cleared since, nothing is staged.
 
         Returns:
             how many were staged (0 without a staging area; fewer when it is full).
 
         Raises:
-            RecordError: a record's layout or codec does not fit this pool.
+            RecordError: a record's layout, codec or payload size does not fit
+                this pool (checked before anything is decoded).
         """
         peer = self.peer
         if peer is None or not blocks:
             return 0
         for meta, _ in blocks:
-            if meta.dtype != self.dtype_name or tuple(meta.shape) != self.block_shape or meta.codec not in CODECS:
-                raise RecordError("fetched block does not fit this pool's layout")
+            self.check_layout(meta)
         decoded = self._decode_records(blocks)  # [n, *block_shape] on CPU
         with self.lock:
+            if generation is not None and generation != self._generation:
+                return 0  # cleared while these were read: they must not outlive the clear
             fresh = [i for i, (m, _) in enumerate(blocks) if m.block_hash not in peer]
             slots, _, _ = peer.reserve(len(fresh))
             fresh = fresh[:len(slots)]
@@ -795,6 +807,27 @@ class TierStore:
             decoded = codec.decode(rows).to(kv.device)
             kv.index_copy_(0, torch.tensor(list(block_ids[i:j]), dtype=torch.long, device=kv.device), decoded)
             i = j
+
+    @property
+    def generation(self) -> int:
+        """Bumped by every :meth:`clear`; see :meth:`stage`."""
+        return self._generation
+
+    def check_layout(self, meta: RecordMeta) -> None:
+        """Raise RecordError unless a record's dtype, block shape, codec and payload size fit this pool.
+
+        The payload size is checked against the codec's, not only against the
+        record's own header: a well-formed record of the wrong size must be a
+        miss, never a decoder error.
+        """
+        if meta.dtype != self.dtype_name or tuple(meta.shape) != self.block_shape:
+            raise RecordError(f"record is {meta.dtype} {tuple(meta.shape)}; this pool is "
+                              f"{self.dtype_name} {self.block_shape}")
+        if meta.codec not in CODECS:
+            raise RecordError(f"unknown codec {meta.codec!r}")
+        want = self.codec(meta.codec).payload_bytes
+        if meta.payload_len != want:
+            raise RecordError(f"{meta.codec} payload of {meta.payload_len} bytes; this pool's is {want}")
 
     def _decode_records(self, blocks: list[tuple[RecordMeta, object]]) -> torch.Tensor:
         out = torch.empty((len(blocks), *self.block_shape), dtype=self.dtype)
@@ -1012,6 +1045,12 @@ class _RemoteSource(_Source):
                                 s.dtype_name, s.block_shape)
             except RecordError as exc:
                 log.warning("remote tier: block %s rejected: %s", hashes[i].hex()[:12], exc)
+                break
+            try:
+                s.check_layout(meta)
+            except RecordError as exc:  # stored under its own hash but unusable by anyone with this model
+                log.warning("remote tier: block %s unusable, deleting it: %s", hashes[i].hex()[:12], exc)
+                s.remote.forget([hashes[i]])
                 break
             out.append(Located(self, (meta, payload), "remote"))
         return out

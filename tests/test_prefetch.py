@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 from cache_store.hashing import hash_blocks
 from cache_store.tier_store import TierConfig
@@ -111,6 +112,48 @@ def test_prefetch_leaves_host_blocks_and_stages_only_the_disk_ones(tmp_path):
         out, _ = run(e, prompt)
         by = out["usage"]["cached_tokens_by_tier"]
         assert by["host"] == 5 * BS and by["disk"] == BS * (cap_blocks(prompt) - 5)
+        assert out["token_ids"] == ref["token_ids"]
+    finally:
+        e.stop()
+
+
+def test_a_clear_during_a_prefetch_leaves_nothing_staged(tmp_path):
+    e = disk_engine(tmp_path)
+    try:
+        prompt = rand_prompt(25, 200)
+        push_to_disk_only(e, prompt)
+        real = e.tiers._read_disk
+
+        def read_then_clear(entries):  # the clear lands between the disk read and the staging
+            got = real(entries)
+            threading.Thread(target=e.clear_cache).start()
+            time.sleep(0.5)
+            return got
+
+        e.tiers._read_disk = read_then_clear
+        assert e.prefetch(prompt) == {"disk": 0}
+        e.tiers._read_disk = real
+        assert e.tier_stats().get("peer_staged_blocks", 0) == 0 and e.tier_stats()["disk_blocks"] == 0
+        out, _ = run(e, prompt)
+        assert out["usage"]["cached_tokens"] == 0
+    finally:
+        e.stop()
+
+
+def test_prefetch_reads_no_more_than_the_staging_area_holds(tmp_path):
+    e = disk_engine(tmp_path, peer_bytes=4 * BLOCK_BYTES)
+    try:
+        prompt = rand_prompt(26, 300)
+        e.clear_cache()
+        ref, _ = run(e, prompt)
+        push_to_disk_only(e, prompt)
+        read = []
+        real = e.tiers.disk.read
+        e.tiers.disk.read = lambda entries: read.append(len(entries)) or real(entries)
+        assert e.prefetch(prompt) == {"disk": 4}
+        assert read == [4]
+        out, _ = run(e, prompt)  # the rest is read in scheduling
+        assert out["usage"]["cached_tokens_by_tier"]["disk"] == BS * cap_blocks(prompt)
         assert out["token_ids"] == ref["token_ids"]
     finally:
         e.stop()

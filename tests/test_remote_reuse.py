@@ -306,3 +306,29 @@ def test_worker_with_a_hung_redis_keeps_answering_concurrent_requests(tmp_path):
         srv.close()
         for c in held:
             c.close()
+
+
+def test_record_of_the_wrong_payload_size_is_a_miss_and_is_deleted(redis_server, cold_engine):
+    """A well-formed record (valid checksums, right chain) whose payload is not this model's
+    size: a miss for every worker, deleted from the cluster's tier, never an error."""
+    from cache_store.block_record import RecordMeta, checksum, encode_record
+    from cache_store.hashing import hash_blocks
+
+    prompt = rand_prompt(31, 100)
+    ref, _ = run(cold_engine, prompt)
+    e = remote_engine(redis_server.url)
+    try:
+        hb = hash_blocks(prompt, BS, e.namespace().root_hash())
+        payload = bytes(1000)
+        meta = RecordMeta(hb.hashes[0], bytes(16), hb.block_tokens(0), "none", e.tiers.dtype_name,
+                          e.tiers.block_shape, len(payload), checksum(payload))
+        raw = redis.Redis.from_url(redis_server.url)
+        key = block_key(hb.hashes[0], "t")
+        raw.set(key, encode_record(meta, payload))
+        for _ in range(2):  # the second time the record is gone: a plain miss
+            out, _ = run(e, prompt)
+            assert out["token_ids"] == ref["token_ids"] and out["usage"]["cached_tokens"] == 0
+            e.clear_cache()  # local tiers only; the remote tier is the cluster's
+        assert raw.get(key) is None
+    finally:
+        e.stop()
