@@ -273,7 +273,7 @@ class HostTier:
             raise ValueError(f"{len(hashes)} blocks for {len(slots)} slots")
         if not checked and (len(set(hashes)) != len(hashes) or not index.keys().isdisjoint(hashes)):
             raise ValueError("a block is already present or repeated")
-        runs = list(_runs_any(slots))
+        runs = list(_runs(slots))
         if any(owner[s0:s0 + k].count(b"") != k for s0, k, _ in runs):
             raise ValueError("a slot was not reserved")
         blk, on_disk, ready_of = self._block, self._on_disk, self._ready
@@ -340,7 +340,7 @@ class HostTier:
         else:
             encoded = self.codec.encode(kv_cache.index_select(0, ids))  # [n, P] on dev
         pos = 0
-        for s0, k in _runs(slots):
+        for s0, k, _ in _runs(slots):
             dst = self.slab[s0:s0 + k]
             if exact_same_device:
                 torch.index_select(rows, 0, ids[pos:pos + k], out=dst.view(rows.dtype))
@@ -362,7 +362,7 @@ class HostTier:
         exact_same_device = self.codec.exact and dev.type == "cpu"
         rows = _flat_rows(kv_cache) if exact_same_device else None
         pos = 0
-        for s0, k in _runs(slots_sorted):
+        for s0, k, _ in _runs(slots_sorted):
             src = self.slab[s0:s0 + k]
             ids = torch.tensor(ids_sorted[pos:pos + k], dtype=torch.long, device=dev)
             if exact_same_device:
@@ -389,7 +389,7 @@ def _flat_rows(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(kv_cache.shape[0], -1)
 
 
-def _runs_any(slots: Sequence[int]):
+def _runs(slots: Sequence[int]):
     """``(start, length, position)`` of each run of consecutive values in a list (any order)."""
     n = len(slots)
     if n and slots[-1] - slots[0] == n - 1 and list(slots) == list(range(slots[0], slots[0] + n)):
@@ -401,19 +401,4 @@ def _runs_any(slots: Sequence[int]):
         while j < n and slots[j] == slots[j - 1] + 1:
             j += 1
         yield slots[i], j - i, i
-        i = j
-
-
-def _runs(sorted_slots: list[int]):
-    """``(start, length)`` of each run of consecutive values in an ascending list."""
-    n = len(sorted_slots)
-    if n and sorted_slots[-1] - sorted_slots[0] == n - 1:  # one run (the usual case)
-        yield sorted_slots[0], n
-        return
-    i = 0
-    while i < n:
-        j = i + 1
-        while j < n and sorted_slots[j] == sorted_slots[j - 1] + 1:
-            j += 1
-        yield sorted_slots[i], j - i
         i = j

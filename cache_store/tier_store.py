@@ -269,7 +269,6 @@ class TierStore:
                                                    daemon=True)
             self._remote_writer.start()
         self.sources: list[_Source] = [src for make in SOURCES.values() if (src := make(self)) is not None]
-        self._remote_source = _RemoteSource(self) if self.remote is not None else None
 
     # -- helpers -------------------------------------------------------------------------
     def codec(self, name: str) -> KVCodec:
@@ -282,11 +281,6 @@ class TierStore:
         if c is None:
             c = self._codecs[name] = make_codec(name, self.block_shape, self.dtype)
         return c
-
-    def _emit_stored(self, block_hash: bytes, parent: bytes | None, token_bytes: bytes, medium: str) -> None:
-        if self._sink is not None:
-            toks = np.frombuffer(token_bytes, dtype="<u4").tolist()
-            self._sink(BlockStored([block_hash], parent, toks, self.block_size, medium))
 
     def _emit_removed(self, hashes: list[bytes], medium: str) -> None:
         if self._sink is not None and hashes:
@@ -724,9 +718,31 @@ class TierStore:
                                                   generation)
         room = budget - len(from_disk)
         if self.remote is not None and first < stop and first == i and room > 0:
-            run = self._remote_source.find_run(hashes, block_tokens, first, min(stop, first + room), root)
+            run = self._remote_run(hashes, block_tokens, first, min(stop, first + room), root)
             if run:
-                out["remote"] = self._stage_quietly([loc.handle for loc in run], "remote", generation)
+                out["remote"] = self._stage_quietly(run, "remote", generation)
+        return out
+
+    def _remote_run(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
+                    root: bytes) -> list[tuple[RecordMeta, memoryview]]:
+        """Records of blocks ``start, start+1, ...`` from the remote tier (one round trip, no
+        lock), each verified against the chain; the run ends at the first that fails."""
+        out = []
+        for k, (meta, payload) in enumerate(self.remote.get_run(hashes[start:stop])):
+            i = start + k
+            try:
+                meta.verify_for(hashes[i], hashes[i - 1] if i > 0 else None, block_tokens(i), root,
+                                self.dtype_name, self.block_shape)
+            except RecordError as exc:
+                log.warning("remote tier: block %s rejected: %s", hashes[i].hex()[:12], exc)
+                break
+            try:
+                self.check_layout(meta)
+            except RecordError as exc:  # stored under its own hash but unusable by anyone with this model
+                log.warning("remote tier: block %s unusable, deleting it: %s", hashes[i].hex()[:12], exc)
+                self.remote.forget([hashes[i]])
+                break
+            out.append((meta, payload))
         return out
 
     def _read_disk(self, entries: list[DiskEntry]) -> tuple[list, int]:
@@ -1026,41 +1042,6 @@ class _DiskSource(_Source):
 
     def release(self, handles):
         pass
-
-
-class _RemoteSource(_Source):
-    """The cluster's shared remote tier, read a run at a time (one Redis round trip) by
-    :meth:`TierStore.prefetch`; what it finds is staged, then loaded from staging."""
-
-    kind = "remote"
-
-    def __init__(self, store: TierStore):
-        self.store = store
-
-    def find_run(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
-                 root: bytes) -> list[Located]:
-        """Located blocks ``start, start+1, ...`` held remotely, verified against the chain."""
-        s = self.store
-        out = []
-        for k, (meta, payload) in enumerate(s.remote.get_run(hashes[start:stop])):
-            i = start + k
-            try:
-                meta.verify_for(hashes[i], hashes[i - 1] if i > 0 else None, block_tokens(i), root,
-                                s.dtype_name, s.block_shape)
-            except RecordError as exc:
-                log.warning("remote tier: block %s rejected: %s", hashes[i].hex()[:12], exc)
-                break
-            try:
-                s.check_layout(meta)
-            except RecordError as exc:  # stored under its own hash but unusable by anyone with this model
-                log.warning("remote tier: block %s unusable, deleting it: %s", hashes[i].hex()[:12], exc)
-                s.remote.forget([hashes[i]])
-                break
-            out.append(Located(self, (meta, payload), "remote"))
-        return out
-
-    def find(self, block_hash):
-        return None  # looked up by runs (find_run), from prefetch only
 
 
 def _connect_remote(config: TierConfig) -> RemoteTier:
