@@ -61,6 +61,7 @@ import torch
 
 from cache_store.block_record import (
     HEADER_BYTES,
+    ZERO_HASH,
     RecordError,
     RecordMeta,
     checksum,
@@ -330,10 +331,9 @@ class TierStore:
             host.insert_many(fresh, slots, ready, hashes=hashes, checked=True)
             self._emit_chains(hashes, parents, tokens, "host")
             if self.disk is not None and self.config.write_mode == "through":
-                for slot in slots:
-                    self._queue_write(slot)
+                self._queue_writes(slots, fresh, ready)
             if self.remote is not None:
-                self._queue_remote(slots)
+                self._queue_remote(slots, fresh, ready)
             self.stats_counters["offloaded"] += len(fresh)
 
     def _emit_chains(self, hashes: Sequence[bytes], parents: Sequence[bytes | None], tokens: Sequence[bytes],
@@ -383,22 +383,53 @@ class TierStore:
         self._pending_bytes += nbytes
         self._cv.notify_all()
 
-    def _queue_remote(self, slots: Sequence[int]) -> None:
-        """Queue host slots for the remote writer (pinned until sent); past the budget, skip."""
-        host = self.host
-        nbytes = host.codec.payload_bytes
-        room = (self.config.max_pending_write_bytes - self._rpending_bytes) // nbytes
-        if room < len(slots):
-            self.stats_counters["remote_puts_skipped"] += len(slots) - max(room, 0)
-            slots = slots[:max(room, 0)]
+    def _jobs_for(self, slots: Sequence[int], blocks: Sequence[EvictedBlock], ready: object) -> list[_WriteJob]:
+        """Write jobs for a batch just stored in the host tier (``blocks[k]`` is in ``slots[k]``),
+        built from the evicted blocks' own fields and with their slots pinned."""
+        nbytes, gen, pin = self.host.codec.payload_bytes, self._generation, self.host.pin
+        jobs = [_WriteJob(b.block_hash, b.parent_hash or ZERO_HASH, b.token_bytes, slot, ready, gen, nbytes)
+                for slot, b in zip(slots, blocks)]
         for slot in slots:
-            e = host.view(slot)
-            host.pin(slot)
-            self._rjobs.append(_WriteJob(e.block_hash, e.parent_hash, e.token_bytes, slot, e.ready,
-                                         self._generation, nbytes))
+            pin(slot)
+        return jobs
+
+    def _queue_writes(self, slots: Sequence[int], blocks: Sequence[EvictedBlock], ready: object) -> None:
+        """Write-through: queue a batch just stored in the host tier for the disk writer."""
+        host, disk = self.host, self.disk
+        if not disk.entries.keys().isdisjoint(b.block_hash for b in blocks):  # some already on disk
+            keep = []
+            for slot, b in zip(slots, blocks):
+                if b.block_hash in disk.entries:
+                    host.set_on_disk(slot, True)
+                    disk.touch(b.block_hash)
+                else:
+                    keep.append((slot, b))
+            slots, blocks = [s for s, _ in keep], [b for _, b in keep]
+        nbytes = host.codec.payload_bytes
+        room = max(0, (self.config.max_pending_write_bytes - self._pending_bytes) // nbytes)
+        if room < len(slots):
+            self.stats_counters["writes_skipped"] += len(slots) - room
+            slots, blocks = slots[:room], blocks[:room]
+        if not slots:
+            return
+        for slot in slots:
+            host.set_on_disk(slot, True)
+        self._jobs.extend(self._jobs_for(slots, blocks, ready))
+        self._pending_bytes += nbytes * len(slots)
+        self._cv.notify_all()
+
+    def _queue_remote(self, slots: Sequence[int], blocks: Sequence[EvictedBlock], ready: object) -> None:
+        """Queue a batch just stored in the host tier for the remote writer; past the budget, skip."""
+        nbytes = self.host.codec.payload_bytes
+        room = max(0, (self.config.max_pending_write_bytes - self._rpending_bytes) // nbytes)
+        if room < len(slots):
+            self.stats_counters["remote_puts_skipped"] += len(slots) - room
+            slots, blocks = slots[:room], blocks[:room]
+        if not slots:
+            return
+        self._rjobs.extend(self._jobs_for(slots, blocks, ready))
         self._rpending_bytes += nbytes * len(slots)
-        if slots:
-            self._cv.notify_all()
+        self._cv.notify_all()
 
     def _remote_loop(self) -> None:
         """Send queued host blocks to the remote tier, in batches of about ``max_batch_bytes``."""

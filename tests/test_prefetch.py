@@ -157,3 +157,37 @@ def test_prefetch_reads_no_more_than_the_staging_area_holds(tmp_path):
         assert out["token_ids"] == ref["token_ids"]
     finally:
         e.stop()
+
+
+def test_write_queue_is_bounded_and_never_waited_for(tmp_path):
+    """With the disk writer stuck (fault injected), offload queues at most
+    max_pending_write_bytes and skips the rest; nothing waits, and every pin is returned
+    once the writer moves again."""
+    import torch
+
+    from cache_store.prefix_cache import EvictedBlock
+    from cache_store.tier_store import TierStore
+    from workers.config import ModelConfig
+    from workers.model import allocate_kv_cache
+
+    kv = allocate_kv_cache(ModelConfig.tiny(), 32, BS, "cpu", torch.float32).normal_()
+    store = TierStore(kv, TierConfig(host_bytes=16 * BLOCK_BYTES, disk_dir=str(tmp_path), disk_bytes=64 << 20,
+                                     peer_bytes=0, max_pending_write_bytes=5 * BLOCK_BYTES))
+    gate = threading.Event()
+    real = store._write_batch
+    store._write_batch = lambda groups: (gate.wait(30), real(groups))
+    try:
+        blocks = [EvictedBlock(i, bytes([i + 1]) * 16, None, bytes(4 * BS)) for i in range(12)]
+        t0 = time.monotonic()
+        store.offload(blocks)
+        assert time.monotonic() - t0 < 1.0
+        st = store.stats()
+        assert st["writes_skipped"] == 7 and st["pending_write_bytes"] == 5 * BLOCK_BYTES
+        gate.set()
+        assert store.flush(30)
+        st = store.stats()
+        assert st["disk_blocks"] == 5 and st["pending_write_bytes"] == 0
+        assert sum(store.host._pins) == 0
+    finally:
+        gate.set()
+        store.close()
