@@ -150,10 +150,6 @@ class HostTier:
         """Record whether the block in ``slot`` has a disk copy (or one queued)."""
         self._on_disk[slot] = 1 if value else 0
 
-    def ready(self, slot: int) -> object:
-        """The CUDA event of the copy into ``slot`` (None on CPU)."""
-        return self._ready[slot]
-
     @property
     def used_bytes(self) -> int:
         """Bytes of slab held by entries (bytes)."""

@@ -777,7 +777,8 @@ class TierStore:
         return out
 
     def _read_disk(self, entries: list[DiskEntry]) -> tuple[list, int]:
-        """Read records outside the lock: ``(payloads, how many leading ones are good)``.
+        """Read records: ``(payloads, how many leading ones are good)``. Safe without the
+        store's lock (prefetch) and under it (load).
 
         A segment that failed a check while still indexed is dropped (under the lock);
         one evicted meanwhile is just a miss.
@@ -1057,13 +1058,7 @@ class _DiskSource(_Source):
 
     def load(self, handles: list[DiskEntry], block_ids):
         s = self.store
-        ok = len(handles)
-        try:
-            payloads = s.disk.read(handles)
-        except SegmentReadError as exc:
-            ok = exc.index
-            payloads = s.disk.read(handles[:ok]) if ok else []
-            s._drop_damaged(exc)
+        payloads, ok = s._read_disk(handles)
         if ok == 0:
             return 0
         s._decode_into([d.meta for d in handles[:ok]], payloads[:ok], block_ids[:ok])

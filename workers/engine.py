@@ -520,7 +520,7 @@ class Engine:
         sampling = sampling or SamplingParams()
         self.validate([int(t) for t in prompt_ids], sampling)  # a refused request reads nothing
         self.prefetch(prompt_ids, cache_salt)
-        self.submit(prompt_ids, sampling or SamplingParams(), on_output, cache_salt=cache_salt, arrival=arrival)
+        self.submit(prompt_ids, sampling, on_output, cache_salt=cache_salt, arrival=arrival)
         if not done.wait(timeout):
             raise TimeoutError(f"no result within {timeout} s")
         if out.get("error"):
