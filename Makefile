@@ -12,7 +12,7 @@ test: setup
 	.venv/bin/python -m pytest -q -ra
 
 bench: setup
-	.venv/bin/python -m bench.micro --json
+	.venv/bin/python -m kvmesh.bench.micro --json
 
 proto: setup
-	.venv/bin/python -m proto.generate
+	.venv/bin/python -m kvmesh.proto.generate

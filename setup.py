@@ -2,7 +2,7 @@
 
 Everything else lives in pyproject.toml. The extension needs Debian's libxxhash-dev
 (scripts/setup.sh installs it); when it cannot be built, installation still succeeds
-and cache_store.hashing uses its pure-Python loop (same hashes, slower).
+and kvmesh.cache_store.hashing uses its pure-Python loop (same hashes, slower).
 """
 import sys
 
@@ -25,7 +25,7 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("cache_store._chainhash", ["cache_store/_chainhash.c"], libraries=["xxhash"],
+    ext_modules=[Extension("kvmesh.cache_store._chainhash", ["cache_store/_chainhash.c"], libraries=["xxhash"],
                            extra_compile_args=["-O3"])],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -44,9 +44,9 @@ def measure(lengths=PROMPT_LENGTHS, seeds: int = SEEDS, max_tokens: int = MAX_TO
     """Run the study; returns ``{codec: {length: {metric: value}}}`` plus the settings used."""
     import torch
 
-    from cache_store.tier_store import TierConfig
-    from workers.engine import Engine
-    from workers.request import SamplingParams
+    from kvmesh.cache_store.tier_store import TierConfig
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.request import SamplingParams
 
     longest = max(lengths) + max_tokens
     num_blocks = 2 * (-(-longest // BLOCK_SIZE)) + 8

@@ -15,8 +15,8 @@ import math
 import os
 import sys
 
-from cache_store.hashing import Namespace, hash_blocks
-from cache_store.prefix_cache import PrefixCache
+from kvmesh.cache_store.hashing import Namespace, hash_blocks
+from kvmesh.cache_store.prefix_cache import PrefixCache
 
 DEFAULT_POLICIES = ("round_robin", "kv_aware")
 #: Pool size per worker, as a fraction of the sample's distinct KV blocks, when not given.
@@ -42,7 +42,7 @@ def simulate_pooled(reqs, tokens_per_block: int, num_blocks: int, block_size: in
     ``hit_rate_blocks`` (trace blocks whose synthesized tokens are fully cached, over all
     trace block references) and ``hit_rate_tokens``.
     """
-    from bench.trace import synthesize_tokens
+    from kvmesh.bench.trace import synthesize_tokens
 
     cache = PrefixCache(num_blocks, block_size)
     root = Namespace(model_id="pooled-bound").root_hash()
@@ -102,10 +102,10 @@ def run_demo(workers: int = 2, max_requests: int | None = None, tokens_per_block
              out_dir: str = os.path.join("runs", "demo"), trace: str | None = None,
              policies=DEFAULT_POLICIES, block_size: int = 16) -> dict:
     """Run the demo; returns the comparison dict (also written under ``out_dir``)."""
-    from bench.harness import run_bench
-    from bench.report import compare_markdown
-    from bench.trace import DEFAULT_SAMPLE, load_mooncake
-    from services.launcher import ClusterSpec, LocalCluster
+    from kvmesh.bench.harness import run_bench
+    from kvmesh.bench.report import compare_markdown
+    from kvmesh.bench.trace import DEFAULT_SAMPLE, load_mooncake
+    from kvmesh.services.launcher import ClusterSpec, LocalCluster
 
     trace = trace or DEFAULT_SAMPLE
     reqs = load_mooncake(trace, max_requests)

@@ -49,10 +49,10 @@ from typing import Awaitable, Callable, Sequence
 
 import grpc
 
-from bench import report
-from bench.arrivals import ARRIVALS, ArrivalSpec, release_offsets
-from bench.trace import DEFAULT_SAMPLE
-from bench.workloads import (
+from kvmesh.bench import report
+from kvmesh.bench.arrivals import ARRIVALS, ArrivalSpec, release_offsets
+from kvmesh.bench.trace import DEFAULT_SAMPLE
+from kvmesh.bench.workloads import (
     WORKLOADS,
     WorkItem,
     Workload,
@@ -62,7 +62,7 @@ from bench.workloads import (
     multi_turn_workload,
     shared_prefix_workload,
 )
-from proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2 as pb
 
 SERVICES = ("auto", "worker", "router")
 _MAX_MSG = 64 * 1024 * 1024
@@ -545,7 +545,7 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
     result.update(report.summarize(records, duration_s=duration, slo=slo))
     _write_outputs(out_dir, result, warm_records + records)
     if plots:
-        from bench import plots as _plots
+        from kvmesh.bench import plots as _plots
 
         result["plots"] = [p.name for p in _plots.write_plots({policy: records}, out_dir)]
         (out_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -596,7 +596,7 @@ async def run_bench(target: str, trace_path: str | Path | None, out_dir: str | P
 
 def known_policies() -> list[str]:
     """Routing policy names a router accepts."""
-    from services.policies import POLICIES  # registers the field's policies too
+    from kvmesh.services.policies import POLICIES  # registers the field's policies too
 
     return sorted(POLICIES)
 
@@ -620,7 +620,7 @@ def run_policies(policies: Sequence[str], workload: Workload, out_dir: str | Pat
         ValueError: no policy, a repeated or unknown policy, or workers < 1.
         RuntimeError: a cluster failed to start.
     """
-    from services.launcher import ClusterSpec, LocalCluster
+    from kvmesh.services.launcher import ClusterSpec, LocalCluster
 
     policies = [p.strip() for p in policies if p.strip()]
     if not policies:
@@ -660,7 +660,7 @@ def run_policies(policies: Sequence[str], workload: Workload, out_dir: str | Pat
         "results": results,
     }
     if plots:
-        from bench import plots as _plots
+        from kvmesh.bench import plots as _plots
 
         comparison["plots"] = [p.name for p in _plots.write_plots(runs, out_dir)]
     out_dir.mkdir(parents=True, exist_ok=True)

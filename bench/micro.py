@@ -17,8 +17,8 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from cache_store.hashing import NATIVE_HASHING, Namespace, hash_blocks
-from cache_store.radix_index import RadixIndex
+from kvmesh.cache_store.hashing import NATIVE_HASHING, Namespace, hash_blocks
+from kvmesh.cache_store.radix_index import RadixIndex
 
 BLOCK_SIZE = 16
 HASH_TOKENS = 1 << 20  # tokens hashed per hashing run
@@ -28,7 +28,7 @@ VOCAB = 128_256
 
 
 def _bench_ttft() -> dict:
-    from bench.ttft import bench_ttft  # imports torch and the engine: only when run
+    from kvmesh.bench.ttft import bench_ttft  # imports torch and the engine: only when run
 
     return bench_ttft()
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from bench import report
+from kvmesh.bench import report
 
 #: File names `write_plots` produces.
 PLOT_FILES = ("ttft_cdf.png", "hit_rate_over_time.png", "worker_load.png")

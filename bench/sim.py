@@ -81,11 +81,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from cache_store.events import EventBatch
-from cache_store.hashing import Namespace, hash_blocks
-from cache_store.prefix_cache import PrefixCache
-from services.cluster_index import ClusterIndex, weighted_blocks
-from services.policies import POLICIES, RoutedShare, RouteRequest, WorkerView, make_policy
+from kvmesh.cache_store.events import EventBatch
+from kvmesh.cache_store.hashing import Namespace, hash_blocks
+from kvmesh.cache_store.prefix_cache import PrefixCache
+from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
+from kvmesh.services.policies import POLICIES, RoutedShare, RouteRequest, WorkerView, make_policy
 
 __all__ = [
     "TRACE_BLOCK_TOKENS",
@@ -159,8 +159,8 @@ def calibrate(prompt_tokens: Sequence[int] = (256, 512, 1024), decode_steps: int
     """
     if not prompt_tokens or decode_steps < 1 or rounds < 1:
         raise ValueError("need at least one prompt length, decode_steps >= 1 and rounds >= 1")
-    from workers.engine import Engine
-    from workers.request import SamplingParams
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.request import SamplingParams
 
     longest = max(prompt_tokens)
     engine = Engine(model_dir=model_dir, device=device, block_size=block_size,
@@ -279,7 +279,7 @@ def prepare(reqs, block_tokens: int = TRACE_BLOCK_TOKENS, block_size: int | None
     Raises:
         ValueError: ``block_tokens`` or ``block_size`` < 1.
     """
-    from bench.trace import block_token_lengths, synthesize_tokens
+    from kvmesh.bench.trace import block_token_lengths, synthesize_tokens
 
     if block_tokens < 1 or (block_size is not None and block_size < 1):
         raise ValueError("block_tokens and block_size must be >= 1")
@@ -637,7 +637,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from bench.trace import load_mooncake
+    from kvmesh.bench.trace import load_mooncake
 
     if args.capacity_tokens is None and args.num_blocks is None:
         print("error: give --capacity-tokens or --num-blocks", file=sys.stderr)

@@ -77,10 +77,10 @@ def bench_copies(repeats: int = 7, blocks: int = BLOCKS, directory: str | None =
     """d2h vs memcpy, host->disk vs raw file writes, codec encode rates."""
     import torch
 
-    from cache_store.kv_codec import make_codec
-    from cache_store.tier_store import TierConfig, TierStore
-    from workers.config import ModelConfig
-    from workers.model import allocate_kv_cache
+    from kvmesh.cache_store.kv_codec import make_codec
+    from kvmesh.cache_store.tier_store import TierConfig, TierStore
+    from kvmesh.workers.config import ModelConfig
+    from kvmesh.workers.model import allocate_kv_cache
 
     cfg = ModelConfig.tiny()
     pool_blocks = 2 * blocks
@@ -159,7 +159,7 @@ def bench_copies(repeats: int = 7, blocks: int = BLOCKS, directory: str | None =
 def _evicted_chains(block_ids: list[int], rng: random.Random, chain_blocks: int = 16) -> list:
     """Evicted blocks as the pool reports them: chains of ``chain_blocks`` blocks (256
     tokens, a short prompt), each chain tail first, on scattered pool rows."""
-    from cache_store.prefix_cache import EvictedBlock
+    from kvmesh.cache_store.prefix_cache import EvictedBlock
 
     out = []
     for c in range(0, len(block_ids), chain_blocks):
@@ -178,7 +178,7 @@ def _d2h_large_blocks(repeats: int, blocks: int = 32) -> dict:
     with the built-in model's 64 KiB blocks."""
     import torch
 
-    from cache_store.tier_store import TierConfig, TierStore
+    from kvmesh.cache_store.tier_store import TierConfig, TierStore
 
     kv = torch.empty((2 * blocks, 32, 2, 8, BLOCK_SIZE, 128), dtype=torch.bfloat16).normal_()
     block_bytes = kv[0].numel() * kv.element_size()
@@ -274,9 +274,9 @@ def _drop_page_cache(store) -> None:
 
 def bench_ttft(rounds: int = 5, seed: int = 0, directory: str | None = None) -> dict:
     """TTFT of a 2,048-token prompt, cold and with 1,792 tokens cached on each tier."""
-    from cache_store.tier_store import TierConfig
-    from workers.engine import Engine
-    from workers.request import SamplingParams
+    from kvmesh.cache_store.tier_store import TierConfig
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.request import SamplingParams
 
     base = directory or tempfile.mkdtemp(prefix="kvmesh-bench-ttft-")
     engine = Engine(num_blocks=(3 * PROMPT_TOKENS) // BLOCK_SIZE + 64, block_size=BLOCK_SIZE,
@@ -331,10 +331,10 @@ def bench_ttft_remote(rounds: int = 5, seed: int = 1) -> dict:
     that engine; both engines share a private redis-server. Empty without redis-server."""
     if shutil.which("redis-server") is None:
         return {}
-    from cache_store.tier_store import TierConfig
-    from services.procs import RedisServer
-    from workers.engine import Engine
-    from workers.request import SamplingParams
+    from kvmesh.cache_store.tier_store import TierConfig
+    from kvmesh.services.procs import RedisServer
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.request import SamplingParams
 
     server = RedisServer()
     tiers = TierConfig(host_bytes=64 << 20, peer_bytes=64 << 20, remote_url=server.url, remote_bytes=1 << 30,

@@ -15,8 +15,8 @@ CACHED_TOKENS = 1792
 
 
 def bench_ttft(rounds: int = 5, seed: int = 0) -> dict:
-    from workers.engine import Engine
-    from workers.request import SamplingParams
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.request import SamplingParams
 
     engine = Engine(num_blocks=(3 * PROMPT_TOKENS) // 16 + 64, block_size=16,
                     max_num_batched_tokens=PROMPT_TOKENS).start()

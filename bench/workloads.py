@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from bench.trace import block_token_lengths, infinite_cache_hit_rate, load_mooncake, synthesize_tokens
+from kvmesh.bench.trace import block_token_lengths, infinite_cache_hit_rate, load_mooncake, synthesize_tokens
 
 #: Names of the workload generators.
 WORKLOADS = ("mooncake", "shared-prefix", "multi-turn")

@@ -42,8 +42,8 @@ from typing import NamedTuple
 import torch
 import xxhash
 
-from cache_store.hashing import HASH_BYTES, hash_block
-from cache_store.kv_codec import CODECS
+from kvmesh.cache_store.hashing import HASH_BYTES, hash_block
+from kvmesh.cache_store.kv_codec import CODECS
 
 __all__ = [
     "RECORD_FORMAT_VERSION",

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from cache_store.block_record import HEADER_BYTES, RecordError, RecordMeta, encode_header, parse_header, verify_payload
+from kvmesh.cache_store.block_record import HEADER_BYTES, RecordError, RecordMeta, encode_header, parse_header, verify_payload
 
 __all__ = ["SEGMENT_FORMAT_VERSION", "DiskEntry", "Segment", "DiskTier", "SegmentReadError"]
 

@@ -24,7 +24,7 @@ from typing import Union
 
 import msgpack
 
-from cache_store.hashing import HASH_BYTES
+from kvmesh.cache_store.hashing import HASH_BYTES
 
 __all__ = [
     "MEDIUMS",

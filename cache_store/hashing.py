@@ -57,7 +57,7 @@ _xxh3_128_digest = xxhash.xxh3_128_digest
 _ARRAY_U32_OK = array("I").itemsize == 4 and sys.byteorder == "little"
 
 try:  # C loop over the same definition (cache_store/_chainhash.c); optional at install time
-    from cache_store import _chainhash
+    from kvmesh.cache_store import _chainhash
 except ImportError:  # pragma: no cover - exercised where libxxhash-dev is absent
     _chainhash = None
 

@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from cache_store.kv_codec import KVCodec
+from kvmesh.cache_store.kv_codec import KVCodec
 
 __all__ = ["BlockIdentity", "HostEntry", "HostTier"]
 

@@ -30,10 +30,10 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from cache_store.block_pool import BlockPool
-from cache_store.events import MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored
-from cache_store.hashing import BlockHashes, hash_block, hash_blocks
-from cache_store.radix_index import RadixIndex
+from kvmesh.cache_store.block_pool import BlockPool
+from kvmesh.cache_store.events import MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.cache_store.hashing import BlockHashes, hash_block, hash_blocks
+from kvmesh.cache_store.radix_index import RadixIndex
 
 __all__ = ["PrefixMatch", "PrefixCache", "EvictedBlock"]
 

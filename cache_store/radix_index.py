@@ -26,7 +26,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
-from cache_store.hashing import BlockHashes
+from kvmesh.cache_store.hashing import BlockHashes
 
 __all__ = ["MatchResult", "RadixNode", "RadixIndex"]
 

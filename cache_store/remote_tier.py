@@ -91,7 +91,7 @@ from typing import Sequence
 
 import redis
 
-from cache_store.block_record import RecordError, RecordMeta, decode_record, encode_header
+from kvmesh.cache_store.block_record import RecordError, RecordMeta, decode_record, encode_header
 
 __all__ = [
     "RemoteTier",

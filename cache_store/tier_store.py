@@ -59,7 +59,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from cache_store.block_record import (
+from kvmesh.cache_store.block_record import (
     HEADER_BYTES,
     ZERO_HASH,
     RecordError,
@@ -68,12 +68,12 @@ from cache_store.block_record import (
     dtype_name,
     host_meta,
 )
-from cache_store.disk_tier import DiskEntry, DiskTier, SegmentReadError
-from cache_store.events import BlockRemoved, BlockStored
-from cache_store.host_tier import HostTier
-from cache_store.kv_codec import CODECS, KVCodec, make_codec
-from cache_store.prefix_cache import EvictedBlock
-from cache_store.remote_tier import RemoteTier
+from kvmesh.cache_store.disk_tier import DiskEntry, DiskTier, SegmentReadError
+from kvmesh.cache_store.events import BlockRemoved, BlockStored
+from kvmesh.cache_store.host_tier import HostTier
+from kvmesh.cache_store.kv_codec import CODECS, KVCodec, make_codec
+from kvmesh.cache_store.prefix_cache import EvictedBlock
+from kvmesh.cache_store.remote_tier import RemoteTier
 
 __all__ = ["WRITE_MODES", "TierConfig", "TierStore", "Located", "SOURCES"]
 

@@ -8,7 +8,7 @@ are committed so that installing kvmesh needs no protoc. Run this after editing 
     python -m proto.generate --check    # exit 1 if they are stale (used by the tests)
 
 It uses grpcio-tools (a test/dev dependency) and writes imports as
-``from proto import kvmesh_pb2`` because the repository root is the import root.
+``from kvmesh.proto import kvmesh_pb2`` because the repository root is the import root.
 """
 from __future__ import annotations
 
@@ -19,30 +19,39 @@ import sys
 import tempfile
 
 PROTO_DIR = pathlib.Path(__file__).resolve().parent
-ROOT = PROTO_DIR.parent
 GENERATED = ("kvmesh_pb2.py", "kvmesh_pb2_grpc.py", "kvmesh_pb2.pyi")
 
 
-def generate(out_root: pathlib.Path) -> None:
-    """Run protoc on proto/kvmesh.proto, writing under ``out_root/proto/``.
+def generate(out_dir: pathlib.Path) -> None:
+    """Run protoc on proto/kvmesh.proto, writing the generated modules into ``out_dir``.
 
     Raises:
         RuntimeError: protoc failed (its exit code is in the message).
     """
+    import shutil
+
     from grpc_tools import protoc  # dev dependency, imported lazily
 
-    (out_root / "proto").mkdir(parents=True, exist_ok=True)
-    args = [
-        "grpc_tools.protoc",
-        f"-I{ROOT}",
-        f"--python_out={out_root}",
-        f"--pyi_out={out_root}",
-        f"--grpc_python_out={out_root}",
-        str(PROTO_DIR / "kvmesh.proto"),
-    ]
-    rc = protoc.main(args)
-    if rc != 0:
-        raise RuntimeError(f"protoc exited with {rc}")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = pathlib.Path(tmp) / "src"
+        out = pathlib.Path(tmp) / "out"
+        (src / "kvmesh" / "proto").mkdir(parents=True)
+        out.mkdir()
+        shutil.copyfile(PROTO_DIR / "kvmesh.proto", src / "kvmesh" / "proto" / "kvmesh.proto")
+        args = [
+            "grpc_tools.protoc",
+            f"-I{src}",
+            f"--python_out={out}",
+            f"--pyi_out={out}",
+            f"--grpc_python_out={out}",
+            str(src / "kvmesh" / "proto" / "kvmesh.proto"),
+        ]
+        rc = protoc.main(args)
+        if rc != 0:
+            raise RuntimeError(f"protoc exited with {rc}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in GENERATED:
+            shutil.copyfile(out / "kvmesh" / "proto" / name, out_dir / name)
 
 
 def is_current() -> bool:
@@ -51,7 +60,7 @@ def is_current() -> bool:
         generate(pathlib.Path(tmp))
         return all(
             (PROTO_DIR / name).exists()
-            and filecmp.cmp(PROTO_DIR / name, pathlib.Path(tmp) / "proto" / name, shallow=False)
+            and filecmp.cmp(PROTO_DIR / name, pathlib.Path(tmp) / name, shallow=False)
             for name in GENERATED
         )
 
@@ -64,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = is_current()
         print("generated code is current" if ok else "generated code is stale: run python -m proto.generate")
         return 0 if ok else 1
-    generate(ROOT)
+    generate(PROTO_DIR)
     return 0
 
 

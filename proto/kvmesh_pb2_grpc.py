@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import kvmesh_pb2 as proto_dot_kvmesh__pb2
+from kvmesh.proto import kvmesh_pb2 as kvmesh_dot_proto_dot_kvmesh__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/kvmesh_pb2_grpc.py depends on'
+        + ' but the generated code in kvmesh/proto/kvmesh_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class WorkerStub:
         """
         self.Generate = channel.unary_stream(
                 '/kvmesh.v1.Worker/Generate',
-                request_serializer=proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_kvmesh__pb2.GenerateResponse.FromString,
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/kvmesh.v1.Worker/Tokenize',
-                request_serializer=proto_dot_kvmesh__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=proto_dot_kvmesh__pb2.TokenizeResponse.FromString,
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/kvmesh.v1.Worker/GetInfo',
-                request_serializer=proto_dot_kvmesh__pb2.WorkerInfoRequest.SerializeToString,
-                response_deserializer=proto_dot_kvmesh__pb2.WorkerInfo.FromString,
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.WorkerInfoRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.WorkerInfo.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/kvmesh.v1.Worker/GetLoad',
-                request_serializer=proto_dot_kvmesh__pb2.LoadRequest.SerializeToString,
-                response_deserializer=proto_dot_kvmesh__pb2.Load.FromString,
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.LoadRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.Load.FromString,
                 _registered_method=True)
         self.GetSnapshot = channel.unary_unary(
                 '/kvmesh.v1.Worker/GetSnapshot',
-                request_serializer=proto_dot_kvmesh__pb2.SnapshotRequest.SerializeToString,
-                response_deserializer=proto_dot_kvmesh__pb2.Snapshot.FromString,
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.Snapshot.FromString,
                 _registered_method=True)
         self.ClearCache = channel.unary_unary(
                 '/kvmesh.v1.Worker/ClearCache',
-                request_serializer=proto_dot_kvmesh__pb2.ClearCacheRequest.SerializeToString,
-                response_deserializer=proto_dot_kvmesh__pb2.ClearCacheResponse.FromString,
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.ClearCacheRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.ClearCacheResponse.FromString,
                 _registered_method=True)
         self.FetchBlocks = channel.unary_stream(
                 '/kvmesh.v1.Worker/FetchBlocks',
-                request_serializer=proto_dot_kvmesh__pb2.FetchBlocksRequest.SerializeToString,
-                response_deserializer=proto_dot_kvmesh__pb2.BlockData.FromString,
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.BlockData.FromString,
                 _registered_method=True)
 
 
@@ -121,38 +121,38 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_kvmesh__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_kvmesh__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.GenerateRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=proto_dot_kvmesh__pb2.TokenizeRequest.FromString,
-                    response_serializer=proto_dot_kvmesh__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.TokenizeRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.TokenizeResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=proto_dot_kvmesh__pb2.WorkerInfoRequest.FromString,
-                    response_serializer=proto_dot_kvmesh__pb2.WorkerInfo.SerializeToString,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.WorkerInfoRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.WorkerInfo.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=proto_dot_kvmesh__pb2.LoadRequest.FromString,
-                    response_serializer=proto_dot_kvmesh__pb2.Load.SerializeToString,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.LoadRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.Load.SerializeToString,
             ),
             'GetSnapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.GetSnapshot,
-                    request_deserializer=proto_dot_kvmesh__pb2.SnapshotRequest.FromString,
-                    response_serializer=proto_dot_kvmesh__pb2.Snapshot.SerializeToString,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.SnapshotRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.Snapshot.SerializeToString,
             ),
             'ClearCache': grpc.unary_unary_rpc_method_handler(
                     servicer.ClearCache,
-                    request_deserializer=proto_dot_kvmesh__pb2.ClearCacheRequest.FromString,
-                    response_serializer=proto_dot_kvmesh__pb2.ClearCacheResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.ClearCacheRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.ClearCacheResponse.SerializeToString,
             ),
             'FetchBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchBlocks,
-                    request_deserializer=proto_dot_kvmesh__pb2.FetchBlocksRequest.FromString,
-                    response_serializer=proto_dot_kvmesh__pb2.BlockData.SerializeToString,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.BlockData.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,8 +180,8 @@ class Worker:
             request,
             target,
             '/kvmesh.v1.Worker/Generate',
-            proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
-            proto_dot_kvmesh__pb2.GenerateResponse.FromString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -207,8 +207,8 @@ class Worker:
             request,
             target,
             '/kvmesh.v1.Worker/Tokenize',
-            proto_dot_kvmesh__pb2.TokenizeRequest.SerializeToString,
-            proto_dot_kvmesh__pb2.TokenizeResponse.FromString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.TokenizeRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -234,8 +234,8 @@ class Worker:
             request,
             target,
             '/kvmesh.v1.Worker/GetInfo',
-            proto_dot_kvmesh__pb2.WorkerInfoRequest.SerializeToString,
-            proto_dot_kvmesh__pb2.WorkerInfo.FromString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.WorkerInfoRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -261,8 +261,8 @@ class Worker:
             request,
             target,
             '/kvmesh.v1.Worker/GetLoad',
-            proto_dot_kvmesh__pb2.LoadRequest.SerializeToString,
-            proto_dot_kvmesh__pb2.Load.FromString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.LoadRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.Load.FromString,
             options,
             channel_credentials,
             insecure,
@@ -288,8 +288,8 @@ class Worker:
             request,
             target,
             '/kvmesh.v1.Worker/GetSnapshot',
-            proto_dot_kvmesh__pb2.SnapshotRequest.SerializeToString,
-            proto_dot_kvmesh__pb2.Snapshot.FromString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.SnapshotRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.Snapshot.FromString,
             options,
             channel_credentials,
             insecure,
@@ -315,8 +315,8 @@ class Worker:
             request,
             target,
             '/kvmesh.v1.Worker/ClearCache',
-            proto_dot_kvmesh__pb2.ClearCacheRequest.SerializeToString,
-            proto_dot_kvmesh__pb2.ClearCacheResponse.FromString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.ClearCacheRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.ClearCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -342,8 +342,8 @@ class Worker:
             request,
             target,
             '/kvmesh.v1.Worker/FetchBlocks',
-            proto_dot_kvmesh__pb2.FetchBlocksRequest.SerializeToString,
-            proto_dot_kvmesh__pb2.BlockData.FromString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.FetchBlocksRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.BlockData.FromString,
             options,
             channel_credentials,
             insecure,
@@ -366,13 +366,13 @@ class RouterStub:
         """
         self.Generate = channel.unary_stream(
                 '/kvmesh.v1.Router/Generate',
-                request_serializer=proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_kvmesh__pb2.GenerateResponse.FromString,
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/kvmesh.v1.Router/Status',
-                request_serializer=proto_dot_kvmesh__pb2.RouterStatusRequest.SerializeToString,
-                response_deserializer=proto_dot_kvmesh__pb2.RouterStatus.FromString,
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.RouterStatusRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.RouterStatus.FromString,
                 _registered_method=True)
 
 
@@ -396,13 +396,13 @@ def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_kvmesh__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_kvmesh__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.GenerateRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.GenerateResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=proto_dot_kvmesh__pb2.RouterStatusRequest.FromString,
-                    response_serializer=proto_dot_kvmesh__pb2.RouterStatus.SerializeToString,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.RouterStatusRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.RouterStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,8 +430,8 @@ class Router:
             request,
             target,
             '/kvmesh.v1.Router/Generate',
-            proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
-            proto_dot_kvmesh__pb2.GenerateResponse.FromString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -457,8 +457,8 @@ class Router:
             request,
             target,
             '/kvmesh.v1.Router/Status',
-            proto_dot_kvmesh__pb2.RouterStatusRequest.SerializeToString,
-            proto_dot_kvmesh__pb2.RouterStatus.FromString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.RouterStatusRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.RouterStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,8 +26,16 @@ fi
 stamp=.venv/.kvmesh-setup
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
    || [ cache_store/_chainhash.c -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[test]"
+  # pip's and setuptools' own banners go to a log; it is printed only when a step fails
+  log=.venv/setup.log
+  : > "$log"
+  for step in "--upgrade pip" "torch==2.13.0" "-e .[test]"; do
+    # shellcheck disable=SC2086
+    if ! .venv/bin/python -m pip install -q $step >>"$log" 2>&1; then
+      cat "$log" >&2
+      echo "[setup] pip install $step failed (log above, also in $log)" >&2
+      exit 1
+    fi
+  done
   touch "$stamp"
 fi

@@ -77,7 +77,7 @@ def parse_bytes(text: str) -> int:
 
 def tier_config(args: argparse.Namespace):
     """`TierConfig` from parsed worker options (validated by the engine)."""
-    from cache_store.tier_store import TierConfig
+    from kvmesh.cache_store.tier_store import TierConfig
 
     return TierConfig(host_bytes=args.host_bytes, host_codec=args.host_codec, disk_dir=args.disk_dir,
                       disk_bytes=args.disk_bytes, disk_codec=args.disk_codec, write_mode=args.disk_write_mode,
@@ -93,7 +93,7 @@ def make_engine(args: argparse.Namespace, event_sink=None):
     """
     import torch
 
-    from workers.engine import Engine
+    from kvmesh.workers.engine import Engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -124,7 +124,7 @@ def advertised_address(host: str, port: int, advertise: str | None) -> str:
 def cmd_worker(args: argparse.Namespace) -> int:
     import socket
 
-    from workers.server import serve_worker
+    from kvmesh.workers.server import serve_worker
 
     worker_id = args.worker_id or f"{socket.gethostname()}:{args.port}"
     try:
@@ -147,7 +147,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
                                  advertise=advertise))
         return 0
-    from workers.kv_publisher import KVEventPublisher, WorkerLease
+    from kvmesh.workers.kv_publisher import KVEventPublisher, WorkerLease
 
     publisher = KVEventPublisher(args.redis_url, worker_id, cluster=args.cluster)
     try:
@@ -200,9 +200,9 @@ def generate(target: str, prompt: str | None = None, token_ids: list[int] | None
     Raises:
         grpc.RpcError: the server answered with an error status.
     """
-    from proto import kvmesh_pb2 as pb
-    from proto import kvmesh_pb2_grpc as pb_grpc
-    from workers import wire
+    from kvmesh.proto import kvmesh_pb2 as pb
+    from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+    from kvmesh.workers import wire
 
     req = pb.GenerateRequest(
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -289,7 +289,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_kv_size(args: argparse.Namespace) -> int:
-    from workers.config import kv_cache_bytes, resolve_model_shape
+    from kvmesh.workers.config import kv_cache_bytes, resolve_model_shape
 
     try:
         cfg = resolve_model_shape(args.model)
@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_kv_size)
 
-    from services import cluster_cli
+    from kvmesh.services import cluster_cli
 
     cluster_cli.add_worker_cluster_args(sub.choices["worker"])
     cluster_cli.register(sub)

@@ -27,7 +27,7 @@ def redis_url(text: str) -> str:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from services.router import serve_router
+    from kvmesh.services.router import serve_router
 
     asyncio.run(serve_router(args.port, args.redis_url, policy=args.policy, host=args.host, model_dir=args.model,
                              cluster=args.cluster, seed=args.seed))
@@ -35,7 +35,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def _spec_from_args(args: argparse.Namespace, policy: str | None = None):
-    from services.launcher import ClusterSpec
+    from kvmesh.services.launcher import ClusterSpec
 
     return ClusterSpec(num_workers=args.workers, router_port=getattr(args, "port", 0) or 0,
                        redis_url=args.redis_url, policy=policy or args.policy, model=args.model,
@@ -64,7 +64,7 @@ def _tier_flag_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the tier flags every worker would get, checked before anything starts."""
     import dataclasses
 
-    from services.cli import tier_config
+    from kvmesh.services.cli import tier_config
 
     cfg = tier_config(args)
     if cfg.remote_bytes and not cfg.remote_url:
@@ -77,7 +77,7 @@ def _tier_flag_problem(args: argparse.Namespace) -> str | None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.launcher import LocalCluster
+    from kvmesh.services.launcher import LocalCluster
 
     problem = _tier_flag_problem(args)
     if problem:
@@ -106,7 +106,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from bench.demo import run_demo
+    from kvmesh.bench.demo import run_demo
 
     result = run_demo(workers=args.workers, max_requests=args.max_requests, tokens_per_block=args.tokens_per_block,
                       max_output_tokens=args.max_output_tokens, concurrency=args.concurrency,
@@ -124,7 +124,7 @@ def add_worker_cluster_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
-    from services.cli import _add_engine_args
+    from kvmesh.services.cli import _add_engine_args
 
     p = sub.add_parser("router", help="serve the KV-aware router (kvmesh.v1.Router)")
     p.add_argument("--port", type=int, required=True)
@@ -147,7 +147,7 @@ def register(sub) -> None:
     _add_engine_args(p)
     p.set_defaults(func=cmd_up)
 
-    from bench.demo import DEFAULT_POLICIES
+    from kvmesh.bench.demo import DEFAULT_POLICIES
 
     p = sub.add_parser("demo", help="replay the bundled Mooncake trace sample on a local cluster, "
                        "round_robin vs kv_aware")
@@ -163,10 +163,10 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_demo)
 
-    from bench import harness
+    from kvmesh.bench import harness
 
     harness.register(sub)
 
-    from bench import sim
+    from kvmesh.bench import sim
 
     sim.register(sub)

@@ -24,7 +24,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from cache_store.events import MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvmesh.cache_store.events import MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 __all__ = ["TIER_WEIGHTS", "PrefixMatch", "ClusterIndex", "weighted_blocks"]
 

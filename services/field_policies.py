@@ -35,7 +35,7 @@ import random
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
-from services.policies import RouteRequest, RoutingPolicy, WorkerView, _argmin, _require, register
+from kvmesh.services.policies import RouteRequest, RoutingPolicy, WorkerView, _argmin, _require, register
 
 __all__ = [
     "RoutedPrefixTree",

@@ -33,9 +33,9 @@ from typing import Awaitable, Callable
 import redis
 import redis.asyncio as aioredis
 
-from cache_store.events import decode_batch
-from services.cluster_index import ClusterIndex
-from workers.kv_publisher import DEFAULT_CLUSTER, lease_key, stream_key, workers_key
+from kvmesh.cache_store.events import decode_batch
+from kvmesh.services.cluster_index import ClusterIndex
+from kvmesh.workers.kv_publisher import DEFAULT_CLUSTER, lease_key, stream_key, workers_key
 
 __all__ = ["IndexSubscriber", "ResyncFn"]
 

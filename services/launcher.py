@@ -11,7 +11,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from services.procs import RedisServer, free_port, python_cmd, spawn, stop_process, wait_healthy
+from kvmesh.services.procs import RedisServer, free_port, python_cmd, spawn, stop_process, wait_healthy
 
 
 @dataclass
@@ -111,8 +111,8 @@ class LocalCluster:
         """Wait until the router lists every worker as live."""
         import grpc
 
-        from proto import kvmesh_pb2 as pb
-        from proto import kvmesh_pb2_grpc as pb_grpc
+        from kvmesh.proto import kvmesh_pb2 as pb
+        from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 
         deadline = time.monotonic() + timeout
         with grpc.insecure_channel(self.router_address) as ch:

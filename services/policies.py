@@ -333,4 +333,4 @@ class KVAwarePolicy(RoutingPolicy):
 
 # Other routers' policies (sglang_cache_aware, ray_prefix_affinity, dynamo_kv, llmd_precise,
 # power_of_two) register themselves on import.
-from services import field_policies as _field_policies  # noqa: E402,F401
+from kvmesh.services import field_policies as _field_policies  # noqa: E402,F401

@@ -67,7 +67,7 @@ class RedisServer:
 
 def python_cmd(*args: str) -> list[str]:
     """Command line running the kvmesh CLI with this interpreter."""
-    return [sys.executable, "-m", "services.cli", *args]
+    return [sys.executable, "-m", "kvmesh.services.cli", *args]
 
 
 def _with_parent_death_signal(cmd: list[str]) -> list[str]:

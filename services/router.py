@@ -29,15 +29,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from cache_store.hashing import Namespace, hash_blocks
-from proto import kvmesh_pb2 as pb
-from proto import kvmesh_pb2_grpc as pb_grpc
-from services.cluster_index import ClusterIndex, weighted_blocks
-from services.index_subscriber import IndexSubscriber
-from services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
-from workers.config import ModelConfig
-from workers.grpc_host import CHANNEL_OPTIONS, ChannelPool, GrpcHost
-from workers.tokenizer import load_tokenizer
+from kvmesh.cache_store.hashing import Namespace, hash_blocks
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
+from kvmesh.services.index_subscriber import IndexSubscriber
+from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
+from kvmesh.workers.config import ModelConfig
+from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, ChannelPool, GrpcHost
+from kvmesh.workers.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ def prefix_holder(chosen: WorkerView, views: list[WorkerView], min_extra_blocks:
 def _load_config(model_dir: str | None) -> ModelConfig:
     if model_dir is None:
         return ModelConfig.tiny()
-    from workers.loader import read_config
+    from kvmesh.workers.loader import read_config
 
     return read_config(model_dir)
 

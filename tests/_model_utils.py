@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.model import AttentionMetadata, DecoderModel
+from kvmesh.workers.model import AttentionMetadata, DecoderModel
 
 
 @dataclass

@@ -14,7 +14,7 @@ if ROOT not in sys.path:
 @pytest.fixture()
 def redis_server():
     """A private redis-server on a free loopback port (never the system one)."""
-    from services.procs import RedisServer
+    from kvmesh.services.procs import RedisServer
 
     server = RedisServer()
     yield server
@@ -24,7 +24,7 @@ def redis_server():
 @pytest.fixture()
 def spawn_worker(tmp_path):
     """Factory: start a `kvmesh worker` process on a free port; stopped at teardown."""
-    from services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+    from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
 
     procs = []
 

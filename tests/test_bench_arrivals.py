@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from bench.arrivals import ArrivalSpec, poisson_offsets, release_offsets, trace_offsets
+from kvmesh.bench.arrivals import ArrivalSpec, poisson_offsets, release_offsets, trace_offsets
 
 
 def test_poisson_mean_rate_and_exponential_gaps():

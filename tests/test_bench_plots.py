@@ -5,7 +5,7 @@ import json
 import random
 import struct
 
-from bench import plots
+from kvmesh.bench import plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

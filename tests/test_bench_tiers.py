@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench import tiers
+from kvmesh.bench import tiers
 
 
 def test_bench_copies_small(tmp_path):

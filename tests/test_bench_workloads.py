@@ -6,8 +6,8 @@ from collections import defaultdict
 
 import pytest
 
-from bench.trace import DEFAULT_SAMPLE, load_mooncake, synthesize_tokens
-from bench.workloads import (
+from kvmesh.bench.trace import DEFAULT_SAMPLE, load_mooncake, synthesize_tokens
+from kvmesh.bench.workloads import (
     WorkItem,
     Workload,
     build_prompt,

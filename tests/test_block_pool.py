@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_store.block_pool import Block, BlockPool, allocate_kv_cache, kv_bytes_per_block
+from kvmesh.cache_store.block_pool import Block, BlockPool, allocate_kv_cache, kv_bytes_per_block
 
 
 def h(i: int) -> bytes:

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from cache_store.block_record import (
+from kvmesh.cache_store.block_record import (
     HEADER_BYTES,
     ZERO_HASH,
     RecordError,
@@ -15,7 +15,7 @@ from cache_store.block_record import (
     encode_record,
     parse_header,
 )
-from cache_store.hashing import Namespace, hash_blocks
+from kvmesh.cache_store.hashing import Namespace, hash_blocks
 
 SHAPE = (4, 2, 2, 16, 64)
 ROOT = Namespace("m").root_hash()

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_store.events import MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from services.cluster_index import TIER_WEIGHTS, ClusterIndex, PrefixMatch, weighted_blocks
+from kvmesh.cache_store.events import MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvmesh.services.cluster_index import TIER_WEIGHTS, ClusterIndex, PrefixMatch, weighted_blocks
 
 
 def H(i: int) -> bytes:

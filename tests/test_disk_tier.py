@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from cache_store.block_record import ZERO_HASH, RecordMeta, checksum
-from cache_store.disk_tier import SEGMENT_HEADER_BYTES, DiskTier, SegmentReadError
-from cache_store.hashing import Namespace, hash_blocks
+from kvmesh.cache_store.block_record import ZERO_HASH, RecordMeta, checksum
+from kvmesh.cache_store.disk_tier import SEGMENT_HEADER_BYTES, DiskTier, SegmentReadError
+from kvmesh.cache_store.hashing import Namespace, hash_blocks
 
 SHAPE = (4, 2, 2, 16, 64)
 PAYLOAD = 4096  # small payloads keep the files small; the tier does not care about the codec size
@@ -137,9 +137,9 @@ def test_capacity_evicts_least_recently_used_segment(tmp_path):
 CHILD = textwrap.dedent("""
     import os, random, sys
     sys.path.insert(0, {root!r})
-    from cache_store.block_record import ZERO_HASH, RecordMeta, checksum
-    from cache_store.disk_tier import DiskTier
-    from cache_store.hashing import Namespace, hash_blocks
+    from kvmesh.cache_store.block_record import ZERO_HASH, RecordMeta, checksum
+    from kvmesh.cache_store.disk_tier import DiskTier
+    from kvmesh.cache_store.hashing import Namespace, hash_blocks
     SHAPE = (4, 2, 2, 16, 64)
     t = DiskTier({path!r}, 1 << 40, SHAPE, "float32")
     t.scan()

@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from workers.engine import Engine
-from workers.request import InvalidRequest, Overloaded, SamplingParams
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.request import InvalidRequest, Overloaded, SamplingParams
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=12)

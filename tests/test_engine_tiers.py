@@ -14,12 +14,12 @@ import threading
 import pytest
 import torch
 
-from bench.codec_error import DOCUMENTED_MAX_LOGIT_DIFF
-from cache_store.events import AllBlocksCleared, BlockRemoved, BlockStored
-from cache_store.hashing import hash_blocks
-from cache_store.tier_store import TierConfig
-from workers.engine import Engine
-from workers.request import SamplingParams
+from kvmesh.bench.codec_error import DOCUMENTED_MAX_LOGIT_DIFF
+from kvmesh.cache_store.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.cache_store.hashing import hash_blocks
+from kvmesh.cache_store.tier_store import TierConfig
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.request import SamplingParams
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=10)
@@ -337,9 +337,9 @@ def test_bad_tier_config_is_rejected():
 def test_cli_tier_flags(capsys):
     import argparse
 
-    from services.cli import build_parser, cmd_worker, parse_bytes, tier_config
-    from services.cluster_cli import _spec_from_args
-    from services.launcher import LocalCluster
+    from kvmesh.services.cli import build_parser, cmd_worker, parse_bytes, tier_config
+    from kvmesh.services.cluster_cli import _spec_from_args
+    from kvmesh.services.launcher import LocalCluster
 
     assert parse_bytes("4096") == 4096 and parse_bytes("64M") == 64 << 20 and parse_bytes("1.5GiB") == 3 << 29
     for bad in ("-1", "lots", "12Q"):
@@ -377,7 +377,7 @@ def test_cli_tier_flags(capsys):
 
 
 def test_worker_advertised_address(capsys):
-    from services.cli import advertised_address, build_parser, cmd_worker
+    from kvmesh.services.cli import advertised_address, build_parser, cmd_worker
 
     assert advertised_address("127.0.0.1", 5000, None) == "127.0.0.1:5000"
     assert advertised_address("0.0.0.0", 5000, "10.0.3.7:5000") == "10.0.3.7:5000"
@@ -392,9 +392,9 @@ def test_worker_advertised_address(capsys):
 
 
 def test_remote_flags_are_checked_before_anything_starts(capsys, redis_server):
-    from services.cli import build_parser, cmd_worker
-    from services.cluster_cli import cmd_up
-    from services.procs import free_port
+    from kvmesh.services.cli import build_parser, cmd_worker
+    from kvmesh.services.cluster_cli import cmd_up
+    from kvmesh.services.procs import free_port
 
     p = build_parser()
     assert cmd_up(p.parse_args(["up", "--remote-bytes", "1G"])) == 2  # no redis-server, no worker started

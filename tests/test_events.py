@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_store.events import (
+from kvmesh.cache_store.events import (
     MEDIUMS,
     AllBlocksCleared,
     BlockRemoved,

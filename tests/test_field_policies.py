@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from services.field_policies import RoutedPrefixTree
-from services.policies import POLICIES, RouteRequest, WorkerView, make_policy
+from kvmesh.services.field_policies import RoutedPrefixTree
+from kvmesh.services.policies import POLICIES, RouteRequest, WorkerView, make_policy
 
 FIELD = ("sglang_cache_aware", "ray_prefix_affinity", "dynamo_kv", "llmd_precise", "power_of_two")
 BS = 16

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.harness import add_arguments, arrival_from_args, comparison_markdown, main, workload_from_args
+from kvmesh.bench.harness import add_arguments, arrival_from_args, comparison_markdown, main, workload_from_args
 
 
 def _parse(*argv: str) -> argparse.Namespace:

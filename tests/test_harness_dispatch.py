@@ -9,11 +9,11 @@ import time
 import grpc
 import pytest
 
-from bench.arrivals import ArrivalSpec
-from bench.harness import drive, run_workload
-from bench.workloads import WorkItem, Workload, multi_turn_workload
-from proto import kvmesh_pb2 as pb
-from proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.bench.arrivals import ArrivalSpec
+from kvmesh.bench.harness import drive, run_workload
+from kvmesh.bench.workloads import WorkItem, Workload, multi_turn_workload
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 
 
 def _items(n, parents=None):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.harness import main
+from kvmesh.bench.harness import main
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import report
+from kvmesh.bench import report
 
 
 def _rec(index, ttft, e2e, completion, itl=(), ok=True, worker="w0", start=0.0, end=1.0, prompt=32, cached=0,

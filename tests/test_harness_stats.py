@@ -8,12 +8,12 @@ import grpc
 import numpy as np
 import pytest
 
-from bench import report
-from bench.harness import main as bench_main
-from bench.harness import register, run_bench
-from bench.trace import TraceRequest, synthesize_tokens
-from proto import kvmesh_pb2 as pb
-from proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.bench import report
+from kvmesh.bench.harness import main as bench_main
+from kvmesh.bench.harness import register, run_bench
+from kvmesh.bench.trace import TraceRequest, synthesize_tokens
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 
 # ---------------------------------------------------------------------------- percentiles
 
@@ -274,7 +274,7 @@ def _free_port() -> int:
 
 
 def test_unreachable_target_raises(tmp_path):
-    from bench.harness import TargetUnreachable
+    from kvmesh.bench.harness import TargetUnreachable
 
     with pytest.raises(TargetUnreachable, match="cannot reach"):
         asyncio.run(run_bench(f"127.0.0.1:{_free_port()}", _trace(tmp_path), tmp_path / "o", progress=False,

@@ -12,7 +12,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_store.hashing import (
+from kvmesh.cache_store.hashing import (
     HASH_BYTES,
     HASH_FORMAT_VERSION,
     BlockHashes,
@@ -98,7 +98,7 @@ def test_hash_block_is_digest_of_concatenation():
 
 _CHILD = """
 import json, sys
-from cache_store.hashing import Namespace, hash_blocks
+from kvmesh.cache_store.hashing import Namespace, hash_blocks
 toks = json.loads(sys.argv[1])
 ns = Namespace("golden-model", cache_salt="s", adapter_id="a")
 bh = hash_blocks(toks, 16, ns.root_hash())

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from cache_store import hashing
+from kvmesh.cache_store import hashing
 
 
 def test_extension_is_built():
@@ -34,7 +34,7 @@ def test_native_equals_pure_python(n, bs, parent_len):
 
 
 def test_native_and_fallback_agree_through_public_api():
-    code = ("import random; from cache_store.hashing import hash_blocks, NATIVE_HASHING; "
+    code = ("import random; from kvmesh.cache_store.hashing import hash_blocks, NATIVE_HASHING; "
             "r = random.Random(5); ids = [r.randrange(50000) for _ in range(5000)]; "
             "print(NATIVE_HASHING, hash_blocks(ids, 16, b'\\x00' * 16).hashes[-1].hex())")
     out = {}

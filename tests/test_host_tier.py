@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_store.host_tier import HostEntry, HostTier
-from cache_store.kv_codec import make_codec
-from cache_store.prefix_cache import EvictedBlock
+from kvmesh.cache_store.host_tier import HostEntry, HostTier
+from kvmesh.cache_store.kv_codec import make_codec
+from kvmesh.cache_store.prefix_cache import EvictedBlock
 
 SHAPE = (2, 2, 1, 4, 8)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_store.kv_codec import CODECS, FP8_E4M3_MAX, KVCodec, make_codec, register_codec
+from kvmesh.cache_store.kv_codec import CODECS, FP8_E4M3_MAX, KVCodec, make_codec, register_codec
 
 SHAPE = (4, 2, 2, 16, 64)  # the built-in model's block at block_size 16
 
@@ -105,9 +105,9 @@ def test_registry_and_input_checks():
 
 def test_cli_codec_names_are_the_registered_ones():
     """The CLI lists codec names without importing torch; they must match the registry."""
-    from cache_store.kv_codec import CODECS
-    from cache_store.tier_store import WRITE_MODES
-    from services.cli import build_parser
+    from kvmesh.cache_store.kv_codec import CODECS
+    from kvmesh.cache_store.tier_store import WRITE_MODES
+    from kvmesh.services.cli import build_parser
 
     worker = build_parser()._subparsers._group_actions[0].choices["worker"]
     by_dest = {a.dest: a for a in worker._actions}

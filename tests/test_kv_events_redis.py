@@ -9,11 +9,11 @@ import uuid
 import pytest
 import redis
 
-from cache_store.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
-from services.cluster_index import ClusterIndex
-from services.index_subscriber import IndexSubscriber
-from services.procs import RedisServer, free_port
-from workers.kv_publisher import KVEventPublisher, WorkerLease, lease_key, stream_key, workers_key
+from kvmesh.cache_store.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from kvmesh.services.cluster_index import ClusterIndex
+from kvmesh.services.index_subscriber import IndexSubscriber
+from kvmesh.services.procs import RedisServer, free_port
+from kvmesh.workers.kv_publisher import KVEventPublisher, WorkerLease, lease_key, stream_key, workers_key
 
 POLL = 0.1
 

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests._model_utils import Seq, greedy, step
-from workers.config import KNOWN_SHAPES, ModelConfig, RopeScaling, kv_cache_bytes, resolve_model_shape
-from workers.loader import load_model, save_tiny_checkpoint
-from workers.model import AttentionMetadata, allocate_kv_cache, kv_cache_shape
-from workers.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from kvmesh.workers.config import KNOWN_SHAPES, ModelConfig, RopeScaling, kv_cache_bytes, resolve_model_shape
+from kvmesh.workers.loader import load_model, save_tiny_checkpoint
+from kvmesh.workers.model import AttentionMetadata, allocate_kv_cache, kv_cache_shape
+from kvmesh.workers.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -354,7 +354,7 @@ def test_random_init_is_seeded(tiny):
 
     # Same weights in a fresh interpreter.
     code = (
-        "import torch; from workers.loader import load_model; "
+        "import torch; from kvmesh.workers.loader import load_model; "
         "_, m = load_model(None, seed=0); "
         "print(repr(float(sum(p.double().sum() for p in m.parameters()))))"
     )

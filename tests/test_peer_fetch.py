@@ -8,14 +8,14 @@ import random
 
 import pytest
 
-from cache_store.block_record import RecordError
-from cache_store.tier_store import TierConfig
-from proto import kvmesh_pb2 as pb
-from services.policies import WorkerView
-from services.router import prefix_holder
-from workers.engine import Engine
-from workers.peer_fetch import TransferModel, _verify, decide
-from workers.request import SamplingParams
+from kvmesh.cache_store.block_record import RecordError
+from kvmesh.cache_store.tier_store import TierConfig
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.services.policies import WorkerView
+from kvmesh.services.router import prefix_holder
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.peer_fetch import TransferModel, _verify, decide
+from kvmesh.workers.request import SamplingParams
 
 BS = 16
 
@@ -104,7 +104,7 @@ def test_exported_blocks_staged_on_another_engine_equal_cold(pair):
     holder.offload_device_cache()
     holder.generate(prompt[:100], SamplingParams(max_tokens=1))  # 0..5 on device, the rest only in host
     ns = fetcher.namespace()
-    from cache_store.hashing import hash_blocks
+    from kvmesh.cache_store.hashing import hash_blocks
 
     hashed = hash_blocks(prompt, BS, ns.root_hash())
     want = (len(prompt) - 1) // BS
@@ -125,7 +125,7 @@ def test_tampered_blocks_are_refused(pair):
     prompt = [rng.randrange(256) for _ in range(100)]
     holder.clear_cache()
     holder.generate(prompt, SamplingParams(max_tokens=1))
-    from cache_store.hashing import hash_blocks
+    from kvmesh.cache_store.hashing import hash_blocks
 
     ns = fetcher.namespace()
     hashed = hash_blocks(prompt, BS, ns.root_hash())

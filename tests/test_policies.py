@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from services.policies import (
+from kvmesh.services.policies import (
     RoutedShare,
     DEFAULT_POLICY,
     POLICIES,

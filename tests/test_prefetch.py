@@ -6,10 +6,10 @@ import os
 import threading
 import time
 
-from cache_store.hashing import hash_blocks
-from cache_store.tier_store import TierConfig
+from kvmesh.cache_store.hashing import hash_blocks
+from kvmesh.cache_store.tier_store import TierConfig
 from tests.test_engine_tiers import BLOCK_BYTES, BS, cap_blocks, max_diff, rand_prompt, run
-from workers.engine import Engine
+from kvmesh.workers.engine import Engine
 
 
 def disk_engine(tmp_path, peer_bytes=16 << 20) -> Engine:
@@ -165,10 +165,10 @@ def test_write_queue_is_bounded_and_never_waited_for(tmp_path):
     once the writer moves again."""
     import torch
 
-    from cache_store.prefix_cache import EvictedBlock
-    from cache_store.tier_store import TierStore
-    from workers.config import ModelConfig
-    from workers.model import allocate_kv_cache
+    from kvmesh.cache_store.prefix_cache import EvictedBlock
+    from kvmesh.cache_store.tier_store import TierStore
+    from kvmesh.workers.config import ModelConfig
+    from kvmesh.workers.model import allocate_kv_cache
 
     kv = allocate_kv_cache(ModelConfig.tiny(), 32, BS, "cpu", torch.float32).normal_()
     store = TierStore(kv, TierConfig(host_bytes=16 * BLOCK_BYTES, disk_dir=str(tmp_path), disk_bytes=64 << 20,

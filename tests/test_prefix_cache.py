@@ -2,9 +2,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_store.events import AllBlocksCleared, BlockRemoved, BlockStored
-from cache_store.hashing import Namespace, hash_block
-from cache_store.prefix_cache import PrefixCache, PrefixMatch
+from kvmesh.cache_store.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.cache_store.hashing import Namespace, hash_block
+from kvmesh.cache_store.prefix_cache import PrefixCache, PrefixMatch
 
 BS = 16
 ROOT = Namespace("test-model").root_hash()

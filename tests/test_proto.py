@@ -1,5 +1,5 @@
 """The committed generated gRPC code matches proto/kvmesh.proto."""
-from proto import generate
+from kvmesh.proto import generate
 
 
 def test_generated_code_is_current():
@@ -7,7 +7,7 @@ def test_generated_code_is_current():
 
 
 def test_worker_and_router_share_generate_contract():
-    from proto import kvmesh_pb2 as pb
+    from kvmesh.proto import kvmesh_pb2 as pb
 
     worker = pb.DESCRIPTOR.services_by_name["Worker"].methods_by_name["Generate"]
     router = pb.DESCRIPTOR.services_by_name["Router"].methods_by_name["Generate"]

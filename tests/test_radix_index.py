@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_store.hashing import hash_blocks
-from cache_store.radix_index import MatchResult, RadixIndex, RadixNode
+from kvmesh.cache_store.hashing import hash_blocks
+from kvmesh.cache_store.radix_index import MatchResult, RadixIndex, RadixNode
 
 ROOT = bytes(16)
 

@@ -12,13 +12,13 @@ import pytest
 import redis
 import torch
 
-from bench.codec_error import DOCUMENTED_MAX_LOGIT_DIFF
-from cache_store.remote_tier import block_key
-from cache_store.tier_store import TierConfig
-from services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+from kvmesh.bench.codec_error import DOCUMENTED_MAX_LOGIT_DIFF
+from kvmesh.cache_store.remote_tier import block_key
+from kvmesh.cache_store.tier_store import TierConfig
+from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
 from tests.test_engine_tiers import max_diff, rand_prompt, run
-from workers.engine import Engine
-from workers.request import SamplingParams
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.request import SamplingParams
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=10)
@@ -111,7 +111,7 @@ def test_damaged_remote_record_is_dropped_and_recomputed(redis_server, cold_engi
     a, b = remote_engine(redis_server.url), remote_engine(redis_server.url)
     try:
         publish(a, prompt)
-        from cache_store.hashing import hash_blocks
+        from kvmesh.cache_store.hashing import hash_blocks
 
         hashes = hash_blocks(prompt, BS, b.namespace().root_hash()).hashes
         raw = redis.Redis.from_url(redis_server.url)
@@ -311,8 +311,8 @@ def test_worker_with_a_hung_redis_keeps_answering_concurrent_requests(tmp_path):
 def test_record_of_the_wrong_payload_size_is_a_miss_and_is_deleted(redis_server, cold_engine):
     """A well-formed record (valid checksums, right chain) whose payload is not this model's
     size: a miss for every worker, deleted from the cluster's tier, never an error."""
-    from cache_store.block_record import RecordMeta, checksum, encode_record
-    from cache_store.hashing import hash_blocks
+    from kvmesh.cache_store.block_record import RecordMeta, checksum, encode_record
+    from kvmesh.cache_store.hashing import hash_blocks
 
     prompt = rand_prompt(31, 100)
     ref, _ = run(cold_engine, prompt)

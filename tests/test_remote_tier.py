@@ -13,9 +13,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from cache_store.block_record import HEADER_BYTES, encode_record
-from cache_store.remote_tier import RemoteTier, block_key, bytes_key, cap_key, lengths_key, lru_key
-from services.procs import free_port
+from kvmesh.cache_store.block_record import HEADER_BYTES, encode_record
+from kvmesh.cache_store.remote_tier import RemoteTier, block_key, bytes_key, cap_key, lengths_key, lru_key
+from kvmesh.services.procs import free_port
 from tests.test_disk_tier import items  # a chain of n (meta, payload) records
 
 SHAPE = (4, 2, 2, 16, 64)
@@ -193,7 +193,7 @@ def test_cap_of_the_first_writer_is_the_clusters(new_tier, raw, caplog):
     its = items(6)
     big.put_many(its[:4])
     assert int(raw.get(cap_key())) == 4 * REC
-    with caplog.at_level("WARNING", logger="cache_store.remote_tier"):
+    with caplog.at_level("WARNING", logger="kvmesh.cache_store.remote_tier"):
         stored, evicted = small.put_many(its[4:5])  # a worker set up smaller does not empty the tier
     assert stored == 1 and evicted == [its[3][0].block_hash]  # the oldest stamp: the first put's tail
     assert small.capacity_bytes == 4 * REC and "cluster's cap is" in caplog.text

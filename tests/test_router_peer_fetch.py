@@ -13,10 +13,10 @@ import time
 import grpc
 import pytest
 
-from proto import kvmesh_pb2 as pb
-from proto import kvmesh_pb2_grpc as pb_grpc
-from services.cli import generate
-from services.launcher import ClusterSpec, LocalCluster
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.services.cli import generate
+from kvmesh.services.launcher import ClusterSpec, LocalCluster
 
 pytestmark = pytest.mark.slow
 BS = 16

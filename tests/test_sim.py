@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from bench import sim
-from bench.sim import DEFAULT_TRACE, POOLED, CostModel, prepare, run_policies, simulate, simulate_live
-from bench.trace import DEFAULT_SAMPLE, TraceRequest, infinite_cache_hit_rate, load_mooncake
-from services.policies import POLICIES, RoutingPolicy, register
+from kvmesh.bench import sim
+from kvmesh.bench.sim import DEFAULT_TRACE, POOLED, CostModel, prepare, run_policies, simulate, simulate_live
+from kvmesh.bench.trace import DEFAULT_SAMPLE, TraceRequest, infinite_cache_hit_rate, load_mooncake
+from kvmesh.services.policies import POLICIES, RoutingPolicy, register
 
 SLOW_COST = CostModel(prefill_s_per_token=1e-3, decode_s_per_step=0.01)
 
@@ -89,8 +89,8 @@ def test_token_mode_hashes_like_the_service_and_caps_a_hit_below_the_prompt():
     assert r["prefill_tokens_saved"] == 32  # 48 tokens: (48 - 1) // 16 = 2 blocks
     assert (r["hit_blocks"], r["total_blocks"]) == (2, 6)
     wl = prepare(reqs, 16, 16, 4)
-    from cache_store.hashing import Namespace, hash_blocks
-    from bench.trace import synthesize_tokens
+    from kvmesh.cache_store.hashing import Namespace, hash_blocks
+    from kvmesh.bench.trace import synthesize_tokens
     root = Namespace(model_id="kvmesh-sim").root_hash()
     assert wl.specs[0].route_hashes == list(hash_blocks(synthesize_tokens(reqs[0], 16), 16, root).hashes)
 
@@ -177,7 +177,7 @@ def test_the_policy_gets_the_services_views():
 
 
 def test_speculative_entries_live_as_long_as_the_routers():
-    from services.router import SPECULATIVE_TTL_S
+    from kvmesh.services.router import SPECULATIVE_TTL_S
 
     assert sim.SPECULATIVE_TTL_S == SPECULATIVE_TTL_S
 
@@ -218,7 +218,7 @@ def test_sample_at_the_demo_settings_kv_aware_near_pooled_and_balanced():
 
 # ------------------------------------------------------------------------- CLI
 def test_cli_sim_prints_every_policy_as_json(tmp_path, capsys):
-    from services.cli import main
+    from kvmesh.services.cli import main
 
     trace = tmp_path / "t.jsonl"
     lines = [json.dumps({"timestamp": 1000 * i, "input_length": 1500, "output_length": 8,
@@ -238,7 +238,7 @@ def test_cli_sim_prints_every_policy_as_json(tmp_path, capsys):
 
 
 def test_cli_sim_needs_a_capacity(tmp_path, capsys):
-    from services.cli import main
+    from kvmesh.services.cli import main
 
     assert main(["sim", "--trace", str(DEFAULT_SAMPLE), "--workers", "2"]) == 2
     assert "capacity" in capsys.readouterr().err

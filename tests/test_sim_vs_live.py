@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 
-from bench.harness import run_bench
-from bench.sim import simulate_live
-from bench.trace import DEFAULT_SAMPLE, load_mooncake
-from services.launcher import ClusterSpec, LocalCluster
+from kvmesh.bench.harness import run_bench
+from kvmesh.bench.sim import simulate_live
+from kvmesh.bench.trace import DEFAULT_SAMPLE, load_mooncake
+from kvmesh.services.launcher import ClusterSpec, LocalCluster
 
 pytestmark = pytest.mark.slow
 

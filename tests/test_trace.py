@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.trace import (
+from kvmesh.bench.trace import (
     DEFAULT_SAMPLE,
     TraceRequest,
     block_token_lengths,
@@ -123,7 +123,7 @@ def test_tokens_lie_in_vocab():
     assert min(toks) >= 0 and max(toks) < 256
 
 
-_SNIPPET = ("from bench.trace import TraceRequest, synthesize_tokens;"
+_SNIPPET = ("from kvmesh.bench.trace import TraceRequest, synthesize_tokens;"
             "r = TraceRequest(0, 1074, 1, (0, 24860, 24861));"
             "print(','.join(map(str, synthesize_tokens(r, 16, vocab_size=256, seed=3))))")
 

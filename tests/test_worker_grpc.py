@@ -12,9 +12,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto import kvmesh_pb2 as pb
-from proto import kvmesh_pb2_grpc as pb_grpc
-from services.cli import generate
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.services.cli import generate
 
 pytestmark = pytest.mark.slow
 BS = 16
@@ -22,7 +22,7 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    from services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+    from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
 
     port = free_port()
     log = tmp_path_factory.mktemp("w") / "worker.log"
@@ -37,7 +37,7 @@ def worker(tmp_path_factory):
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "kvmesh.services.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_cli_generate_json_hit_and_fields(worker):
@@ -169,7 +169,7 @@ def test_tiny_temperature_does_not_kill_the_worker(worker):
 
 def test_second_worker_on_a_busy_port_fails(worker):
     port = worker.rsplit(":", 1)[1]
-    res = subprocess.run([sys.executable, "-m", "services.cli", "worker", "--port", port, "--threads", "1"],
+    res = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "worker", "--port", port, "--threads", "1"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert "could not bind" in res.stderr

@@ -14,10 +14,10 @@ import time
 import grpc
 import pytest
 
-from proto import kvmesh_pb2 as pb
-from proto import kvmesh_pb2_grpc as pb_grpc
-from services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
-from workers import wire
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+from kvmesh.workers import wire
 
 pytestmark = pytest.mark.slow
 BS = 16

@@ -23,22 +23,22 @@ from typing import Callable
 
 import torch
 
-from cache_store.block_record import ZERO_HASH, RecordMeta, checksum, dtype_name
-from cache_store.events import MEDIUMS
-from cache_store.hashing import Namespace, hash_blocks
-from cache_store.prefix_cache import PrefixCache
-from cache_store.tier_store import TierConfig, TierStore
-from workers.loader import load_model
-from workers.model import AttentionMetadata, allocate_kv_cache
-from workers.request import (
+from kvmesh.cache_store.block_record import ZERO_HASH, RecordMeta, checksum, dtype_name
+from kvmesh.cache_store.events import MEDIUMS
+from kvmesh.cache_store.hashing import Namespace, hash_blocks
+from kvmesh.cache_store.prefix_cache import PrefixCache
+from kvmesh.cache_store.tier_store import TierConfig, TierStore
+from kvmesh.workers.loader import load_model
+from kvmesh.workers.model import AttentionMetadata, allocate_kv_cache
+from kvmesh.workers.request import (
     InvalidRequest,
     Overloaded,
     Request,
     RequestOutput,
     SamplingParams,
 )
-from workers.scheduler import ScheduledBatch, Scheduler
-from workers.tokenizer import load_tokenizer
+from kvmesh.workers.scheduler import ScheduledBatch, Scheduler
+from kvmesh.workers.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from cache_store.events import EventBatch, encode_batch
+from kvmesh.cache_store.events import EventBatch, encode_batch
 
 __all__ = [
     "DEFAULT_CLUSTER",

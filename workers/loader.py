@@ -12,8 +12,8 @@ import re
 
 import torch
 
-from workers.config import ModelConfig, normalize_dtype_name
-from workers.model import DecoderModel
+from kvmesh.workers.config import ModelConfig, normalize_dtype_name
+from kvmesh.workers.model import DecoderModel
 
 __all__ = ["load_model", "save_tiny_checkpoint", "init_random_weights", "checkpoint_fingerprint"]
 

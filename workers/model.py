@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cache_store.block_pool import allocate_kv_cache as _allocate_pool_tensor
+from kvmesh.cache_store.block_pool import allocate_kv_cache as _allocate_pool_tensor
 
-from workers.config import ModelConfig
+from kvmesh.workers.config import ModelConfig
 
 __all__ = [
     "AttentionMetadata",

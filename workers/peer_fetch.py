@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from cache_store.block_record import RECORD_FORMAT_VERSION, RecordError, RecordMeta, verify_payload
-from cache_store.hashing import hash_blocks
-from workers.grpc_host import ChannelPool
+from kvmesh.cache_store.block_record import RECORD_FORMAT_VERSION, RecordError, RecordMeta, verify_payload
+from kvmesh.cache_store.hashing import hash_blocks
+from kvmesh.workers.grpc_host import ChannelPool
 
 __all__ = ["TransferModel", "FetchDecision", "PeerFetcher", "FETCH_MODES", "decide", "MAX_FETCH_BLOCKS"]
 
@@ -222,8 +222,8 @@ class PeerFetcher:
         expected = len(hashed.hashes[local:want])
         call = None
         try:
-            from proto import kvmesh_pb2 as pb
-            from proto import kvmesh_pb2_grpc as pb_grpc
+            from kvmesh.proto import kvmesh_pb2 as pb
+            from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 
             stub = pb_grpc.WorkerStub(self._channel(address))
             call = stub.FetchBlocks(pb.FetchBlocksRequest(block_hashes=hashed.hashes[local:want]),

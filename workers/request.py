@@ -12,7 +12,7 @@ from typing import Callable
 
 from typing import TYPE_CHECKING
 
-from cache_store.hashing import Namespace, hash_block, hash_blocks, tokens_to_bytes
+from kvmesh.cache_store.hashing import Namespace, hash_block, hash_blocks, tokens_to_bytes
 
 if TYPE_CHECKING:  # the CLI imports this module for SamplingParams without loading torch
     import torch

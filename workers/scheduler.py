@@ -34,9 +34,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from cache_store.prefix_cache import PrefixCache
-from cache_store.tier_store import TierStore
-from workers.request import Request, RequestStatus
+from kvmesh.cache_store.prefix_cache import PrefixCache
+from kvmesh.cache_store.tier_store import TierStore
+from kvmesh.workers.request import Request, RequestStatus
 
 
 @dataclass

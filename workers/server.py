@@ -24,15 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from proto import kvmesh_pb2 as pb
-from proto import kvmesh_pb2_grpc as pb_grpc
-from workers import wire
-from cache_store.block_record import RECORD_FORMAT_VERSION
-from cache_store.hashing import HASH_BYTES
-from workers.engine import Engine
-from workers.grpc_host import GrpcHost
-from workers.peer_fetch import MAX_FETCH_BLOCKS, PeerFetcher
-from workers.request import InvalidRequest, Overloaded, RequestOutput
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.workers import wire
+from kvmesh.cache_store.block_record import RECORD_FORMAT_VERSION
+from kvmesh.cache_store.hashing import HASH_BYTES
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.grpc_host import GrpcHost
+from kvmesh.workers.peer_fetch import MAX_FETCH_BLOCKS, PeerFetcher
+from kvmesh.workers.request import InvalidRequest, Overloaded, RequestOutput
 
 log = logging.getLogger(__name__)
 

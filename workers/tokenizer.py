@@ -7,7 +7,7 @@ import json
 import os
 from typing import Protocol, Sequence, runtime_checkable
 
-from workers.config import ModelConfig
+from kvmesh.workers.config import ModelConfig
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import grpc
 
-from proto import kvmesh_pb2 as pb
-from workers.request import SamplingParams
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.workers.request import SamplingParams
 
 #: gRPC status codes by the names the engine uses in `RequestOutput.error_code`.
 STATUS_CODES = {
