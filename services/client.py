@@ -255,9 +255,10 @@ class KvmeshClient(_Base):
             t0 = time.perf_counter()
             first = None
             got_any = False
+            call = self._stub.Generate(request, timeout=max(1e-3, deadline - time.monotonic()),
+                                       metadata=self.metadata)
             try:
-                for msg in self._stub.Generate(request, timeout=max(1e-3, deadline - time.monotonic()),
-                                               metadata=self.metadata):
+                for msg in call:
                     got_any = True
                     now = time.perf_counter()
                     if first is None and msg.token_ids:
@@ -272,6 +273,8 @@ class KvmeshClient(_Base):
                     raise
                 time.sleep(pause)
                 attempt += 1
+            finally:
+                call.cancel()  # a caller that stops iterating early ends the RPC (the server aborts the request)
 
     def stream(self, prompt: str | None = None, token_ids=None, *, timeout: float | None = None,
                **sampling) -> Iterator[Chunk]:
