@@ -129,6 +129,9 @@ class _HttpContext:
     def peer(self) -> str:
         return "http"
 
+    def auth_context(self) -> dict:
+        return {}
+
     def cancelled(self) -> bool:
         return False
 
@@ -299,8 +302,9 @@ class HttpFront:
                 ignore_eos=ignore_eos),
             cache_salt=salt, return_text=True)
 
-    async def _run(self, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        ctx = _HttpContext(self.timeout_s)
+    async def _run(self, req: pb.GenerateRequest, authorization: str | None) -> AsyncIterator[pb.GenerateResponse]:
+        # the header travels as gRPC metadata too, so a check inside Generate sees the same key
+        ctx = _HttpContext(self.timeout_s, (("authorization", authorization),) if authorization else ())
         agen = self.generate(req, ctx)
         try:
             async for msg in agen:
@@ -373,7 +377,7 @@ class HttpFront:
         created = int(time.time())
         if not stream:
             text, ids, final = [], [], None
-            async for msg in self._run(req):
+            async for msg in self._run(req, request.headers.get("Authorization")):
                 text.append(msg.text)
                 ids.extend(msg.token_ids)
                 if msg.finished:
@@ -391,7 +395,7 @@ class HttpFront:
                                       "choices": [choice], "usage": self._usage(final)})
         include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-        gen = self._run(req)
+        gen = self._run(req, request.headers.get("Authorization"))
         # the first message decides the status: an error before any token is a plain HTTP error
         try:
             first = await gen.__anext__()

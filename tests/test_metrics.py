@@ -149,3 +149,38 @@ def test_router_metrics_count_decisions_and_lag():
     assert s[("kvmesh:router_lease_expiries_total", ())] == 1
     assert s[("kvmesh:router_event_lag_seconds_count", ())] == 1
     assert 0.4 < s[("kvmesh:router_event_lag_seconds_sum", ())] < 5.0
+
+
+def test_offload_and_load_bytes_follow_the_tier_store(engine):
+    """Blocks evicted to the host tier and loaded back are counted in device-format bytes."""
+    m = WorkerMetrics(engine, "w0")
+    block_bytes = engine.kv_cache.nbytes // engine.num_blocks
+    prompt = list(range(60, 109))  # 49 tokens: 3 full blocks
+    engine.generate(prompt, timeout=60)
+    before = samples(m.registry)
+    offloaded = engine.offload_device_cache()
+    out = engine.generate(prompt, timeout=60)
+    m.observe_finished(out["usage"], out["timing"], out["finish_reason"])
+    after = samples(m.registry)
+    assert offloaded >= 3
+    assert out["usage"]["cached_tokens_by_tier"]["host"] == 48
+    off = after[("kvmesh:tier_offload_bytes_total", ())] - before[("kvmesh:tier_offload_bytes_total", ())]
+    load = after[("kvmesh:tier_load_bytes_total", ())] - before[("kvmesh:tier_load_bytes_total", ())]
+    assert off == offloaded * block_bytes
+    assert load == 3 * block_bytes
+    assert after[("kvmesh:prefix_cache_hits_total", (("tier", "host"),))] == 48
+
+
+def test_peer_fetch_outcomes(engine):
+    from kvmesh.workers.peer_fetch import FetchResult
+
+    m = WorkerMetrics(engine, "w0")
+    m.observe_fetch(FetchResult(staged=4, nbytes=4096, outcome="complete"))
+    m.observe_fetch(FetchResult(outcome="transfer slower than recompute"))
+    m.observe_fetch(FetchResult(staged=0, nbytes=100, outcome="deadline"))
+    m.observe_fetch(FetchResult(staged=0, nbytes=100, outcome="projected past deadline"))
+    s = samples(m.registry)
+    assert s[("kvmesh:peer_fetch_decisions_total", (("decision", "fetched"),))] == 1
+    assert s[("kvmesh:peer_fetch_decisions_total", (("decision", "recomputed"),))] == 1
+    assert s[("kvmesh:peer_fetch_decisions_total", (("decision", "deadline"),))] == 2
+    assert s[("kvmesh:peer_fetch_bytes_total", ())] == 4296

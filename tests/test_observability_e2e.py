@@ -278,3 +278,32 @@ def test_sync_and_async_clients_agree(up):
     assert aout.token_ids == whole.token_ids
     assert [t for ch in achunks for t in ch.token_ids] == whole.token_ids
     assert aout.usage.cached_tokens >= 32  # the same prompt again: its full blocks are cached
+
+
+# ------------------------------------------------------------ a single worker's front
+
+
+def test_single_worker_serves_http_and_metrics_with_flags(spawn_worker):
+    import urllib.request
+
+    import openai
+
+    from kvmesh.services.client import KvmeshClient
+    from kvmesh.services.procs import free_port
+
+    http, metrics = free_port(), free_port()
+    address, _ = spawn_worker("--http-port", str(http), "--metrics-port", str(metrics))
+    ids = _prompt(3, 40)
+    with KvmeshClient(address) as c:
+        ref = c.generate(token_ids=ids, max_tokens=5)
+    oa = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", max_retries=0, timeout=60)
+    out = oa.completions.create(model="", prompt=ids, max_tokens=5, temperature=0,
+                                extra_body={"return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == ref.token_ids
+    assert out.usage.prompt_tokens_details.cached_tokens == 32  # the gRPC request cached 2 full blocks
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=10) as r:
+        assert json.loads(r.read()) == {"status": "ok"}
+    for url in (f"http://127.0.0.1:{metrics}/metrics", f"http://127.0.0.1:{http}/metrics"):
+        s = server_metrics.scrape(url)
+        assert s[("kvmesh:request_success_total", (("finished_reason", "length"),))] == 2
+        assert s[("kvmesh:prefix_cache_hits_total", (("tier", "device"),))] == 32
