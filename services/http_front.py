@@ -215,7 +215,9 @@ class HttpFront:
         Raises:
             RuntimeError: the port could not be bound (names ``--http-port``).
         """
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # handler_cancellation: a client that leaves cancels its handler, which ends the
+        # Generate call, so the worker aborts the request instead of computing it for nobody
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, reuse_port=False)
         try:

@@ -99,8 +99,9 @@ def test_grpc_statuses_map_to_http_and_stream_errors_become_events():
     assert json.loads(events[-2])["error"]["message"] == "model step failed"
 
 
-def test_client_disconnect_closes_the_generate_stream():
-    """A client that leaves mid-stream ends the Generate call (the worker then aborts the request)."""
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_client_disconnect_closes_the_generate_stream(stream):
+    """A client that leaves ends the Generate call (the worker then aborts the request)."""
     closed = asyncio.Event
 
     async def run():
@@ -117,9 +118,15 @@ def test_client_disconnect_closes_the_generate_stream():
         front, url = await _serve(endless)
         try:
             async with aiohttp.ClientSession() as s:
-                r = await s.post(f"{url}/completions", json={"prompt": "abc", "max_tokens": 10**6, "stream": True})
-                await r.content.readline()
-                r.close()
+                if stream:
+                    r = await s.post(f"{url}/completions", json={"prompt": "abc", "max_tokens": 10**6,
+                                                                 "stream": True})
+                    await r.content.readline()
+                    r.close()
+                else:  # the whole answer never comes: the client gives up
+                    with pytest.raises(asyncio.TimeoutError):
+                        await s.post(f"{url}/completions", json={"prompt": "abc", "max_tokens": 10**6},
+                                     timeout=aiohttp.ClientTimeout(total=0.5))
             await asyncio.wait_for(done.wait(), 10)
             return done.is_set()
         finally:
