@@ -82,6 +82,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from kvmesh.services.launcher import LocalCluster
 
     problem = _tier_flag_problem(args)
+    if not -1 <= args.http_port < 65536:
+        problem = f"--http-port must be a port in [0, 65535], or -1 for no HTTP front (got {args.http_port})"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

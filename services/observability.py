@@ -45,10 +45,12 @@ def _serve_metrics(extras: Extras, registry, host: str, port: int, what: str) ->
     print(f"kvmesh {what} metrics on http://{host}:{bound}/metrics", flush=True)
 
 
-async def start_worker_extras(servicer, host: str, metrics_port: int | None, http_port: int | None) -> Extras:
+async def start_worker_extras(servicer, host: str, metrics_port: int | None, http_port: int | None,
+                              authenticate=None) -> Extras:
     """Serve a worker's metrics and, optionally, its HTTP front.
 
     Metrics are recorded whenever either is on (the HTTP front also serves ``/metrics``).
+    ``authenticate`` as in `start_router_extras`.
 
     Raises:
         RuntimeError: a port could not be bound (names the flag).
@@ -68,7 +70,7 @@ async def start_worker_extras(servicer, host: str, metrics_port: int | None, htt
 
         front = HttpFront(servicer.Generate, servicer.engine.tokenizer, servicer.engine.config.model_id,
                           model_dir=getattr(servicer.engine, "model_dir", None), registry=metrics.registry,
-                          max_model_len=servicer.engine.max_model_len)
+                          max_model_len=servicer.engine.max_model_len, authenticate=authenticate)
         extras.http_port = await front.start(host, http_port)
         extras._stops.append(front.stop)
     return extras
@@ -78,8 +80,10 @@ async def start_router_extras(servicer, host: str, metrics_port: int | None, htt
                               authenticate=None) -> Extras:
     """Serve a router's metrics and, optionally, its HTTP front.
 
-    ``authenticate`` maps an ``Authorization`` header to a tenant (see
-    `services.http_front.HttpFront`); None allows anonymous requests.
+    ``authenticate`` maps an ``Authorization`` header value (or None) to a tenant id and
+    raises for a refused key (see `services.http_front.HttpFront`): the shape of
+    ``services.auth``'s tenant resolver, e.g. ``lambda h: resolver.tenant_for(h)``. None
+    allows anonymous requests.
 
     Raises:
         RuntimeError: a port could not be bound (names the flag).

@@ -239,10 +239,10 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     grpc_host = GrpcHost(host, port, [(pb_grpc.add_WorkerServicer_to_server, servicer,
                                        pb.DESCRIPTOR.services_by_name["Worker"].full_name)])
     engine.start()
-    bound = await grpc_host.start()
     from kvmesh.services import observability
 
     extras = await observability.start_worker_extras(servicer, host, metrics_port, http_port)
+    bound = await grpc_host.start()
     log.info("worker %s serving on %s:%d", worker_id, host, bound)
     print(f"kvmesh worker {worker_id} listening on {host}:{bound}", flush=True)
     if ready is not None:
