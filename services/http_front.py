@@ -24,10 +24,14 @@ tokenized here without adding special tokens again; completions send the prompt 
 token ids) as is, so a completion is token for token what the gRPC API returns for the
 same prompt.
 
-Authentication is one injected callable, ``authenticate(authorization_header) -> tenant``
-(header value or None); anything it raises answers 401. The tenant becomes the request's
-cache salt. The default allows anonymous requests, whose tenant is the body's optional
-``cache_salt`` extension (or none).
+Authentication: the request's ``Authorization`` header is handed to Generate as the
+``authorization`` gRPC metadata (`_HttpContext.invocation_metadata`), so a Generate that
+resolves tenants from credentials treats an HTTP request exactly as a gRPC one with the
+same key (an UNAUTHENTICATED abort answers 401, PERMISSION_DENIED 403). Independently, an
+injected callable ``authenticate(authorization_header) -> tenant`` (header value or None)
+can check keys at the front: anything it raises answers 401 before Generate runs, and
+its tenant becomes the request's cache salt. Without it the body's optional
+``cache_salt`` extension is passed on as the gRPC field would be.
 
 Request fields kvmesh honours: ``model`` (must name the served model when given),
 ``prompt`` / ``messages``, ``max_tokens`` (``max_completion_tokens`` for chat; default 16
@@ -225,7 +229,7 @@ class HttpFront:
         except OSError as exc:
             await self._runner.cleanup()
             raise RuntimeError(f"--http-port {port}: could not bind {host}:{port} ({exc}); pick a free port") from None
-        bound = site._server.sockets[0].getsockname()[1]
+        bound = self._runner.addresses[-1][1]
         print(f"kvmesh HTTP front on http://{host}:{bound}/v1", flush=True)
         return int(bound)
 
