@@ -18,8 +18,9 @@ Behaviour:
   to ``max_backoff_s``), within the call's deadline; a stream that already yielded
   tokens is never replayed. Other status codes raise at once.
 * TLS: ``tls_ca`` (PEM file of the CA that signed the server) turns TLS on;
-  ``tls_cert`` / ``tls_key`` add a client certificate (mTLS). Without ``tls_ca`` the
-  channel is plaintext (loopback and private networks).
+  ``tls_cert`` / ``tls_key`` add a client certificate (mTLS). Each defaults to the
+  environment variable ``KVMESH_TLS_CA`` / ``KVMESH_TLS_CERT`` / ``KVMESH_TLS_KEY``.
+  Without a CA the channel is plaintext (loopback and private networks).
 * ``api_key`` (default: the ``KVMESH_API_KEY`` environment variable) is sent as
   ``authorization: Bearer KEY`` metadata on every call.
 
@@ -168,7 +169,10 @@ class _Base:
         self.max_backoff_s = float(max_backoff_s)
         key = api_key if api_key is not None else os.environ.get("KVMESH_API_KEY")
         self.metadata = (("authorization", f"Bearer {key}"),) if key else None
-        self._creds = _credentials(tls_ca, tls_cert, tls_key)
+        env = os.environ.get
+        self._creds = _credentials(tls_ca if tls_ca is not None else env("KVMESH_TLS_CA") or None,
+                                   tls_cert if tls_cert is not None else env("KVMESH_TLS_CERT") or None,
+                                   tls_key if tls_key is not None else env("KVMESH_TLS_KEY") or None)
 
     def _backoff(self, attempt: int) -> float:
         return random.uniform(0.0, min(self.max_backoff_s, self.backoff_s * (2 ** attempt)))

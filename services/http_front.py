@@ -213,8 +213,10 @@ class HttpFront:
             web.get("/metrics", self.metrics),
         ])
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, ssl_context=None) -> int:
         """Serve on host:port (0 = a free port); returns the bound port.
+
+        ``ssl_context`` (an ``ssl.SSLContext``) serves HTTPS instead of plain HTTP.
 
         Raises:
             RuntimeError: the port could not be bound (names ``--http-port``).
@@ -223,14 +225,14 @@ class HttpFront:
         # Generate call, so the worker aborts the request instead of computing it for nobody
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_port=False)
+        site = web.TCPSite(self._runner, host, port, reuse_port=False, ssl_context=ssl_context)
         try:
             await site.start()
         except OSError as exc:
             await self._runner.cleanup()
             raise RuntimeError(f"--http-port {port}: could not bind {host}:{port} ({exc}); pick a free port") from None
         bound = self._runner.addresses[-1][1]
-        print(f"kvmesh HTTP front on http://{host}:{bound}/v1", flush=True)
+        print(f"kvmesh HTTP front on {'https' if ssl_context else 'http'}://{host}:{bound}/v1", flush=True)
         return int(bound)
 
     async def stop(self) -> None:

@@ -77,13 +77,13 @@ async def start_worker_extras(servicer, host: str, metrics_port: int | None, htt
 
 
 async def start_router_extras(servicer, host: str, metrics_port: int | None, http_port: int | None,
-                              authenticate=None) -> Extras:
+                              authenticate=None, ssl_context=None) -> Extras:
     """Serve a router's metrics and, optionally, its HTTP front.
 
     ``authenticate`` maps an ``Authorization`` header value (or None) to a tenant id and
     raises for a refused key (see `services.http_front.HttpFront`): the shape of
     ``services.auth``'s tenant resolver, e.g. ``lambda h: resolver.tenant_for(h)``. None
-    allows anonymous requests.
+    allows anonymous requests. ``ssl_context`` serves the HTTP front over HTTPS.
 
     Raises:
         RuntimeError: a port could not be bound (names the flag).
@@ -105,7 +105,7 @@ async def start_router_extras(servicer, host: str, metrics_port: int | None, htt
         front = HttpFront(servicer.Generate, servicer.tokenizer, servicer.config.model_id,
                           model_dir=getattr(servicer, "model_dir", None), registry=metrics.registry,
                           authenticate=authenticate)
-        extras.http_port = await front.start(host, http_port)
+        extras.http_port = await front.start(host, http_port, ssl_context)
         extras._stops.append(front.stop)
     return extras
 

@@ -159,3 +159,35 @@ def test_bad_fields_are_400_naming_the_field(body, param):
 
     status, err = asyncio.run(run())
     assert status == 400 and err["error"]["param"] == param and param in err["error"]["message"]
+
+
+def test_https_with_an_ssl_context(tmp_path):
+    import ssl
+    import subprocess
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+
+    async def generate(req, ctx):
+        yield _final("secure")
+
+    async def run():
+        front = HttpFront(generate, load_tokenizer(None, ModelConfig.tiny()), "m")
+        port = await front.start("127.0.0.1", 0, ssl_context=server_ctx)
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(f"https://127.0.0.1:{port}/v1/completions", json={"prompt": "a"}, ssl=client_ctx)
+                ok = (r.status, await r.json())
+                with pytest.raises(aiohttp.ClientError):  # plain HTTP is not served on that port
+                    await s.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "a"})
+                return ok
+        finally:
+            await front.stop()
+
+    status, body = asyncio.run(run())
+    assert status == 200 and body["choices"][0]["text"] == "secure"

@@ -31,7 +31,11 @@ def _read_lines(proc: subprocess.Popen, out: queue.Queue) -> None:
 def up(tmp_path_factory):
     """`kvmesh up` as a user runs it; its printed lines give the addresses."""
     log_dir = tmp_path_factory.mktemp("up")
-    proc = subprocess.Popen(python_cmd("up", "--workers", "2", "--threads", "1", "--num-blocks", "512"),
+    args = ["up", "--workers", "2", "--threads", "1", "--num-blocks", "512"]
+    # where `up` is secure by default, this module tests the plain loopback cluster
+    if "--insecure" in subprocess.run(python_cmd("up", "--help"), capture_output=True, text=True).stdout:
+        args.append("--insecure")
+    proc = subprocess.Popen(python_cmd(*args),
                             stdout=subprocess.PIPE, stderr=open(log_dir / "up.err", "w"), text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_read_lines, args=(proc, lines), daemon=True).start()
