@@ -311,3 +311,18 @@ def test_single_worker_serves_http_and_metrics_with_flags(spawn_worker):
         s = server_metrics.scrape(url)
         assert s[("kvmesh:request_success_total", (("finished_reason", "length"),))] == 2
         assert s[("kvmesh:prefix_cache_hits_total", (("tier", "device"),))] == 32
+
+
+def test_policy_runs_report_the_servers_hit_rate(tmp_path):
+    """`kvmesh bench --policies` scrapes each fresh cluster's own metrics around its run."""
+    from kvmesh.bench import harness
+    from kvmesh.bench.workloads import shared_prefix_workload
+
+    workload = shared_prefix_workload(1, 4, 64, 8, 3, seed=3)
+    comparison = harness.run_policies(["round_robin"], workload, tmp_path, workers=1, plots=False, progress=False,
+                                      cluster_options={"num_blocks": 256, "threads_per_worker": 1})
+    result = comparison["results"][0]
+    assert result["num_ok"] == 4
+    assert result["server"]["requests"] == 4
+    assert result["server"]["prefix_cache_hits_tokens"] == round(result["hit_rate_tokens"] * result["prompt_tokens"]) > 0
+    assert result["server_hit_rate_tokens"] == pytest.approx(result["hit_rate_tokens"], abs=1e-6)
