@@ -344,6 +344,7 @@ class _RouterCollector:
         fails = CounterMetricFamily(_name("router_resync_failures"), "Resync snapshots that failed.")
         fails.add_metric([], getattr(sub, "resync_failures", 0))
         yield fails
-        exp = CounterMetricFamily(_name("router_lease_expiries"), "Workers dropped because their lease lapsed.")
+        exp = CounterMetricFamily(_name("router_lease_expiries"), "Workers dropped because their lease lapsed "
+                                  "(or was withdrawn at shutdown).")
         exp.add_metric([], getattr(sub, "lease_expiries", 0))
         yield exp

@@ -104,7 +104,7 @@ async def start_router_extras(servicer, host: str, metrics_port: int | None, htt
 
         front = HttpFront(servicer.Generate, servicer.tokenizer, servicer.config.model_id,
                           model_dir=getattr(servicer, "model_dir", None), registry=metrics.registry,
-                          authenticate=authenticate)
+                          authenticate=authenticate, max_model_len=servicer.config.max_position_embeddings)
         extras.http_port = await front.start(host, http_port, ssl_context)
         extras._stops.append(front.stop)
     return extras
