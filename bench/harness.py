@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import heapq
 import json
 import math
@@ -436,7 +438,8 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
                        grace_s: float = DEFAULT_GRACE_S, slo: dict | None = None, policy_label: str = "",
                        vocab_size: int = 256, tenant: str = "", timeout_s: float = 600.0, service: str = "auto",
                        progress: bool = True, connect_timeout_s: float = 30.0,
-                       plots: bool = False) -> tuple[dict, list[dict]]:
+                       plots: bool = False, api: str = "grpc",
+                       metrics_urls: Sequence[str] = ()) -> tuple[dict, list[dict]]:
     """Run ``workload`` against ``target`` and write the outputs; returns (result, records).
 
     Args:
@@ -461,6 +464,12 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
         progress: show a progress bar on stderr.
         connect_timeout_s: how long to wait for the target to accept a connection.
         plots: also write the PNG plots of this run into ``out_dir``.
+        api: "grpc" (``target`` is HOST:PORT of the gRPC API, through
+            `services.client.AsyncKvmeshClient`) or "openai" (``target`` is the HTTP
+            front's base URL or HOST:PORT; `bench.openai_target`).
+        metrics_urls: ``/metrics`` endpoints scraped before and after the measured run;
+            their counters go in ``result["server"]`` (`bench.server_metrics.run_delta`)
+            and ``server_hit_rate_tokens``.
 
     Raises:
         TargetUnreachable: no connection within ``connect_timeout_s``.
@@ -476,19 +485,36 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
     history: dict[int, list[int]] = {}
     run_id = uuid.uuid4().hex[:8]
 
-    options = [("grpc.max_send_message_length", _MAX_MSG), ("grpc.max_receive_message_length", _MAX_MSG)]
-    async with grpc.aio.insecure_channel(target, options=options) as channel:
-        try:
-            await asyncio.wait_for(channel.channel_ready(), timeout=connect_timeout_s)
-        except asyncio.TimeoutError:
-            raise TargetUnreachable(f"cannot reach {target} within {connect_timeout_s:g} s") from None
-        info = await detect_service(channel, service)
-        if info["vocab_size"] and vocab_size > info["vocab_size"]:
-            raise ValueError(f"vocab_size {vocab_size} exceeds the worker's vocabulary ({info['vocab_size']})")
-        svc = "Router" if info["service"] == "router" else "Worker"
-        generate = channel.unary_stream(f"/kvmesh.v1.{svc}/Generate",
-                                        request_serializer=pb.GenerateRequest.SerializeToString,
-                                        response_deserializer=pb.GenerateResponse.FromString)
+    if api not in ("grpc", "openai"):
+        raise ValueError(f"api must be grpc or openai, got {api!r}")
+    from kvmesh.bench import server_metrics
+
+    async with contextlib.AsyncExitStack() as stack:
+        if api == "openai":
+            from kvmesh.bench.openai_target import OpenAITarget
+
+            front = await stack.enter_async_context(OpenAITarget(target))
+            try:
+                info = await front.detect(connect_timeout_s)
+            except ConnectionError as exc:
+                raise TargetUnreachable(str(exc)) from None
+            generate = front.generate
+        else:
+            from kvmesh.services.client import AsyncKvmeshClient
+
+            client = await stack.enter_async_context(AsyncKvmeshClient(target, timeout=timeout_s))
+            try:
+                await client.wait_ready(connect_timeout_s)
+            except TimeoutError as exc:
+                raise TargetUnreachable(str(exc)) from None
+            channel = client.channel
+            info = await detect_service(channel, service)
+            if info["vocab_size"] and vocab_size > info["vocab_size"]:
+                raise ValueError(f"vocab_size {vocab_size} exceeds the worker's vocabulary ({info['vocab_size']})")
+            svc = "Router" if info["service"] == "router" else "Worker"
+            generate = functools.partial(channel.unary_stream(
+                f"/kvmesh.v1.{svc}/Generate", request_serializer=pb.GenerateRequest.SerializeToString,
+                response_deserializer=pb.GenerateResponse.FromString), metadata=client.metadata)
         policy = policy_label or info["policy"] or info["service"]
         origin = {"t": time.perf_counter()}
 
@@ -512,11 +538,15 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
                 for r in warm_records:
                     r["warmup"] = True
             bar.phase(f"{policy}", len(measured))
+            scraped = await asyncio.to_thread(server_metrics.scrape_all, metrics_urls) if metrics_urls else None
             origin["t"] = time.perf_counter()
             records, not_sent = await drive(measured, send, offsets=offsets, cap=arrival.cap,
                                             stop_after_s=duration_s, grace_s=grace_s, finished=finished,
                                             on_sent=bar.sent, on_record=bar.done)
             duration = time.perf_counter() - origin["t"]
+            if scraped is not None:
+                server = server_metrics.run_delta(scraped, await asyncio.to_thread(server_metrics.scrape_all,
+                                                                                   metrics_urls))
 
     records.sort(key=lambda r: r["index"])
     warm_records.sort(key=lambda r: r["index"])
@@ -543,6 +573,8 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
         result["trace"] = workload.params.get("trace")
         result["synthesized_prompt_tokens"] = sum(len(it.tokens) for it in items)
     result.update(report.summarize(records, duration_s=duration, slo=slo))
+    if scraped is not None:
+        result.update(server=server, server_hit_rate_tokens=server["hit_rate_tokens"])
     _write_outputs(out_dir, result, warm_records + records)
     if plots:
         from kvmesh.bench import plots as _plots
@@ -647,7 +679,9 @@ def run_policies(policies: Sequence[str], workload: Workload, out_dir: str | Pat
               file=sys.stderr, flush=True)
         with LocalCluster(spec) as cluster:
             result, records = asyncio.run(run_workload(cluster.router_address, workload, run_dir, arrival,
-                                                       policy_label=policy, progress=progress, **run_kwargs))
+                                                       policy_label=policy, progress=progress,
+                                                       metrics_urls=list(cluster.metrics_urls.values()),
+                                                       **run_kwargs))
         results.append(result)
         runs[policy] = [r for r in records if not r.get("warmup")]
     comparison = {
@@ -774,6 +808,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--vocab-size", type=int, default=256, help="token ids lie in [0, N) (default 256)")
     out.add_argument("--tenant", default="", help="cache salt sent with every request")
     out.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
+    out.add_argument("--api", default="grpc", choices=("grpc", "openai"),
+                     help="with --target: grpc (HOST:PORT of the gRPC API, default) or openai (the HTTP front: "
+                          "http://HOST:PORT/v1 or HOST:PORT)")
+    out.add_argument("--metrics-url", action="append", default=[], metavar="URL",
+                     help="with --target: a /metrics endpoint to scrape around the run (repeat for each worker); "
+                          "the report then shows the server-side hit rate beside the client-side one")
 
 
 def _flag(dest: str) -> str:
@@ -859,8 +899,9 @@ def _check_mode(args: argparse.Namespace) -> None:
                          if getattr(args, d) is not None]
         if cluster_given:
             raise ValueError(_only(cluster_given, "with --policies (a local cluster)"))
-    elif args.policy_label or args.service != "auto":
-        raise ValueError("--policy-label and --service only apply with --target")
+    elif args.policy_label or args.service != "auto" or args.api != "grpc" or args.metrics_url:
+        raise ValueError("--policy-label, --service, --api and --metrics-url only apply with --target "
+                         "(with --policies each local cluster's metrics are scraped on their own)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -875,6 +916,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.target is not None:
             result, _ = asyncio.run(run_workload(args.target, workload, args.out, arrival,
                                                  policy_label=args.policy_label, service=args.service,
+                                                 api=args.api, metrics_urls=args.metrics_url,
                                                  progress=not args.no_progress, plots=not args.no_plots, **common))
             print(report.to_markdown(result), end="")
             print(f"wrote {Path(args.out) / 'result.json'}", file=sys.stderr)

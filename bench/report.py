@@ -430,6 +430,8 @@ def _rows(result: dict) -> list[tuple[str, str]]:
         rows.append(("hit rate bound, infinite cache", _pct(result.get("infinite_cache_hit_rate_blocks"))))
     rows += [
         ("hit rate, tokens", _pct(result.get("hit_rate_tokens"))),
+        *([("hit rate, tokens, server metrics", _pct(result["server_hit_rate_tokens"]))]
+          if result.get("server_hit_rate_tokens") is not None else []),
         ("computed prefill tokens", _num(result.get("computed_prefill_tokens"))),
         ("TTFT ms p50 / p90 / p99", _pcts(result.get("ttft_ms"))),
         ("TPOT ms p50 / p90 / p99", _pcts(result.get("tpot_ms"))),

@@ -9,6 +9,7 @@ need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 [ -f /usr/include/xxhash.h ] || need+=(libxxhash-dev)
 command -v cc >/dev/null 2>&1 || need+=(gcc)
+command -v openssl >/dev/null 2>&1 || need+=(openssl)  # test certificates (HTTPS front)
 if [ ${#need[@]} -gt 0 ]; then
   echo "[setup] installing from Debian: ${need[*]}" >&2
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi

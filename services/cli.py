@@ -133,7 +133,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     peer = peer_options(args)
+    from kvmesh.services.observability import server_ports
+
     try:
+        ports = server_ports(args)
         advertise = advertised_address(args.host, args.port, args.advertise)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -145,7 +148,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
-                                 advertise=advertise))
+                                 advertise=advertise, **ports))
         return 0
     from kvmesh.workers.kv_publisher import KVEventPublisher, WorkerLease
 
@@ -161,7 +164,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     lease = WorkerLease(args.redis_url, worker_id, advertise, info, engine.load, cluster=args.cluster)
     try:
         asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
-                                 advertise=advertise))
+                                 advertise=advertise, **ports))
     finally:
         lease.close()
         publisher.close()
@@ -189,8 +192,10 @@ def parse_token_ids(text: str) -> list[int]:
 
 def generate(target: str, prompt: str | None = None, token_ids: list[int] | None = None, max_tokens: int = 16,
              tenant: str = "", temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             ignore_eos: bool = False, timeout: float = 600.0, channel: grpc.Channel | None = None) -> dict:
-    """Run one Generate RPC against a worker or router and collect the stream.
+             ignore_eos: bool = False, timeout: float = 600.0, channel: grpc.Channel | None = None,
+             **client_options) -> dict:
+    """Run one Generate RPC against a worker or router and collect the stream
+    (`services.client.KvmeshClient`; ``client_options``: its TLS / API key / retry options).
 
     Returns a dict with ``token_ids``, ``text``, ``worker_id``, ``finish_reason``,
     ``usage`` {prompt_tokens, cached_tokens, cached_tokens_by_tier, computed_prefill_tokens,
@@ -200,44 +205,12 @@ def generate(target: str, prompt: str | None = None, token_ids: list[int] | None
     Raises:
         grpc.RpcError: the server answered with an error status.
     """
-    from kvmesh.proto import kvmesh_pb2 as pb
-    from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
-    from kvmesh.workers import wire
+    from kvmesh.services.client import KvmeshClient
 
-    req = pb.GenerateRequest(
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                   ignore_eos=ignore_eos),
-        cache_salt=tenant, return_text=True)
-    if token_ids is not None:
-        req.token_ids.ids.extend(token_ids)
-    else:
-        req.text = prompt or ""
-    own = channel is None
-    channel = channel or grpc.insecure_channel(target)
-    try:
-        stub = pb_grpc.WorkerStub(channel)
-        t0 = time.perf_counter()
-        first = None
-        out = {"token_ids": [], "text": "", "worker_id": "", "finish_reason": "", "usage": None, "timing": None}
-        for msg in stub.Generate(req, timeout=timeout):
-            if first is None and msg.token_ids:
-                first = time.perf_counter()
-            out["token_ids"].extend(msg.token_ids)
-            out["text"] += msg.text
-            out["worker_id"] = msg.worker_id or out["worker_id"]
-            if msg.finished:
-                out["finish_reason"] = msg.finish_reason
-                out["usage"] = wire.usage_from_proto(msg.usage)
-                out["timing"] = wire.timing_from_proto(msg.timing)
-        end = time.perf_counter()
-        if out["timing"] is None:
-            raise grpc.RpcError("stream ended without a final message")
-        out["timing"]["client_ttft_ms"] = round(1000 * ((first or end) - t0), 3)
-        out["timing"]["client_e2e_ms"] = round(1000 * (end - t0), 3)
-        return out
-    finally:
-        if own:
-            channel.close()
+    with KvmeshClient(target, channel=channel, timeout=timeout, **client_options) as client:
+        out = client.generate(prompt if token_ids is None else None, token_ids, max_tokens=max_tokens, tenant=tenant,
+                              temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
+    return out.to_dict()
 
 
 def _check_generate_args(args: argparse.Namespace, ids: list[int] | None) -> None:
@@ -327,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address the router and peers use to reach this worker (default --host:--port; "
                         "required when --host is 0.0.0.0 or ::, e.g. the pod IP on Kubernetes)")
     p.add_argument("--worker-id", default=None)
+    from kvmesh.services.observability import add_server_flags
+
+    add_server_flags(p, "worker")
     _add_engine_args(p)
     p.set_defaults(func=cmd_worker)
 

@@ -27,10 +27,11 @@ def redis_url(text: str) -> str:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    from kvmesh.services.observability import server_ports
     from kvmesh.services.router import serve_router
 
     asyncio.run(serve_router(args.port, args.redis_url, policy=args.policy, host=args.host, model_dir=args.model,
-                             cluster=args.cluster, seed=args.seed))
+                             cluster=args.cluster, seed=args.seed, **server_ports(args)))
     return 0
 
 
@@ -45,7 +46,8 @@ def _spec_from_args(args: argparse.Namespace, policy: str | None = None):
                                           *(["--max-model-len", str(args.max_model_len)]
                                             if args.max_model_len else []),
                                           *_tier_worker_args(args)],
-                       disk_dir=args.disk_dir, cluster=getattr(args, "cluster", None))
+                       disk_dir=args.disk_dir, cluster=getattr(args, "cluster", None),
+                       http_port=None if getattr(args, "http_port", -1) in (None, -1) else args.http_port)
 
 
 def _tier_worker_args(args: argparse.Namespace) -> list[str]:
@@ -80,6 +82,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from kvmesh.services.launcher import LocalCluster
 
     problem = _tier_flag_problem(args)
+    if not -1 <= args.http_port < 65536:
+        problem = f"--http-port must be a port in [0, 65535], or -1 for no HTTP front (got {args.http_port})"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -92,6 +96,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"kvmesh cluster up: router {cluster.router_address} (policy {args.policy}), "
               f"{len(cluster.workers)} workers, redis {cluster.redis_url}, logs in {cluster.log_dir}", flush=True)
         print(cluster.router_address, flush=True)
+        for line in ([cluster.http_url] if cluster.http_url else []) + list(cluster.metrics_urls.values()):
+            print(line, flush=True)
         while not stop.is_set():
             stop.wait(0.5)
             dead = [wid for wid, (_, p) in cluster.workers.items() if p.poll() is not None]
@@ -134,6 +140,9 @@ def register(sub) -> None:
     p.add_argument("--policy", default="kv_aware")
     p.add_argument("--model", default=None, help="model directory (for its tokenizer); default built-in")
     p.add_argument("--seed", type=int, default=None, help="seed of the router's tie-breaking")
+    from kvmesh.services.observability import add_server_flags
+
+    add_server_flags(p, "router")
     p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("up", help="start redis-server, a router and N workers on loopback")
@@ -144,6 +153,8 @@ def register(sub) -> None:
                    help="Redis key namespace (default: a new one per run; name one to share a --redis-url's "
                         "remote tier across runs)")
     p.add_argument("--policy", default="kv_aware")
+    p.add_argument("--http-port", type=int, default=0, metavar="PORT",
+                   help="port of the router's OpenAI-compatible HTTP front (default 0: a free one; -1: off)")
     _add_engine_args(p)
     p.set_defaults(func=cmd_up)
 

@@ -108,6 +108,10 @@ class IndexSubscriber:
         self._polls = 0
         self._stopping = False
         self.resyncs = 0
+        #: workers dropped because their lease lapsed
+        self.lease_expiries = 0
+        #: called with each `EventBatch` applied to the index (metrics: event lag)
+        self.on_batch: Callable[[object], None] | None = None
         self.resync_failures = 0
 
     # ------------------------------------------------------------------ API
@@ -263,6 +267,7 @@ class IndexSubscriber:
         if st.resync_task is not None:
             st.resync_task.cancel()
         self.index.remove_worker(worker_id)
+        self.lease_expiries += 1
         log.info("worker %s left (lease gone); dropped from the index", worker_id)
 
     async def _read_once(self, next_poll: float) -> None:
@@ -302,6 +307,8 @@ class IndexSubscriber:
                 if batch.worker_id != worker_id:
                     raise ValueError(f"batch of worker {batch.worker_id!r} in the stream of {worker_id!r}")
                 ok = self.index.apply_batch(batch)
+                if ok and self.on_batch is not None:
+                    self.on_batch(batch)
             except (KeyError, ValueError) as exc:
                 log.warning("malformed entry %s in the stream of %s (%s); resyncing", entry_id, worker_id, exc)
                 st.cursor = entry_id  # unreadable: skip it, the snapshot covers it

@@ -31,6 +31,8 @@ class ClusterSpec:
     extra_worker_args: list[str] = field(default_factory=list)
     log_dir: str | None = None
     disk_dir: str | None = None          # each worker gets --disk-dir DISK_DIR/<worker id>
+    metrics: bool = True                 # every process serves /metrics on a free port
+    http_port: int | None = None         # router's OpenAI HTTP front: None = off, 0 = a free port
 
 
 class LocalCluster:
@@ -55,6 +57,10 @@ class LocalCluster:
         self.workers: dict[str, tuple[str, object]] = {}
         self.router_proc = None
         self.router_address = ""
+        #: {process name ("router", worker id): "http://127.0.0.1:PORT/metrics"}
+        self.metrics_urls: dict[str, str] = {}
+        #: "http://127.0.0.1:PORT/v1" of the router's HTTP front, "" when off
+        self.http_url = ""
 
     def worker_cmd(self, worker_id: str, port: int) -> list[str]:
         s = self.spec
@@ -67,7 +73,14 @@ class LocalCluster:
             cmd += ["--model", s.model]
         if s.disk_dir:
             cmd += ["--disk-dir", os.path.join(s.disk_dir, worker_id)]
-        return cmd
+        return cmd + self._metrics_args(worker_id)
+
+    def _metrics_args(self, name: str) -> list[str]:
+        if not self.spec.metrics:
+            return []
+        port = free_port()
+        self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
+        return ["--metrics-port", str(port)]
 
     def start_worker(self, worker_id: str, port: int | None = None, wait: bool = True) -> str:
         """Start (or restart) one worker; returns its address (once healthy, if ``wait``)."""
@@ -86,6 +99,11 @@ class LocalCluster:
                          "--cluster", self.cluster)
         if s.model:
             cmd += ["--model", s.model]
+        cmd += self._metrics_args("router")
+        if s.http_port is not None:
+            http = s.http_port or free_port()
+            cmd += ["--http-port", str(http)]
+            self.http_url = f"http://127.0.0.1:{http}/v1"
         self.router_proc = spawn(cmd, os.path.join(self.log_dir, "router.log"))
         self.router_address = f"127.0.0.1:{port}"
         wait_healthy(self.router_address, proc=self.router_proc)

@@ -63,6 +63,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.subscriber = subscriber
         self.policy = make_policy(policy_name)
         self.policy_name = policy_name
+        self.model_dir = model_dir
         self.config = _load_config(model_dir)
         self.tokenizer = load_tokenizer(model_dir, self.config)
         self.rng = random.Random(seed)
@@ -70,6 +71,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         self._channels = ChannelPool()
         self._inflight: dict[str, _Inflight] = {}
         self.routed = RoutedShare()
+        #: `services.metrics.RouterMetrics` when metrics are served, else None
+        self.metrics = None
 
     # ------------------------------------------------------------- helpers
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -156,6 +159,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                 break
             chosen = self.policy.choose(RouteRequest(len(ids), hashes, block_size), views, self.rng)
             tried.add(chosen.worker_id)
+            if self.metrics is not None:
+                self.metrics.observe_decision(chosen, views, _attempt)
             self.index.add_speculative(chosen.worker_id, hashes, now, SPECULATIVE_TTL_S)
             prefill = len(ids) - chosen.matched_blocks * block_size
             holder = prefix_holder(chosen, views)
@@ -263,8 +268,12 @@ async def _resync(address: str) -> tuple[int, list[tuple[bytes, bytes | None, st
 
 async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host: str = "127.0.0.1",
                        model_dir: str | None = None, cluster: str = "default", seed: int | None = None,
-                       ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+                       ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
+                       metrics_port: int | None = None, http_port: int | None = None) -> None:
     """Serve kvmesh.v1.Router on host:port until ``stop`` is set or SIGINT/SIGTERM.
+
+    ``metrics_port`` serves Prometheus ``/metrics`` (`services.metrics`); ``http_port``
+    serves the OpenAI-compatible HTTP front (`services.http_front`); None = off.
 
     Raises:
         ValueError: unknown policy name.
@@ -282,12 +291,16 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
         (pb_grpc.add_WorkerServicer_to_server, WorkerFacade(servicer),
          pb.DESCRIPTOR.services_by_name["Worker"].full_name),
     ])
+    from kvmesh.services import observability
+
+    extras = await observability.start_router_extras(servicer, host, metrics_port, http_port)
     await subscriber.start()
     bound = await grpc_host.start()
     print(f"kvmesh router ({policy}) listening on {host}:{bound}", flush=True)
     if ready is not None:
         ready.set()
     await grpc_host.wait(stop)
+    await extras.stop()
     await grpc_host.stop()
     await subscriber.stop()
     await servicer.close()

@@ -89,6 +89,7 @@ class Engine:
         if tiers is not None:
             tiers.validate()  # before the model loads: a bad flag fails fast
         self.device = torch.device(device)
+        self.model_dir = model_dir
         self.config, self.model = load_model(model_dir, device=device, seed=seed)
         self.model.eval()
         self.tokenizer = load_tokenizer(model_dir, self.config)

@@ -88,6 +88,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         # prefetches wait on the disk and on Redis: their own threads, so that a slow Redis
         # never holds up the threads GetLoad, GetSnapshot and FetchBlocks run on
         self._prefetch_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-prefetch")
+        #: `services.metrics.WorkerMetrics` when metrics are served, else None
+        self.metrics = None
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -126,9 +128,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         finished = False
         detok = _IncrementalText(self.engine.tokenizer) if request.return_text else None
+        token_times: list[float] = []
         try:
             while not finished:
                 out = await queue.get()
+                if out.new_token_ids:
+                    token_times.append(time.monotonic())
+                if out.finished and self.metrics is not None:
+                    self.metrics.observe_finished(out.usage, out.timing, "error" if out.error else out.finish_reason,
+                                                  token_times)
                 if out.error:
                     finished = True
                     await context.abort(wire.STATUS_CODES.get(out.error_code, grpc.StatusCode.INTERNAL),
@@ -146,6 +154,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         finally:
             if not finished:  # client cancelled or deadline passed
                 self.engine.abort(engine_rid)
+                if self.metrics is not None:
+                    self.metrics.observe_finished(None, None, "abort")
 
     async def _fetch_prefix(self, request: pb.GenerateRequest, prompt_ids: list[int], sampling, context) -> None:
         """Pull the prompt's prefix from the worker named in ``prefix_location`` (if worth it).
@@ -159,7 +169,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return
         self.engine.validate([int(t) for t in prompt_ids], sampling)
         ns = self.engine.namespace(request.cache_salt, request.adapter_id)
-        await self.fetcher.fetch_prefix(prompt_ids, ns, loc.address, loc.num_blocks, context.time_remaining())
+        res = await self.fetcher.fetch_prefix(prompt_ids, ns, loc.address, loc.num_blocks, context.time_remaining())
+        if self.metrics is not None:
+            self.metrics.observe_fetch(res)
 
     async def FetchBlocks(self, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext):
         hashes = list(request.block_hashes)
@@ -210,11 +222,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
 async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worker_id: str | None = None,
                        ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
-                       peer: dict | None = None, advertise: str | None = None) -> None:
+                       peer: dict | None = None, advertise: str | None = None,
+                       metrics_port: int | None = None, http_port: int | None = None) -> None:
     """Serve the engine on host:port until ``stop`` is set or SIGINT/SIGTERM arrives.
 
     ``peer`` holds `PeerFetcher` options (``mode``, ``max_fetch_s``); ``advertise`` is the
     ``HOST:PORT`` other processes reach this worker at (default ``host:port``).
+    ``metrics_port`` serves Prometheus ``/metrics`` (`services.metrics`); ``http_port``
+    serves the OpenAI-compatible HTTP front (`services.http_front`); None = off.
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -224,12 +239,16 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     grpc_host = GrpcHost(host, port, [(pb_grpc.add_WorkerServicer_to_server, servicer,
                                        pb.DESCRIPTOR.services_by_name["Worker"].full_name)])
     engine.start()
+    from kvmesh.services import observability
+
+    extras = await observability.start_worker_extras(servicer, host, metrics_port, http_port)
     bound = await grpc_host.start()
     log.info("worker %s serving on %s:%d", worker_id, host, bound)
     print(f"kvmesh worker {worker_id} listening on {host}:{bound}", flush=True)
     if ready is not None:
         ready.set()
     await grpc_host.wait(stop)
+    await extras.stop()
     await grpc_host.stop()
     await servicer.fetcher.close()
     servicer._prefetch_pool.shutdown(wait=False, cancel_futures=True)

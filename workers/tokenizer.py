@@ -92,10 +92,11 @@ class HFTokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(int(i) for i in eos_token_ids)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt ``text``, with the special tokens (e.g. BOS) that the
-        tokenizer.json's post-processor adds to a single sequence, as HF pipelines do."""
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+        tokenizer.json's post-processor adds to a single sequence, as HF pipelines do
+        (unless ``add_special_tokens`` is False: a rendered chat template has its own)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, skipping special tokens."""

@@ -1,0 +1,382 @@
+"""Python client of kvmesh's gRPC API (a router or a single worker), sync and asyncio.
+
+    from kvmesh.services.client import KvmeshClient
+
+    with KvmeshClient("127.0.0.1:50051") as client:
+        out = client.generate("The capital of France is", max_tokens=16)
+        print(out.text, out.usage.cached_tokens, out.timing.ttft_ms)
+        for chunk in client.stream("Tell me a story", max_tokens=64):
+            print(chunk.text, end="", flush=True)
+
+`AsyncKvmeshClient` has the same methods as coroutines / async iterators.
+
+Behaviour:
+
+* Every call has a deadline (``timeout``, seconds; default `DEFAULT_TIMEOUT_S`).
+* A call that fails with UNAVAILABLE before any token arrived is retried up to
+  ``retries`` times with exponential backoff and full jitter (``backoff_s`` doubling up
+  to ``max_backoff_s``), within the call's deadline; a stream that already yielded
+  tokens is never replayed. Other status codes raise at once.
+* TLS: ``tls_ca`` (PEM file of the CA that signed the server) turns TLS on;
+  ``tls_cert`` / ``tls_key`` add a client certificate (mTLS). Each defaults to the
+  environment variable ``KVMESH_TLS_CA`` / ``KVMESH_TLS_CERT`` / ``KVMESH_TLS_KEY``.
+  Without a CA the channel is plaintext (loopback and private networks).
+* ``api_key`` (default: the ``KVMESH_API_KEY`` environment variable) is sent as
+  ``authorization: Bearer KEY`` metadata on every call.
+
+Errors are `grpc.RpcError` with the server's status code and message.
+
+Results are typed: `Completion` (token ids, text, `Usage`, `Timing`, worker id) and
+`Chunk` (one streamed message; the last one carries usage and timing).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import AsyncIterator, Iterator
+
+import grpc
+
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+
+#: Tiers of ``Usage.cached_tokens_by_tier`` (always all present, 0 when unused).
+TIERS = ("device", "host", "disk", "peer", "remote")
+#: Default deadline of one call (seconds).
+DEFAULT_TIMEOUT_S = 600.0
+#: Largest message either side accepts (bytes), as the servers.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Prompt-cache usage of one request (tokens): prompt = cached + computed_prefill."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cached_tokens_by_tier: dict = field(default_factory=dict)   # device, host, disk, peer, remote
+    computed_prefill_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def from_proto(cls, u: pb.Usage) -> "Usage":
+        by_tier = {t: 0 for t in TIERS}
+        by_tier.update({k: int(v) for k, v in u.cached_tokens_by_tier.items()})
+        return cls(int(u.prompt_tokens), int(u.cached_tokens), by_tier, int(u.computed_prefill_tokens),
+                   int(u.completion_tokens))
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Latencies of one request (ms): the server's, then the client's own."""
+
+    queue_ms: float = 0.0          # server: arrival -> first scheduled
+    prefill_ms: float = 0.0        # server: first scheduled -> prefill done
+    ttft_ms: float = 0.0           # server: arrival -> first token
+    e2e_ms: float = 0.0            # server: arrival -> last token
+    client_ttft_ms: float = 0.0    # client: send -> first token received
+    client_e2e_ms: float = 0.0     # client: send -> stream ended
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed message: new tokens since the previous one (and their text)."""
+
+    token_ids: list
+    text: str
+    finished: bool
+    finish_reason: str = ""
+    worker_id: str = ""
+    usage: Usage | None = None     # last chunk only
+    timing: Timing | None = None   # last chunk only
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request."""
+
+    token_ids: list
+    text: str
+    finish_reason: str
+    worker_id: str
+    usage: Usage
+    timing: Timing
+    request_id: str = ""
+
+    def to_dict(self) -> dict:
+        """Plain dict (the shape ``kvmesh generate --json`` prints)."""
+        d = asdict(self)
+        d.pop("request_id")
+        return d
+
+
+def make_request(prompt: str | None = None, token_ids=None, max_tokens: int = 16, tenant: str = "",
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False,
+                 request_id: str = "", return_text: bool = True) -> pb.GenerateRequest:
+    """A ``kvmesh.v1.GenerateRequest``: ``prompt`` text or ``token_ids`` (one of them).
+
+    Raises:
+        ValueError: both or neither of ``prompt`` and ``token_ids``.
+    """
+    if (prompt is None) == (token_ids is None):
+        raise ValueError("give exactly one of prompt (text) and token_ids")
+    req = pb.GenerateRequest(
+        request_id=request_id,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                   ignore_eos=ignore_eos),
+        cache_salt=tenant, return_text=return_text)
+    if token_ids is not None:
+        req.token_ids.ids.extend(int(t) for t in token_ids)
+    else:
+        req.text = prompt
+    return req
+
+
+def _credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str | None):
+    if tls_ca is None:
+        if tls_cert or tls_key:
+            raise ValueError("a client certificate (--tls-cert/--tls-key) needs --tls-ca to verify the server")
+        return None
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("give both --tls-cert and --tls-key, or neither")
+
+    def read(path):
+        try:
+            with open(path, "rb") as fh:
+                return fh.read()
+        except OSError as exc:
+            raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+
+    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key) if tls_key else None,
+                                        read(tls_cert) if tls_cert else None)
+
+
+class _Base:
+    def __init__(self, target: str, *, api_key: str | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 retries: int = 3, backoff_s: float = 0.1, max_backoff_s: float = 2.0):
+        if timeout <= 0 or retries < 0 or backoff_s < 0 or max_backoff_s < 0:
+            raise ValueError("timeout must be > 0 seconds; retries, backoff_s and max_backoff_s >= 0")
+        self.target = target
+        self.timeout = float(timeout)
+        self.retries = int(retries)
+        self.backoff_s = float(backoff_s)
+        self.max_backoff_s = float(max_backoff_s)
+        key = api_key if api_key is not None else os.environ.get("KVMESH_API_KEY")
+        self.metadata = (("authorization", f"Bearer {key}"),) if key else None
+        env = os.environ.get
+        self._creds = _credentials(tls_ca if tls_ca is not None else env("KVMESH_TLS_CA") or None,
+                                   tls_cert if tls_cert is not None else env("KVMESH_TLS_CERT") or None,
+                                   tls_key if tls_key is not None else env("KVMESH_TLS_KEY") or None)
+
+    def _backoff(self, attempt: int) -> float:
+        return random.uniform(0.0, min(self.max_backoff_s, self.backoff_s * (2 ** attempt)))
+
+    @staticmethod
+    def _retryable(exc: grpc.RpcError) -> bool:
+        code = exc.code() if hasattr(exc, "code") else None
+        return code == grpc.StatusCode.UNAVAILABLE
+
+    @staticmethod
+    def _chunk(msg: pb.GenerateResponse, t0: float, first: float | None, now: float) -> Chunk:
+        usage = timing = None
+        if msg.finished:
+            usage = Usage.from_proto(msg.usage)
+            t = msg.timing
+            timing = Timing(float(t.queue_ms), float(t.prefill_ms), float(t.ttft_ms), float(t.e2e_ms),
+                            round(1000 * ((first or now) - t0), 3), round(1000 * (now - t0), 3))
+        return Chunk(list(msg.token_ids), msg.text, msg.finished, msg.finish_reason, msg.worker_id, usage, timing)
+
+    @staticmethod
+    def _collect(chunks: list[Chunk], request_id: str) -> Completion:
+        if not chunks or not chunks[-1].finished:
+            raise _StreamError()
+        last = chunks[-1]
+        ids = [t for c in chunks for t in c.token_ids]
+        worker = next((c.worker_id for c in reversed(chunks) if c.worker_id), "")
+        return Completion(ids, "".join(c.text for c in chunks), last.finish_reason, worker, last.usage, last.timing,
+                          request_id)
+
+
+class _StreamError(grpc.RpcError):
+    """The stream ended without its final message."""
+
+    def code(self):
+        return grpc.StatusCode.UNKNOWN
+
+    def details(self):
+        return "stream ended without a final message"
+
+    def __str__(self):
+        return self.details()
+
+
+class KvmeshClient(_Base):
+    """Blocking client (``grpc`` sync API). Thread-safe; close it (or use ``with``).
+
+    Args:
+        target: ``HOST:PORT`` of a router or worker.
+        api_key: sent as ``authorization: Bearer KEY`` (default ``$KVMESH_API_KEY``).
+        tls_ca, tls_cert, tls_key: PEM files (see the module doc).
+        timeout: default deadline of each call (seconds).
+        retries: retries of a call that failed with UNAVAILABLE before any token.
+        backoff_s, max_backoff_s: first and largest backoff between retries (seconds).
+        channel: use this channel instead of making one (it is not closed by `close`).
+
+    Raises:
+        ValueError: unreadable or inconsistent TLS files, or a bad number.
+    """
+
+    def __init__(self, target: str, *, channel: grpc.Channel | None = None, **kwargs):
+        super().__init__(target, **kwargs)
+        self._own = channel is None
+        if channel is None:
+            channel = (grpc.secure_channel(target, self._creds, options=_OPTIONS) if self._creds is not None
+                       else grpc.insecure_channel(target, options=_OPTIONS))
+        self.channel = channel
+        self._stub = pb_grpc.WorkerStub(channel)
+
+    def close(self) -> None:
+        if self._own:
+            self.channel.close()
+
+    def __enter__(self) -> "KvmeshClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stream_request(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[Chunk]:
+        """Stream a prepared ``GenerateRequest``; retries UNAVAILABLE before the first message."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        attempt = 0
+        while True:
+            t0 = time.perf_counter()
+            first = None
+            got_any = False
+            call = self._stub.Generate(request, timeout=max(1e-3, deadline - time.monotonic()),
+                                       metadata=self.metadata)
+            try:
+                for msg in call:
+                    got_any = True
+                    now = time.perf_counter()
+                    if first is None and msg.token_ids:
+                        first = now
+                    yield self._chunk(msg, t0, first, now)
+                return
+            except grpc.RpcError as exc:
+                if got_any or attempt >= self.retries or not self._retryable(exc):
+                    raise
+                pause = self._backoff(attempt)
+                if time.monotonic() + pause >= deadline:
+                    raise
+                time.sleep(pause)
+                attempt += 1
+            finally:
+                call.cancel()  # a caller that stops iterating early ends the RPC (the server aborts the request)
+
+    def stream(self, prompt: str | None = None, token_ids=None, *, timeout: float | None = None,
+               **sampling) -> Iterator[Chunk]:
+        """Stream one request's `Chunk` s (keyword arguments as `make_request`)."""
+        return self.stream_request(make_request(prompt, token_ids, **sampling), timeout)
+
+    def generate(self, prompt: str | None = None, token_ids=None, *, timeout: float | None = None,
+                 **sampling) -> Completion:
+        """Run one request to the end; returns its `Completion` (keyword arguments as `make_request`)."""
+        req = make_request(prompt, token_ids, **sampling)
+        return self._collect(list(self.stream_request(req, timeout)), req.request_id)
+
+    def tokenize(self, text: str, timeout: float | None = None) -> list[int]:
+        """Token ids of ``text`` as the server tokenizes it."""
+        return list(self._stub.Tokenize(pb.TokenizeRequest(text=text), timeout=timeout or self.timeout,
+                                        metadata=self.metadata).ids)
+
+
+class AsyncKvmeshClient(_Base):
+    """asyncio client (``grpc.aio``); same arguments as `KvmeshClient`. Use ``async with``."""
+
+    def __init__(self, target: str, *, channel: grpc.aio.Channel | None = None, **kwargs):
+        super().__init__(target, **kwargs)
+        self._own = channel is None
+        if channel is None:
+            channel = (grpc.aio.secure_channel(target, self._creds, options=_OPTIONS) if self._creds is not None
+                       else grpc.aio.insecure_channel(target, options=_OPTIONS))
+        self.channel = channel
+        self._stub = pb_grpc.WorkerStub(channel)
+
+    async def close(self) -> None:
+        if self._own:
+            await self.channel.close()
+
+    async def __aenter__(self) -> "AsyncKvmeshClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait until the channel connects.
+
+        Raises:
+            TimeoutError: not connected within ``timeout`` seconds.
+        """
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), timeout=timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"cannot reach {self.target} within {timeout:g} s") from None
+
+    def generate_call(self, request: pb.GenerateRequest, timeout: float | None = None):
+        """The raw ``Generate`` call (an async iterator of ``GenerateResponse``; no retries),
+        for callers that time each message themselves (the load harness)."""
+        return self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata)
+
+    async def stream_request(self, request: pb.GenerateRequest, timeout: float | None = None) -> AsyncIterator[Chunk]:
+        """Stream a prepared ``GenerateRequest``; retries UNAVAILABLE before the first message."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout or self.timeout)
+        attempt = 0
+        while True:
+            t0 = time.perf_counter()
+            first = None
+            got_any = False
+            call = self._stub.Generate(request, timeout=max(1e-3, deadline - loop.time()), metadata=self.metadata)
+            try:
+                async for msg in call:
+                    got_any = True
+                    now = time.perf_counter()
+                    if first is None and msg.token_ids:
+                        first = now
+                    yield self._chunk(msg, t0, first, now)
+                return
+            except grpc.RpcError as exc:
+                if got_any or attempt >= self.retries or not self._retryable(exc):
+                    raise
+                pause = self._backoff(attempt)
+                if loop.time() + pause >= deadline:
+                    raise
+                await asyncio.sleep(pause)
+                attempt += 1
+            finally:
+                call.cancel()
+
+    def stream(self, prompt: str | None = None, token_ids=None, *, timeout: float | None = None,
+               **sampling) -> AsyncIterator[Chunk]:
+        """Stream one request's `Chunk` s (keyword arguments as `make_request`)."""
+        return self.stream_request(make_request(prompt, token_ids, **sampling), timeout)
+
+    async def generate(self, prompt: str | None = None, token_ids=None, *, timeout: float | None = None,
+                       **sampling) -> Completion:
+        """Run one request to the end; returns its `Completion`."""
+        req = make_request(prompt, token_ids, **sampling)
+        return self._collect([c async for c in self.stream_request(req, timeout)], req.request_id)
+
+    async def tokenize(self, text: str, timeout: float | None = None) -> list[int]:
+        """Token ids of ``text`` as the server tokenizes it."""
+        res = await self._stub.Tokenize(pb.TokenizeRequest(text=text), timeout=timeout or self.timeout,
+                                        metadata=self.metadata)
+        return list(res.ids)

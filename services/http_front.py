@@ -1,0 +1,455 @@
+"""An OpenAI-compatible HTTP front (aiohttp) for the router or a single worker.
+
+Routes:
+
+* ``POST /v1/completions`` and ``POST /v1/chat/completions``, with ``"stream": true``
+  answered as server-sent events (``data: {chunk}`` lines, then ``data: [DONE]``), as
+  OpenAI's API does.
+* ``GET /v1/models`` (the one model served), ``GET /health``, ``GET /metrics`` (the
+  process's Prometheus registry).
+
+Each request becomes a ``kvmesh.v1.GenerateRequest`` and goes through the same code the
+gRPC front runs (the router's or worker's ``Generate``), called with a small
+`_HttpContext` in place of the gRPC servicer context; its ``abort`` raises `GrpcAbort`,
+which maps once to an HTTP status and OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}`` (`HTTP_STATUS`).
+
+Usage follows OpenAI's prompt-caching fields: ``usage.prompt_tokens_details.cached_tokens``
+is the number of prompt tokens served from the cache; kvmesh's own split sits in the
+extension object ``usage.kvmesh`` (``cached_tokens_by_tier``, ``computed_prefill_tokens``,
+``worker_id``, ``timing`` in ms).
+
+Chat prompts are rendered with the model's chat template (`services.chat_template`) and
+tokenized here without adding special tokens again; completions send the prompt text (or
+token ids) as is, so a completion is token for token what the gRPC API returns for the
+same prompt.
+
+Authentication: the request's ``Authorization`` header is handed to Generate as the
+``authorization`` gRPC metadata (`_HttpContext.invocation_metadata`), so a Generate that
+resolves tenants from credentials treats an HTTP request exactly as a gRPC one with the
+same key (an UNAUTHENTICATED abort answers 401, PERMISSION_DENIED 403). Independently, an
+injected callable ``authenticate(authorization_header) -> tenant`` (header value or None)
+can check keys at the front: anything it raises answers 401 before Generate runs, and
+its tenant becomes the request's cache salt. Without it the body's optional
+``cache_salt`` extension is passed on as the gRPC field would be.
+
+Request fields kvmesh honours: ``model`` (must name the served model when given),
+``prompt`` / ``messages``, ``max_tokens`` (``max_completion_tokens`` for chat; default 16
+for completions, the rest of the context for chat, as in vLLM), ``temperature`` (default 1),
+``top_p``, ``seed``, ``stream``, ``stream_options.include_usage``, ``n`` (only 1), ``user``
+(ignored), and the extensions ``ignore_eos``, ``return_token_ids`` (each choice then
+carries ``token_ids``) and ``cache_salt``. Anything that would change the output and is
+not supported (``stop``, ``logprobs``, ``n`` > 1, penalties, tools, ``echo``...) is refused
+with a 400 naming the field, never silently ignored.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import math
+import time
+import uuid
+from typing import AsyncIterator, Awaitable, Callable
+
+import grpc
+from aiohttp import web
+
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.services.chat_template import ChatTemplate, ChatTemplateError
+
+log = logging.getLogger(__name__)
+
+#: gRPC status -> (HTTP status, OpenAI error type).
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+#: Default deadline of one HTTP request (seconds), as the CLI's gRPC default.
+DEFAULT_TIMEOUT_S = 600.0
+#: Request fields refused because kvmesh would otherwise silently ignore them.
+UNSUPPORTED = ("stop", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "presence_penalty",
+               "frequency_penalty", "tools", "tool_choice", "functions", "function_call", "response_format",
+               "stop_token_ids", "min_tokens")
+#: Neutral values of the unsupported fields that clients send by default.
+_NEUTRAL = (None, False, 0, 0.0, [], {}, "none", "auto")
+
+Authenticator = Callable[[str | None], "str | Awaitable[str]"]
+
+
+class GrpcAbort(Exception):
+    """Raised by `_HttpContext.abort`: the request ends with this gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class HttpError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    @classmethod
+    def from_abort(cls, exc: GrpcAbort) -> "HttpError":
+        status, type_ = HTTP_STATUS.get(exc.code, (500, "server_error"))
+        return cls(status, exc.details or exc.code.name, type_, code=exc.code.name.lower())
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+class _HttpContext:
+    """The part of ``grpc.aio.ServicerContext`` that the Generate code paths use."""
+
+    def __init__(self, timeout_s: float, metadata: tuple = ()):
+        self._deadline = time.monotonic() + timeout_s
+        self._metadata = metadata
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise GrpcAbort(code, details)
+
+    def time_remaining(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
+
+    def invocation_metadata(self) -> tuple:
+        return self._metadata
+
+    def peer(self) -> str:
+        return "http"
+
+    def auth_context(self) -> dict:
+        return {}
+
+    def cancelled(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return False
+
+
+def _error_middleware():
+    @web.middleware
+    async def middleware(request, handler):
+        try:
+            return await handler(request)
+        except HttpError as exc:
+            return exc.response()
+        except GrpcAbort as exc:
+            return HttpError.from_abort(exc).response()
+        except web.HTTPException as exc:  # 404 / 405 from the router: OpenAI's error body too
+            if exc.status < 400:
+                raise
+            return HttpError(exc.status, f"{request.method} {request.path}: {exc.reason}",
+                             "not_found_error" if exc.status == 404 else "invalid_request_error").response()
+        except Exception:  # noqa: BLE001 - one failed request never takes the front down
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            return HttpError(500, "internal error; see the server log", "server_error").response()
+    return middleware
+
+
+def _number(body: dict, name: str, default, lo: float | None = None, hi: float | None = None, integer=False):
+    value = body.get(name, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
+        raise HttpError(400, f"{name} must be {'an integer' if integer else 'a number'} (got {value!r})", param=name)
+    if not math.isfinite(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
+        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise HttpError(400, f"{name} must be in {rng} (got {value!r})", param=name)
+    return int(value) if integer else float(value)
+
+
+class HttpFront:
+    """The HTTP front of one process.
+
+    Args:
+        generate: ``async generator (GenerateRequest, context) -> GenerateResponse`` (the
+            router's or worker's ``Generate``).
+        tokenizer: the process's tokenizer (chat prompts are tokenized here).
+        model_id: the served model's id (``/v1/models``, the ``model`` field).
+        model_dir: where the chat template is read from (None: the built-in model).
+        registry: Prometheus registry served at ``/metrics`` (None: 404 there).
+        authenticate: ``Authorization`` header -> tenant; raising answers 401. None
+            allows anonymous requests.
+        max_model_len: context limit (tokens), for chat's default ``max_tokens``.
+        timeout_s: deadline of each request (seconds).
+    """
+
+    def __init__(self, generate, tokenizer, model_id: str, model_dir: str | None = None, registry=None,
+                 authenticate: Authenticator | None = None, max_model_len: int | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.generate = generate
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.chat_template = ChatTemplate.for_model(model_dir)
+        self.registry = registry
+        self.authenticate = authenticate
+        self.max_model_len = max_model_len
+        self.timeout_s = timeout_s
+        self.created = int(time.time())
+        self._runner: web.AppRunner | None = None
+        self.app = web.Application(middlewares=[_error_middleware()], client_max_size=64 * 1024 * 1024)
+        self.app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
+        ])
+
+    async def start(self, host: str, port: int, ssl_context=None) -> int:
+        """Serve on host:port (0 = a free port); returns the bound port.
+
+        ``ssl_context`` (an ``ssl.SSLContext``) serves HTTPS instead of plain HTTP.
+
+        Raises:
+            RuntimeError: the port could not be bound (names ``--http-port``).
+        """
+        # handler_cancellation: a client that leaves cancels its handler, which ends the
+        # Generate call, so the worker aborts the request instead of computing it for nobody
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_port=False, ssl_context=ssl_context)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise RuntimeError(f"--http-port {port}: could not bind {host}:{port} ({exc}); pick a free port") from None
+        bound = self._runner.addresses[-1][1]
+        print(f"kvmesh HTTP front on {'https' if ssl_context else 'http'}://{host}:{bound}/v1", flush=True)
+        return int(bound)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ------------------------------------------------------------ plain routes
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        await self._tenant(request)
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "kvmesh"}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if self.registry is None:
+            raise HttpError(404, "metrics are not recorded by this process", "not_found_error")
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ---------------------------------------------------------------- helpers
+    async def _tenant(self, request: web.Request) -> str | None:
+        """The authenticated tenant, None when anonymous requests are allowed."""
+        if self.authenticate is None:
+            return None
+        try:
+            tenant = self.authenticate(request.headers.get("Authorization"))
+            if inspect.isawaitable(tenant):
+                tenant = await tenant
+        except Exception as exc:  # noqa: BLE001 - whatever the authenticator raises means "no"
+            raise HttpError(401, str(exc) or "invalid or missing API key: send Authorization: Bearer KEY",
+                            "authentication_error", code="invalid_api_key") from None
+        return str(tenant or "")
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise HttpError(400, "request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "request body must be a JSON object")
+        model = body.get("model")
+        if model not in (None, "", self.model_id):
+            raise HttpError(404, f"model {model!r} is not served here; this server serves {self.model_id!r} "
+                                 f"(see GET /v1/models)", "not_found_error", param="model", code="model_not_found")
+        for name in UNSUPPORTED:
+            if body.get(name) not in _NEUTRAL:
+                raise HttpError(400, f"{name} is not supported by kvmesh; remove it from the request", param=name)
+        n = body.get("n", 1)
+        if n not in (None, 1):
+            raise HttpError(400, f"n must be 1 (got {n!r}): send separate requests for several completions",
+                            param="n")
+        return body
+
+    def _request(self, body: dict, tenant: str | None, max_tokens_field: str, default_max: int) -> pb.GenerateRequest:
+        max_tokens = body.get(max_tokens_field, body.get("max_tokens"))
+        max_tokens = _number({max_tokens_field: max_tokens}, max_tokens_field, default_max, lo=1, hi=2**32 - 1,
+                             integer=True)
+        salt = body.get("cache_salt", "") if tenant is None else tenant
+        if not isinstance(salt, str):
+            raise HttpError(400, "cache_salt must be a string", param="cache_salt")
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise HttpError(400, "ignore_eos must be true or false", param="ignore_eos")
+        return pb.GenerateRequest(
+            request_id=f"http-{uuid.uuid4().hex}",
+            sampling=pb.SamplingParams(
+                max_tokens=max_tokens,
+                temperature=_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
+                top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0),
+                seed=_number(body, "seed", 0, lo=0, hi=2**64 - 1, integer=True),
+                ignore_eos=ignore_eos),
+            cache_salt=salt, return_text=True)
+
+    async def _run(self, req: pb.GenerateRequest, authorization: str | None) -> AsyncIterator[pb.GenerateResponse]:
+        # the header travels as gRPC metadata too, so a check inside Generate sees the same key
+        ctx = _HttpContext(self.timeout_s, (("authorization", authorization),) if authorization else ())
+        agen = self.generate(req, ctx)
+        try:
+            async for msg in agen:
+                yield msg
+        except grpc.aio.AioRpcError as exc:  # a path that lets a downstream error escape
+            raise GrpcAbort(exc.code(), exc.details() or exc.code().name) from None
+        finally:
+            await agen.aclose()  # the client left early: the worker aborts the request
+
+    @staticmethod
+    def _usage(final: pb.GenerateResponse | None) -> dict:
+        if final is None:
+            return {}
+        u, t = final.usage, final.timing
+        return {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "kvmesh": {
+                "cached_tokens_by_tier": dict(u.cached_tokens_by_tier),
+                "computed_prefill_tokens": u.computed_prefill_tokens,
+                "worker_id": final.worker_id,
+                "timing": {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "ttft_ms": t.ttft_ms,
+                           "e2e_ms": t.e2e_ms},
+            },
+        }
+
+    # ------------------------------------------------------------ completions
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        tenant = await self._tenant(request)
+        body = await self._body(request)
+        req = self._request(body, tenant, "max_tokens", 16)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str) and prompt:
+            req.text = prompt
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         and 0 <= t < 2**32 for t in prompt):
+            req.token_ids.ids.extend(prompt)
+        else:
+            raise HttpError(400, "prompt must be a non-empty string or a non-empty array of token ids "
+                                 "(one prompt per request)", param="prompt")
+        return await self._answer(request, body, req, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        tenant = await self._tenant(request)
+        body = await self._body(request)
+        try:
+            text = self.chat_template.render(body.get("messages"), add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise HttpError(400, str(exc), param="messages") from None
+        ids = ChatTemplate.encode(self.tokenizer, text)
+        if not ids:
+            raise HttpError(400, "the rendered chat prompt is empty", param="messages")
+        default_max = max(1, (self.max_model_len or 4096) - len(ids) - 1)
+        req = self._request(body, tenant, "max_completion_tokens", min(default_max, 2**32 - 1))
+        req.token_ids.ids.extend(ids)
+        return await self._answer(request, body, req, chat=True)
+
+    async def _answer(self, request: web.Request, body: dict, req: pb.GenerateRequest,
+                      chat: bool) -> web.StreamResponse:
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise HttpError(400, "stream must be true or false", param="stream")
+        return_ids = bool(body.get("return_token_ids", False))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        obj = "chat.completion" if chat else "text_completion"
+        created = int(time.time())
+        if not stream:
+            text, ids, final = [], [], None
+            async for msg in self._run(req, request.headers.get("Authorization")):
+                text.append(msg.text)
+                ids.extend(msg.token_ids)
+                if msg.finished:
+                    final = msg
+            if final is None:
+                raise HttpError(502, "the stream ended without a final message", "server_error")
+            choice: dict = {"index": 0, "finish_reason": final.finish_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": "".join(text)}
+            else:
+                choice.update(text="".join(text), logprobs=None)
+            if return_ids:
+                choice["token_ids"] = ids
+            return web.json_response({"id": rid, "object": obj, "created": created, "model": self.model_id,
+                                      "choices": [choice], "usage": self._usage(final)})
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        gen = self._run(req, request.headers.get("Authorization"))
+        # the first message decides the status: an error before any token is a plain HTTP error
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            raise HttpError(502, "the stream ended without a final message", "server_error") from None
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(payload: dict) -> None:
+            await resp.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+        def chunk(delta_text: str, ids: list[int], finish: str | None, first_chunk: bool = False) -> dict:
+            c: dict = {"index": 0, "finish_reason": finish}
+            if chat:
+                delta = {"role": "assistant", "content": delta_text} if first_chunk else {"content": delta_text}
+                c["delta"] = delta
+            else:
+                c.update(text=delta_text, logprobs=None)
+            if return_ids:
+                c["token_ids"] = ids
+            return {"id": rid, "object": chunk_obj, "created": created, "model": self.model_id, "choices": [c]}
+
+        try:
+            msg, first_chunk, final = first, True, None
+            while True:
+                if msg.finished:
+                    final = msg
+                if msg.token_ids or msg.text or msg.finished or first_chunk:
+                    await send(chunk(msg.text, list(msg.token_ids), msg.finish_reason if msg.finished else None,
+                                     first_chunk))
+                    first_chunk = False
+                try:
+                    msg = await gen.__anext__()
+                except StopAsyncIteration:
+                    break
+            if include_usage and final is not None:
+                await send({"id": rid, "object": chunk_obj, "created": created, "model": self.model_id,
+                            "choices": [], "usage": self._usage(final)})
+        except (GrpcAbort, HttpError) as exc:  # after the headers: the error travels as an SSE event
+            err = HttpError.from_abort(exc) if isinstance(exc, GrpcAbort) else exc
+            await send(err.body())
+        except (ConnectionResetError, asyncio.CancelledError):
+            await gen.aclose()
+            raise
+        finally:
+            await gen.aclose()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

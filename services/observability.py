@@ -1,0 +1,132 @@
+"""Starting the side servers of a worker or router: Prometheus ``/metrics`` and the
+OpenAI-compatible HTTP front.
+
+`start_worker_extras` and `start_router_extras` are what `workers.server.serve_worker`
+and `services.router.serve_router` call after their gRPC server started; each returns
+an `Extras` whose `stop` shuts the side servers down. The metrics server runs on its own
+thread (`services.metrics.serve_metrics`); the HTTP front runs on the process's asyncio
+loop (aiohttp) beside grpc.aio.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+
+class Extras:
+    """Side servers of one process: the ports they bound and how to stop them."""
+
+    def __init__(self) -> None:
+        self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self.registry = None
+        self._stops: list[Callable[[], Awaitable[None] | None]] = []
+
+    async def stop(self) -> None:
+        """Stop every side server (never raises)."""
+        for fn in reversed(self._stops):
+            try:
+                res = fn()
+                if res is not None:
+                    await res
+            except Exception:  # noqa: BLE001 - shutting down: log and go on
+                log.exception("stopping a side server failed")
+        self._stops.clear()
+
+
+def _serve_metrics(extras: Extras, registry, host: str, port: int, what: str) -> None:
+    from kvmesh.services.metrics import serve_metrics
+
+    bound, server = serve_metrics(registry, port, host)
+    extras.metrics_port = bound
+    extras._stops.append(server.shutdown)
+    print(f"kvmesh {what} metrics on http://{host}:{bound}/metrics", flush=True)
+
+
+async def start_worker_extras(servicer, host: str, metrics_port: int | None, http_port: int | None,
+                              authenticate=None) -> Extras:
+    """Serve a worker's metrics and, optionally, its HTTP front.
+
+    Metrics are recorded whenever either is on (the HTTP front also serves ``/metrics``).
+    ``authenticate`` as in `start_router_extras`.
+
+    Raises:
+        RuntimeError: a port could not be bound (names the flag).
+    """
+    extras = Extras()
+    if metrics_port is None and http_port is None:
+        return extras
+    from kvmesh.services.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics(servicer.engine, servicer.worker_id)
+    servicer.metrics = metrics
+    extras.registry = metrics.registry
+    if metrics_port is not None:
+        _serve_metrics(extras, metrics.registry, host, metrics_port, f"worker {servicer.worker_id}")
+    if http_port is not None:
+        from kvmesh.services.http_front import HttpFront
+
+        front = HttpFront(servicer.Generate, servicer.engine.tokenizer, servicer.engine.config.model_id,
+                          model_dir=getattr(servicer.engine, "model_dir", None), registry=metrics.registry,
+                          max_model_len=servicer.engine.max_model_len, authenticate=authenticate)
+        extras.http_port = await front.start(host, http_port)
+        extras._stops.append(front.stop)
+    return extras
+
+
+async def start_router_extras(servicer, host: str, metrics_port: int | None, http_port: int | None,
+                              authenticate=None, ssl_context=None) -> Extras:
+    """Serve a router's metrics and, optionally, its HTTP front.
+
+    ``authenticate`` maps an ``Authorization`` header value (or None) to a tenant id and
+    raises for a refused key (see `services.http_front.HttpFront`): the shape of
+    ``services.auth``'s tenant resolver, e.g. ``lambda h: resolver.tenant_for(h)``. None
+    allows anonymous requests. ``ssl_context`` serves the HTTP front over HTTPS.
+
+    Raises:
+        RuntimeError: a port could not be bound (names the flag).
+    """
+    extras = Extras()
+    if metrics_port is None and http_port is None:
+        return extras
+    from kvmesh.services.metrics import RouterMetrics
+
+    metrics = RouterMetrics(servicer)
+    servicer.metrics = metrics
+    servicer.subscriber.on_batch = metrics.observe_batch
+    extras.registry = metrics.registry
+    if metrics_port is not None:
+        _serve_metrics(extras, metrics.registry, host, metrics_port, "router")
+    if http_port is not None:
+        from kvmesh.services.http_front import HttpFront
+
+        front = HttpFront(servicer.Generate, servicer.tokenizer, servicer.config.model_id,
+                          model_dir=getattr(servicer, "model_dir", None), registry=metrics.registry,
+                          authenticate=authenticate, max_model_len=servicer.config.max_position_embeddings)
+        extras.http_port = await front.start(host, http_port, ssl_context)
+        extras._stops.append(front.stop)
+    return extras
+
+
+def add_server_flags(p, what: str) -> None:
+    """``--metrics-port`` and ``--http-port`` on the ``worker`` and ``router`` commands."""
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help=f"serve Prometheus metrics of this {what} at http://HOST:PORT/metrics (0 = a free port; "
+                        "default off)")
+    p.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                   help=f"serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                        f"/health, /metrics) from this {what} (0 = a free port; default off)")
+
+
+def server_ports(args) -> dict:
+    """``metrics_port`` / ``http_port`` keyword arguments of `serve_worker` / `serve_router`."""
+    out = {}
+    for name in ("metrics_port", "http_port"):
+        value = getattr(args, name, None)
+        if value is not None:
+            if not 0 <= value < 65536:
+                raise ValueError(f"--{name.replace('_', '-')} must be a port in [0, 65535] (got {value})")
+            out[name] = value
+    return out

@@ -1,0 +1,121 @@
+"""The Python client's retries, metadata and option checks, against an in-process gRPC server
+that injects the faults (UNAVAILABLE, a stream cut after its first token). Agreement with
+real workers and routers is in tests/test_observability_e2e.py."""
+from __future__ import annotations
+
+import asyncio
+from concurrent import futures
+
+import grpc
+import pytest
+
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.services.client import AsyncKvmeshClient, KvmeshClient
+
+
+class Flaky(pb_grpc.WorkerServicer):
+    """Fails the first ``failures`` calls with ``code`` (after ``tokens_first`` tokens), then answers."""
+
+    def __init__(self, failures=0, code=grpc.StatusCode.UNAVAILABLE, tokens_first=0):
+        self.failures, self.code, self.tokens_first = failures, code, tokens_first
+        self.calls = 0
+        self.metadata = []
+
+    def Generate(self, request, context):
+        self.calls += 1
+        self.metadata.append(dict(context.invocation_metadata()))
+        if self.calls <= self.failures:
+            for _ in range(self.tokens_first):
+                yield pb.GenerateResponse(token_ids=[5])
+            context.abort(self.code, "injected")
+        yield pb.GenerateResponse(token_ids=[1, 2], text="ab")
+        yield pb.GenerateResponse(token_ids=[3], text="c", finished=True, finish_reason="length", worker_id="w",
+                                  usage=pb.Usage(prompt_tokens=4, cached_tokens=2,
+                                                 cached_tokens_by_tier={"device": 2}, completion_tokens=3),
+                                  timing=pb.Timing(ttft_ms=1.5, e2e_ms=3.0))
+
+
+@pytest.fixture()
+def serve():
+    servers = []
+
+    def start(servicer):
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        pb_grpc.add_WorkerServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for s in servers:
+        s.stop(0)
+
+
+def test_retries_unavailable_with_backoff_and_sends_the_api_key(serve):
+    svc = Flaky(failures=2)
+    with KvmeshClient(serve(svc), api_key="k1", backoff_s=0.01) as c:
+        out = c.generate("abcd", max_tokens=3)
+    assert svc.calls == 3
+    assert out.token_ids == [1, 2, 3] and out.text == "abc" and out.finish_reason == "length"
+    assert out.usage.cached_tokens == 2 and out.usage.cached_tokens_by_tier["device"] == 2
+    assert out.usage.cached_tokens_by_tier["disk"] == 0 and out.timing.ttft_ms == 1.5
+    assert all(m.get("authorization") == "Bearer k1" for m in svc.metadata)
+
+
+def test_gives_up_after_the_retry_budget(serve):
+    svc = Flaky(failures=10)
+    with KvmeshClient(serve(svc), retries=2, backoff_s=0.01) as c:
+        with pytest.raises(grpc.RpcError) as exc:
+            c.generate("abcd")
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and svc.calls == 3
+
+
+def test_other_codes_and_started_streams_are_not_retried(serve):
+    svc = Flaky(failures=1, code=grpc.StatusCode.INVALID_ARGUMENT)
+    with KvmeshClient(serve(svc), backoff_s=0.01) as c:
+        with pytest.raises(grpc.RpcError) as exc:
+            c.generate("abcd")
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and svc.calls == 1
+    svc = Flaky(failures=1, tokens_first=1)
+    with KvmeshClient(serve(svc), backoff_s=0.01) as c:
+        chunks = []
+        with pytest.raises(grpc.RpcError):
+            for ch in c.stream("abcd"):
+                chunks.append(ch)
+    assert svc.calls == 1 and [ch.token_ids for ch in chunks] == [[5]]
+
+
+def test_async_client_retries_too(serve):
+    svc = Flaky(failures=1)
+    target = serve(svc)
+
+    async def run():
+        async with AsyncKvmeshClient(target, backoff_s=0.01, api_key="k2") as c:
+            return await c.generate(token_ids=[1, 2, 3, 4], max_tokens=3)
+
+    out = asyncio.run(run())
+    assert svc.calls == 2 and out.token_ids == [1, 2, 3]
+    assert svc.metadata[-1]["authorization"] == "Bearer k2"
+
+
+def test_api_key_from_the_environment(serve, monkeypatch):
+    monkeypatch.setenv("KVMESH_API_KEY", "envkey")
+    svc = Flaky()
+    with KvmeshClient(serve(svc)) as c:
+        c.generate("x")
+    assert svc.metadata[0]["authorization"] == "Bearer envkey"
+
+
+def test_option_errors_say_what_to_fix(tmp_path):
+    with pytest.raises(ValueError, match="--tls-ca"):
+        KvmeshClient("127.0.0.1:1", tls_cert="c.pem", tls_key="k.pem")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    with pytest.raises(ValueError, match="--tls-cert and --tls-key"):
+        KvmeshClient("127.0.0.1:1", tls_ca=str(ca), tls_cert="c.pem")
+    with pytest.raises(ValueError, match="cannot read"):
+        KvmeshClient("127.0.0.1:1", tls_ca=str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="exactly one"):
+        KvmeshClient("127.0.0.1:1").generate()

@@ -1,0 +1,193 @@
+"""The HTTP front's own edges in-process: authentication, error mapping, client disconnects.
+
+The Generate behind the front is a stub here (it injects the faults: an abort, a stream
+that never ends); the front's agreement with real worker and router processes is in
+tests/test_observability_e2e.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import grpc
+import pytest
+
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.services.http_front import HttpFront
+from kvmesh.workers.config import ModelConfig
+from kvmesh.workers.tokenizer import load_tokenizer
+
+
+def _final(text="ok"):
+    return pb.GenerateResponse(token_ids=[111], text=text, finished=True, finish_reason="length",
+                               usage=pb.Usage(prompt_tokens=3, cached_tokens=0, completion_tokens=1))
+
+
+async def _serve(generate, **kw):
+    front = HttpFront(generate, load_tokenizer(None, ModelConfig.tiny()), "m", **kw)
+    port = await front.start("127.0.0.1", 0)
+    return front, f"http://127.0.0.1:{port}/v1"
+
+
+def test_api_keys_map_to_tenants_and_refusals_are_401():
+    seen = []
+
+    async def generate(req, ctx):
+        seen.append(req.cache_salt)
+        yield _final()
+
+    def authenticate(header):
+        if header != "Bearer good":
+            raise PermissionError("unknown API key")
+        return "tenant-7"
+
+    async def run():
+        front, url = await _serve(generate, authenticate=authenticate)
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(f"{url}/completions", json={"prompt": "abc", "max_tokens": 1},
+                                 headers={"Authorization": "Bearer bad"})
+                bad = (r.status, await r.json())
+                r = await s.post(f"{url}/completions", json={"prompt": "abc", "max_tokens": 1,
+                                                             "cache_salt": "spoofed"},
+                                 headers={"Authorization": "Bearer good"})
+                good = (r.status, await r.json())
+                r = await s.get(f"{url}/models")
+                models = r.status
+        finally:
+            await front.stop()
+        return bad, good, models
+
+    bad, good, models = asyncio.run(run())
+    assert bad[0] == 401 and bad[1]["error"]["type"] == "authentication_error"
+    assert "unknown API key" in bad[1]["error"]["message"]
+    assert good[0] == 200 and good[1]["choices"][0]["text"] == "ok"
+    assert seen == ["tenant-7"]  # the authenticated tenant, never the body's salt
+    assert models == 401
+
+
+def test_grpc_statuses_map_to_http_and_stream_errors_become_events():
+    async def overloaded(req, ctx):
+        await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is full")
+        yield  # pragma: no cover
+
+    async def fails_midway(req, ctx):
+        yield pb.GenerateResponse(token_ids=[104], text="h")
+        await ctx.abort(grpc.StatusCode.INTERNAL, "model step failed")
+
+    async def run():
+        out = {}
+        for name, gen in (("overloaded", overloaded), ("midway", fails_midway)):
+            front, url = await _serve(gen)
+            try:
+                async with aiohttp.ClientSession() as s:
+                    r = await s.post(f"{url}/completions", json={"prompt": "abc", "max_tokens": 2,
+                                                                 "stream": name == "midway"})
+                    out[name] = (r.status, await r.text())
+            finally:
+                await front.stop()
+        return out
+
+    out = asyncio.run(run())
+    status, body = out["overloaded"]
+    assert status == 429 and json.loads(body)["error"]["message"] == "queue is full"
+    status, body = out["midway"]
+    events = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[0])["choices"][0]["text"] == "h"
+    assert json.loads(events[-2])["error"]["message"] == "model step failed"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_client_disconnect_closes_the_generate_stream(stream):
+    """A client that leaves ends the Generate call (the worker then aborts the request)."""
+    closed = asyncio.Event
+
+    async def run():
+        done = closed()
+
+        async def endless(req, ctx):
+            try:
+                while True:
+                    yield pb.GenerateResponse(token_ids=[97], text="a")
+                    await asyncio.sleep(0.01)
+            finally:
+                done.set()
+
+        front, url = await _serve(endless)
+        try:
+            async with aiohttp.ClientSession() as s:
+                if stream:
+                    r = await s.post(f"{url}/completions", json={"prompt": "abc", "max_tokens": 10**6,
+                                                                 "stream": True})
+                    await r.content.readline()
+                    r.close()
+                else:  # the whole answer never comes: the client gives up
+                    with pytest.raises(asyncio.TimeoutError):
+                        await s.post(f"{url}/completions", json={"prompt": "abc", "max_tokens": 10**6},
+                                     timeout=aiohttp.ClientTimeout(total=0.5))
+            await asyncio.wait_for(done.wait(), 10)
+            return done.is_set()
+        finally:
+            await front.stop()
+
+    assert asyncio.run(run())
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "temperature": -1}, "temperature"),
+    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "logprobs": 2}, "logprobs"),
+    ({"prompt": [1, -3]}, "prompt"),
+    ({"prompt": "a", "stream": "yes"}, "stream"),
+])
+def test_bad_fields_are_400_naming_the_field(body, param):
+    async def never(req, ctx):  # pragma: no cover - a refused request never reaches Generate
+        raise AssertionError("reached Generate")
+        yield
+
+    async def run():
+        front, url = await _serve(never)
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(f"{url}/completions", json=body)
+                return r.status, await r.json()
+        finally:
+            await front.stop()
+
+    status, err = asyncio.run(run())
+    assert status == 400 and err["error"]["param"] == param and param in err["error"]["message"]
+
+
+def test_https_with_an_ssl_context(tmp_path):
+    import ssl
+    import subprocess
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+
+    async def generate(req, ctx):
+        yield _final("secure")
+
+    async def run():
+        front = HttpFront(generate, load_tokenizer(None, ModelConfig.tiny()), "m")
+        port = await front.start("127.0.0.1", 0, ssl_context=server_ctx)
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(f"https://127.0.0.1:{port}/v1/completions", json={"prompt": "a"}, ssl=client_ctx)
+                ok = (r.status, await r.json())
+                with pytest.raises(aiohttp.ClientError):  # plain HTTP is not served on that port
+                    await s.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "a"})
+                return ok
+        finally:
+            await front.stop()
+
+    status, body = asyncio.run(run())
+    assert status == 200 and body["choices"][0]["text"] == "secure"

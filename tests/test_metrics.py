@@ -1,0 +1,186 @@
+"""Worker and router metrics in-process: counters, reasons, and scrapes that never wait on a step."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.services.metrics import ROUTE_REASONS, RouterMetrics, WorkerMetrics, route_reason, serve_metrics
+from kvmesh.services.policies import KVAwarePolicy, RoundRobinPolicy, WorkerView
+
+
+def samples(registry) -> dict[tuple, float]:
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from kvmesh.cache_store.tier_store import TierConfig
+    from kvmesh.workers.engine import Engine
+
+    e = Engine(num_blocks=64, block_size=16, tiers=TierConfig(host_bytes=4 << 20, peer_bytes=0)).start()
+    yield e
+    e.stop()
+
+
+def test_counters_follow_finished_requests(engine):
+    m = WorkerMetrics(engine, "w0")
+    m.observe_finished({"prompt_tokens": 100, "cached_tokens": 48, "cached_tokens_by_tier": {"device": 32, "host": 16},
+                        "computed_prefill_tokens": 52, "completion_tokens": 7},
+                       {"ttft_ms": 20.0, "e2e_ms": 90.0, "queue_ms": 1.0}, "length", [1.0, 1.01, 1.03])
+    m.observe_finished(None, None, "abort")
+    s = samples(m.registry)
+    assert s[("kvmesh:prefix_cache_queries_total", ())] == 100
+    assert s[("kvmesh:prefix_cache_hits_total", (("tier", "device"),))] == 32
+    assert s[("kvmesh:prefix_cache_hits_total", (("tier", "host"),))] == 16
+    assert s[("kvmesh:prefix_cache_hits_total", (("tier", "disk"),))] == 0
+    assert s[("kvmesh:generation_tokens_total", ())] == 7
+    assert s[("kvmesh:request_success_total", (("finished_reason", "length"),))] == 1
+    assert s[("kvmesh:request_success_total", (("finished_reason", "abort"),))] == 1
+    assert s[("kvmesh:inter_token_latency_seconds_count", ())] == 2
+    assert s[("kvmesh:time_to_first_token_seconds_sum", ())] == pytest.approx(0.02)
+
+
+def test_engine_gauges_match_the_engine(engine):
+    m = WorkerMetrics(engine, "w0")
+    engine.generate(list(range(1, 50)), timeout=60)
+    s = samples(m.registry)
+    assert s[("kvmesh:tier_capacity_blocks", (("tier", "device"),))] == 64
+    assert s[("kvmesh:tier_capacity_bytes", (("tier", "host"),))] == 4 << 20
+    assert ("kvmesh:tier_used_bytes", (("tier", "host"),)) in s
+    assert s[("kvmesh:tier_used_blocks", (("tier", "device"),))] >= 3  # the prompt's 3 full blocks stay cached
+    assert s[("kvmesh:num_requests_running", ())] == 0
+    assert s[("kvmesh:kv_cache_usage_perc", ())] == 0.0  # cached but unused blocks count as free, as in vLLM
+
+
+def test_scrape_never_waits_on_the_engine_lock(engine):
+    """A scrape while another thread holds the engine's step lock completes."""
+    m = WorkerMetrics(engine, "w0")
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with engine._lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    out = {}
+    scraper = threading.Thread(target=lambda: out.setdefault("text", generate_latest(m.registry)))
+    scraper.start()
+    scraper.join(10)
+    finished = not scraper.is_alive()
+    release.set()
+    holder.join()
+    scraper.join()
+    assert finished, "the scrape waited for the engine lock"
+    assert b"kvmesh:num_requests_waiting" in out["text"]
+
+
+def test_metrics_port_in_use_names_the_flag(engine):
+    m = WorkerMetrics(engine, "w0")
+    port, server = serve_metrics(m.registry, 0)
+    try:
+        with pytest.raises(RuntimeError, match="--metrics-port"):
+            serve_metrics(m.registry, port)
+    finally:
+        server.shutdown()
+
+
+def _view(wid, matched=0, routed=0.0):
+    return WorkerView(wid, f"{wid}:1", matched_blocks=matched, weighted_blocks=float(matched), routed_recent=routed)
+
+
+def test_route_reasons():
+    kv = KVAwarePolicy()
+    a, b = _view("a", 4), _view("b", 0)
+    assert route_reason(kv, a, [a, b], 0) == "prefix_hit"
+    assert route_reason(kv, b, [a, b], 0) == "load"
+    assert route_reason(kv, b, [a, b], 1) == "retry"
+    c, d = _view("c"), _view("d")
+    assert route_reason(kv, c, [c, d], 0) == "cold"
+    hot, cool = _view("hot", 4, routed=40.0), _view("cool", 0, routed=0.0)
+    assert route_reason(kv, cool, [hot, cool], 0) == "share_cap"
+    assert route_reason(RoundRobinPolicy(), cool, [hot, cool], 0) == "load"  # no share cap in that policy
+
+
+def test_router_metrics_count_decisions_and_lag():
+    class Sub:
+        resyncs, resync_failures, lease_expiries = 2, 0, 1
+
+        def live_workers(self):
+            return {"a": {}, "b": {}}
+
+    class Index:
+        def num_blocks(self):
+            return 17
+
+    class Router:
+        policy_name, policy, subscriber, index = "kv_aware", KVAwarePolicy(), Sub(), Index()
+
+    m = RouterMetrics(Router())
+    a, b = _view("a", 2), _view("b")
+    assert m.observe_decision(a, [a, b], 0) == "prefix_hit"
+    m.observe_decision(b, [a, b], 1)
+
+    class Batch:
+        ts = 0.0
+
+    import time
+
+    Batch.ts = time.time() - 0.5
+    m.observe_batch(Batch)
+    s = samples(m.registry)
+    assert s[("kvmesh:router_decisions_total", (("policy", "kv_aware"), ("reason", "prefix_hit")))] == 1
+    assert s[("kvmesh:router_decisions_total", (("policy", "kv_aware"), ("reason", "retry")))] == 1
+    assert {r for (n, lab) in s if n == "kvmesh:router_decisions_total" for k, r in lab if k == "reason"} \
+        == set(ROUTE_REASONS)
+    assert s[("kvmesh:router_routed_requests_total", (("worker", "a"),))] == 1
+    assert s[("kvmesh:router_live_workers", ())] == 2
+    assert s[("kvmesh:router_indexed_blocks", ())] == 17
+    assert s[("kvmesh:router_gap_resyncs_total", ())] == 2
+    assert s[("kvmesh:router_lease_expiries_total", ())] == 1
+    assert s[("kvmesh:router_event_lag_seconds_count", ())] == 1
+    assert 0.4 < s[("kvmesh:router_event_lag_seconds_sum", ())] < 5.0
+
+
+def test_offload_and_load_bytes_follow_the_tier_store(engine):
+    """Blocks evicted to the host tier and loaded back are counted in device-format bytes."""
+    m = WorkerMetrics(engine, "w0")
+    block_bytes = engine.kv_cache.nbytes // engine.num_blocks
+    prompt = list(range(60, 109))  # 49 tokens: 3 full blocks
+    engine.generate(prompt, timeout=60)
+    before = samples(m.registry)
+    offloaded = engine.offload_device_cache()
+    out = engine.generate(prompt, timeout=60)
+    m.observe_finished(out["usage"], out["timing"], out["finish_reason"])
+    after = samples(m.registry)
+    assert offloaded >= 3
+    assert out["usage"]["cached_tokens_by_tier"]["host"] == 48
+    off = after[("kvmesh:tier_offload_bytes_total", ())] - before[("kvmesh:tier_offload_bytes_total", ())]
+    load = after[("kvmesh:tier_load_bytes_total", ())] - before[("kvmesh:tier_load_bytes_total", ())]
+    assert off == offloaded * block_bytes
+    assert load == 3 * block_bytes
+    assert after[("kvmesh:prefix_cache_hits_total", (("tier", "host"),))] == 48
+
+
+def test_peer_fetch_outcomes(engine):
+    from kvmesh.workers.peer_fetch import FetchResult
+
+    m = WorkerMetrics(engine, "w0")
+    m.observe_fetch(FetchResult(staged=4, nbytes=4096, outcome="complete"))
+    m.observe_fetch(FetchResult(outcome="transfer slower than recompute"))
+    m.observe_fetch(FetchResult(staged=0, nbytes=100, outcome="deadline"))
+    m.observe_fetch(FetchResult(staged=0, nbytes=100, outcome="projected past deadline"))
+    s = samples(m.registry)
+    assert s[("kvmesh:peer_fetch_decisions_total", (("decision", "fetched"),))] == 1
+    assert s[("kvmesh:peer_fetch_decisions_total", (("decision", "recomputed"),))] == 1
+    assert s[("kvmesh:peer_fetch_decisions_total", (("decision", "deadline"),))] == 2
+    assert s[("kvmesh:peer_fetch_bytes_total", ())] == 4296
