@@ -26,10 +26,14 @@ need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 if [ $runtime = 1 ] && [ $apt_only = 1 ]; then
   dpkg -s libxxhash0 >/dev/null 2>&1 || need+=(libxxhash0)
+  command -v "$PY" >/dev/null 2>&1 || need+=(python3)
 else
   [ -f /usr/include/xxhash.h ] || need+=(libxxhash-dev)
   command -v cc >/dev/null 2>&1 || need+=(gcc)
+  [ -f /usr/include/stdio.h ] || need+=(libc6-dev)
   "$PY" -c "import ensurepip" >/dev/null 2>&1 || need+=(python3-venv)
+  "$PY" -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
+    >/dev/null 2>&1 || need+=(python3-dev)
 fi
 [ $runtime = 1 ] || command -v kubectl >/dev/null 2>&1 || need+=(kubernetes-client)
 if [ ${#need[@]} -gt 0 ]; then
