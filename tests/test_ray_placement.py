@@ -76,6 +76,15 @@ def router_workers(address: str) -> dict[str, str]:
     return {w.worker_id: w.address for w in st.workers}
 
 
+def test_cli_does_not_import_ray():
+    """`ray` is imported lazily: building the parser (every command) leaves it unloaded."""
+    code = ("import sys; from kvmesh.services.cli import build_parser; build_parser(); "
+            "from kvmesh.services import ray_cli; print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 def test_spec_from_cli_args():
     from kvmesh.services.ray_cli import check_args
     from kvmesh.services.ray_cluster import RaySpec
