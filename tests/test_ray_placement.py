@@ -10,6 +10,7 @@ actor and the placement group when stopped. Bring-up and recovery times are prin
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -101,7 +102,7 @@ def test_spec_from_cli_args():
     assert "--workers" in check_args(build_parser().parse_args(["ray", "--workers", "0"]))
 
 
-def test_place_serve_kill_recover(ray_cluster, spawn_worker, capsys):
+def test_place_serve_kill_recover(ray_cluster, capsys, tmp_path):
     import ray
 
     from kvmesh.services.ray_cluster import RayPlacement, RaySpec, format_status
@@ -123,10 +124,7 @@ def test_place_serve_kill_recover(ray_cluster, spawn_worker, capsys):
         assert len(lines) == 4 and all("node 127.0.0.1 (" in line for line in lines)
 
         batch = prompts()
-        cold_addr, _ = spawn_worker(*WORKER_ARGS[:4])
-        cold = cold_outputs(cold_addr, batch)
         before = [generate(placement.router_address, token_ids=ids, max_tokens=4, timeout=120) for ids in batch]
-        assert [o["token_ids"] for o in before] == cold
         assert before[-1]["usage"]["cached_tokens"] > 0, "the repeated prompt is served from the cache"
 
         # SIGKILL worker-0's actor process: its child drains and exits, Ray restarts the actor
@@ -148,7 +146,18 @@ def test_place_serve_kill_recover(ray_cluster, spawn_worker, capsys):
         assert router_workers(placement.router_address)["worker-0"] == after["worker-0"]["address"]
         pids.append(after["worker-0"]["pid"])
         again = [generate(placement.router_address, token_ids=ids, max_tokens=4, timeout=120) for ids in batch]
+        # cold reference: worker-1 called directly, every tier emptied before each prompt
+        cold = cold_outputs(after["worker-1"]["address"], batch)
+        assert [o["token_ids"] for o in before] == cold
         assert [o["token_ids"] for o in again] == cold
+        # and the load harness against the Ray-placed router: the trace sample's first requests
+        from kvmesh.bench.harness import main as bench_main
+
+        rc = bench_main(["--target", placement.router_address, "--max-requests", "6", "--max-output-tokens", "2",
+                         "--concurrency", "2", "--no-plots", "--no-progress", "--out", str(tmp_path / "bench")])
+        result = json.loads((tmp_path / "bench" / "result.json").read_text())
+        assert rc == 0 and result["num_ok"] == 6 and result["num_errors"] == 0
+        assert set(result["worker_share"]) <= {"worker-0", "worker-1"}
         with capsys.disabled():
             print(f"\n[ray] bring-up {bring_up:.1f} s (placement group, redis, router, 2 workers registered); "
                   f"worker-0 SIGKILL -> dropped by router {drop_s:.1f} s -> back and registered {recovery:.1f} s")
