@@ -46,6 +46,8 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--status-file", default=None,
                    help="rewrite this file with the status lines every interval, once every actor serves "
                         "(for a liveness probe)")
+    p.add_argument("--log-dir", default=None,
+                   help="folder for each process's log, on its node (default $TMPDIR/kvmesh-ray-logs)")
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help="seconds to wait for the placement group and every actor to serve (default 600)")
     _add_engine_args(p)

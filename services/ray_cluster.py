@@ -55,6 +55,7 @@ class RaySpec:
     worker_args: list[str] = field(default_factory=list)   # engine and tier flags of `kvmesh worker`
     disk_dir: str | None = None                            # each worker gets DISK_DIR/<worker id>
     log_level: str = "WARNING"
+    log_dir: str | None = None                             # on every node; default $TMPDIR/kvmesh-ray-logs
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RaySpec":
@@ -73,7 +74,7 @@ class RaySpec:
                    policy=args.policy, model=args.model, max_restarts=args.max_restarts,
                    status_interval=args.status_interval, status_file=args.status_file,
                    ready_timeout=args.ready_timeout, worker_args=engine, disk_dir=args.disk_dir,
-                   log_level=args.log_level)
+                   log_level=args.log_level, log_dir=args.log_dir)
 
     def bundle(self) -> dict[str, float]:
         """One worker's placement-group bundle."""
@@ -239,7 +240,7 @@ class RayPlacement:
                 password = secrets.token_urlsafe(18)
                 self.redis = self._options(name=f"kvmesh-{s.cluster}-redis", **head).remote(
                     "redis", "redis", "redis", ["--requirepass", password, "--protected-mode", "yes"], 0,
-                    s.ready_timeout)
+                    s.ready_timeout, s.log_dir)
                 info = ray.get(self.redis.info.remote(), timeout=s.ready_timeout)
                 self.redis_url = f"redis://:{password}@{info['address']}/0"
             for i in range(s.workers):
@@ -247,13 +248,13 @@ class RayPlacement:
                 self.workers[wid] = self._options(
                     name=f"kvmesh-{s.cluster}-{wid}", num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-                ).remote("worker", wid, "kvmesh", self.worker_cmd(wid), s.worker_port, s.ready_timeout)
+                ).remote("worker", wid, "kvmesh", self.worker_cmd(wid), s.worker_port, s.ready_timeout, s.log_dir)
             router_cmd = ["--log-level", s.log_level, "router", "--host", "{ip}", "--port", "{port}",
                           "--redis-url", self.redis_url, "--cluster", s.cluster, "--policy", s.policy]
             if s.model:
                 router_cmd += ["--model", s.model]
             self.router = self._options(name=f"kvmesh-{s.cluster}-router", **head).remote(
-                "router", "router", "kvmesh", router_cmd, s.router_port, s.ready_timeout)
+                "router", "router", "kvmesh", router_cmd, s.router_port, s.ready_timeout, s.log_dir)
             infos = self.status(timeout=max(1.0, deadline - time.monotonic()))
             self.router_address = next(i["address"] for i in infos if i["role"] == "router")
             self.wait_registered(timeout=max(1.0, deadline - time.monotonic()))

@@ -108,7 +108,7 @@ def test_place_serve_kill_recover(ray_cluster, capsys, tmp_path):
     from kvmesh.services.ray_cluster import RayPlacement, RaySpec, format_status
 
     spec = RaySpec(address=ray_cluster.address, workers=2, cpus_per_worker=1, router_port=0, cluster="raytest",
-                   max_restarts=3, worker_args=WORKER_ARGS, ready_timeout=240)
+                   max_restarts=3, worker_args=WORKER_ARGS, ready_timeout=240, log_dir=str(tmp_path / "logs"))
     t0 = time.monotonic()
     placement = RayPlacement(spec).start()
     bring_up = time.monotonic() - t0
@@ -175,15 +175,17 @@ def test_place_serve_kill_recover(ray_cluster, capsys, tmp_path):
     assert placement_group_table(pg)["state"] == "REMOVED"
 
 
-def test_kvmesh_ray_command(ray_cluster, tmp_path):
-    """The CLI: status lines per actor, then SIGTERM removes actors and placement group."""
+def test_kvmesh_ray_command(ray_cluster, tmp_path, redis_server):
+    """The CLI with an external Redis (--redis-url): status lines per actor, then SIGTERM
+    removes actors and placement group."""
     import ray
     from ray.util import placement_group_table
 
     status_file = tmp_path / "status"
     cmd = python_cmd("ray", "--address", ray_cluster.address, "--workers", "1", "--cpus-per-worker", "1",
                      "--router-port", "0", "--cluster", "raycli", "--status-interval", "1",
-                     "--status-file", str(status_file), "--max-restarts", "1", *WORKER_ARGS)
+                     "--status-file", str(status_file), "--max-restarts", "1", "--redis-url", redis_server.url,
+                     "--log-dir", str(tmp_path / "logs"), *WORKER_ARGS)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
     try:
@@ -193,7 +195,7 @@ def test_kvmesh_ray_command(ray_cluster, tmp_path):
             assert time.monotonic() < deadline, "kvmesh ray wrote no status"
             time.sleep(0.2)
         lines = status_file.read_text().splitlines()
-        assert sorted(line.split()[0] for line in lines) == ["redis", "router", "worker-0"]
+        assert sorted(line.split()[0] for line in lines) == ["router", "worker-0"]
         assert all(" serving " in line and "node 127.0.0.1 (" in line for line in lines)
         pgs = [p for p in placement_group_table().values() if p["name"] == "kvmesh-raycli"]
         assert len(pgs) == 1 and pgs[0]["state"] == "CREATED"
@@ -202,7 +204,8 @@ def test_kvmesh_ray_command(ray_cluster, tmp_path):
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     assert "actors and placement group removed" in out
-    assert "redis://***@" in out and "kvmesh on Ray: router" in out
+    assert f"redis {redis_server.url}" in out and "kvmesh on Ray: router" in out
+    assert (tmp_path / "logs" / "worker-0.log").stat().st_size > 0
     pgs = [p for p in placement_group_table().values() if p["name"] == "kvmesh-raycli"]
     assert pgs and all(p["state"] == "REMOVED" for p in pgs)
     alive = [a for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
