@@ -131,10 +131,17 @@ class ProcessSupervisor:
             cmd = python_cmd(*[a.replace("{ip}", self.node_ip).replace("{port}", str(self.port)) for a in cmd_args])
         self.stopping = False
         self.proc = spawn(cmd, self.log_path)
-        if cmd_kind == "redis":
-            self._wait_tcp(ready_timeout)
-        else:
-            wait_healthy(self.address, timeout=ready_timeout, proc=self.proc)
+        try:
+            if cmd_kind == "redis":
+                self._wait_tcp(ready_timeout)
+            else:
+                wait_healthy(self.address, timeout=ready_timeout, proc=self.proc)
+        except BaseException:
+            self.stopping = True
+            from kvmesh.services.procs import stop_process
+
+            stop_process(self.proc)
+            raise
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _wait_tcp(self, timeout: float) -> None:
@@ -337,7 +344,11 @@ def run_until_stopped(spec: RaySpec) -> int:
     import ray
 
     t0 = time.monotonic()
-    ray.init(address=spec.address, log_to_driver=False)
+    try:
+        ray.init(address=spec.address, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        print(f"error: could not connect to the Ray cluster at --address {spec.address}: {exc}", file=sys.stderr)
+        return 1
     stop = threading.Event()
     # after ray.init, which installs its own SIGTERM handler (one that aborts the process)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
