@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import time
 
 import grpc
@@ -149,8 +151,15 @@ def cpu_cluster(tmp_path_factory):
             p.wait_ready()
         yield {"objs": objs, "redis": redis, "workers": workers, "routers": routers}
     finally:
+        for p in reversed(started):   # SIGTERM to all (the kubelet's order), then wait for each
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
         for p in reversed(started):
-            stop_process(p.proc)
+            try:
+                p.proc.wait(timeout=30)   # well inside terminationGracePeriodSeconds
+            except subprocess.TimeoutExpired:
+                stop_process(p.proc)
+            assert p.proc.returncode == 0, f"{p.name} did not drain cleanly on SIGTERM (log {p.proc.log_path})"
 
 
 def router_sees(address: str) -> set[str]:
