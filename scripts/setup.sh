@@ -4,33 +4,66 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# redis-server for the cluster; libxxhash-dev (+ a C compiler) for the C hashing loop
+# Options (the container image's Dockerfile uses them; see docs/DEPLOY.md):
+#   --runtime   kvmesh and what it needs to run: no test extras, no kubectl, and a regular
+#               (not editable) install, so .venv works without the source tree
+#   --apt-only  only the Debian packages, then stop (with --runtime: only run-time ones)
+#   --no-apt    never call apt-get; say which Debian packages are missing and go on
+runtime=0 apt_only=0 use_apt=1
+for arg in "$@"; do
+  case "$arg" in
+    --runtime) runtime=1 ;;
+    --apt-only) apt_only=1 ;;
+    --no-apt) use_apt=0 ;;
+    *) echo "usage: $0 [--runtime] [--apt-only] [--no-apt] (unknown option: $arg)" >&2; exit 2 ;;
+  esac
+done
+PY=${PYTHON:-python3}
+
+# redis-server for the cluster; libxxhash-dev (+ a C compiler) for the C hashing loop;
+# Debian's kubectl (package kubernetes-client) renders the k8s/ manifests in the tests
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
-[ -f /usr/include/xxhash.h ] || need+=(libxxhash-dev)
-command -v cc >/dev/null 2>&1 || need+=(gcc)
-command -v openssl >/dev/null 2>&1 || need+=(openssl)  # test certificates (HTTPS front)
-if [ ${#need[@]} -gt 0 ]; then
-  echo "[setup] installing from Debian: ${need[*]}" >&2
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+if [ $runtime = 1 ] && [ $apt_only = 1 ]; then
+  dpkg -s libxxhash0 >/dev/null 2>&1 || need+=(libxxhash0)
+  command -v "$PY" >/dev/null 2>&1 || need+=(python3)
+else
+  [ -f /usr/include/xxhash.h ] || need+=(libxxhash-dev)
+  command -v cc >/dev/null 2>&1 || need+=(gcc)
+  [ -f /usr/include/stdio.h ] || need+=(libc6-dev)
+  command -v openssl >/dev/null 2>&1 || need+=(openssl)  # test certificates (HTTPS front)
+  "$PY" -c "import ensurepip" >/dev/null 2>&1 || need+=(python3-venv)
+  "$PY" -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
+    >/dev/null 2>&1 || need+=(python3-dev)
 fi
+[ $runtime = 1 ] || command -v kubectl >/dev/null 2>&1 || need+=(kubernetes-client)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  if [ $use_apt = 0 ] || { [ -n "$SUDO" ] && ! command -v sudo >/dev/null 2>&1; }; then
+    echo "[setup] not installing Debian packages (--no-apt or no root/sudo); missing: ${need[*]}" >&2
+  else
+    echo "[setup] installing from Debian: ${need[*]}" >&2
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  fi
+fi
+[ $apt_only = 0 ] || exit 0
 
-PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv" >&2
   "$PY" -m venv .venv
 fi
 # torch is pinned to the CPU build that this machine kind keeps on local disk; a plain
-# "torch" would pull a multi-GB CUDA build.
+# "torch" would pull a multi-GB CUDA build (which is what the CUDA image wants: it sets
+# TORCH_SPEC and the pip index through the environment).
 stamp=.venv/.kvmesh-setup
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
    || [ cache_store/_chainhash.c -nt "$stamp" ]; then
   # pip's and setuptools' own banners go to a log; it is printed only when a step fails
   log=.venv/setup.log
   : > "$log"
-  for step in "--upgrade pip" "torch==2.13.0" "-e .[test]"; do
+  if [ $runtime = 1 ]; then self="."; else self="-e .[test]"; fi
+  for step in "--upgrade pip" "${TORCH_SPEC:-torch==2.13.0}" "$self"; do
     # shellcheck disable=SC2086
     if ! .venv/bin/python -m pip install -q $step >>"$log" 2>&1; then
       cat "$log" >&2

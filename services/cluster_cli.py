@@ -181,3 +181,7 @@ def register(sub) -> None:
     from kvmesh.bench import sim
 
     sim.register(sub)
+
+    from kvmesh.services import ray_cli
+
+    ray_cli.register(sub)

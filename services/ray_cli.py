@@ -1,0 +1,85 @@
+"""`kvmesh ray`: place a kvmesh cluster on an existing Ray cluster.
+
+The command line only; the placement itself is `kvmesh.services.ray_cluster`, which
+imports ``ray`` (lazily, so no other kvmesh command pays for it).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
+
+
+def register(sub) -> argparse.ArgumentParser:
+    from kvmesh.services.cli import _add_engine_args
+    from kvmesh.services.cluster_cli import redis_url
+
+    p = sub.add_parser(
+        "ray", help="place a router and N workers as actors on an existing Ray cluster",
+        description="Connect to a running Ray cluster and place the kvmesh router (on the head node) and N "
+                    "workers (one per GPU, or one per --cpus-per-worker bundle) as Ray actors in one "
+                    "placement group. Runs until interrupted; then removes every actor and the placement "
+                    "group.")
+    p.add_argument("--address", default="auto",
+                   help="Ray cluster: auto (the cluster this node belongs to, default), HOST:6379 or "
+                        "ray://HOST:10001 (Ray Client)")
+    p.add_argument("--workers", type=int, default=2, help="kvmesh workers to place (default 2)")
+    p.add_argument("--gpus-per-worker", type=float, default=0.0,
+                   help="GPUs reserved per worker (default 0: CPU workers; 1 = one worker per GPU)")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs reserved per worker (default 1)")
+    p.add_argument("--strategy", default="SPREAD", type=str.upper, choices=STRATEGIES,
+                   help="placement group strategy of the worker bundles (default SPREAD: across nodes; "
+                        "PACK: as few nodes as possible)")
+    p.add_argument("--router-port", type=int, default=50050,
+                   help="port of the router on the head node (default 50050; 0 = a free one)")
+    p.add_argument("--worker-port", type=int, default=0,
+                   help="port of every worker on its node (default 0: a free one per worker)")
+    p.add_argument("--redis-url", default=None, type=redis_url,
+                   help="Redis of the cluster (default: start redis-server on the head node)")
+    p.add_argument("--cluster", default="default", help="Redis key namespace of the kvmesh cluster")
+    p.add_argument("--policy", default="kv_aware", help="routing policy of the router")
+    p.add_argument("--max-restarts", type=int, default=-1,
+                   help="times Ray restarts a failed router or worker actor (default -1: always)")
+    p.add_argument("--status-interval", type=float, default=10.0,
+                   help="seconds between status lines (one per actor, with its node); default 10")
+    p.add_argument("--status-file", default=None,
+                   help="rewrite this file with the status lines every interval, once every actor serves "
+                        "(for a liveness probe)")
+    p.add_argument("--log-dir", default=None,
+                   help="folder for each process's log, on its node (default $TMPDIR/kvmesh-ray-logs)")
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="seconds to wait for the placement group and every actor to serve (default 600)")
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_ray)
+    return p
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``args`` (naming the flag), or None; checked before connecting."""
+    if args.workers < 1:
+        return f"--workers must be >= 1 (got {args.workers})"
+    if args.gpus_per_worker < 0 or args.cpus_per_worker < 0:
+        return "--gpus-per-worker and --cpus-per-worker must be >= 0"
+    if args.gpus_per_worker == 0 and args.cpus_per_worker == 0:
+        return "a worker bundle needs --cpus-per-worker > 0 or --gpus-per-worker > 0"
+    if args.gpus_per_worker and not str(args.device).startswith("cuda"):
+        return f"--gpus-per-worker {args.gpus_per_worker:g} needs --device cuda (got --device {args.device})"
+    for flag in ("router_port", "worker_port"):
+        if not 0 <= getattr(args, flag) < 65536:
+            return f"--{flag.replace('_', '-')} must be in 0..65535"
+    if args.status_interval <= 0:
+        return "--status-interval must be > 0 seconds"
+    from kvmesh.services.cluster_cli import _tier_flag_problem
+
+    return _tier_flag_problem(args)
+
+
+def cmd_ray(args: argparse.Namespace) -> int:
+    problem = check_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    from kvmesh.services.ray_cluster import RaySpec, run_until_stopped
+
+    return run_until_stopped(RaySpec.from_args(args))

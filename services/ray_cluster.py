@@ -1,0 +1,388 @@
+"""A kvmesh cluster placed on an existing Ray cluster (`kvmesh ray`).
+
+Each kvmesh process is supervised by one Ray actor that runs the real `kvmesh worker` /
+`kvmesh router` command line as a child process on the actor's node, bound to that
+node's IP and advertising it:
+
+- workers: one actor per bundle of a placement group (``{"CPU": c, "GPU": g}`` per worker,
+  SPREAD across nodes by default, PACK on request); a worker holding a GPU sees only its
+  own (Ray sets ``CUDA_VISIBLE_DEVICES`` for the actor, the child inherits it);
+- the router, and Redis when no ``--redis-url`` is given: on the head node (Ray's
+  ``node:__internal_head__`` resource), reserving no Ray CPUs;
+- an actor whose child exits, or whose own process dies, is restarted by Ray
+  (``max_restarts``); the new actor starts the same command line with the same worker
+  id, so the worker rejoins and the router takes it back once its lease appears;
+- `RayPlacement.stop` stops every child (SIGTERM: the servers' graceful drain), kills
+  the actors and removes the placement group. Actors and the placement group belong to
+  the driver's Ray job, so Ray removes them even if the driver is killed.
+
+``ray`` is imported only here, so other kvmesh commands never load it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+#: Ray's custom resource present only on the head node.
+HEAD_RESOURCE = "node:__internal_head__"
+
+
+@dataclass
+class RaySpec:
+    """What `kvmesh ray` places. Sizes as in `kvmesh worker`; times in seconds."""
+
+    address: str = "auto"
+    workers: int = 2
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0
+    strategy: str = "SPREAD"
+    router_port: int = 50050
+    worker_port: int = 0
+    redis_url: str | None = None
+    cluster: str = "default"
+    policy: str = "kv_aware"
+    model: str | None = None
+    max_restarts: int = -1
+    status_interval: float = 10.0
+    status_file: str | None = None
+    ready_timeout: float = 600.0
+    worker_args: list[str] = field(default_factory=list)   # engine and tier flags of `kvmesh worker`
+    disk_dir: str | None = None                            # each worker gets DISK_DIR/<worker id>
+    log_level: str = "WARNING"
+    log_dir: str | None = None                             # on every node; default $TMPDIR/kvmesh-ray-logs
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RaySpec":
+        from kvmesh.services.cluster_cli import _tier_worker_args
+
+        engine = ["--device", args.device, "--block-size", str(args.block_size),
+                  "--num-blocks", str(args.num_blocks), "--max-batched-tokens", str(args.max_batched_tokens),
+                  "--max-seqs", str(args.max_seqs),
+                  # torch threads: the worker's CPU bundle unless --threads says otherwise
+                  "--threads", str(args.threads or max(1, int(args.cpus_per_worker))),
+                  *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
+                  *_tier_worker_args(args)]
+        return cls(address=args.address, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+                   cpus_per_worker=args.cpus_per_worker, strategy=args.strategy, router_port=args.router_port,
+                   worker_port=args.worker_port, redis_url=args.redis_url, cluster=args.cluster,
+                   policy=args.policy, model=args.model, max_restarts=args.max_restarts,
+                   status_interval=args.status_interval, status_file=args.status_file,
+                   ready_timeout=args.ready_timeout, worker_args=engine, disk_dir=args.disk_dir,
+                   log_level=args.log_level, log_dir=args.log_dir)
+
+    def bundle(self) -> dict[str, float]:
+        """One worker's placement-group bundle."""
+        b = {}
+        if self.cpus_per_worker:
+            b["CPU"] = float(self.cpus_per_worker)
+        if self.gpus_per_worker:
+            b["GPU"] = float(self.gpus_per_worker)
+        return b
+
+
+class ProcessSupervisor:
+    """Body of the Ray actor class: runs one kvmesh (or redis-server) process on its node.
+
+    ``role`` is ``worker``, ``router`` or ``redis``; ``make_cmd(node_ip, port)`` returns the
+    command line. The child is started in ``__init__`` (so a restarted actor starts it
+    again); a watcher thread ends the actor's process when the child exits unexpectedly,
+    which is what makes Ray restart the actor.
+
+    Raises:
+        RuntimeError: from ``__init__``, the child did not become ready in ``ready_timeout``.
+    """
+
+    def __init__(self, role: str, name: str, cmd_kind: str, cmd_args: list[str], port: int,
+                 ready_timeout: float, log_dir: str | None = None):
+        import ray
+
+        from kvmesh.services.procs import free_port, spawn, wait_healthy
+
+        self.role, self.name = role, name
+        ctx = ray.get_runtime_context()
+        self.node_id = ctx.get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        self.restarted = bool(ctx.was_current_actor_reconstructed)
+        self.port = port or free_port(self.node_ip)
+        self.address = f"{self.node_ip}:{self.port}"
+        self.log_dir = log_dir or os.path.join(os.environ.get("TMPDIR", "/tmp"), "kvmesh-ray-logs")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.log_path = os.path.join(self.log_dir, f"{name}.log")
+        if cmd_kind == "redis":
+            import shutil
+
+            exe = shutil.which("redis-server")
+            if exe is None:
+                raise RuntimeError("redis-server not found on the head node: install it (scripts/setup.sh) "
+                                   "or pass --redis-url")
+            self.workdir = os.path.join(self.log_dir, f"{name}-data")
+            os.makedirs(self.workdir, exist_ok=True)
+            cmd = [exe, "--port", str(self.port), "--bind", self.node_ip, *cmd_args, "--save", "",
+                   "--appendonly", "no", "--dir", self.workdir]
+        else:
+            from kvmesh.services.procs import python_cmd
+
+            cmd = python_cmd(*[a.replace("{ip}", self.node_ip).replace("{port}", str(self.port)) for a in cmd_args])
+        self.stopping = False
+        self.proc = spawn(cmd, self.log_path)
+        try:
+            if cmd_kind == "redis":
+                self._wait_tcp(ready_timeout)
+            else:
+                wait_healthy(self.address, timeout=ready_timeout, proc=self.proc)
+        except BaseException:
+            self.stopping = True
+            from kvmesh.services.procs import stop_process
+
+            stop_process(self.proc)
+            raise
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _wait_tcp(self, timeout: float) -> None:
+        import socket
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}; log {self.log_path}")
+            try:
+                socket.create_connection((self.node_ip, self.port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name} not listening on {self.address} after {timeout} s") from None
+                time.sleep(0.1)
+
+    def _watch(self) -> None:
+        self.proc.wait()
+        if not self.stopping:   # crashed or killed: let Ray restart this actor
+            os._exit(1)
+
+    def info(self) -> dict:
+        """Where this process runs: role, name, node id and IP, address, pids, restarted."""
+        return {"role": self.role, "name": self.name, "node_id": self.node_id, "node_ip": self.node_ip,
+                "address": self.address, "pid": self.proc.pid, "actor_pid": os.getpid(),
+                "alive": self.proc.poll() is None, "restarted": self.restarted, "log": self.log_path}
+
+    def stop(self) -> int | None:
+        """SIGTERM the child (the servers drain gracefully) and wait; returns its exit code."""
+        from kvmesh.services.procs import stop_process
+
+        self.stopping = True
+        stop_process(self.proc, timeout=30)
+        return self.proc.returncode
+
+
+def _router_sees(address: str) -> dict[str, str]:
+    import grpc
+
+    from kvmesh.proto import kvmesh_pb2 as pb
+    from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        status = pb_grpc.RouterStub(ch).Status(pb.RouterStatusRequest(), timeout=5)
+    return {w.worker_id: w.address for w in status.workers}
+
+
+class RayPlacement:
+    """Places, watches and removes one kvmesh cluster on a connected Ray cluster.
+
+    Attributes:
+        router_address: ``NODE_IP:PORT`` of the router once `start` returned.
+        redis_url: the cluster's Redis URL (started on the head node unless given).
+        workers: {worker id: actor handle}.
+
+    Raises:
+        RuntimeError: from `start`, the placement group or an actor did not come up within
+            ``ready_timeout`` (the message names what is missing, e.g. GPUs).
+    """
+
+    def __init__(self, spec: RaySpec):
+        import ray
+
+        self.spec = spec
+        self.ray = ray
+        self.Actor = ray.remote(ProcessSupervisor)
+        self.pg = None
+        self.redis = None
+        self.router = None
+        self.workers: dict[str, object] = {}
+        self.redis_url = spec.redis_url
+        self.router_address = ""
+
+    def _options(self, **kw):
+        return self.Actor.options(max_restarts=self.spec.max_restarts, **kw)
+
+    def worker_cmd(self, worker_id: str) -> list[str]:
+        s = self.spec
+        cmd = ["--log-level", s.log_level, "worker", "--host", "{ip}", "--port", "{port}",
+               "--advertise", "{ip}:{port}", "--worker-id", worker_id, "--redis-url", self.redis_url,
+               "--cluster", s.cluster, *s.worker_args]
+        if s.model:
+            cmd += ["--model", s.model]
+        if s.disk_dir:
+            cmd += ["--disk-dir", os.path.join(s.disk_dir, worker_id)]
+        return cmd
+
+    def start(self) -> "RayPlacement":
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        s = self.spec
+        ray = self.ray
+        deadline = time.monotonic() + s.ready_timeout
+        try:
+            self.pg = placement_group([s.bundle()] * s.workers, strategy=s.strategy, name=f"kvmesh-{s.cluster}")
+            if not self.pg.wait(timeout_seconds=s.ready_timeout):
+                raise RuntimeError(f"placement group of {s.workers} x {s.bundle()} ({s.strategy}) not placed after "
+                                   f"{s.ready_timeout:.0f} s; cluster resources: {ray.cluster_resources()}")
+            head = {"resources": {HEAD_RESOURCE: 0.001}, "num_cpus": 0}
+            if self.redis_url is None:
+                password = secrets.token_urlsafe(18)
+                self.redis = self._options(name=f"kvmesh-{s.cluster}-redis", **head).remote(
+                    "redis", "redis", "redis", ["--requirepass", password, "--protected-mode", "yes"], 0,
+                    s.ready_timeout, s.log_dir)
+                info = ray.get(self.redis.info.remote(), timeout=s.ready_timeout)
+                self.redis_url = f"redis://:{password}@{info['address']}/0"
+            for i in range(s.workers):
+                wid = f"worker-{i}"
+                self.workers[wid] = self._options(
+                    name=f"kvmesh-{s.cluster}-{wid}", num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                ).remote("worker", wid, "kvmesh", self.worker_cmd(wid), s.worker_port, s.ready_timeout, s.log_dir)
+            router_cmd = ["--log-level", s.log_level, "router", "--host", "{ip}", "--port", "{port}",
+                          "--redis-url", self.redis_url, "--cluster", s.cluster, "--policy", s.policy]
+            if s.model:
+                router_cmd += ["--model", s.model]
+            self.router = self._options(name=f"kvmesh-{s.cluster}-router", **head).remote(
+                "router", "router", "kvmesh", router_cmd, s.router_port, s.ready_timeout, s.log_dir)
+            infos = self.status(timeout=max(1.0, deadline - time.monotonic()))
+            self.router_address = next(i["address"] for i in infos if i["role"] == "router")
+            self.wait_registered(timeout=max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def status(self, timeout: float = 10.0) -> list[dict]:
+        """One `ProcessSupervisor.info` per actor; an actor that does not answer in time
+        (restarting, or its node gone) is reported with ``"state": "unavailable"``."""
+        actors = [a for a in (self.redis, self.router) if a is not None] + list(self.workers.values())
+        names = (["redis"] if self.redis is not None else []) + (["router"] if self.router is not None else []) \
+            + list(self.workers)
+        refs = [a.info.remote() for a in actors]
+        out = []
+        deadline = time.monotonic() + timeout
+        for name, ref in zip(names, refs):
+            try:
+                info = self.ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+                info["state"] = "serving" if info["alive"] else "exited"
+            except Exception as exc:   # GetTimeoutError, RayActorError while restarting
+                info = {"role": "worker" if name.startswith("worker") else name, "name": name,
+                        "state": "unavailable", "error": type(exc).__name__}
+            out.append(info)
+        return out
+
+    def wait_registered(self, timeout: float = 60.0) -> dict[str, str]:
+        """Wait until the router lists every worker at the address its actor reports."""
+        deadline = time.monotonic() + timeout
+        while True:
+            want = {i["name"]: i["address"] for i in self.status(timeout=max(1.0, deadline - time.monotonic()))
+                    if i["role"] == "worker" and i.get("state") == "serving"}
+            try:
+                seen = _router_sees(self.router_address)
+            except Exception:
+                seen = {}
+            if len(want) == len(self.workers) and all(seen.get(w) == a for w, a in want.items()):
+                return seen
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router at {self.router_address} sees {seen}, expected {want}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Stop every child gracefully, kill the actors, remove the placement group."""
+        actors = list(self.workers.values()) + [a for a in (self.router, self.redis) if a is not None]
+        refs = [a.stop.remote() for a in actors]
+        try:
+            self.ray.wait(refs, num_returns=len(refs), timeout=60)
+        except Exception:
+            pass
+        for a in actors:
+            try:
+                self.ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+        self.workers.clear()
+        self.router = self.redis = self.pg = None
+
+
+def format_status(infos: list[dict]) -> list[str]:
+    """One line per actor: name, state, node (IP and short id), address."""
+    lines = []
+    for i in infos:
+        node = f"node {i['node_ip']} ({i['node_id'][:8]})" if "node_id" in i else "node ?"
+        extra = " restarted" if i.get("restarted") else ""
+        lines.append(f"{i['name']:<10} {i['state']:<11} {node}  {i.get('address', '-')}{extra}")
+    return lines
+
+
+def run_until_stopped(spec: RaySpec) -> int:
+    """`kvmesh ray`: connect, place, print status lines until SIGINT/SIGTERM, remove."""
+    import ray
+
+    t0 = time.monotonic()
+    try:
+        ray.init(address=spec.address, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        print(f"error: could not connect to the Ray cluster at --address {spec.address}: {exc}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    # after ray.init, which installs its own SIGTERM handler (one that aborts the process)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    placement = RayPlacement(spec)
+    try:
+        placement.start()
+        print(f"kvmesh on Ray: router {placement.router_address} (policy {spec.policy}), {spec.workers} workers "
+              f"({spec.strategy}), redis {_redact(placement.redis_url)}; up in {time.monotonic() - t0:.1f} s",
+              flush=True)
+        print(placement.router_address, flush=True)
+        while not stop.is_set():
+            lines = format_status(placement.status())
+            print("\n".join(lines), flush=True)
+            if spec.status_file:
+                tmp = spec.status_file + ".tmp"
+                with open(tmp, "w") as f:
+                    f.write("\n".join(lines) + "\n")
+                os.replace(tmp, spec.status_file)
+            stop.wait(spec.status_interval)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        placement.stop()
+        ray.shutdown()
+        print("kvmesh on Ray stopped: actors and placement group removed", flush=True)
+    return 0
+
+
+def _redact(url: str) -> str:
+    """``url`` without its password (for logs)."""
+    head, at, tail = url.rpartition("@")
+    if not at:
+        return url
+    scheme, _, _ = head.partition("://")
+    return f"{scheme}://***@{tail}"
