@@ -436,8 +436,11 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
                        grace_s: float = DEFAULT_GRACE_S, slo: dict | None = None, policy_label: str = "",
                        vocab_size: int = 256, tenant: str = "", timeout_s: float = 600.0, service: str = "auto",
                        progress: bool = True, connect_timeout_s: float = 30.0,
-                       plots: bool = False) -> tuple[dict, list[dict]]:
+                       plots: bool = False, credentials: dict | None = None) -> tuple[dict, list[dict]]:
     """Run ``workload`` against ``target`` and write the outputs; returns (result, records).
+
+    ``credentials`` (``tls_ca``, ``api_key``, ...) open a TLS channel with an API key
+    (`kvmesh.services.security.client_channel`); None = a plain channel.
 
     Args:
         target: HOST:PORT of a kvmesh worker or router.
@@ -477,7 +480,9 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
     run_id = uuid.uuid4().hex[:8]
 
     options = [("grpc.max_send_message_length", _MAX_MSG), ("grpc.max_receive_message_length", _MAX_MSG)]
-    async with grpc.aio.insecure_channel(target, options=options) as channel:
+    from kvmesh.services.security import client_channel
+
+    async with client_channel(target, **(credentials or {}), options=options, aio=True) as channel:
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout=connect_timeout_s)
         except asyncio.TimeoutError:
@@ -773,6 +778,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="with --target: gRPC service to call (default: auto-detect)")
     out.add_argument("--vocab-size", type=int, default=256, help="token ids lie in [0, N) (default 256)")
     out.add_argument("--tenant", default="", help="cache salt sent with every request")
+    from kvmesh.services.security import add_client_args
+
+    add_client_args(p)  # --api-key, --tls-ca, ... for a --target started secure (kvmesh up)
     out.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
 
 
@@ -864,6 +872,8 @@ def _check_mode(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from kvmesh.services.security import client_options
+
     try:
         _check_mode(args)
         workload = workload_from_args(args)
@@ -875,7 +885,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.target is not None:
             result, _ = asyncio.run(run_workload(args.target, workload, args.out, arrival,
                                                  policy_label=args.policy_label, service=args.service,
-                                                 progress=not args.no_progress, plots=not args.no_plots, **common))
+                                                 progress=not args.no_progress, plots=not args.no_plots,
+                                                 credentials=client_options(args), **common))
             print(report.to_markdown(result), end="")
             print(f"wrote {Path(args.out) / 'result.json'}", file=sys.stderr)
             return 1 if result["num_requests"] and not result["num_ok"] else 0
