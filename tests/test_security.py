@@ -272,3 +272,55 @@ def test_kvmesh_generate_cli_against_the_secure_cluster(cluster):
     env.pop("KVMESH_API_KEY")
     denied = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
+
+
+def _up(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "kvmesh.services.cli", "up", "--threads", "1", "--num-blocks", "64",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _read_until(proc, needle: str, limit: int = 20) -> list[str]:
+    lines = []
+    while len(lines) < limit:
+        line = proc.stdout.readline()
+        assert line, f"kvmesh up exited early: {lines}"
+        lines.append(line.rstrip("\n"))
+        if needle in line:
+            return lines
+    raise AssertionError(f"{needle!r} not in {lines}")
+
+
+def test_kvmesh_up_is_secure_by_default_and_says_how_to_connect():
+    from kvmesh.services.procs import stop_process
+
+    proc = _up("--workers", "1")
+    try:
+        lines = _read_until(proc, "e.g. kvmesh generate")
+        assert lines[0].startswith("kvmesh cluster up") and ":***@" in lines[0]  # Redis password redacted
+        router = lines[1]
+        import re
+
+        env_file = re.search(r"(\S+client\.env)", lines[3]).group(1)
+        env = dict(line.split("=", 1) for line in open(env_file).read().split())
+        creds = {"tls_ca": env["KVMESH_TLS_CA"], "api_key": env["KVMESH_API_KEY"],
+                 "tls_cert": env["KVMESH_TLS_CERT"], "tls_key": env["KVMESH_TLS_KEY"]}
+        assert generate(router, token_ids=[1, 2, 3], max_tokens=2, timeout=60, **creds)["usage"]["completion_tokens"] == 2
+        with pytest.raises(grpc.RpcError) as err:
+            generate(router, token_ids=[1, 2, 3], max_tokens=2, timeout=60, **{**creds, "api_key": None})
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        stop_process(proc)
+
+
+def test_kvmesh_up_insecure_says_so_first():
+    from kvmesh.services.procs import stop_process
+
+    proc = _up("--workers", "0", "--insecure")
+    try:
+        lines = _read_until(proc, "kvmesh cluster up")
+        assert "security is OFF" in lines[0]
+    finally:
+        stop_process(proc)
