@@ -39,14 +39,14 @@ class RedisServer:
             README's set-up does) or did not answer within ``timeout`` seconds.
     """
 
-    def __init__(self, port: int | None = None, timeout: float = 10.0):
+    def __init__(self, port: int | None = None, timeout: float = 10.0, password: str | None = None):
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found on PATH: run `make setup` (installs Debian's redis-server) "
                                "or pass --redis-url")
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="kvmesh-redis-")
-        self.password = secrets.token_hex(24)
+        self.password = password or secrets.token_hex(24)  # a caller may fix it to know the URL in advance
         conf = os.path.join(self.dir, "redis.conf")
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
