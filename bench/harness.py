@@ -563,7 +563,7 @@ async def run_bench(target: str, trace_path: str | Path | None, out_dir: str | P
                     service: str = "auto", progress: bool = True, connect_timeout_s: float = 30.0, *,
                     workload: Workload | None = None, arrival: ArrivalSpec | None = None, warmup_requests: int = 0,
                     duration_s: float | None = None, grace_s: float = DEFAULT_GRACE_S, slo: dict | None = None,
-                    plots: bool = False) -> dict:
+                    plots: bool = False, credentials: dict | None = None) -> dict:
     """Replay a Mooncake trace (or ``workload``) against ``target``; returns the result dict.
 
     Without ``workload``, the first ``max_requests`` requests of ``trace_path`` (default:
@@ -592,7 +592,8 @@ async def run_bench(target: str, trace_path: str | Path | None, out_dir: str | P
         target, workload, out_dir, arrival or ArrivalSpec("closed", concurrency=concurrency),
         tokens_per_block=tokens_per_block, warmup_requests=warmup_requests, duration_s=duration_s, grace_s=grace_s,
         slo=slo, policy_label=policy_label, vocab_size=vocab_size, tenant=tenant, timeout_s=timeout_s,
-        service=service, progress=progress, connect_timeout_s=connect_timeout_s, plots=plots)
+        service=service, progress=progress, connect_timeout_s=connect_timeout_s, plots=plots,
+        credentials=credentials)
     return result
 
 
@@ -611,7 +612,7 @@ def run_policies(policies: Sequence[str], workload: Workload, out_dir: str | Pat
                  progress: bool = True, **run_kwargs) -> dict:
     """Run ``workload`` once per routing policy, each on a fresh (cold) local cluster.
 
-    For each policy a `services.launcher.LocalCluster` starts (private redis-server,
+    For each policy a secure `services.launcher.LocalCluster` starts (private redis-server,
     ``workers`` worker processes built from ``cluster_options`` — `ClusterSpec` fields
     such as num_blocks, block_size, threads_per_worker, model — and a router running that
     policy); the run goes through the router and the cluster is stopped before the next
@@ -647,12 +648,13 @@ def run_policies(policies: Sequence[str], workload: Workload, out_dir: str | Pat
         run_dir = out_dir / policy
         log_dir = run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        spec = ClusterSpec(num_workers=workers, policy=policy, log_dir=str(log_dir), **options)
+        spec = ClusterSpec(num_workers=workers, policy=policy, log_dir=str(log_dir), secure=True, **options)
         print(f"[{policy}] starting a cold cluster: {workers} workers, router, redis-server (logs in {log_dir})",
               file=sys.stderr, flush=True)
         with LocalCluster(spec) as cluster:
             result, records = asyncio.run(run_workload(cluster.router_address, workload, run_dir, arrival,
-                                                       policy_label=policy, progress=progress, **run_kwargs))
+                                                       policy_label=policy, progress=progress,
+                                                       credentials=cluster.client_options(), **run_kwargs))
         results.append(result)
         runs[policy] = [r for r in records if not r.get("warmup")]
     comparison = {
