@@ -351,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--tenant", default="", help="tenant / cache salt: isolates the prefix cache")
+    p.add_argument("--tenant", default="", help="cache salt: splits the prefix cache of your tenant (the tenant "
+                   "itself comes from --api-key)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)

@@ -177,6 +177,7 @@ def _classify(pem: bytes, ca: bytes, client_ca: bytes) -> tuple[str, str]:
     """(kind, common name) of a handshake-verified certificate: ``peer`` when a cluster CA
     issued it directly, ``client`` otherwise (the handshake only admits the two CAs)."""
     from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
     from cryptography.x509.oid import NameOID
 
     cert = x509.load_pem_x509_certificate(pem)
@@ -186,6 +187,6 @@ def _classify(pem: bytes, ca: bytes, client_ca: bytes) -> tuple[str, str]:
         try:
             cert.verify_directly_issued_by(issuer)
             return "peer", name
-        except (ValueError, TypeError, Exception):  # wrong issuer name, key type or signature
+        except (ValueError, TypeError, InvalidSignature):  # wrong issuer name, key type or signature
             continue
     return ("client", name) if client_ca else ("anonymous", "")
