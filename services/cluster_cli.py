@@ -36,7 +36,6 @@ def _env_redis_url() -> str | None:
 
 def cmd_router(args: argparse.Namespace) -> int:
     from kvmesh.services.router import serve_router
-
     from kvmesh.services.security import server_gate
 
     if not args.redis_url:

@@ -145,8 +145,6 @@ class LocalCluster:
 
     def wait_registered(self, timeout: float = 30.0) -> None:
         """Wait until the router lists every worker as live."""
-        import grpc
-
         from kvmesh.proto import kvmesh_pb2 as pb
         from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 

@@ -9,7 +9,6 @@ process acts as a stranger (TLS + a valid API key, no cluster certificate) or as
 from __future__ import annotations
 
 import random
-import threading
 from concurrent import futures
 
 import grpc
