@@ -177,6 +177,8 @@ class Engine:
     ) -> str:
         """Validate and queue a request; returns its id. Thread-safe.
 
+        ``tenant`` (resolved by the server from credentials), ``cache_salt`` and
+        ``adapter_id`` choose the request's hash namespace (`namespace`).
         ``arrival`` (``time.monotonic()`` seconds) is when the request reached the worker,
         if earlier than now (e.g. before a peer fetch); timing is measured from it.
 
