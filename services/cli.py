@@ -173,6 +173,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     finally:
         lease.close()
         publisher.close()
+        if "holder_check" in peer:
+            peer["holder_check"].close()
     return 0
 
 
