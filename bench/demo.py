@@ -119,14 +119,14 @@ def run_demo(workers: int = 2, max_requests: int | None = None, tokens_per_block
     results = []
     for policy in policies:
         spec = ClusterSpec(num_workers=workers, policy=policy, num_blocks=num_blocks, block_size=block_size,
-                           log_dir=os.path.join(out_dir, policy, "logs"))
+                           log_dir=os.path.join(out_dir, policy, "logs"), secure=True)
         os.makedirs(spec.log_dir, exist_ok=True)
         print(f"[{policy}] starting a cold cluster ...", flush=True)
         with LocalCluster(spec) as cluster:
             result = asyncio.run(run_bench(cluster.router_address, trace, os.path.join(out_dir, policy),
                                            max_requests=max_requests, tokens_per_block=tokens_per_block,
                                            max_output_tokens=max_output_tokens, concurrency=concurrency,
-                                           policy_label=policy))
+                                           policy_label=policy, credentials=cluster.client_options()))
         results.append(result)
     pooled = simulate_pooled(reqs, tokens_per_block, workers * num_blocks, block_size, max_output_tokens)
     by_policy = {r["policy"]: r for r in results}

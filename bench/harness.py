@@ -439,8 +439,12 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
                        vocab_size: int = 256, tenant: str = "", timeout_s: float = 600.0, service: str = "auto",
                        progress: bool = True, connect_timeout_s: float = 30.0,
                        plots: bool = False, api: str = "grpc",
-                       metrics_urls: Sequence[str] = ()) -> tuple[dict, list[dict]]:
+                       metrics_urls: Sequence[str] = (),
+                       credentials: dict | None = None) -> tuple[dict, list[dict]]:
     """Run ``workload`` against ``target`` and write the outputs; returns (result, records).
+
+    ``credentials`` (``tls_ca``, ``api_key``, ...) open a TLS channel with an API key
+    (`kvmesh.services.security.client_channel`); None = a plain channel.
 
     Args:
         target: HOST:PORT of a kvmesh worker or router.
@@ -502,7 +506,8 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
         else:
             from kvmesh.services.client import AsyncKvmeshClient
 
-            client = await stack.enter_async_context(AsyncKvmeshClient(target, timeout=timeout_s))
+            client = await stack.enter_async_context(AsyncKvmeshClient(target, timeout=timeout_s,
+                                                                          **(credentials or {})))
             try:
                 await client.wait_ready(connect_timeout_s)
             except TimeoutError as exc:
@@ -590,7 +595,7 @@ async def run_bench(target: str, trace_path: str | Path | None, out_dir: str | P
                     service: str = "auto", progress: bool = True, connect_timeout_s: float = 30.0, *,
                     workload: Workload | None = None, arrival: ArrivalSpec | None = None, warmup_requests: int = 0,
                     duration_s: float | None = None, grace_s: float = DEFAULT_GRACE_S, slo: dict | None = None,
-                    plots: bool = False) -> dict:
+                    plots: bool = False, credentials: dict | None = None) -> dict:
     """Replay a Mooncake trace (or ``workload``) against ``target``; returns the result dict.
 
     Without ``workload``, the first ``max_requests`` requests of ``trace_path`` (default:
@@ -619,7 +624,8 @@ async def run_bench(target: str, trace_path: str | Path | None, out_dir: str | P
         target, workload, out_dir, arrival or ArrivalSpec("closed", concurrency=concurrency),
         tokens_per_block=tokens_per_block, warmup_requests=warmup_requests, duration_s=duration_s, grace_s=grace_s,
         slo=slo, policy_label=policy_label, vocab_size=vocab_size, tenant=tenant, timeout_s=timeout_s,
-        service=service, progress=progress, connect_timeout_s=connect_timeout_s, plots=plots)
+        service=service, progress=progress, connect_timeout_s=connect_timeout_s, plots=plots,
+        credentials=credentials)
     return result
 
 
@@ -638,7 +644,7 @@ def run_policies(policies: Sequence[str], workload: Workload, out_dir: str | Pat
                  progress: bool = True, **run_kwargs) -> dict:
     """Run ``workload`` once per routing policy, each on a fresh (cold) local cluster.
 
-    For each policy a `services.launcher.LocalCluster` starts (private redis-server,
+    For each policy a secure `services.launcher.LocalCluster` starts (private redis-server,
     ``workers`` worker processes built from ``cluster_options`` — `ClusterSpec` fields
     such as num_blocks, block_size, threads_per_worker, model — and a router running that
     policy); the run goes through the router and the cluster is stopped before the next
@@ -674,13 +680,14 @@ def run_policies(policies: Sequence[str], workload: Workload, out_dir: str | Pat
         run_dir = out_dir / policy
         log_dir = run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        spec = ClusterSpec(num_workers=workers, policy=policy, log_dir=str(log_dir), **options)
+        spec = ClusterSpec(num_workers=workers, policy=policy, log_dir=str(log_dir), secure=True, **options)
         print(f"[{policy}] starting a cold cluster: {workers} workers, router, redis-server (logs in {log_dir})",
               file=sys.stderr, flush=True)
         with LocalCluster(spec) as cluster:
             result, records = asyncio.run(run_workload(cluster.router_address, workload, run_dir, arrival,
                                                        policy_label=policy, progress=progress,
                                                        metrics_urls=list(cluster.metrics_urls.values()),
+                                                       credentials=cluster.client_options(),
                                                        **run_kwargs))
         results.append(result)
         runs[policy] = [r for r in records if not r.get("warmup")]
@@ -807,6 +814,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="with --target: gRPC service to call (default: auto-detect)")
     out.add_argument("--vocab-size", type=int, default=256, help="token ids lie in [0, N) (default 256)")
     out.add_argument("--tenant", default="", help="cache salt sent with every request")
+    from kvmesh.services.security import add_client_args
+
+    add_client_args(p)  # --api-key, --tls-ca, ... for a --target started secure (kvmesh up)
     out.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
     out.add_argument("--api", default="grpc", choices=("grpc", "openai"),
                      help="with --target: grpc (HOST:PORT of the gRPC API, default) or openai (the HTTP front: "
@@ -905,6 +915,8 @@ def _check_mode(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from kvmesh.services.security import client_options
+
     try:
         _check_mode(args)
         workload = workload_from_args(args)
@@ -916,7 +928,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.target is not None:
             result, _ = asyncio.run(run_workload(args.target, workload, args.out, arrival,
                                                  policy_label=args.policy_label, service=args.service,
-                                                 api=args.api, metrics_urls=args.metrics_url,
+                                                 api=args.api, metrics_urls=args.metrics_url, credentials=client_options(args),
                                                  progress=not args.no_progress, plots=not args.no_plots, **common))
             print(report.to_markdown(result), end="")
             print(f"wrote {Path(args.out) / 'result.json'}", file=sys.stderr)

@@ -15,7 +15,9 @@ Byte formats (``HASH_FORMAT_VERSION`` 1):
 * token bytes: each token id as an unsigned 32-bit little-endian integer;
 * namespace root: ``xxh3_128`` digest of ``msgpack.packb(["kvmesh.block_hash",
   version, model_id, cache_salt, adapter_id])`` (msgpack spec, str and int
-  types, ``use_bin_type`` default of msgpack-python 1.x);
+  types, ``use_bin_type`` default of msgpack-python 1.x); with a non-empty
+  tenant id the list gets it as a sixth item (``[..., adapter_id, tenant]``), so
+  no salt of one tenant can produce another tenant's root;
 * block hash: ``xxh3_128`` digest of ``parent_hash + block_token_bytes``.
 
 Every digest is the 16-byte big-endian canonical form produced by
@@ -74,9 +76,11 @@ class Namespace:
 
     Attributes:
         model_id: model name or path; must be non-empty.
-        cache_salt: tenant / cache salt; "" for the shared cache.
+        cache_salt: cache salt chosen by the request; "" for the tenant's whole space.
         adapter_id: LoRA adapter id; "" for the base model.
         version: hash format version, ``HASH_FORMAT_VERSION`` by default.
+        tenant: tenant id resolved by the server from credentials
+            (`kvmesh.services.auth`); "" in the open, single-tenant mode.
 
     Raises:
         TypeError: a field has the wrong type.
@@ -87,10 +91,11 @@ class Namespace:
     cache_salt: str = ""
     adapter_id: str = ""
     version: int = HASH_FORMAT_VERSION
+    tenant: str = ""
     _root: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self) -> None:
-        for name in ("model_id", "cache_salt", "adapter_id"):
+        for name in ("model_id", "cache_salt", "adapter_id", "tenant"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"Namespace.{name} must be str")
         if not isinstance(self.version, int) or isinstance(self.version, bool):
@@ -99,9 +104,10 @@ class Namespace:
             raise ValueError("Namespace.model_id must be non-empty")
         if self.version < 0:
             raise ValueError("Namespace.version must be >= 0")
-        packed = msgpack.packb(
-            [_ROOT_TAG, self.version, self.model_id, self.cache_salt, self.adapter_id]
-        )
+        fields = [_ROOT_TAG, self.version, self.model_id, self.cache_salt, self.adapter_id]
+        if self.tenant:
+            fields.append(self.tenant)
+        packed = msgpack.packb(fields)
         object.__setattr__(self, "_root", _xxh3_128_digest(packed))
 
     def root_hash(self) -> bytes:

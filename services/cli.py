@@ -15,6 +15,8 @@ import time
 
 import grpc
 
+from kvmesh.services.security import add_client_args, add_server_args, client_channel, client_options, server_gate
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF model directory (config.json + *.safetensors); "
@@ -138,9 +140,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     try:
         ports = server_ports(args)
         advertise = advertised_address(args.host, args.port, args.advertise)
+        gate = server_gate(args, worker=True)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    secure = {"tls": gate.tls, "gate": gate, "reflection": args.reflection}
     if not args.redis_url:
         try:
             engine = make_engine(args)
@@ -148,7 +152,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
-                                 advertise=advertise, **ports))
+                                 advertise=advertise, **ports, **secure))
         return 0
     from kvmesh.workers.kv_publisher import KVEventPublisher, WorkerLease
 
@@ -162,12 +166,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
     engine.snapshot_seq_fn = publisher.flush_now
     info = {"model_id": engine.config.model_id, "block_size": engine.block_size, "num_blocks": engine.num_blocks}
     lease = WorkerLease(args.redis_url, worker_id, advertise, info, engine.load, cluster=args.cluster)
+    if gate.tls is not None:  # fetch only from holders with a current lease (written with the cluster's Redis password)
+        from kvmesh.workers.kv_publisher import LeaseCheck
+
+        peer["holder_check"] = LeaseCheck(args.redis_url, cluster=args.cluster)
     try:
         asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
-                                 advertise=advertise, **ports))
+                                 advertise=advertise, **ports, **secure))
     finally:
         lease.close()
         publisher.close()
+        if "holder_check" in peer:
+            peer["holder_check"].close()
     return 0
 
 
@@ -195,7 +205,7 @@ def generate(target: str, prompt: str | None = None, token_ids: list[int] | None
              ignore_eos: bool = False, timeout: float = 600.0, channel: grpc.Channel | None = None,
              **client_options) -> dict:
     """Run one Generate RPC against a worker or router and collect the stream
-    (`services.client.KvmeshClient`; ``client_options``: its TLS / API key / retry options).
+    (`kvmesh.services.client.KvmeshClient`; ``client_options``: its TLS / API key / retry options).
 
     Returns a dict with ``token_ids``, ``text``, ``worker_id``, ``finish_reason``,
     ``usage`` {prompt_tokens, cached_tokens, cached_tokens_by_tier, computed_prefill_tokens,
@@ -244,7 +254,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         out = generate(args.target, prompt=args.prompt, token_ids=ids, max_tokens=args.max_tokens,
                        tenant=args.tenant, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                       ignore_eos=args.ignore_eos, timeout=args.timeout)
+                       ignore_eos=args.ignore_eos, timeout=args.timeout, **client_options(args))
+    except ValueError as exc:  # credentials flags
+        _print_error(args, "INVALID_ARGUMENT", str(exc))
+        return 2
     except grpc.RpcError as exc:
         code = exc.code().name if hasattr(exc, "code") and exc.code() else "UNKNOWN"
         detail = exc.details() if hasattr(exc, "details") else str(exc)
@@ -312,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--tenant", default="", help="tenant / cache salt: isolates the prefix cache")
+    p.add_argument("--tenant", default="", help="cache salt: splits the prefix cache of your tenant (the tenant "
+                   "itself comes from --api-key)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -332,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.services import cluster_cli
 
     cluster_cli.add_worker_cluster_args(sub.choices["worker"])
+    add_server_args(sub.choices["worker"])
+    add_client_args(sub.choices["generate"])
     cluster_cli.register(sub)
     return parser
 

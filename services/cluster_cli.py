@@ -9,6 +9,8 @@ import signal
 import sys
 import threading
 
+from kvmesh.services.security import redact_url
+
 
 def redis_url(text: str) -> str:
     """argparse type of ``--redis-url``: a URL redis-py accepts (``redis://host:port/db``,
@@ -22,16 +24,31 @@ def redis_url(text: str) -> str:
     try:
         parse_url(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a Redis URL ({exc}); e.g. redis://127.0.0.1:6379/0")
+        raise argparse.ArgumentTypeError(f"{redact_url(text)!r} is not a Redis URL ({redact_url(exc)}); "
+                                         "e.g. redis://:PASSWORD@127.0.0.1:6379/0")
     return text
+
+
+def _env_redis_url() -> str | None:
+    """``KVMESH_REDIS_URL``: a Redis URL with its password kept out of ``ps``."""
+    return os.environ.get("KVMESH_REDIS_URL") or None
 
 
 def cmd_router(args: argparse.Namespace) -> int:
     from kvmesh.services.observability import server_ports
     from kvmesh.services.router import serve_router
+    from kvmesh.services.security import server_gate
 
+    if not args.redis_url:
+        print("error: the router needs --redis-url or KVMESH_REDIS_URL", file=sys.stderr)
+        return 2
+    try:
+        gate = server_gate(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     asyncio.run(serve_router(args.port, args.redis_url, policy=args.policy, host=args.host, model_dir=args.model,
-                             cluster=args.cluster, seed=args.seed, **server_ports(args)))
+                             cluster=args.cluster, seed=args.seed, gate=gate, reflection=args.reflection, **server_ports(args)))
     return 0
 
 
@@ -47,7 +64,8 @@ def _spec_from_args(args: argparse.Namespace, policy: str | None = None):
                                             if args.max_model_len else []),
                                           *_tier_worker_args(args)],
                        disk_dir=args.disk_dir, cluster=getattr(args, "cluster", None),
-                       http_port=None if getattr(args, "http_port", -1) in (None, -1) else args.http_port)
+                       http_port=None if getattr(args, "http_port", -1) in (None, -1) else args.http_port,
+                       secure=not getattr(args, "insecure", True))
 
 
 def _tier_worker_args(args: argparse.Namespace) -> list[str]:
@@ -87,6 +105,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if args.insecure:
+        print("WARNING: kvmesh up --insecure: security is OFF (no TLS, no API keys, every caller may read and "
+              "clear every tenant's cache); for local development only", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: terminal closed
         signal.signal(sig, lambda *_: stop.set())
@@ -94,10 +115,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         cluster.start()
         print(f"kvmesh cluster up: router {cluster.router_address} (policy {args.policy}), "
-              f"{len(cluster.workers)} workers, redis {cluster.redis_url}, logs in {cluster.log_dir}", flush=True)
+              f"{len(cluster.workers)} workers, redis {redact_url(cluster.redis_url)}, logs in {cluster.log_dir}",
+              flush=True)
         print(cluster.router_address, flush=True)
         for line in ([cluster.http_url] if cluster.http_url else []) + list(cluster.metrics_urls.values()):
             print(line, flush=True)
+        if cluster.credentials is not None:
+            c = cluster.credentials
+            print(f"secure: mTLS between processes, TLS + API key for clients (credentials in {c.run_dir}).\n"
+                  f"clients: set -a; . {c.client_env}; set +a   (or pass --tls-ca {c.ca} --tls-cert "
+                  f"{c.client_cert} --tls-key {c.client_key} --api-key KEY; the key is in {c.client_env})\n"
+                  f"  e.g. kvmesh generate --target {cluster.router_address} --prompt hello", flush=True)
         while not stop.is_set():
             stop.wait(0.5)
             dead = [wid for wid, (_, p) in cluster.workers.items() if p.poll() is not None]
@@ -124,8 +152,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def add_worker_cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=None, type=redis_url, help="publish KV events and a lease to this Redis "
-                   "(omit for a standalone worker)")
+    p.add_argument("--redis-url", default=_env_redis_url(), type=redis_url, help="publish KV events and a lease to "
+                   "this Redis, redis://:PASSWORD@HOST:PORT/DB (default env KVMESH_REDIS_URL; omit for a standalone "
+                   "worker)")
     p.add_argument("--cluster", default="default", help="Redis key namespace of the cluster")
 
 
@@ -135,7 +164,8 @@ def register(sub) -> None:
     p = sub.add_parser("router", help="serve the KV-aware router (kvmesh.v1.Router)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--redis-url", required=True, type=redis_url)
+    p.add_argument("--redis-url", default=_env_redis_url(), type=redis_url,
+                   help="the cluster's Redis, redis://:PASSWORD@HOST:PORT/DB (default env KVMESH_REDIS_URL)")
     p.add_argument("--cluster", default="default")
     p.add_argument("--policy", default="kv_aware")
     p.add_argument("--model", default=None, help="model directory (for its tokenizer); default built-in")
@@ -143,6 +173,9 @@ def register(sub) -> None:
     from kvmesh.services.observability import add_server_flags
 
     add_server_flags(p, "router")
+    from kvmesh.services.security import add_server_args
+
+    add_server_args(p)
     p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("up", help="start redis-server, a router and N workers on loopback")
@@ -155,6 +188,8 @@ def register(sub) -> None:
     p.add_argument("--policy", default="kv_aware")
     p.add_argument("--http-port", type=int, default=0, metavar="PORT",
                    help="port of the router's OpenAI-compatible HTTP front (default 0: a free one; -1: off)")
+    p.add_argument("--insecure", action="store_true",
+                   help="no TLS and no API keys (default: mTLS and keys generated in the cluster's run directory)")
     _add_engine_args(p)
     p.set_defaults(func=cmd_up)
 

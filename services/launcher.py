@@ -33,6 +33,8 @@ class ClusterSpec:
     disk_dir: str | None = None          # each worker gets --disk-dir DISK_DIR/<worker id>
     metrics: bool = True                 # every process serves /metrics on a free port
     http_port: int | None = None         # router's OpenAI HTTP front: None = off, 0 = a free port
+    secure: bool = False                 # mTLS + API keys with credentials generated in run_dir
+    run_dir: str | None = None           # where secure credentials go (default LOG_DIR/credentials)
 
 
 class LocalCluster:
@@ -61,11 +63,35 @@ class LocalCluster:
         self.metrics_urls: dict[str, str] = {}
         #: "http://127.0.0.1:PORT/v1" of the router's HTTP front, "" when off
         self.http_url = ""
+        self.credentials = None   # services.credentials.ClusterCredentials when spec.secure
+        self.tls = None           # workers.tls.TlsConfig of the cluster's processes when spec.secure
+
+    def _secure_args(self) -> list[str]:
+        """Redis URL (when it has no password) and security flags of a worker or router."""
+        from urllib.parse import urlparse
+
+        out = [] if urlparse(self.redis_url).password else ["--redis-url", self.redis_url]
+        return out + (self.credentials.server_args() if self.credentials else [])
+
+    def _env(self) -> dict:
+        """A Redis URL with a password goes in the environment, not on the command line."""
+        return {"KVMESH_REDIS_URL": self.redis_url}
+
+    def client_options(self) -> dict:
+        """``tls_ca``, ``api_key`` and client certificate a client of this cluster needs ({} when not secure);
+        keyword arguments of `kvmesh.services.cli.generate` and `security.client_channel`."""
+        return self.credentials.client_options() if self.credentials else {}
+
+    def peer_channel(self, address: str):
+        """A blocking channel to one of the cluster's processes, as a peer (mTLS when secure)."""
+        import grpc
+
+        return self.tls.peer_sync_channel(address) if self.tls else grpc.insecure_channel(address)
 
     def worker_cmd(self, worker_id: str, port: int) -> list[str]:
         s = self.spec
         threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, s.num_workers))
-        cmd = python_cmd("worker", "--port", str(port), "--worker-id", worker_id, "--redis-url", self.redis_url,
+        cmd = python_cmd("worker", "--port", str(port), "--worker-id", worker_id, *self._secure_args(),
                          "--cluster", self.cluster, "--block-size", str(s.block_size),
                          "--num-blocks", str(s.num_blocks), "--threads", str(threads),
                          "--max-batched-tokens", str(s.max_batched_tokens), *s.extra_worker_args)
@@ -85,17 +111,17 @@ class LocalCluster:
     def start_worker(self, worker_id: str, port: int | None = None, wait: bool = True) -> str:
         """Start (or restart) one worker; returns its address (once healthy, if ``wait``)."""
         port = port or free_port()
-        proc = spawn(self.worker_cmd(worker_id, port), os.path.join(self.log_dir, f"{worker_id}.log"))
+        proc = spawn(self.worker_cmd(worker_id, port), os.path.join(self.log_dir, f"{worker_id}.log"), env=self._env())
         address = f"127.0.0.1:{port}"
         self.workers[worker_id] = (address, proc)
         if wait:
-            wait_healthy(address, proc=proc)
+            wait_healthy(address, proc=proc, tls=self.tls)
         return address
 
     def start_router(self, port: int | None = None) -> str:
         s = self.spec
         port = port or s.router_port or free_port()
-        cmd = python_cmd("router", "--port", str(port), "--redis-url", self.redis_url, "--policy", s.policy,
+        cmd = python_cmd("router", "--port", str(port), *self._secure_args(), "--policy", s.policy,
                          "--cluster", self.cluster)
         if s.model:
             cmd += ["--model", s.model]
@@ -103,10 +129,10 @@ class LocalCluster:
         if s.http_port is not None:
             http = s.http_port or free_port()
             cmd += ["--http-port", str(http)]
-            self.http_url = f"http://127.0.0.1:{http}/v1"
-        self.router_proc = spawn(cmd, os.path.join(self.log_dir, "router.log"))
+            self.http_url = f"{'https' if s.secure else 'http'}://127.0.0.1:{http}/v1"
+        self.router_proc = spawn(cmd, os.path.join(self.log_dir, "router.log"), env=self._env())
         self.router_address = f"127.0.0.1:{port}"
-        wait_healthy(self.router_address, proc=self.router_proc)
+        wait_healthy(self.router_address, proc=self.router_proc, tls=self.tls)
         return self.router_address
 
     def start(self) -> "LocalCluster":
@@ -114,10 +140,20 @@ class LocalCluster:
             if self.redis_url is None:
                 self.redis = RedisServer()
                 self.redis_url = self.redis.url
+            if self.spec.secure and self.credentials is None:
+                from kvmesh.services.credentials import generate_cluster_credentials
+
+                self.credentials = generate_cluster_credentials(self.spec.run_dir
+                                                                or os.path.join(self.log_dir, "credentials"))
+            if self.credentials is not None and self.tls is None:
+                from kvmesh.workers.tls import TlsConfig
+
+                c = self.credentials
+                self.tls = TlsConfig.from_files(c.cert, c.key, c.ca, c.client_ca)
             for i in range(self.spec.num_workers):  # start together, then wait for each
                 self.start_worker(f"worker-{i}", wait=False)
             for address, proc in self.workers.values():
-                wait_healthy(address, proc=proc)
+                wait_healthy(address, proc=proc, tls=self.tls)
             self.start_router()
             self.wait_registered()
         except BaseException:
@@ -127,13 +163,11 @@ class LocalCluster:
 
     def wait_registered(self, timeout: float = 30.0) -> None:
         """Wait until the router lists every worker as live."""
-        import grpc
-
         from kvmesh.proto import kvmesh_pb2 as pb
         from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.router_address) as ch:
+        with self.peer_channel(self.router_address) as ch:
             stub = pb_grpc.RouterStub(ch)
             while True:
                 status = stub.Status(pb.RouterStatusRequest(), timeout=5.0)
@@ -163,6 +197,11 @@ class LocalCluster:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self.credentials is not None and self.spec.run_dir is None:  # generated for this run only
+            import shutil
+
+            shutil.rmtree(self.credentials.run_dir, ignore_errors=True)
+            self.credentials = None
         if self._own_log_dir:  # a temporary log folder nobody wrote to is not worth keeping
             try:
                 os.rmdir(self.log_dir)

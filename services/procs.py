@@ -7,6 +7,7 @@ gRPC health service.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -27,26 +28,33 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class RedisServer:
-    """A private, non-persistent redis-server on loopback.
+    """A private, non-persistent redis-server on loopback that requires a password.
+
+    The password is generated here and written, with the rest of the configuration, to a
+    0600 file in the server's own temporary directory (never on a command line, where
+    ``ps`` would show it). ``url`` carries it: ``redis://:PASSWORD@127.0.0.1:PORT/0``.
 
     Raises:
         RuntimeError: redis-server is not on PATH (install Debian's redis-server; the
             README's set-up does) or did not answer within ``timeout`` seconds.
     """
 
-    def __init__(self, port: int | None = None, timeout: float = 10.0):
+    def __init__(self, port: int | None = None, timeout: float = 10.0, password: str | None = None):
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found on PATH: run `make setup` (installs Debian's redis-server) "
                                "or pass --redis-url")
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="kvmesh-redis-")
-        self.proc = subprocess.Popen(
-            _with_parent_death_signal(
-                [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", self.dir, "--protected-mode", "yes", "--loglevel", "warning"]),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password or secrets.token_hex(24)  # a caller may fix it to know the URL in advance
+        conf = os.path.join(self.dir, "redis.conf")
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'port {self.port}\nbind 127.0.0.1\nsave ""\nappendonly no\ndir {self.dir}\n'
+                    f"protected-mode yes\nloglevel warning\nrequirepass {self.password}\n")
+        self.proc = subprocess.Popen(_with_parent_death_signal([exe, conf]),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"redis://:{self.password}@127.0.0.1:{self.port}/0"
         deadline = time.monotonic() + timeout
         import redis
 
@@ -100,14 +108,15 @@ def spawn(cmd: list[str], log_path: str | None = None, env: dict | None = None) 
     return proc
 
 
-def wait_healthy(address: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
-    """Block until the gRPC health service at ``address`` answers SERVING.
+def wait_healthy(address: str, timeout: float = 120.0, proc: subprocess.Popen | None = None, tls=None) -> None:
+    """Block until the gRPC health service at ``address`` answers SERVING (over mutual TLS
+    with ``tls``, a `kvmesh.workers.tls.TlsConfig`).
 
     Raises:
         RuntimeError: ``proc`` exited first, or ``timeout`` seconds passed.
     """
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
+    with (tls.peer_sync_channel(address) if tls is not None else grpc.insecure_channel(address)) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             if proc is not None and proc.poll() is not None:

@@ -17,6 +17,11 @@ blocks than another live worker (the holder was overloaded or over its share), t
 forwarded request names that holder in ``prefix_location`` (`prefix_holder`). The chosen
 worker decides from measured rates whether pulling the blocks beats recomputing them
 (`workers.peer_fetch`).
+
+Access: the tenant of each request comes from the client's credentials (`Gate.tenant`,
+`kvmesh.services.auth`), goes into the namespace the router hashes in, and is forwarded to
+the worker in the cluster-internal ``tenant`` field over mutual TLS. ``Status`` details
+(worker addresses, loads) are for peers only; other callers see the policy name.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import grpc
 from kvmesh.cache_store.hashing import Namespace, hash_blocks
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.services.auth import Gate
 from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
 from kvmesh.services.index_subscriber import IndexSubscriber
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
@@ -58,7 +64,8 @@ class RouterServicer(pb_grpc.RouterServicer):
     """Implements kvmesh.v1.Router over a ClusterIndex fed by an IndexSubscriber."""
 
     def __init__(self, index: ClusterIndex, subscriber: IndexSubscriber, policy_name: str = "kv_aware",
-                 model_dir: str | None = None, seed: int | None = None, max_attempts: int = 2):
+                 model_dir: str | None = None, seed: int | None = None, max_attempts: int = 2,
+                 gate: Gate | None = None):
         self.index = index
         self.subscriber = subscriber
         self.policy = make_policy(policy_name)
@@ -68,7 +75,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.tokenizer = load_tokenizer(model_dir, self.config)
         self.rng = random.Random(seed)
         self.max_attempts = max_attempts
-        self._channels = ChannelPool()
+        self.gate = gate or Gate()
+        self._channels = ChannelPool(tls=self.gate.tls)  # mutual TLS to workers when configured
         self._inflight: dict[str, _Inflight] = {}
         self.routed = RoutedShare()
         #: `services.metrics.RouterMetrics` when metrics are served, else None
@@ -126,6 +134,7 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     # ----------------------------------------------------------------- RPCs
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        tenant, salt = await self.gate.tenant(context, request, edge=True)
         ids = self._prompt_ids(request)
         if not ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -143,12 +152,13 @@ class RouterServicer(pb_grpc.RouterServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the router tokenizes for model {self.config.model_id!r} but workers serve {model_id!r}: start the "
                 f"router with --model pointing at the workers' model directory, or send token_ids")
-        ns = Namespace(model_id=model_id, cache_salt=request.cache_salt, adapter_id=request.adapter_id)
+        ns = Namespace(model_id=model_id, cache_salt=salt, adapter_id=request.adapter_id, tenant=tenant)
         hashes = list(hash_blocks(ids, block_size, ns.root_hash()).hashes)
         forward = pb.GenerateRequest()
         forward.CopyFrom(request)
         forward.token_ids.ids[:] = ids  # tokenized once; workers never re-tokenize
         forward.request_id = request.request_id or uuid.uuid4().hex
+        forward.tenant, forward.cache_salt = tenant, salt
         tried: set[str] = set()
         last_error = ""
         last_code = grpc.StatusCode.UNAVAILABLE
@@ -198,6 +208,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         await context.abort(last_code, last_error or "no live worker could take the request")
 
     async def Status(self, request, context):
+        if not self.gate.caller(context).is_peer:  # addresses and loads are for operators
+            return pb.RouterStatus(policy=self.policy_name)
         live = self.subscriber.live_workers()
         out = pb.RouterStatus(policy=self.policy_name, indexed_blocks=self.index.num_blocks())
         for wid, info in sorted(live.items()):
@@ -260,8 +272,10 @@ def _block_size(live: dict[str, dict]) -> int:
     return sizes.pop()
 
 
-async def _resync(address: str) -> tuple[int, list[tuple[bytes, bytes | None, str]]]:
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+async def _resync(address: str, tls=None) -> tuple[int, list[tuple[bytes, bytes | None, str]]]:
+    channel = (tls.peer_channel(address, CHANNEL_OPTIONS) if tls is not None
+               else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
+    async with channel as ch:
         snap = await pb_grpc.WorkerStub(ch).GetSnapshot(pb.SnapshotRequest(), timeout=10.0)
     return snap.seq, [(b.block_hash, b.parent_block_hash or None, b.medium or "device") for b in snap.blocks]
 
@@ -269,31 +283,37 @@ async def _resync(address: str) -> tuple[int, list[tuple[bytes, bytes | None, st
 async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host: str = "127.0.0.1",
                        model_dir: str | None = None, cluster: str = "default", seed: int | None = None,
                        ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
-                       metrics_port: int | None = None, http_port: int | None = None) -> None:
+                       metrics_port: int | None = None, http_port: int | None = None,
+                       gate: Gate | None = None, reflection: bool = False) -> None:
     """Serve kvmesh.v1.Router on host:port until ``stop`` is set or SIGINT/SIGTERM.
 
     ``metrics_port`` serves Prometheus ``/metrics`` (`services.metrics`); ``http_port``
     serves the OpenAI-compatible HTTP front (`services.http_front`); None = off.
+    ``gate`` holds the port's TLS config and the tenant resolution (default: no TLS, open);
+    its TLS config also secures the calls to workers. ``reflection`` turns on gRPC reflection.
 
     Raises:
         ValueError: unknown policy name.
         RuntimeError: the port could not be bound.
     """
     index = ClusterIndex()
+    gate = gate or Gate()
 
     async def resync(worker_id: str, address: str):
-        return await _resync(address)
+        return await _resync(address, gate.tls)
 
     subscriber = IndexSubscriber(redis_url, index, resync, cluster=cluster)
-    servicer = RouterServicer(index, subscriber, policy, model_dir=model_dir, seed=seed)
+    servicer = RouterServicer(index, subscriber, policy, model_dir=model_dir, seed=seed, gate=gate)
     grpc_host = GrpcHost(host, port, [
         (pb_grpc.add_RouterServicer_to_server, servicer, pb.DESCRIPTOR.services_by_name["Router"].full_name),
         (pb_grpc.add_WorkerServicer_to_server, WorkerFacade(servicer),
          pb.DESCRIPTOR.services_by_name["Worker"].full_name),
-    ])
+    ], tls=gate.tls, reflection_on=reflection)
     from kvmesh.services import observability
 
-    extras = await observability.start_router_extras(servicer, host, metrics_port, http_port)
+    extras = await observability.start_router_extras(
+        servicer, host, metrics_port, http_port,
+        ssl_context=gate.tls.server_ssl_context() if gate.tls is not None else None)
     await subscriber.start()
     bound = await grpc_host.start()
     print(f"kvmesh router ({policy}) listening on {host}:{bound}", flush=True)

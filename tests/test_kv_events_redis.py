@@ -127,7 +127,7 @@ def test_publisher_numbers_batches_in_order_and_splits_large_ones(shared_redis, 
 
 def test_publisher_survives_redis_outage_and_drops_oldest_keeping_numbering(cluster):
     port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
+    url = f"redis://:outage-test-pw@127.0.0.1:{port}/0"
     pub = KVEventPublisher(url, "w1", cluster=cluster, flush_interval_s=0.01, max_queued_batches=2)
     server = None
     try:
@@ -138,7 +138,7 @@ def test_publisher_survives_redis_outage_and_drops_oldest_keeping_numbering(clus
         assert time.monotonic() - t0 < 0.5  # the engine side never waits for Redis
         assert not pub.wait_published(0.2)
         assert pub.stats()["dropped"] == 3
-        server = RedisServer(port=port)
+        server = RedisServer(port=port, password="outage-test-pw")
         assert pub.wait_published(10.0)
         client = redis.Redis.from_url(url)
         seqs = [int(f[b"seq"]) for _, f in client.xrange(stream_key("w1", cluster))]

@@ -27,7 +27,7 @@ def worker(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("w") / "worker.log"
     proc = spawn(python_cmd("worker", "--port", str(port), "--worker-id", "w-test", "--num-blocks", "64",
-                            "--threads", "1"), str(log))
+                            "--threads", "1", "--reflection"), str(log))
     address = f"127.0.0.1:{port}"
     try:
         wait_healthy(address, proc=proc)

@@ -124,9 +124,9 @@ class Engine:
         self.logits_hook: Callable[[str, torch.Tensor], None] | None = None
 
     # ------------------------------------------------------------------ edge
-    def namespace(self, cache_salt: str = "", adapter_id: str = "") -> Namespace:
-        """The hash namespace of requests under this model, tenant and adapter."""
-        return Namespace(model_id=self.config.model_id, cache_salt=cache_salt, adapter_id=adapter_id)
+    def namespace(self, cache_salt: str = "", adapter_id: str = "", tenant: str = "") -> Namespace:
+        """The hash namespace of requests under this model, tenant, cache salt and adapter."""
+        return Namespace(model_id=self.config.model_id, cache_salt=cache_salt, adapter_id=adapter_id, tenant=tenant)
 
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Check a request before queueing it.
@@ -174,9 +174,12 @@ class Engine:
         adapter_id: str = "",
         request_id: str = "",
         arrival: float | None = None,
+        tenant: str = "",
     ) -> str:
         """Validate and queue a request; returns its id. Thread-safe.
 
+        ``tenant`` (resolved by the server from credentials), ``cache_salt`` and
+        ``adapter_id`` choose the request's hash namespace (`namespace`).
         ``arrival`` (``time.monotonic()`` seconds) is when the request reached the worker,
         if earlier than now (e.g. before a peer fetch); timing is measured from it.
 
@@ -186,7 +189,7 @@ class Engine:
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, sampling)
         rid = f"{request_id or 'req'}#{next(self._ids)}"  # unique even if a client repeats its id
-        req = Request(rid, prompt_ids, sampling, self.namespace(cache_salt, adapter_id),
+        req = Request(rid, prompt_ids, sampling, self.namespace(cache_salt, adapter_id, tenant),
                       self.block_size, on_output)
         if arrival is not None:
             req.arrival = min(arrival, req.arrival)
@@ -473,7 +476,8 @@ class Engine:
         }
 
     # --------------------------------------------------------------- helpers
-    def prefetch(self, prompt_ids: list[int], cache_salt: str = "", adapter_id: str = "") -> dict[str, int]:
+    def prefetch(self, prompt_ids: list[int], cache_salt: str = "", adapter_id: str = "",
+                 tenant: str = "") -> dict[str, int]:
         """Stage what only the disk or the cluster's remote tier holds of this prompt.
 
         Call it before `submit`, from the submitter's thread: it reads the disk and
@@ -490,14 +494,14 @@ class Engine:
         limit = (len(prompt_ids) - 1) // self.block_size
         if limit <= 0:
             return {}
-        root = self.namespace(cache_salt, adapter_id).root_hash()
+        root = self.namespace(cache_salt, adapter_id, tenant).root_hash()
         hashed = hash_blocks([int(t) for t in prompt_ids[:limit * self.block_size]], self.block_size, root)
         with self._lock:
             hit = self.cache.index.match(hashed.hashes, hashed.block_tokens).num_blocks
         return self.tiers.prefetch(hashed.hashes, hashed.block_tokens, hit, limit, root)
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
-                 cache_salt: str = "", timeout: float = 300.0) -> dict:
+                 cache_salt: str = "", timeout: float = 300.0, tenant: str = "") -> dict:
         """Blocking generate for tests and benchmarks (the engine must be started).
 
         Returns a dict with ``token_ids``, ``finish_reason``, ``usage`` and ``timing``.
@@ -520,8 +524,8 @@ class Engine:
         arrival = time.monotonic()
         sampling = sampling or SamplingParams()
         self.validate([int(t) for t in prompt_ids], sampling)  # a refused request reads nothing
-        self.prefetch(prompt_ids, cache_salt)
-        self.submit(prompt_ids, sampling, on_output, cache_salt=cache_salt, arrival=arrival)
+        self.prefetch(prompt_ids, cache_salt, tenant=tenant)
+        self.submit(prompt_ids, sampling, on_output, cache_salt=cache_salt, arrival=arrival, tenant=tenant)
         if not done.wait(timeout):
             raise TimeoutError(f"no result within {timeout} s")
         if out.get("error"):

@@ -1,7 +1,8 @@
 """Hosting gRPC services the same way in every kvmesh process.
 
 A `GrpcHost` binds one grpc.aio server with kvmesh's message limits, the standard
-health service (SERVING for "" and each named service) and server reflection, and
+health service (SERVING for "" and each named service), server reflection when asked
+for (off by default: it lists every RPC to anyone), TLS when given a `TlsConfig`, and
 waits for SIGINT/SIGTERM or an event before a graceful stop. The worker and the router
 both use it.
 """
@@ -27,10 +28,13 @@ CHANNEL_OPTIONS = [
 class ChannelPool:
     """One reusable grpc.aio channel per peer address, with kvmesh's message limits.
 
-    ``factory(address)`` replaces the default channel (tests use it to inject faults).
+    ``factory(address)`` replaces the default channel (tests use it to inject faults);
+    with ``tls`` (a `kvmesh.workers.tls.TlsConfig`) channels are mutual TLS to peers.
     """
 
-    def __init__(self, factory: Callable[[str], grpc.aio.Channel] | None = None):
+    def __init__(self, factory: Callable[[str], grpc.aio.Channel] | None = None, tls=None):
+        if factory is None and tls is not None:
+            factory = lambda address: tls.peer_channel(address, CHANNEL_OPTIONS)  # noqa: E731
         self._factory = factory
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -55,9 +59,11 @@ class GrpcHost:
         RuntimeError: from `start`, when ``host:port`` cannot be bound.
     """
 
-    def __init__(self, host: str, port: int, services: list[tuple[Callable, object, str]]):
+    def __init__(self, host: str, port: int, services: list[tuple[Callable, object, str]], tls=None,
+                 reflection_on: bool = False):
         self.host = host
         self.port = port
+        self.tls = tls
         # no SO_REUSEPORT: a second process on a busy port must fail, not share it silently
         self.server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
         self.health = health_aio.HealthServicer()
@@ -65,14 +71,17 @@ class GrpcHost:
         for add, servicer, _ in services:
             add(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (*self.names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server)
+        if reflection_on:
+            reflection.enable_server_reflection(
+                (*self.names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+                self.server)
 
     async def start(self) -> int:
         """Bind, start and report SERVING; returns the bound port."""
         try:
-            bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
+            addr = f"{self.host}:{self.port}"
+            bound = (self.server.add_secure_port(addr, self.tls.server_credentials()) if self.tls is not None
+                     else self.server.add_insecure_port(addr))
         except RuntimeError:  # grpcio >= 1.5x raises instead of returning 0
             bound = 0
         if bound == 0:

@@ -356,3 +356,34 @@ class WorkerLease:
                 log.warning("lease of %s not deleted (expires by itself): %s", self.worker_id, exc)
         if not self._thread.is_alive():
             self._redis.close()
+
+
+class LeaseCheck:
+    """Whether a worker id holds a current lease at a given address (peer-fetch trust).
+
+    Only writers holding the cluster's Redis credentials can write a lease, so a holder
+    named in ``prefix_location`` that has no lease here is not part of the cluster.
+    Callable ``(worker_id, address) -> bool``; blocking (call from a thread).
+
+    Raises:
+        redis.RedisError: Redis could not be reached.
+    """
+
+    def __init__(self, redis_url: str, cluster: str = DEFAULT_CLUSTER):
+        self._redis = _client(redis_url)
+        self.cluster = cluster
+
+    def __call__(self, worker_id: str, address: str) -> bool:
+        if not worker_id:
+            return False
+        raw = self._redis.get(lease_key(worker_id, self.cluster))
+        if raw is None:
+            return False
+        try:
+            lease = json.loads(raw)
+        except ValueError:
+            return False
+        return isinstance(lease, dict) and lease.get("address") == address
+
+    def close(self) -> None:
+        self._redis.close()

@@ -161,7 +161,8 @@ class PeerFetcher:
         ValueError: unknown mode or non-positive ``max_fetch_s``.
     """
 
-    def __init__(self, engine, mode: str = "auto", max_fetch_s: float = 2.0, channel_factory=None):
+    def __init__(self, engine, mode: str = "auto", max_fetch_s: float = 2.0, channel_factory=None, tls=None,
+                 holder_check=None):
         if mode not in FETCH_MODES:
             raise ValueError(f"peer fetch mode must be one of {FETCH_MODES}, got {mode!r}")
         if not max_fetch_s > 0:
@@ -170,7 +171,10 @@ class PeerFetcher:
         self.mode = mode
         self.max_fetch_s = float(max_fetch_s)
         self.models: dict[str, TransferModel] = {}
-        self._channels = ChannelPool(channel_factory)
+        self._channels = ChannelPool(channel_factory, tls=tls)  # mutual TLS to peers with a TlsConfig
+        #: ``holder_check(worker_id, address) -> bool`` (blocking): whether the holder has a
+        #: current lease in the cluster at that address; None trusts every holder
+        self.holder_check = holder_check
         self.last: FetchResult | None = None
 
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -180,7 +184,7 @@ class PeerFetcher:
         await self._channels.close()
 
     async def fetch_prefix(self, prompt_ids: list[int], namespace, address: str, holder_blocks: int,
-                           time_left_s: float | None = None) -> FetchResult:
+                           time_left_s: float | None = None, holder_id: str = "") -> FetchResult:
         """Fetch the blocks of ``prompt_ids`` this worker lacks from the holder at ``address``.
 
         Args:
@@ -189,6 +193,8 @@ class PeerFetcher:
             address: holder's host:port.
             holder_blocks: leading blocks the holder is known to have.
             time_left_s: the request's remaining deadline (seconds), if any.
+            holder_id: the holder's worker id, checked with ``holder_check`` (no fetch from a
+                worker without a current lease at ``address``).
 
         Returns:
             a `FetchResult` (``staged`` blocks are now in the staging area). Never raises
@@ -199,6 +205,17 @@ class PeerFetcher:
         res = FetchResult(outcome="no staging area")
         if tiers is None or tiers.peer is None or not address:
             return self._done(res)
+        if self.holder_check is not None:
+            try:
+                leased = await asyncio.to_thread(self.holder_check, holder_id, address)
+            except Exception as exc:  # Redis unreachable: no proof of a lease, so no fetch
+                log.warning("peer fetch: lease of %s not checked (%s); recomputing", holder_id, exc)
+                leased = False
+            if not leased:
+                res.outcome = "holder has no current lease"
+                log.warning("peer fetch: %s at %s holds no current lease in the cluster; not fetching",
+                            holder_id or "holder", address)
+                return self._done(res)
         res.outcome = ""
         bs = engine.block_size
         root = namespace.root_hash()

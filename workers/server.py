@@ -12,6 +12,11 @@ fetched blocks wait in the engine's staging area. With a disk or remote tier,
 cluster's Redis holds of the prompt the same way. ``FetchBlocks`` serves the other side:
 the leading run of the asked-for chain this worker holds, streamed in batches of
 ``FETCH_BATCH`` blocks so that memory stays bounded and the engine lock is held briefly.
+
+Access (``gate``, a `kvmesh.services.auth.Gate` built by the CLI): FetchBlocks,
+GetSnapshot and ClearCache, and the request fields ``prefix_location`` and ``tenant``, are
+for cluster peers only (PERMISSION_DENIED otherwise); anyone else's tenant comes from their
+credentials. Without a gate (no TLS) every caller is trusted, as on a private network.
 """
 from __future__ import annotations
 
@@ -80,10 +85,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         peer: options of `PeerFetcher` (``mode``, ``max_fetch_s``); None uses the defaults.
     """
 
-    def __init__(self, engine: Engine, worker_id: str, address: str = "", peer: dict | None = None):
+    def __init__(self, engine: Engine, worker_id: str, address: str = "", peer: dict | None = None,
+                 gate=None):
         self.engine = engine
         self.worker_id = worker_id
         self.address = address
+        self.gate = gate
         self.fetcher = PeerFetcher(engine, **(peer or {}))
         # prefetches wait on the disk and on Redis: their own threads, so that a slow Redis
         # never holds up the threads GetLoad, GetSnapshot and FetchBlocks run on
@@ -108,20 +115,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
         rid = request.request_id or uuid.uuid4().hex
         arrival = time.monotonic()
+        tenant, salt = (await self.gate.tenant(context, request) if self.gate is not None
+                        else (request.tenant, request.cache_salt))
         try:
             prompt_ids = self._prompt_ids(request)
             sampling = wire.sampling_from_proto(request)
             if request.HasField("prefix_location"):
-                await self._fetch_prefix(request, prompt_ids, sampling, context)
+                await self._fetch_prefix(request, prompt_ids, sampling, context, tenant, salt)
             if self.engine.tiers is not None and self.engine.tiers.can_prefetch:
                 self.engine.validate([int(t) for t in prompt_ids], sampling)  # no read for a bad request
                 await loop.run_in_executor(self._prefetch_pool, self.engine.prefetch, prompt_ids,
-                                           request.cache_salt, request.adapter_id)
+                                           salt, request.adapter_id, tenant)
             # the engine keys requests by its own unique id: two clients reusing one
             # request_id never cancel each other
             engine_rid = self.engine.submit(prompt_ids, sampling, on_output,
-                                            cache_salt=request.cache_salt, adapter_id=request.adapter_id,
-                                            request_id=rid, arrival=arrival)
+                                            cache_salt=salt, adapter_id=request.adapter_id,
+                                            request_id=rid, arrival=arrival, tenant=tenant)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Overloaded as exc:
@@ -157,7 +166,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 if self.metrics is not None:
                     self.metrics.observe_finished(None, None, "abort")
 
-    async def _fetch_prefix(self, request: pb.GenerateRequest, prompt_ids: list[int], sampling, context) -> None:
+    async def _fetch_prefix(self, request: pb.GenerateRequest, prompt_ids: list[int], sampling, context,
+                            tenant: str = "", salt: str = "") -> None:
         """Pull the prompt's prefix from the worker named in ``prefix_location`` (if worth it).
 
         Raises:
@@ -168,12 +178,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if not loc.address or loc.worker_id == self.worker_id or loc.address == self.address or not loc.num_blocks:
             return
         self.engine.validate([int(t) for t in prompt_ids], sampling)
-        ns = self.engine.namespace(request.cache_salt, request.adapter_id)
-        res = await self.fetcher.fetch_prefix(prompt_ids, ns, loc.address, loc.num_blocks, context.time_remaining())
+        ns = self.engine.namespace(salt, request.adapter_id, tenant)
+        res = await self.fetcher.fetch_prefix(prompt_ids, ns, loc.address, loc.num_blocks, context.time_remaining(),
+                                              holder_id=loc.worker_id)
         if self.metrics is not None:
             self.metrics.observe_fetch(res)
 
     async def FetchBlocks(self, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext):
+        if self.gate is not None:
+            await self.gate.require_peer(context, "FetchBlocks")
         hashes = list(request.block_hashes)
         if len(hashes) > MAX_FETCH_BLOCKS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -209,6 +222,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return wire.load_to_proto(await asyncio.to_thread(self.engine.load))
 
     async def GetSnapshot(self, request, context):
+        if self.gate is not None:
+            await self.gate.require_peer(context, "GetSnapshot")
         snap = await asyncio.to_thread(self.engine.snapshot)
         return pb.Snapshot(
             worker_id=self.worker_id, seq=snap["seq"], block_size=self.engine.block_size,
@@ -217,27 +232,35 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
     async def ClearCache(self, request, context):
+        if self.gate is not None:
+            await self.gate.require_peer(context, "ClearCache")
         return pb.ClearCacheResponse(blocks_cleared=await asyncio.to_thread(self.engine.clear_cache))
 
 
 async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worker_id: str | None = None,
                        ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                        peer: dict | None = None, advertise: str | None = None,
-                       metrics_port: int | None = None, http_port: int | None = None) -> None:
+                       metrics_port: int | None = None, http_port: int | None = None, tls=None, gate=None,
+                       reflection: bool = False) -> None:
     """Serve the engine on host:port until ``stop`` is set or SIGINT/SIGTERM arrives.
 
-    ``peer`` holds `PeerFetcher` options (``mode``, ``max_fetch_s``); ``advertise`` is the
-    ``HOST:PORT`` other processes reach this worker at (default ``host:port``).
-    ``metrics_port`` serves Prometheus ``/metrics`` (`services.metrics`); ``http_port``
-    serves the OpenAI-compatible HTTP front (`services.http_front`); None = off.
+    ``peer`` holds `PeerFetcher` options (``mode``, ``max_fetch_s``, ``holder_check``);
+    ``advertise`` is the ``HOST:PORT`` other processes reach this worker at (default
+    ``host:port``); ``tls`` (`kvmesh.workers.tls.TlsConfig`) serves TLS and makes peer
+    fetches mutual TLS; ``gate`` checks each caller (see `WorkerServicer`); ``reflection``
+    turns on gRPC server reflection. ``metrics_port`` serves Prometheus ``/metrics``
+    (`services.metrics`); ``http_port`` serves the OpenAI-compatible HTTP front
+    (`services.http_front`); None = off.
 
     Raises:
         RuntimeError: the port could not be bound.
     """
     worker_id = worker_id or f"{socket.gethostname()}:{port}"
-    servicer = WorkerServicer(engine, worker_id, advertise or f"{host}:{port}", peer=peer)
+    servicer = WorkerServicer(engine, worker_id, advertise or f"{host}:{port}", peer={**(peer or {}), "tls": tls},
+                              gate=gate)
     grpc_host = GrpcHost(host, port, [(pb_grpc.add_WorkerServicer_to_server, servicer,
-                                       pb.DESCRIPTOR.services_by_name["Worker"].full_name)])
+                                       pb.DESCRIPTOR.services_by_name["Worker"].full_name)],
+                         tls=tls, reflection_on=reflection)
     engine.start()
     from kvmesh.services import observability
 

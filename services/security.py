@@ -1,0 +1,138 @@
+"""Security flags of the `kvmesh` CLI, and secure channels for clients.
+
+Servers (``worker``, ``router``): ``--tls-cert``, ``--tls-key``, ``--tls-ca``,
+``--client-ca``, ``--api-keys``, ``--insecure``, ``--reflection``; `server_gate` builds the
+port's `kvmesh.services.auth.Gate` from them and refuses a non-loopback bind without TLS
+unless ``--insecure``. Clients (``generate``, ``bench --target``): ``--tls-ca`` (env
+``KVMESH_TLS_CA``), ``--api-key`` (env ``KVMESH_API_KEY``), and optionally
+``--tls-cert``/``--tls-key`` for a client certificate; `client_channel` opens the channel.
+The API key travels as ``authorization: Bearer KEY`` call credentials, which gRPC sends
+only over TLS, so a key without ``--tls-ca`` is refused rather than sent in clear.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import os
+import re
+
+import grpc
+
+from kvmesh.services.auth import Authenticator, Gate
+from kvmesh.workers.tls import TlsConfig
+
+__all__ = ["add_server_args", "add_client_args", "server_gate", "client_channel", "client_options",
+           "redact_url", "is_loopback"]
+
+_URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^:/@\s]*:)(?P<pw>[^@\s]+)(?=@)", re.IGNORECASE)
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``***``
+    (``redis://:s3cret@host:6379/0`` -> ``redis://:***@host:6379/0``)."""
+    return _URL_PASSWORD.sub(lambda m: m.group("head") + "***", str(text))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` exposes the port to this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The security flags of a gRPC server process (worker, router)."""
+    g = p.add_argument_group("security (docs/SECURITY.md)")
+    g.add_argument("--tls-cert", default=None, metavar="PATH",
+                   help="this process's certificate (PEM), served on its port and presented to peers (mTLS)")
+    g.add_argument("--tls-key", default=None, metavar="PATH", help="private key of --tls-cert (PEM)")
+    g.add_argument("--tls-ca", default=None, metavar="PATH",
+                   help="cluster CA (PEM): every certificate it signs is a cluster peer")
+    g.add_argument("--client-ca", default=None, metavar="PATH",
+                   help="CA of client certificates (tenant cert:<common name>); must not be the cluster CA")
+    g.add_argument("--api-keys", default=None, metavar="PATH",
+                   help="file of `TENANT KEY|sha256:HEX [shared]` lines; clients then need an API key")
+    g.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without TLS (anyone reaching the port is trusted)")
+    g.add_argument("--reflection", action="store_true", help="serve gRPC reflection (off by default)")
+
+
+def server_gate(args: argparse.Namespace, worker: bool = False) -> Gate:
+    """The `Gate` of a server from its parsed flags; a ``worker`` port requires client
+    certificates (cluster peers, or clients of ``--client-ca``).
+
+    Raises:
+        ValueError: unreadable or inconsistent TLS / API key files, ``--api-keys`` without
+            TLS, or a non-loopback ``--host`` without TLS and without ``--insecure``.
+    """
+    tls = TlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_ca, args.client_ca)
+    if tls is not None and worker:
+        tls = dataclasses.replace(tls, require_client_cert=True)
+    host = getattr(args, "host", "127.0.0.1")
+    if tls is None and not is_loopback(host) and not args.insecure:
+        raise ValueError(f"--host {host} is reachable from other machines but TLS is off: pass --tls-cert, "
+                         "--tls-key and --tls-ca, or --insecure to run without (see docs/SECURITY.md)")
+    if tls is None and args.api_keys:
+        raise ValueError("--api-keys needs TLS (--tls-cert, --tls-key, --tls-ca): keys would cross the network in clear")
+    return Gate(tls, Authenticator.from_file(args.api_keys))
+
+
+def add_client_args(p: argparse.ArgumentParser, tls_ca: bool = True) -> None:
+    """Credential flags of a client command (defaults from ``KVMESH_*`` env vars)."""
+    g = p.add_argument_group("credentials (or env KVMESH_API_KEY, KVMESH_TLS_CA)")
+    g.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"), metavar="KEY",
+                   help="API key, sent as `authorization: Bearer KEY` (needs --tls-ca)")
+    if tls_ca:
+        g.add_argument("--tls-ca", default=os.environ.get("KVMESH_TLS_CA"), metavar="PATH",
+                       help="CA certificate (PEM) to verify the server with; turns TLS on")
+    g.add_argument("--tls-cert", default=os.environ.get("KVMESH_TLS_CERT"), metavar="PATH",
+                   help="client certificate (PEM, from the router's --client-ca)")
+    g.add_argument("--tls-key", default=os.environ.get("KVMESH_TLS_KEY"), metavar="PATH",
+                   help="private key of --tls-cert")
+
+
+def client_options(args: argparse.Namespace) -> dict:
+    """``tls_ca``, ``api_key``, ``tls_cert``, ``tls_key`` of `client_channel` from parsed flags."""
+    return {k: getattr(args, k, None) for k in ("tls_ca", "api_key", "tls_cert", "tls_key")}
+
+
+def _client_credentials(tls_ca: str | None, api_key: str | None, tls_cert: str | None,
+                        tls_key: str | None) -> grpc.ChannelCredentials | None:
+    if not tls_ca:
+        if api_key:
+            raise ValueError("--api-key needs --tls-ca (or KVMESH_TLS_CA): gRPC sends keys only over TLS")
+        if tls_cert or tls_key:
+            raise ValueError("--tls-cert/--tls-key need --tls-ca")
+        return None
+    read = lambda path, flag: open(path, "rb").read() if path else None  # noqa: E731
+    try:
+        ca = read(tls_ca, "--tls-ca")
+        cert, key = read(tls_cert, "--tls-cert"), read(tls_key, "--tls-key")
+    except OSError as exc:
+        raise ValueError(f"cannot read {exc.filename}: {exc.strerror} (--tls-ca / --tls-cert / --tls-key)") from None
+    if bool(cert) != bool(key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    if api_key:
+        creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(api_key))
+    return creds
+
+
+def client_channel(target: str, tls_ca: str | None = None, api_key: str | None = None,
+                   tls_cert: str | None = None, tls_key: str | None = None, options: list | tuple = (),
+                   aio: bool = False):
+    """A channel to a worker or router: TLS (verified with ``tls_ca``) when given, with the
+    API key as bearer call credentials; plain otherwise.
+
+    Raises:
+        ValueError: an API key or client certificate without ``tls_ca``, or an unreadable file.
+    """
+    creds = _client_credentials(tls_ca, api_key, tls_cert, tls_key)
+    mod = grpc.aio if aio else grpc
+    if creds is None:
+        return mod.insecure_channel(target, options=list(options))
+    return mod.secure_channel(target, creds, options=list(options))

@@ -1,0 +1,107 @@
+"""API keys to tenants, TLS material checks, flag refusals and URL redaction (no processes)."""
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.services.auth import SHARED_TENANT, Authenticator, Forbidden, Unauthenticated, hash_key
+
+
+@pytest.fixture()
+def keys_file(tmp_path):
+    p = tmp_path / "api-keys"
+    p.write_text(f"# tenant key options\nacme {hash_key('acme-key-000000000000')}  shared\n"
+                 "beta beta-key-1111111111111  # plain keys are hashed at load\n"
+                 f"beta {hash_key('beta-key-rotated-22222')}\ngamma cert:gamma-gateway\n")
+    return str(p)
+
+
+def test_keys_resolve_to_their_tenant(keys_file):
+    auth = Authenticator.from_file(keys_file)
+    assert auth.tenant_for("Bearer acme-key-000000000000") == "acme"
+    assert auth.tenant_for("bearer beta-key-1111111111111") == "beta"
+    assert auth.tenant_for("Bearer beta-key-rotated-22222") == "beta"  # two keys, one tenant: rotation
+    assert auth.tenant_for(None, peer_identity="gamma-gateway") == "gamma"  # a mapped client certificate
+    assert auth.tenant_for("Bearer acme-key-000000000000", peer_identity="gamma-gateway") == "acme"  # key first
+    with pytest.raises(Unauthenticated):
+        auth.tenant_for(None, peer_identity="alice")  # a certificate nobody mapped
+    for bad in (None, "", "Bearer nope-not-a-key-0000", "Basic acme-key-000000000000", "Bearer "):
+        with pytest.raises(Unauthenticated):
+            auth.tenant_for(bad)
+
+
+def test_open_mode_has_one_tenant_and_refuses_keys():
+    auth = Authenticator.open()
+    assert auth.tenant_for(None) == ""
+    assert auth.tenant_for(None, peer_identity="alice") == "cert:alice"
+    assert auth.scope("", "shared:x") == ("", "shared:x")
+    with pytest.raises(Unauthenticated):
+        auth.tenant_for("Bearer some-key-0000000000000")
+
+
+def test_shared_namespace_needs_the_option(keys_file):
+    auth = Authenticator.from_file(keys_file)
+    assert auth.scope("acme", "shared:sys") == (SHARED_TENANT, "sys")
+    assert auth.scope("beta", "private") == ("beta", "private")
+    with pytest.raises(Forbidden):
+        auth.scope("beta", "shared:sys")
+
+
+@pytest.mark.parametrize("line, needle", [("acme", "TENANT KEY"), ("acme cert:", "common name"), ("ac/me k" + "x" * 20, "tenant id"),
+                                          ("acme short", "16 characters"), ("acme sha256:abc", "64 hex"),
+                                          ("acme " + "k" * 20 + " admin", "TENANT KEY")])
+def test_bad_key_files_name_the_line_and_never_echo_keys(tmp_path, line, needle):
+    p = tmp_path / "keys"
+    p.write_text("# header\n" + line + "\n")
+    with pytest.raises(ValueError) as err:
+        Authenticator.from_file(str(p))
+    assert needle in str(err.value) and "line 2" in str(err.value)
+    assert "k" * 20 not in str(err.value)
+
+
+def test_tls_config_checks_its_files(tmp_path):
+    from kvmesh.services.credentials import generate_cluster_credentials
+    from kvmesh.workers.tls import TlsConfig
+
+    c = generate_cluster_credentials(str(tmp_path / "run"))
+    assert TlsConfig.from_files(None, None, None) is None
+    tls = TlsConfig.from_files(c.cert, c.key, c.ca)
+    assert tls.classify(open(c.cert, "rb").read()).is_peer
+    with pytest.raises(ValueError, match="missing --tls-ca"):
+        TlsConfig.from_files(c.cert, c.key, None)
+    with pytest.raises(ValueError, match="must not be the cluster CA"):
+        TlsConfig.from_files(c.cert, c.key, c.ca, client_ca=c.ca)
+    with pytest.raises(ValueError, match="--tls-key"):
+        TlsConfig.from_files(c.cert, str(tmp_path / "absent"), c.ca)
+    other = generate_cluster_credentials(str(tmp_path / "other"))  # another CA's certificate is a client
+    tls2 = TlsConfig.from_files(c.cert, c.key, c.ca, client_ca=other.ca)
+    kind, name = tls2.classify(open(other.cert, "rb").read())
+    assert kind == "client" and name == "kvmesh-local-peer"
+    assert (tmp_path / "run" / "ca.key").stat().st_mode & 0o077 == 0  # private keys are 0600
+
+
+def test_non_loopback_bind_without_tls_refuses_to_start(capsys):
+    from kvmesh.services.cli import build_parser, cmd_worker
+    from kvmesh.services.cluster_cli import cmd_router
+
+    p = build_parser()
+    args = p.parse_args(["worker", "--port", "1", "--host", "0.0.0.0", "--advertise", "10.0.0.7:1"])
+    assert cmd_worker(args) == 2  # before any model loads
+    assert "--insecure" in capsys.readouterr().err
+    args = p.parse_args(["router", "--port", "1", "--host", "10.1.2.3", "--redis-url", "redis://127.0.0.1:1/0"])
+    assert cmd_router(args) == 2
+    assert "TLS is off" in capsys.readouterr().err
+
+
+def test_redis_passwords_are_redacted():
+    from kvmesh.services.security import redact_url
+
+    assert redact_url("redis://:s3cret@10.0.0.1:6379/0") == "redis://:***@10.0.0.1:6379/0"
+    assert redact_url("at redis://user:pw@h:1/0 and rediss://:x@h2:2") == "at redis://user:***@h:1/0 and rediss://:***@h2:2"
+    assert redact_url("redis://10.0.0.1:6379/0") == "redis://10.0.0.1:6379/0"
+
+
+def test_api_key_needs_tls_on_the_client():
+    from kvmesh.services.security import client_channel
+
+    with pytest.raises(ValueError, match="--tls-ca"):
+        client_channel("127.0.0.1:1", api_key="k" * 20)

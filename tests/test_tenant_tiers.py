@@ -1,0 +1,88 @@
+"""Tenant isolation on every tier below the device pool: host, disk (after a restart) and
+the cluster's remote tier in Redis. Tenant B sending tenant A's prompt with A's cache salt
+must reuse nothing; A itself reuses from the tier, with output equal to B's cold run.
+Also the namespace root: a tenant is not a salt (no salt of one tenant reaches another)."""
+from __future__ import annotations
+
+import random
+
+from kvmesh.cache_store.hashing import Namespace, hash_blocks
+from kvmesh.cache_store.tier_store import TierConfig
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.request import SamplingParams
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=6)
+SALT = "a-secret"
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def check_isolated(reader: Engine, ids: list[int], medium: str, a_tokens: list[int]) -> None:
+    b = reader.generate(ids, GREEDY, cache_salt=SALT, tenant="tenant-b")
+    assert b["usage"]["cached_tokens"] == 0
+    a = reader.generate(ids, GREEDY, cache_salt=SALT, tenant="tenant-a")
+    assert a["usage"]["cached_tokens_by_tier"][medium] == BS * ((len(ids) - 1) // BS)
+    assert a["token_ids"] == b["token_ids"] == a_tokens
+    reader.check_integrity()
+
+
+def test_namespace_tenant_is_not_a_salt():
+    roots = {Namespace("m", cache_salt="x").root_hash(), Namespace("m", tenant="x").root_hash(),
+             Namespace("m", cache_salt="x", tenant="x").root_hash(), Namespace("m").root_hash(),
+             Namespace("m", cache_salt="", tenant="a").root_hash(), Namespace("m", cache_salt="a").root_hash()}
+    assert len(roots) == 6
+    assert Namespace("m", tenant="").root_hash() == Namespace("m").root_hash()  # open mode: hashes unchanged
+
+
+def test_host_tier_and_snapshot_keep_tenants_apart():
+    ids = prompt(1, 7 * BS + 3)
+    e = Engine(num_blocks=64, block_size=BS, tiers=TierConfig(host_bytes=16 << 20, peer_bytes=0)).start()
+    try:
+        a = e.generate(ids, GREEDY, cache_salt=SALT, tenant="tenant-a")
+        e.offload_device_cache()
+        assert e.tiers.flush(30)
+        held = {h for h, _, _ in e.snapshot()["blocks"]}
+        mine = hash_blocks(ids, BS, e.namespace(SALT, "", "tenant-a").root_hash()).hashes
+        theirs = hash_blocks(ids, BS, e.namespace(SALT, "", "tenant-b").root_hash()).hashes
+        assert set(mine) <= held and not set(theirs) & held
+        check_isolated(e, ids, "host", a["token_ids"])
+    finally:
+        e.stop()
+
+
+def test_disk_tier_keeps_tenants_apart_across_a_restart(tmp_path):
+    ids = prompt(2, 6 * BS + 1)
+    cfg = TierConfig(host_bytes=16 << 20, disk_dir=str(tmp_path), disk_bytes=64 << 20, peer_bytes=0)
+    e = Engine(num_blocks=64, block_size=BS, tiers=cfg).start()
+    try:
+        a = e.generate(ids, GREEDY, cache_salt=SALT, tenant="tenant-a")
+        e.offload_device_cache()
+        assert e.tiers.flush(30)
+    finally:
+        e.stop()
+    e = Engine(num_blocks=64, block_size=BS, tiers=cfg).start()  # host tier empty, disk re-indexed
+    try:
+        check_isolated(e, ids, "disk", a["token_ids"])
+    finally:
+        e.stop()
+
+
+def test_remote_tier_keeps_tenants_apart(redis_server):
+    ids = prompt(3, 5 * BS + 4)
+    cfg = TierConfig(host_bytes=8 << 20, peer_bytes=16 << 20, remote_url=redis_server.url, remote_bytes=64 << 20,
+                     remote_cluster="tenants")
+    writer, reader = Engine(num_blocks=64, block_size=BS, tiers=cfg).start(), None
+    try:
+        a = writer.generate(ids, GREEDY, cache_salt=SALT, tenant="tenant-a")
+        writer.offload_device_cache()
+        assert writer.tiers.flush(30)
+        reader = Engine(num_blocks=64, block_size=BS, tiers=cfg).start()
+        check_isolated(reader, ids, "remote", a["token_ids"])
+    finally:
+        writer.stop()
+        if reader is not None:
+            reader.stop()
