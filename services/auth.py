@@ -155,19 +155,22 @@ class Authenticator:
 
         Returns:
             the tenant id: the key's tenant; else the tenant the file maps the certificate
-            to (``cert:<peer_identity>`` in open mode); else `DEFAULT_TENANT` in open mode.
+            to (``cert:<peer_identity>`` in open mode); else `DEFAULT_TENANT` in open mode,
+            where an API key is ignored (OpenAI client libraries always send one).
 
         Raises:
             Unauthenticated: a malformed or unknown key, an unmapped certificate, or no
                 credentials while API keys are configured.
         """
+        if authorization_header and self.entries is None:
+            # open mode: a key means nothing here, as in an OpenAI-compatible server started
+            # without keys (client libraries always send one); the caller is anonymous
+            authorization_header = None
         if authorization_header:
             scheme, _, key = authorization_header.strip().partition(" ")
             key = key.strip()
             if scheme.lower() != "bearer" or not key:
                 raise Unauthenticated("authorization must be `Bearer KEY` (set --api-key or KVMESH_API_KEY)")
-            if self.entries is None:
-                raise Unauthenticated("this server has no API keys configured (--api-keys); send no key")
             found = self._lookup(hashlib.sha256(key.encode()).digest())
             if found is None:
                 raise Unauthenticated("unknown API key (check --api-key or KVMESH_API_KEY)")

@@ -302,7 +302,7 @@ def test_kvmesh_up_is_secure_by_default_and_says_how_to_connect():
         router = lines[1]
         import re
 
-        env_file = re.search(r"(\S+client\.env)", lines[3]).group(1)
+        env_file = next(m.group(1) for m in map(re.compile(r"(\S+client\.env)").search, lines) if m)
         env = dict(line.split("=", 1) for line in open(env_file).read().split())
         creds = {"tls_ca": env["KVMESH_TLS_CA"], "api_key": env["KVMESH_API_KEY"],
                  "tls_cert": env["KVMESH_TLS_CERT"], "tls_key": env["KVMESH_TLS_KEY"]}
