@@ -37,6 +37,8 @@ from kvmesh.services.index_subscriber import IndexSubscriber
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
 from kvmesh.workers.config import ModelConfig
 from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, ChannelPool, GrpcHost
+from kvmesh.workers import limits
+from kvmesh.workers.request import InvalidRequest
 from kvmesh.workers.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -123,7 +125,13 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     # ----------------------------------------------------------------- RPCs
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        ids = self._prompt_ids(request)
+        max_len = context_limit(self.subscriber.live_workers(), self.config.max_position_embeddings)
+        try:  # before tokenizing or hashing: a huge body costs milliseconds, not the router
+            limits.check_prompt_size(request, max_len, "the workers' model")
+            ids = self._prompt_ids(request)
+            limits.check_token_count(len(ids), max_len, "the workers' model")
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "prompt is empty: send at least one token or non-empty text")
@@ -248,6 +256,14 @@ def _load_config(model_dir: str | None) -> ModelConfig:
     return read_config(model_dir)
 
 
+def context_limit(live: dict[str, dict], default: int) -> int:
+    """Longest context (tokens) any live worker serves, from the ``max_model_len`` in
+    their leases; ``default`` (the router's model config) when no lease says. Pure."""
+    lens = [int(info["max_model_len"]) for info in live.values()
+            if isinstance(info.get("max_model_len"), int) and info["max_model_len"] > 0]
+    return max(lens) if lens else int(default)
+
+
 def _block_size(live: dict[str, dict]) -> int:
     sizes = {int(info.get("block_size", 16)) for info in live.values()}
     if len(sizes) != 1:
@@ -281,7 +297,7 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
         (pb_grpc.add_RouterServicer_to_server, servicer, pb.DESCRIPTOR.services_by_name["Router"].full_name),
         (pb_grpc.add_WorkerServicer_to_server, WorkerFacade(servicer),
          pb.DESCRIPTOR.services_by_name["Worker"].full_name),
-    ])
+    ], max_receive_bytes=limits.request_bytes_limit(servicer.config.max_position_embeddings))
     await subscriber.start()
     bound = await grpc_host.start()
     print(f"kvmesh router ({policy}) listening on {host}:{bound}", flush=True)

@@ -26,7 +26,7 @@ import grpc
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
-from kvmesh.workers import wire
+from kvmesh.workers import limits, wire
 from kvmesh.cache_store.block_record import RECORD_FORMAT_VERSION
 from kvmesh.cache_store.hashing import HASH_BYTES
 from kvmesh.workers.engine import Engine
@@ -91,6 +91,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
+        limits.check_prompt_size(request, self.engine.max_model_len)  # before tokenizing anything
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "text":
@@ -191,10 +192,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                              num_blocks=e.num_blocks, vocab_size=e.config.vocab_size,
                              max_model_len=e.max_model_len, device=str(e.device))
 
+    # Control plane: the engine publishes its load each step; reading it never waits on one.
+    async def GetLoad(self, request, context):
+        return wire.load_to_proto(self.engine.load())
+
     # The engine lock is held for a whole model step: these run on a thread so the event
     # loop keeps streaming tokens meanwhile.
-    async def GetLoad(self, request, context):
-        return wire.load_to_proto(await asyncio.to_thread(self.engine.load))
 
     async def GetSnapshot(self, request, context):
         snap = await asyncio.to_thread(self.engine.snapshot)
@@ -222,7 +225,8 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     worker_id = worker_id or f"{socket.gethostname()}:{port}"
     servicer = WorkerServicer(engine, worker_id, advertise or f"{host}:{port}", peer=peer)
     grpc_host = GrpcHost(host, port, [(pb_grpc.add_WorkerServicer_to_server, servicer,
-                                       pb.DESCRIPTOR.services_by_name["Worker"].full_name)])
+                                       pb.DESCRIPTOR.services_by_name["Worker"].full_name)],
+                         max_receive_bytes=limits.request_bytes_limit(engine.max_model_len))
     engine.start()
     bound = await grpc_host.start()
     log.info("worker %s serving on %s:%d", worker_id, host, bound)
