@@ -31,7 +31,7 @@ class PrefixLocation(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "adapter_id", "prefix_location", "return_text")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "adapter_id", "prefix_location", "return_text", "model_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class GenerateRequest(_message.Message):
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LOCATION_FIELD_NUMBER: _ClassVar[int]
     RETURN_TEXT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -48,7 +49,8 @@ class GenerateRequest(_message.Message):
     adapter_id: str
     prefix_location: PrefixLocation
     return_text: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., prefix_location: _Optional[_Union[PrefixLocation, _Mapping]] = ..., return_text: _Optional[bool] = ...) -> None: ...
+    model_id: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., prefix_location: _Optional[_Union[PrefixLocation, _Mapping]] = ..., return_text: _Optional[bool] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -34,6 +34,7 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
 from kvmesh.services.index_subscriber import IndexSubscriber
+from kvmesh.services.membership import Compatibility
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
 from kvmesh.workers.config import ModelConfig
 from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, ChannelPool, GrpcHost
@@ -67,6 +68,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.policy_name = policy_name
         self.config = _load_config(model_dir)
         self.tokenizer = load_tokenizer(model_dir, self.config)
+        self.compat = Compatibility(self.config.model_id if model_dir is not None else None)
         self.rng = random.Random(seed)
         self.max_attempts = max_attempts
         self._channels = ChannelPool()
@@ -138,11 +140,10 @@ class RouterServicer(pb_grpc.RouterServicer):
         live = self.subscriber.live_workers()
         if not live:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no live workers registered: start workers or retry")
-        try:
-            block_size = _block_size(live)
-        except RuntimeError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        model_id = next((i["model_id"] for i in live.values() if i.get("model_id")), self.config.model_id)
+        # only workers of the router's model identity and the cluster's block size (others are logged)
+        live, block_size, model_id, why = self.compat.select(live)
+        if not live:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
         if request.WhichOneof("prompt") == "text" and model_id != self.config.model_id:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -154,6 +155,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         forward.CopyFrom(request)
         forward.token_ids.ids[:] = ids  # tokenized once; workers never re-tokenize
         forward.request_id = request.request_id or uuid.uuid4().hex
+        forward.model_id = model_id  # a worker of another model refuses (and logs) instead of computing
         tried: set[str] = set()
         last_error = ""
         last_code = grpc.StatusCode.UNAVAILABLE
@@ -264,13 +266,6 @@ def context_limit(live: dict[str, dict], default: int) -> int:
     return max(lens) if lens else int(default)
 
 
-def _block_size(live: dict[str, dict]) -> int:
-    sizes = {int(info.get("block_size", 16)) for info in live.values()}
-    if len(sizes) != 1:
-        raise RuntimeError(f"workers disagree on block_size {sorted(sizes)}: one cluster needs one block size")
-    return sizes.pop()
-
-
 async def _resync(address: str) -> tuple[int, list[tuple[bytes, bytes | None, str]]]:
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
         snap = await pb_grpc.WorkerStub(ch).GetSnapshot(pb.SnapshotRequest(), timeout=10.0)
@@ -299,11 +294,14 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
          pb.DESCRIPTOR.services_by_name["Worker"].full_name),
     ], max_receive_bytes=limits.request_bytes_limit(servicer.config.max_position_embeddings))
     await subscriber.start()
+    startup_check = asyncio.get_running_loop().call_later(
+        2.0, lambda: servicer.compat.select(subscriber.live_workers()))  # logs mismatched workers at start
     bound = await grpc_host.start()
     print(f"kvmesh router ({policy}) listening on {host}:{bound}", flush=True)
     if ready is not None:
         ready.set()
     await grpc_host.wait(stop)
+    startup_check.cancel()
     await grpc_host.stop()
     await subscriber.stop()
     await servicer.close()

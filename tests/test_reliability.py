@@ -243,3 +243,42 @@ def test_fuzz_router(cluster):
                       deadline_s=30.0)
     assert report.sent == n
     _check_fuzz(report, os.path.join(cluster.log_dir, "router.log"))
+
+
+def test_worker_refuses_tokens_of_another_model(cluster):
+    """A request made for another model identity (as a router with another --model sends)
+    is refused with FAILED_PRECONDITION, and the worker logs why."""
+    address = worker_address(cluster)
+    req = pb.GenerateRequest(model_id="some-other-model@0123456789ab",
+                             sampling=pb.SamplingParams(max_tokens=1))
+    req.token_ids.ids.extend(toks(11, 20))
+    assert _raw_generate(address, req.SerializeToString()) == grpc.StatusCode.FAILED_PRECONDITION
+    req.model_id = ""  # unset: accepted as before
+    assert _raw_generate(address, req.SerializeToString()) == grpc.StatusCode.OK
+    with open(os.path.join(cluster.log_dir, "worker-0.log"), errors="replace") as fh:
+        assert "refusing requests for model 'some-other-model@0123456789ab'" in fh.read()
+
+
+def test_worker_with_another_block_size_is_routed_around(cluster):
+    """Runs last in this module: it adds a worker with --block-size 32 to a cluster of 16.
+    Every request still succeeds, none goes to the odd worker, and the router logs why."""
+    from kvmesh.services.procs import free_port, spawn, stop_process, wait_healthy
+
+    port = free_port()
+    cmd = cluster.worker_cmd("odd", port)
+    cmd[cmd.index("--block-size") + 1] = "32"
+    proc = spawn(cmd, os.path.join(cluster.log_dir, "odd.log"))
+    try:
+        wait_healthy(f"127.0.0.1:{port}", proc=proc)
+        deadline = time.monotonic() + 30
+        while not any(w.worker_id == "odd" for w in status(cluster.router_address).workers):
+            assert time.monotonic() < deadline, "the odd worker never registered"
+            time.sleep(0.2)
+        for i in range(6):
+            out = generate(cluster.router_address, token_ids=toks(200 + i, 40), max_tokens=2, timeout=60)
+            assert out["worker_id"] == "worker-0"
+        with open(os.path.join(cluster.log_dir, "router.log"), errors="replace") as fh:
+            text = fh.read()
+        assert "not routing to worker odd" in text and "--block-size 32" in text
+    finally:
+        stop_process(proc)

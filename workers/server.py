@@ -85,6 +85,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.worker_id = worker_id
         self.address = address
         self.fetcher = PeerFetcher(engine, **(peer or {}))
+        self._foreign_models: set[str] = set()  # model ids of refused requests, logged once each
         # prefetches wait on the disk and on Redis: their own threads, so that a slow Redis
         # never holds up the threads GetLoad, GetSnapshot and FetchBlocks run on
         self._prefetch_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-prefetch")
@@ -107,6 +108,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
         rid = request.request_id or uuid.uuid4().hex
         arrival = time.monotonic()
+        if request.model_id and request.model_id != self.engine.config.model_id:
+            await self._refuse_foreign_model(request.model_id, context)
         try:
             prompt_ids = self._prompt_ids(request)
             sampling = wire.sampling_from_proto(request)
@@ -147,6 +150,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         finally:
             if not finished:  # client cancelled or deadline passed
                 self.engine.abort(engine_rid)
+
+    async def _refuse_foreign_model(self, model_id: str, context) -> None:
+        """FAILED_PRECONDITION for a request tokenized and hashed for another model; logged
+        once per foreign model id."""
+        mine = self.engine.config.model_id
+        if model_id not in self._foreign_models and len(self._foreign_models) < 64:  # bounded: ids are input
+            self._foreign_models.add(model_id)
+            log.error("refusing requests for model %r from %s: this worker serves %r (weights, dtype, config or "
+                      "tokenizer differ); start the router with this worker's --model", model_id, context.peer(), mine)
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"request is for model {model_id!r} but worker {self.worker_id} serves {mine!r}: "
+                            f"start the router and workers with the same --model")
 
     async def _fetch_prefix(self, request: pb.GenerateRequest, prompt_ids: list[int], sampling, context) -> None:
         """Pull the prompt's prefix from the worker named in ``prefix_location`` (if worth it).
