@@ -35,6 +35,7 @@ from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
 from kvmesh.services.index_subscriber import IndexSubscriber
 from kvmesh.services.membership import Compatibility
+from kvmesh.services.shared_load import SharedLoad
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
 from kvmesh.workers.config import ModelConfig
 from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, ChannelPool, GrpcHost
@@ -74,6 +75,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         self._channels = ChannelPool()
         self._inflight: dict[str, _Inflight] = {}
         self.routed = RoutedShare()
+        #: other router replicas' in-flight counts (`services.shared_load`); None: this router alone
+        self.shared: SharedLoad | None = None
 
     # ------------------------------------------------------------- helpers
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -82,7 +85,8 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def close(self) -> None:
         await self._channels.close()
 
-    def _views(self, live: dict[str, dict], hashes: list[bytes], now: float, exclude: set[str]) -> list[WorkerView]:
+    def _views(self, live: dict[str, dict], hashes: list[bytes], now: float, exclude: set[str],
+               others: dict | None = None) -> list[WorkerView]:
         matches = self.index.match(hashes, now) if hashes else {}
         views = []
         for wid, info in live.items():
@@ -90,6 +94,10 @@ class RouterServicer(pb_grpc.RouterServicer):
                 continue
             load = info.get("load") or {}
             local = self._inflight.get(wid) or _Inflight()
+            o_running, o_prefill, o_routed = (others or {}).get(wid, (0, 0, 0.0))
+            if o_running or o_prefill:  # other replicas' requests there count as ours would
+                local = _Inflight(local.running + o_running, local.pending_prefill_tokens + o_prefill,
+                                  local.last_done_wall)
             # a lease written before our last request there ended still counts that request:
             # trust our own, fresher, counts until the next heartbeat
             stale = float(info.get("ts", 0.0)) < local.last_done_wall
@@ -106,9 +114,13 @@ class RouterServicer(pb_grpc.RouterServicer):
                     int(load.get("queued_prefill_tokens", 0)), local.pending_prefill_tokens),
                 free_blocks=int(load.get("free_blocks", 0)),
                 total_blocks=int(load.get("total_blocks", 0)),
-                routed_recent=self.routed.value(wid),
+                routed_recent=self.routed.value(wid) + o_routed,
             ))
         return views
+
+    def shared_counts(self) -> dict[str, tuple[int, int, float]]:
+        """This router's ``{worker_id: (running, pending prefill tokens, routed share)}``."""
+        return {w: (st.running, st.pending_prefill_tokens, self.routed.value(w)) for w, st in self._inflight.items()}
 
     def _note_routed(self, wid: str, prefill_tokens: int) -> _Inflight:
         self.routed.note(wid)
@@ -159,9 +171,10 @@ class RouterServicer(pb_grpc.RouterServicer):
         tried: set[str] = set()
         last_error = ""
         last_code = grpc.StatusCode.UNAVAILABLE
+        others = await self.shared.others() if self.shared is not None else None
         for _attempt in range(self.max_attempts):
             now = time.monotonic()
-            views = self._views(live, hashes, now, tried)
+            views = self._views(live, hashes, now, tried, others)
             if not views:
                 break
             chosen = self.policy.choose(RouteRequest(len(ids), hashes, block_size), views, self.rng)
@@ -175,6 +188,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             else:
                 forward.ClearField("prefix_location")
             st = self._note_routed(chosen.worker_id, prefill)
+            if self.shared is not None:
+                await self.shared.publish()  # seen by the other replicas before their next decision
             relayed = False
             stub = pb_grpc.WorkerStub(self._channel(chosen.address))
             timeout = context.time_remaining()
@@ -184,6 +199,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                     if not relayed:
                         relayed = True
                         st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - prefill)
+                        if self.shared is not None:
+                            self.shared.publish_soon()
                     yield msg
                 return
             except grpc.aio.AioRpcError as exc:
@@ -200,6 +217,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                 st.last_done_wall = time.time()
                 if not relayed:
                     st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - prefill)
+                if self.shared is not None:
+                    self.shared.publish_soon()
         await context.abort(last_code, last_error or "no live worker could take the request")
 
     async def Status(self, request, context):
@@ -288,6 +307,7 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
 
     subscriber = IndexSubscriber(redis_url, index, resync, cluster=cluster)
     servicer = RouterServicer(index, subscriber, policy, model_dir=model_dir, seed=seed)
+    servicer.shared = SharedLoad(redis_url, cluster, servicer.shared_counts)
     grpc_host = GrpcHost(host, port, [
         (pb_grpc.add_RouterServicer_to_server, servicer, pb.DESCRIPTOR.services_by_name["Router"].full_name),
         (pb_grpc.add_WorkerServicer_to_server, WorkerFacade(servicer),
@@ -304,4 +324,5 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
     startup_check.cancel()
     await grpc_host.stop()
     await subscriber.stop()
+    await servicer.shared.close()
     await servicer.close()

@@ -1,0 +1,148 @@
+"""In-flight load shared between router replicas through Redis.
+
+Each router knows exactly what it has sent to each worker and not yet seen answered, and
+how many requests it routed there recently (`policies.RoutedShare`). With several
+replicas, each sees only its own part: a burst of requests sharing one prefix, spread
+over K routers, lets each router send its whole part to the holder, so the holder's share
+grows with K. `SharedLoad` publishes this router's per-worker counts and reads the
+other replicas' before every routing decision, so a policy sees cluster-wide in-flight
+load and routed share.
+
+Redis layout (cluster ``C``): one hash ``kvmesh:C:router-load``; field = router id, value
+= JSON ``{"ts": seconds since the epoch, "w": {worker_id: [running, prefill_tokens,
+routed]}}``. A router rewrites its own field after each change (one ``HSET``); readers
+take every other field in one ``HGETALL`` and ignore (and delete) fields older than
+``stale_s``, so a crashed router's counts vanish on their own.
+
+Redis trouble never blocks routing: each call is bounded by ``timeout_s``, and a failure
+means "no shared load this time" (logged at most once per ``LOG_EVERY_S``).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+import redis
+import redis.asyncio as aioredis
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two warnings about Redis failures.
+LOG_EVERY_S = 30.0
+
+
+def load_key(cluster: str) -> str:
+    """Redis hash of every router's per-worker in-flight counts: ``kvmesh:{cluster}:router-load``."""
+    return f"kvmesh:{cluster}:router-load"
+
+
+class SharedLoad:
+    """Publishes this router's per-worker counts and reads the other replicas'.
+
+    Args:
+        redis_url: Redis URL of the cluster.
+        cluster: cluster name (key prefix).
+        counts_fn: returns this router's ``{worker_id: (running, prefill_tokens, routed)}``.
+        router_id: this router's id (default: random).
+        stale_s: a replica's entry older than this is ignored and deleted (seconds); it
+            republishes at least every ``stale_s / 3`` (on the next read after that).
+        timeout_s: longest wait for one Redis call (seconds).
+    """
+
+    def __init__(self, redis_url: str, cluster: str, counts_fn, router_id: str | None = None,
+                 stale_s: float = 15.0, timeout_s: float = 0.25):
+        self.counts_fn = counts_fn
+        self.key = load_key(cluster)
+        self.router_id = router_id or uuid.uuid4().hex[:12]
+        self.stale_s = stale_s
+        self.timeout_s = timeout_s
+        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._last_warn = float("-inf")
+        self._pending: asyncio.Task | None = None
+        self._dirty = False
+        self._last_write = 0.0
+        self._write_lock = asyncio.Lock()
+
+    def _warn(self, what: str, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_warn >= LOG_EVERY_S:
+            self._last_warn = now
+            log.warning("shared router load: %s failed (%s); routing on this router's own counts", what, exc)
+
+    async def others(self) -> dict[str, tuple[int, int, float]]:
+        """``{worker_id: (running, prefill_tokens, routed)}`` summed over the other live
+        replicas; ``{}`` when Redis does not answer within ``timeout_s``."""
+        try:
+            raw = await asyncio.wait_for(self._redis.hgetall(self.key), self.timeout_s)
+        except (asyncio.TimeoutError, redis.RedisError, OSError) as exc:
+            self._warn("read", exc)
+            return {}
+        if time.monotonic() - self._last_write > self.stale_s / 3:
+            self.publish_soon()  # keep a long-running request's counts from going stale
+        now = time.time()
+        out: dict[str, list] = {}
+        stale = []
+        for field, value in raw.items():
+            rid = field.decode() if isinstance(field, bytes) else field
+            if rid == self.router_id:
+                continue
+            try:
+                entry = json.loads(value)
+                if now - float(entry["ts"]) > self.stale_s:
+                    stale.append(field)
+                    continue
+                for wid, (running, prefill, routed) in entry["w"].items():
+                    acc = out.setdefault(wid, [0, 0, 0.0])
+                    acc[0] += int(running)
+                    acc[1] += int(prefill)
+                    acc[2] += float(routed)
+            except (ValueError, KeyError, TypeError):
+                stale.append(field)  # not ours to read: drop it
+        if stale:
+            asyncio.get_running_loop().create_task(self._drop(stale))
+        return {w: (a[0], a[1], a[2]) for w, a in out.items()}
+
+    async def _drop(self, fields: list) -> None:
+        try:
+            await asyncio.wait_for(self._redis.hdel(self.key, *fields), self.timeout_s)
+        except (asyncio.TimeoutError, redis.RedisError, OSError) as exc:
+            self._warn("cleanup", exc)
+
+    async def publish(self) -> None:
+        """Write this router's counts (``counts_fn()``), awaited: call it right after a
+        routing decision, before the next one is taken."""
+        async with self._write_lock:  # one write at a time, each with the counts as of its start
+            counts = self.counts_fn()
+            value = json.dumps({"ts": time.time(), "w": {w: [r, p, round(s, 3)] for w, (r, p, s) in counts.items()}},
+                               separators=(",", ":"))
+            try:
+                await asyncio.wait_for(self._redis.hset(self.key, self.router_id, value), self.timeout_s)
+                self._last_write = time.monotonic()
+            except (asyncio.TimeoutError, redis.RedisError, OSError) as exc:
+                self._warn("write", exc)
+
+    def publish_soon(self) -> None:
+        """Schedule a `publish` (coalesced: at most one write in flight; a change during it
+        is written right after). For completions, which need not wait."""
+        self._dirty = True
+        if self._pending is None or self._pending.done():
+            self._pending = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self._dirty:
+            self._dirty = False
+            await self.publish()
+
+    async def close(self) -> None:
+        """Remove this router's entry (best effort) and close the client."""
+        try:
+            await asyncio.wait_for(self._redis.hdel(self.key, self.router_id), self.timeout_s)
+        except (asyncio.TimeoutError, redis.RedisError, OSError):
+            pass
+        try:
+            await asyncio.wait_for(self._redis.aclose(), 2.0)
+        except (asyncio.TimeoutError, redis.RedisError, OSError):
+            pass
