@@ -14,8 +14,9 @@ routed]}}``. A router rewrites its own field after each change (one ``HSET``); r
 take every other field in one ``HGETALL`` and ignore (and delete) fields older than
 ``stale_s``, so a crashed router's counts vanish on their own.
 
-Redis trouble never blocks routing: each call is bounded by ``timeout_s``, and a failure
-means "no shared load this time" (logged at most once per ``LOG_EVERY_S``).
+Redis trouble never blocks routing: each call is bounded by ``timeout_s``; a failure means
+"no shared load" for the next ``COOLDOWN_S`` seconds, without asking Redis meanwhile
+(logged at most once per ``LOG_EVERY_S``).
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two warnings about Redis failures.
 LOG_EVERY_S = 30.0
+#: Seconds without shared-load calls after one failed (a hung Redis costs one timeout per cooldown).
+COOLDOWN_S = 2.0
 
 
 def load_key(cluster: str) -> str:
@@ -65,16 +68,24 @@ class SharedLoad:
         self._dirty = False
         self._last_write = 0.0
         self._write_lock = asyncio.Lock()
+        self._down_until = float("-inf")  # after a failure, Redis is not asked until then
+
+    def _available(self) -> bool:
+        return time.monotonic() >= self._down_until
 
     def _warn(self, what: str, exc: Exception) -> None:
         now = time.monotonic()
+        self._down_until = now + COOLDOWN_S  # no Redis call, and no added latency, for a while
         if now - self._last_warn >= LOG_EVERY_S:
             self._last_warn = now
             log.warning("shared router load: %s failed (%s); routing on this router's own counts", what, exc)
 
     async def others(self) -> dict[str, tuple[int, int, float]]:
         """``{worker_id: (running, prefill_tokens, routed)}`` summed over the other live
-        replicas; ``{}`` when Redis does not answer within ``timeout_s``."""
+        replicas; ``{}`` when Redis does not answer within ``timeout_s`` (or did not, less
+        than ``COOLDOWN_S`` ago)."""
+        if not self._available():
+            return {}
         try:
             raw = await asyncio.wait_for(self._redis.hgetall(self.key), self.timeout_s)
         except (asyncio.TimeoutError, redis.RedisError, OSError) as exc:
@@ -114,6 +125,8 @@ class SharedLoad:
     async def publish(self) -> None:
         """Write this router's counts (``counts_fn()``), awaited: call it right after a
         routing decision, before the next one is taken."""
+        if not self._available():
+            return
         async with self._write_lock:  # one write at a time, each with the counts as of its start
             counts = self.counts_fn()
             value = json.dumps({"ts": time.time(), "w": {w: [r, p, round(s, 3)] for w, (r, p, s) in counts.items()}},

@@ -176,3 +176,37 @@ def test_replicas_decide_as_one_router_with_shared_load():
         assert got <= one + 3, f"{k} routers sharing load sent {got}/16 to the holder, one router {one}/16"
         assert got <= alone[k], (k, got, alone[k])
     assert results[4] <= alone[4] - 3
+
+
+def test_shared_load_without_redis_costs_one_timeout_per_cooldown():
+    """A Redis that does not answer (a listening socket nobody serves) never holds up routing
+    for more than one ``timeout_s`` per cooldown, and routing goes on with local counts."""
+    import asyncio
+    import socket
+
+    from kvmesh.services.shared_load import SharedLoad
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)  # accepts connections, never replies
+    port = sock.getsockname()[1]
+
+    async def main():
+        shared = SharedLoad(f"redis://127.0.0.1:{port}/0", "c", lambda: {"w": (1, 2, 3.0)}, timeout_s=0.2)
+        t0 = time.monotonic()
+        assert await shared.others() == {}
+        first = time.monotonic() - t0
+        t1 = time.monotonic()
+        for _ in range(20):
+            assert await shared.others() == {}
+            await shared.publish()
+        rest = time.monotonic() - t1
+        await shared.close()
+        return first, rest
+
+    try:
+        first, rest = asyncio.run(main())
+    finally:
+        sock.close()
+    assert first < 1.0
+    assert rest < 0.2, f"20 decisions during the cooldown took {rest:.2f} s"
