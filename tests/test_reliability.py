@@ -123,6 +123,16 @@ def test_long_prefill_keeps_worker_live(cluster):
     assert busy_seen > 0, "the router never saw the worker busy"
 
 
+def test_long_prefill_probe_bench_runs(cluster):
+    """`bench.long_prefill_probe` (the 32K-token check for an operator's cluster), short."""
+    from kvmesh.bench.long_prefill_probe import probe
+
+    out = probe(cluster.router_address, 600, interval_s=0.1)
+    assert out["probes"] and out["probes"].get("UNAVAILABLE", 0) == 0
+    assert out["polls_with_every_worker"] == out["status_polls"] > 0
+    assert out["worker_id"] == "worker-0"
+
+
 def test_engine_load_does_not_wait_for_a_step():
     """`Engine.load` answers while another thread holds the engine lock (as a step does)."""
     from kvmesh.workers.engine import Engine
