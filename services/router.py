@@ -35,7 +35,7 @@ from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
 from kvmesh.services.index_subscriber import IndexSubscriber
 from kvmesh.services.membership import Compatibility
-from kvmesh.services.shared_load import SharedLoad
+from kvmesh.services.shared_load import SharedLoad, matched_prefix
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
 from kvmesh.workers.config import ModelConfig
 from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, ChannelPool, GrpcHost
@@ -118,6 +118,16 @@ class RouterServicer(pb_grpc.RouterServicer):
             ))
         return views
 
+    def _apply_shared_placements(self, hashes: list[bytes], live: dict[str, dict]) -> None:
+        """Other replicas' recent placements that share this request's prefix become
+        speculative entries here too (`services.shared_load.matched_prefix`)."""
+        now, wall = time.monotonic(), time.time()
+        for wid, expiry, cps in self.shared.remote_placements:
+            if wid in live:
+                n = matched_prefix(hashes, cps)
+                if n:
+                    self.index.add_speculative(wid, hashes[:n], now, min(SPECULATIVE_TTL_S, expiry - wall))
+
     def shared_counts(self) -> dict[str, tuple[int, int, float]]:
         """This router's ``{worker_id: (running, pending prefill tokens, routed share)}``."""
         return {w: (st.running, st.pending_prefill_tokens, self.routed.value(w)) for w, st in self._inflight.items()}
@@ -171,7 +181,10 @@ class RouterServicer(pb_grpc.RouterServicer):
         tried: set[str] = set()
         last_error = ""
         last_code = grpc.StatusCode.UNAVAILABLE
-        others = await self.shared.others() if self.shared is not None else None
+        others = None
+        if self.shared is not None:
+            others = await self.shared.others()
+            self._apply_shared_placements(hashes, live)
         for _attempt in range(self.max_attempts):
             now = time.monotonic()
             views = self._views(live, hashes, now, tried, others)
@@ -189,6 +202,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 forward.ClearField("prefix_location")
             st = self._note_routed(chosen.worker_id, prefill)
             if self.shared is not None:
+                self.shared.note_placement(chosen.worker_id, hashes, SPECULATIVE_TTL_S)
                 await self.shared.publish()  # seen by the other replicas before their next decision
             relayed = False
             stub = pb_grpc.WorkerStub(self._channel(chosen.address))

@@ -8,9 +8,16 @@ grows with K. `SharedLoad` publishes this router's per-worker counts and reads t
 other replicas' before every routing decision, so a policy sees cluster-wide in-flight
 load and routed share.
 
+Speculative placements are shared too: a router that just sent a prefix to a worker
+treats that worker as holding it for a couple of seconds (`ClusterIndex.add_speculative`);
+the other replicas learn of it from the placement's *checkpoints*, the chained block
+hashes at positions 1, 2, 4, 8, ... and the last (O(log n) hashes per request). Because
+block ``i``'s hash covers every block before it, a request whose hash at position ``p``
+equals a checkpoint shares the whole ``p``-block prefix (`matched_prefix`).
+
 Redis layout (cluster ``C``): one hash ``kvmesh:C:router-load``; field = router id, value
 = JSON ``{"ts": seconds since the epoch, "w": {worker_id: [running, prefill_tokens,
-routed]}}``. A router rewrites its own field after each change (one ``HSET``); readers
+routed]}, "s": [[worker_id, expiry (epoch seconds), [[position, hash hex], ...]], ...]}``. A router rewrites its own field after each change (one ``HSET``); readers
 take every other field in one ``HGETALL`` and ignore (and delete) fields older than
 ``stale_s``, so a crashed router's counts vanish on their own.
 
@@ -35,6 +42,31 @@ log = logging.getLogger(__name__)
 LOG_EVERY_S = 30.0
 #: Seconds without shared-load calls after one failed (a hung Redis costs one timeout per cooldown).
 COOLDOWN_S = 2.0
+
+
+def checkpoints(block_hashes) -> list[tuple[int, bytes]]:
+    """``[(position, hash)]`` at positions 1, 2, 4, 8, ... and ``len(block_hashes)``
+    (1-based: position ``p`` is the hash of the first ``p`` blocks). Pure."""
+    n = len(block_hashes)
+    out = []
+    p = 1
+    while p < n:
+        out.append((p, block_hashes[p - 1]))
+        p *= 2
+    if n:
+        out.append((n, block_hashes[n - 1]))
+    return out
+
+
+def matched_prefix(block_hashes, cps: list[tuple[int, bytes]]) -> int:
+    """Longest checkpoint position ``p`` with ``block_hashes[p - 1] == hash``: the request
+    shares at least ``p`` leading blocks with the placement (0 if none). Pure."""
+    best = 0
+    n = len(block_hashes)
+    for p, h in cps:
+        if p <= n and p > best and block_hashes[p - 1] == h:
+            best = p
+    return best
 
 
 def load_key(cluster: str) -> str:
@@ -69,6 +101,10 @@ class SharedLoad:
         self._last_write = 0.0
         self._write_lock = asyncio.Lock()
         self._down_until = float("-inf")  # after a failure, Redis is not asked until then
+        self._placements: list[tuple[str, float, list]] = []  # ours: (worker, expiry wall, checkpoints)
+        #: the other replicas' live placements as of the last `others` call:
+        #: ``[(worker_id, expiry (epoch seconds), [(position, hash)])]``
+        self.remote_placements: list[tuple[str, float, list[tuple[int, bytes]]]] = []
 
     def _available(self) -> bool:
         return time.monotonic() >= self._down_until
@@ -84,6 +120,7 @@ class SharedLoad:
         """``{worker_id: (running, prefill_tokens, routed)}`` summed over the other live
         replicas; ``{}`` when Redis does not answer within ``timeout_s`` (or did not, less
         than ``COOLDOWN_S`` ago)."""
+        self.remote_placements = []
         if not self._available():
             return {}
         try:
@@ -110,6 +147,10 @@ class SharedLoad:
                     acc[0] += int(running)
                     acc[1] += int(prefill)
                     acc[2] += float(routed)
+                for wid, expiry, cps in entry.get("s", ()):
+                    if float(expiry) > now:
+                        self.remote_placements.append(
+                            (str(wid), float(expiry), [(int(p), bytes.fromhex(h)) for p, h in cps]))
             except (ValueError, KeyError, TypeError):
                 stale.append(field)  # not ours to read: drop it
         if stale:
@@ -122,6 +163,14 @@ class SharedLoad:
         except (asyncio.TimeoutError, redis.RedisError, OSError) as exc:
             self._warn("cleanup", exc)
 
+    def note_placement(self, worker_id: str, block_hashes, ttl_s: float) -> None:
+        """Record that this router just sent ``block_hashes`` to ``worker_id`` (shared with
+        the next `publish`, for ``ttl_s`` seconds)."""
+        now = time.time()
+        self._placements = [pl for pl in self._placements if pl[1] > now]
+        if block_hashes:
+            self._placements.append((worker_id, now + ttl_s, checkpoints(block_hashes)))
+
     async def publish(self) -> None:
         """Write this router's counts (``counts_fn()``), awaited: call it right after a
         routing decision, before the next one is taken."""
@@ -129,8 +178,11 @@ class SharedLoad:
             return
         async with self._write_lock:  # one write at a time, each with the counts as of its start
             counts = self.counts_fn()
-            value = json.dumps({"ts": time.time(), "w": {w: [r, p, round(s, 3)] for w, (r, p, s) in counts.items()}},
-                               separators=(",", ":"))
+            now = time.time()
+            spec = [[w, round(exp, 3), [[p, h.hex()] for p, h in cps]] for w, exp, cps in self._placements
+                    if exp > now]
+            value = json.dumps({"ts": now, "w": {w: [r, p, round(s, 3)] for w, (r, p, s) in counts.items()},
+                                "s": spec}, separators=(",", ":"))
             try:
                 await asyncio.wait_for(self._redis.hset(self.key, self.router_id, value), self.timeout_s)
                 self._last_write = time.monotonic()
