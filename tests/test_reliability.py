@@ -8,7 +8,8 @@
   a flag.
 * Fuzz: malformed bodies to the worker and the router get no UNKNOWN and no hang, and
   memory comes back (`bench.fuzz`). The default counts are reduced to keep the suite
-  quick; ``KVMESH_FUZZ_FULL=1`` runs the full 5,000 (worker) and 2,000 (router).
+  quick (400 to the worker, 200 to the router, after 200 warm-up requests each);
+  ``KVMESH_FUZZ_FULL=1`` runs the full 5,000 and 2,000 after 500 warm-up requests.
 """
 from __future__ import annotations
 
@@ -241,16 +242,17 @@ def _check_fuzz(report, log_path: str | None):
 
 
 def test_fuzz_worker(cluster):
-    n = 5000 if FULL_FUZZ else 600
-    report = run_fuzz(worker_address(cluster), n, pid=worker_pid(cluster), seed=1, deadline_s=30.0)
+    n = 5000 if FULL_FUZZ else 400
+    report = run_fuzz(worker_address(cluster), n, pid=worker_pid(cluster), seed=1, deadline_s=30.0,
+                      warmup=500 if FULL_FUZZ else 200)
     assert report.sent == n
     _check_fuzz(report, os.path.join(cluster.log_dir, "worker-0.log"))
 
 
 def test_fuzz_router(cluster):
-    n = 2000 if FULL_FUZZ else 300
+    n = 2000 if FULL_FUZZ else 200
     report = run_fuzz(cluster.router_address, n, router=True, pid=cluster.router_proc.pid, seed=2,
-                      deadline_s=30.0)
+                      warmup=500 if FULL_FUZZ else 200, deadline_s=30.0)
     assert report.sent == n
     _check_fuzz(report, os.path.join(cluster.log_dir, "router.log"))
 
