@@ -27,6 +27,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=1024, help="token budget per step (default 1024)")
     p.add_argument("--max-seqs", type=int, default=32, help="max running requests (default 32)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: model's)")
+    p.add_argument("--max-waiting", type=_positive_int("--max-waiting"), default=512,
+                   help="most queued requests before new ones get RESOURCE_EXHAUSTED (default 512)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     # names only: the codec registry imports torch, which the CLI loads only when a worker
     # starts; TierConfig.validate checks them against the registry then
@@ -54,6 +56,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "transfer time beats the measured recompute time (default)")
     t.add_argument("--peer-fetch-max-s", type=float, default=2.0,
                    help="longest a peer fetch may take before the request recomputes (seconds, default 2)")
+
+
+def _positive_int(flag: str):
+    """argparse type: an int >= 1; the error names ``flag``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1 (got {text!r})") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 1 (got {value})")
+        return value
+    return parse
 
 
 _BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -102,6 +117,7 @@ def make_engine(args: argparse.Namespace, event_sink=None):
     return Engine(model_dir=args.model, device=args.device, block_size=args.block_size,
                   num_blocks=args.num_blocks, max_num_batched_tokens=args.max_batched_tokens,
                   max_num_seqs=args.max_seqs, max_model_len=args.max_model_len, event_sink=event_sink,
+                  max_waiting=getattr(args, "max_waiting", 512),
                   tiers=tier_config(args))
 
 
@@ -164,8 +180,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine.snapshot_seq_fn = publisher.flush_now
-    info = {"model_id": engine.config.model_id, "block_size": engine.block_size, "num_blocks": engine.num_blocks}
-    lease = WorkerLease(args.redis_url, worker_id, advertise, info, engine.load, cluster=args.cluster)
+    info = {"model_id": engine.config.model_id, "block_size": engine.block_size, "num_blocks": engine.num_blocks,
+            "max_model_len": engine.max_model_len}
+    lease = WorkerLease(args.redis_url, worker_id, advertise, info, engine.load, cluster=args.cluster,
+                        fields_fn=publisher.lease_fields)
     if gate.tls is not None:  # fetch only from holders with a current lease (written with the cluster's Redis password)
         from kvmesh.workers.kv_publisher import LeaseCheck
 

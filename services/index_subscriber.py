@@ -56,7 +56,7 @@ def _id_key(stream_id: bytes | str) -> tuple[int, int]:
 
 
 class _StreamState:
-    __slots__ = ("cursor", "epoch", "resync_task", "hold_until", "failures", "last_resync")
+    __slots__ = ("cursor", "epoch", "resync_task", "hold_until", "failures", "last_resync", "must_resync")
 
     def __init__(self) -> None:
         self.cursor: bytes | str = "0"          # last entry id consumed
@@ -65,6 +65,7 @@ class _StreamState:
         self.hold_until = 0.0                   # loop time before which the stream is not read
         self.failures = 0                       # consecutive failed resyncs
         self.last_resync = float("-inf")        # loop time the last resync ended
+        self.must_resync = False                # Redis lost its data: resync when the lease is back
 
 
 class IndexSubscriber:
@@ -90,9 +91,13 @@ class IndexSubscriber:
     """
 
     def __init__(self, redis_url: str, index: ClusterIndex, resync: ResyncFn,
-                 cluster: str = DEFAULT_CLUSTER, poll_interval_s: float = 0.5, read_count: int = 512):
-        if poll_interval_s <= 0 or read_count < 1:
-            raise ValueError("poll_interval_s and read_count must be positive")
+                 cluster: str = DEFAULT_CLUSTER, poll_interval_s: float = 0.5, read_count: int = 512,
+                 redis_restart_grace_s: float = 10.0):
+        if poll_interval_s <= 0 or read_count < 1 or redis_restart_grace_s < 0:
+            raise ValueError("poll_interval_s and read_count must be positive, redis_restart_grace_s >= 0")
+        self.redis_restart_grace_s = redis_restart_grace_s
+        self._run_id: str | None = None       # Redis server run_id: a new one means its data is gone
+        self._grace_until = float("-inf")     # loop time until which missing leases are kept
         self.index = index
         self.cluster = cluster
         self.poll_interval_s = poll_interval_s
@@ -237,9 +242,29 @@ class IndexSubscriber:
                 log.warning("kv index subscriber: redis error (%s); retrying in %.1f s", exc, backoff)
                 await asyncio.sleep(backoff)
 
+    def _check_redis_restart(self, info) -> None:
+        """Notice a Redis that came back empty (its ``run_id``, from ``INFO server``, changed):
+        the workers' leases and streams are gone until they write them again, which is no
+        reason to forget them."""
+        run_id = info.get("run_id") if isinstance(info, dict) else None
+        if run_id and self._run_id is not None and run_id != self._run_id:
+            self._grace_until = asyncio.get_running_loop().time() + self.redis_restart_grace_s
+            for st in self._streams.values():
+                st.cursor = "0"          # a new server: its streams start over
+                st.must_resync = True    # and what was in the old ones may be lost
+            log.warning("redis restarted (new run_id); keeping %d known worker(s) for %.1f s while they "
+                        "re-register, then resyncing each from its snapshot", len(self._live),
+                        self.redis_restart_grace_s)
+        if run_id:
+            self._run_id = run_id
+
     async def _discover(self) -> None:
-        members = sorted(m.decode() if isinstance(m, bytes) else m
-                         for m in await self._redis.smembers(workers_key(self.cluster)))
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.smembers(workers_key(self.cluster))
+        pipe.info("server")
+        raw_members, info = await pipe.execute()
+        self._check_redis_restart(info)
+        members = sorted(m.decode() if isinstance(m, bytes) else m for m in raw_members)
         values = await self._redis.mget([lease_key(w, self.cluster) for w in members]) if members else []
         live: dict[str, dict] = {}
         for w, raw in zip(members, values):
@@ -252,6 +277,9 @@ class IndexSubscriber:
                 continue
             if isinstance(lease, dict):
                 live[w] = lease
+        if asyncio.get_running_loop().time() < self._grace_until:
+            for w, lease in self._live.items():  # not yet re-registered after a Redis restart
+                live.setdefault(w, lease)
         for w in [w for w in self._streams if w not in live]:
             self._forget(w)
         for w in self.index.workers():
@@ -261,6 +289,49 @@ class IndexSubscriber:
             if w not in self._streams:
                 self._streams[w] = _StreamState()
         self._live = live
+        await self._check_tails(live, fresh={w for w, raw in zip(members, values) if raw is not None})
+
+    async def _check_tails(self, live: dict[str, dict], fresh: set[str]) -> None:
+        """Resync workers whose index lags what their lease says they published.
+
+        A lease carries ``kv_seq`` (last batch appended or dropped) and ``kv_epoch``. When
+        the index holds less of a worker than ``kv_seq``, or entries of another epoch, and
+        its stream has nothing left to read (the tail was trimmed, deleted or never
+        written), no future batch would reveal it: resync from the worker's snapshot.
+        Also resyncs a worker whose lease is back after a Redis restart.
+        """
+        loop = asyncio.get_running_loop()
+        suspects = []
+        for w in fresh:
+            st = self._streams.get(w)
+            lease = live.get(w) or {}
+            if st is None or st.resync_task is not None or st.hold_until > loop.time():
+                continue
+            if st.must_resync:
+                st.must_resync = False
+                self._start_resync(w, st)
+                continue
+            seq = lease.get("kv_seq")
+            if not isinstance(seq, int):
+                continue  # a worker that does not report it
+            epoch = str(lease.get("kv_epoch", "")).encode()
+            other_epoch = st.epoch is not None and bool(epoch) and epoch != st.epoch
+            if other_epoch or (self.index.last_seq(w) or 0) < seq:
+                suspects.append((w, st, epoch))
+        if not suspects:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for w, _, _ in suspects:
+            pipe.xrevrange(stream_key(w, self.cluster), count=1)
+        tails = await pipe.execute()
+        for (w, st, epoch), tail in zip(suspects, tails):
+            if tail and _id_key(tail[0][0]) > _id_key(st.cursor):
+                continue  # still entries to read: they carry on, or show a gap
+            log.warning("worker %s published batches its stream no longer holds (index at seq %s, lease at %s); "
+                        "resyncing from its snapshot", w, self.index.last_seq(w), live[w].get("kv_seq"))
+            if epoch:
+                st.epoch = epoch  # the snapshot is of this process
+            self._start_resync(w, st)
 
     def _forget(self, worker_id: str) -> None:
         st = self._streams.pop(worker_id)

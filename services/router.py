@@ -40,9 +40,13 @@ from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.services.auth import Gate
 from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
 from kvmesh.services.index_subscriber import IndexSubscriber
+from kvmesh.services.membership import Compatibility
+from kvmesh.services.shared_load import SharedLoad, matched_prefix
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
 from kvmesh.workers.config import ModelConfig
 from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, ChannelPool, GrpcHost
+from kvmesh.workers import limits
+from kvmesh.workers.request import InvalidRequest
 from kvmesh.workers.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -73,6 +77,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.model_dir = model_dir
         self.config = _load_config(model_dir)
         self.tokenizer = load_tokenizer(model_dir, self.config)
+        self.compat = Compatibility(self.config.model_id if model_dir is not None else None)
         self.rng = random.Random(seed)
         self.max_attempts = max_attempts
         self.gate = gate or Gate()
@@ -81,6 +86,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.routed = RoutedShare()
         #: `services.metrics.RouterMetrics` when metrics are served, else None
         self.metrics = None
+        #: other router replicas' in-flight counts (`services.shared_load`); None: this router alone
+        self.shared: SharedLoad | None = None
 
     # ------------------------------------------------------------- helpers
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -89,7 +96,8 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def close(self) -> None:
         await self._channels.close()
 
-    def _views(self, live: dict[str, dict], hashes: list[bytes], now: float, exclude: set[str]) -> list[WorkerView]:
+    def _views(self, live: dict[str, dict], hashes: list[bytes], now: float, exclude: set[str],
+               others: dict | None = None) -> list[WorkerView]:
         matches = self.index.match(hashes, now) if hashes else {}
         views = []
         for wid, info in live.items():
@@ -97,6 +105,10 @@ class RouterServicer(pb_grpc.RouterServicer):
                 continue
             load = info.get("load") or {}
             local = self._inflight.get(wid) or _Inflight()
+            o_running, o_prefill, o_routed = (others or {}).get(wid, (0, 0, 0.0))
+            if o_running or o_prefill:  # other replicas' requests there count as ours would
+                local = _Inflight(local.running + o_running, local.pending_prefill_tokens + o_prefill,
+                                  local.last_done_wall)
             # a lease written before our last request there ended still counts that request:
             # trust our own, fresher, counts until the next heartbeat
             stale = float(info.get("ts", 0.0)) < local.last_done_wall
@@ -113,9 +125,23 @@ class RouterServicer(pb_grpc.RouterServicer):
                     int(load.get("queued_prefill_tokens", 0)), local.pending_prefill_tokens),
                 free_blocks=int(load.get("free_blocks", 0)),
                 total_blocks=int(load.get("total_blocks", 0)),
-                routed_recent=self.routed.value(wid),
+                routed_recent=self.routed.value(wid) + o_routed,
             ))
         return views
+
+    def _apply_shared_placements(self, hashes: list[bytes], live: dict[str, dict]) -> None:
+        """Other replicas' recent placements that share this request's prefix become
+        speculative entries here too (`services.shared_load.matched_prefix`)."""
+        now, wall = time.monotonic(), time.time()
+        for wid, expiry, cps in self.shared.remote_placements:
+            if wid in live:
+                n = matched_prefix(hashes, cps)
+                if n:
+                    self.index.add_speculative(wid, hashes[:n], now, min(SPECULATIVE_TTL_S, expiry - wall))
+
+    def shared_counts(self) -> dict[str, tuple[int, int, float]]:
+        """This router's ``{worker_id: (running, pending prefill tokens, routed share)}``."""
+        return {w: (st.running, st.pending_prefill_tokens, self.routed.value(w)) for w, st in self._inflight.items()}
 
     def _note_routed(self, wid: str, prefill_tokens: int) -> _Inflight:
         self.routed.note(wid)
@@ -135,18 +161,23 @@ class RouterServicer(pb_grpc.RouterServicer):
     # ----------------------------------------------------------------- RPCs
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         tenant, salt = await self.gate.tenant(context, request, edge=True)
-        ids = self._prompt_ids(request)
+        max_len = context_limit(self.subscriber.live_workers(), self.config.max_position_embeddings)
+        try:  # before tokenizing or hashing: a huge body costs milliseconds, not the router
+            limits.check_prompt_size(request, max_len, "the workers' model")
+            ids = self._prompt_ids(request)
+            limits.check_token_count(len(ids), max_len, "the workers' model")
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "prompt is empty: send at least one token or non-empty text")
         live = self.subscriber.live_workers()
         if not live:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no live workers registered: start workers or retry")
-        try:
-            block_size = _block_size(live)
-        except RuntimeError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        model_id = next((i["model_id"] for i in live.values() if i.get("model_id")), self.config.model_id)
+        # only workers of the router's model identity and the cluster's block size (others are logged)
+        live, block_size, model_id, why = self.compat.select(live)
+        if not live:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
         if request.WhichOneof("prompt") == "text" and model_id != self.config.model_id:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -159,12 +190,17 @@ class RouterServicer(pb_grpc.RouterServicer):
         forward.token_ids.ids[:] = ids  # tokenized once; workers never re-tokenize
         forward.request_id = request.request_id or uuid.uuid4().hex
         forward.tenant, forward.cache_salt = tenant, salt
+        forward.model_id = model_id  # a worker of another model refuses (and logs) instead of computing
         tried: set[str] = set()
         last_error = ""
         last_code = grpc.StatusCode.UNAVAILABLE
+        others = None
+        if self.shared is not None:
+            others = await self.shared.others()
+            self._apply_shared_placements(hashes, live)
         for _attempt in range(self.max_attempts):
             now = time.monotonic()
-            views = self._views(live, hashes, now, tried)
+            views = self._views(live, hashes, now, tried, others)
             if not views:
                 break
             chosen = self.policy.choose(RouteRequest(len(ids), hashes, block_size), views, self.rng)
@@ -180,6 +216,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             else:
                 forward.ClearField("prefix_location")
             st = self._note_routed(chosen.worker_id, prefill)
+            if self.shared is not None:
+                self.shared.note_placement(chosen.worker_id, hashes, SPECULATIVE_TTL_S)
+                await self.shared.publish()  # seen by the other replicas before their next decision
             relayed = False
             stub = pb_grpc.WorkerStub(self._channel(chosen.address))
             timeout = context.time_remaining()
@@ -189,6 +228,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                     if not relayed:
                         relayed = True
                         st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - prefill)
+                        if self.shared is not None:
+                            self.shared.publish_soon()
                     yield msg
                 return
             except grpc.aio.AioRpcError as exc:
@@ -205,6 +246,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                 st.last_done_wall = time.time()
                 if not relayed:
                     st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - prefill)
+                if self.shared is not None:
+                    self.shared.publish_soon()
         await context.abort(last_code, last_error or "no live worker could take the request")
 
     async def Status(self, request, context):
@@ -265,11 +308,12 @@ def _load_config(model_dir: str | None) -> ModelConfig:
     return read_config(model_dir)
 
 
-def _block_size(live: dict[str, dict]) -> int:
-    sizes = {int(info.get("block_size", 16)) for info in live.values()}
-    if len(sizes) != 1:
-        raise RuntimeError(f"workers disagree on block_size {sorted(sizes)}: one cluster needs one block size")
-    return sizes.pop()
+def context_limit(live: dict[str, dict], default: int) -> int:
+    """Longest context (tokens) any live worker serves, from the ``max_model_len`` in
+    their leases; ``default`` (the router's model config) when no lease says. Pure."""
+    lens = [int(info["max_model_len"]) for info in live.values()
+            if isinstance(info.get("max_model_len"), int) and info["max_model_len"] > 0]
+    return max(lens) if lens else int(default)
 
 
 async def _resync(address: str, tls=None) -> tuple[int, list[tuple[bytes, bytes | None, str]]]:
@@ -308,19 +352,25 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
         (pb_grpc.add_RouterServicer_to_server, servicer, pb.DESCRIPTOR.services_by_name["Router"].full_name),
         (pb_grpc.add_WorkerServicer_to_server, WorkerFacade(servicer),
          pb.DESCRIPTOR.services_by_name["Worker"].full_name),
-    ], tls=gate.tls, reflection_on=reflection)
+    ], tls=gate.tls, reflection_on=reflection,
+        max_receive_bytes=limits.request_bytes_limit(servicer.config.max_position_embeddings))
+    servicer.shared = SharedLoad(redis_url, cluster, servicer.shared_counts)
     from kvmesh.services import observability
 
     extras = await observability.start_router_extras(
         servicer, host, metrics_port, http_port,
         ssl_context=gate.tls.server_ssl_context() if gate.tls is not None else None)
     await subscriber.start()
+    startup_check = asyncio.get_running_loop().call_later(
+        2.0, lambda: servicer.compat.select(subscriber.live_workers()))  # logs mismatched workers at start
     bound = await grpc_host.start()
     print(f"kvmesh router ({policy}) listening on {host}:{bound}", flush=True)
     if ready is not None:
         ready.set()
     await grpc_host.wait(stop)
+    startup_check.cancel()
     await extras.stop()
     await grpc_host.stop()
     await subscriber.stop()
+    await servicer.shared.close()
     await servicer.close()

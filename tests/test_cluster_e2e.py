@@ -117,17 +117,28 @@ def test_sigkill_worker_mid_run(cluster):
     wait_for(lambda: any(w.worker_id == victim and w.cached_blocks > 0 for w in status(target).workers), 10,
              "the victim's blocks in the index")
     outcome: dict = {}
+    streaming = threading.Event()
 
     def long_request():
+        req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=2000, ignore_eos=True))
+        req.token_ids.ids.extend(prompt + toks(31, 8))
         try:
-            outcome["result"] = generate(target, token_ids=prompt + toks(31, 8), max_tokens=2000, ignore_eos=True,
-                                         timeout=60)
+            with grpc.insecure_channel(target) as ch:
+                for msg in pb_grpc.WorkerStub(ch).Generate(req, timeout=60):
+                    outcome["worker_id"] = msg.worker_id
+                    streaming.set()
+            outcome["result"] = True
         except grpc.RpcError as exc:
             outcome["code"] = exc.code()
+        finally:
+            streaming.set()
 
     t = threading.Thread(target=long_request)
     t.start()
-    time.sleep(1.0)  # the request is streaming on the victim (same prefix)
+    # kill only once tokens flow: on a busy machine a fixed sleep could kill the victim before
+    # the router forwarded the request, which then retries the 2000-token run elsewhere
+    assert streaming.wait(30), "the long request never started streaming"
+    assert outcome.get("worker_id") == victim, outcome  # same prefix: routed to its holder
     killed_at = time.monotonic()
     cluster.kill_worker(victim)
     t.join(30)

@@ -122,6 +122,9 @@ class Engine:
         #: Optional observer of every sampled logits row ``[vocab_size]`` (float32), called
         #: on the engine thread with the request id; tests use it to compare cold and hit runs.
         self.logits_hook: Callable[[str, torch.Tensor], None] | None = None
+        #: Load as of the last scheduling step, replaced whole by the engine thread and read
+        #: without the engine lock (see `load`): control-plane reads never wait on a model step.
+        self._load_snapshot: dict = self._count_load()
 
     # ------------------------------------------------------------------ edge
     def namespace(self, cache_salt: str = "", adapter_id: str = "", tenant: str = "") -> Namespace:
@@ -269,23 +272,30 @@ class Engine:
     def step(self) -> int:
         """Run one scheduling step and model forward. Returns tokens computed."""
         with self._lock:
-            self._drain_inbox()
-            batch = self.scheduler.schedule()
-            if not batch:
-                return 0
             try:
-                t0 = time.perf_counter()
-                logits = self._forward(batch)
-                self._note_step_rate(batch, time.perf_counter() - t0)
-            except Exception as exc:  # keep the worker up; fail what was in flight
-                log.exception("model step failed")
-                for req in list(batch.requests):
-                    self._fail(req, f"model step failed: {exc}", "INTERNAL")
-                return 0
-            self.scheduler.update_after_step(batch)
-            self._sample_and_emit(batch, logits)
-            self.steps += 1
-            return batch.num_tokens
+                return self._step_locked()
+            finally:
+                self._load_snapshot = self._count_load()
+
+    def _step_locked(self) -> int:
+        self._drain_inbox()
+        batch = self.scheduler.schedule()
+        self._load_snapshot = self._count_load()  # what the forward below is busy with
+        if not batch:
+            return 0
+        try:
+            t0 = time.perf_counter()
+            logits = self._forward(batch)
+            self._note_step_rate(batch, time.perf_counter() - t0)
+        except Exception as exc:  # keep the worker up; fail what was in flight
+            log.exception("model step failed")
+            for req in list(batch.requests):
+                self._fail(req, f"model step failed: {exc}", "INTERNAL")
+            return 0
+        self.scheduler.update_after_step(batch)
+        self._sample_and_emit(batch, logits)
+        self.steps += 1
+        return batch.num_tokens
 
     @torch.inference_mode()
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -533,15 +543,26 @@ class Engine:
         return out
 
     def load(self) -> dict:
-        """Load snapshot: running/waiting requests, queued prefill tokens, free blocks."""
-        with self._lock:
-            return {
-                "running_requests": len(self.scheduler.running),
-                "waiting_requests": len(self.scheduler.waiting) + len(self._inbox),
-                "queued_prefill_tokens": self.scheduler.queued_prefill_tokens(),
-                "free_blocks": self.cache.pool.num_free_blocks,
-                "total_blocks": self.num_blocks,
-            }
+        """Load snapshot: running/waiting requests, queued prefill tokens (tokens), free blocks.
+
+        Lock-free: the counts are those the engine thread published at its last scheduling
+        step (taken before that step's forward, so a long prefill shows as running with its
+        prompt still queued), plus the requests submitted since. Never waits on a model
+        step; for the lease heartbeat, health, GetLoad and metrics. Thread-safe.
+        """
+        snap = dict(self._load_snapshot)
+        snap["waiting_requests"] += len(self._inbox)
+        return snap
+
+    def _count_load(self) -> dict:
+        """Load counted from the scheduler (engine thread, or under the engine lock)."""
+        return {
+            "running_requests": len(self.scheduler.running),
+            "waiting_requests": len(self.scheduler.waiting),
+            "queued_prefill_tokens": self.scheduler.queued_prefill_tokens(),
+            "free_blocks": self.cache.pool.num_free_blocks,
+            "total_blocks": self.num_blocks,
+        }
 
     def snapshot(self) -> dict:
         """Everything the prefix cache holds, for a router resyncing its index.

@@ -17,6 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh.workers.grpc_guard import add_guarded
+
 #: Largest message either side accepts (bytes): a 128K-token prompt as uint32 plus slack.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -55,22 +57,30 @@ class ChannelPool:
 class GrpcHost:
     """One aio server for ``services``: ``[(add_to_server_fn, servicer, full_service_name)]``.
 
+    ``max_receive_bytes`` caps each request message (bytes); responses may be up to
+    ``MAX_MESSAGE_BYTES`` (FetchBlocks streams KV payloads).
+
     Raises:
         RuntimeError: from `start`, when ``host:port`` cannot be bound.
     """
 
     def __init__(self, host: str, port: int, services: list[tuple[Callable, object, str]], tls=None,
-                 reflection_on: bool = False):
+                 reflection_on: bool = False, max_receive_bytes: int = MAX_MESSAGE_BYTES):
         self.host = host
         self.port = port
         self.tls = tls
-        # no SO_REUSEPORT: a second process on a busy port must fail, not share it silently
-        self.server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
+        # no SO_REUSEPORT: a second process on a busy port must fail, not share it silently.
+        # Requests are capped at what the longest allowed prompt needs (workers.limits):
+        # gRPC refuses a bigger body with RESOURCE_EXHAUSTED before reading it into memory.
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", int(max_receive_bytes)),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0)])
         self.health = health_aio.HealthServicer()
         self.names = [name for _, _, name in services]
         for add, servicer, _ in services:
-            add(servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+            add_guarded(add, servicer, self.server)  # a body that does not parse: INVALID_ARGUMENT
+        add_guarded(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server)
         if reflection_on:
             reflection.enable_server_reflection(
                 (*self.names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

@@ -10,8 +10,9 @@ Redis layout for a cluster named ``C`` (default ``"default"``):
     ``data`` (the batch, :func:`cache_store.events.encode_batch`).
 ``kvmesh:C:worker:<worker_id>`` (string, JSON, with a TTL)
     The worker's lease: ``worker_id``, ``address``, the static ``info`` fields
-    (``block_size``, ``model_id``, ...), ``load`` (dict of load fields) and
-    ``ts`` (seconds since the epoch). Rewritten with ``SET ... PX ttl`` every
+    (``block_size``, ``model_id``, ``max_model_len``, ...), ``load`` (dict of load
+    fields), ``kv_seq`` / ``kv_epoch`` (the publisher's last settled batch and epoch,
+    see `KVEventPublisher.lease_fields`) and ``ts`` (seconds since the epoch). Rewritten with ``SET ... PX ttl`` every
     heartbeat; the worker counts as alive while the key exists.
 ``kvmesh:C:workers`` (set)
     Ids of every worker that ever registered; readers check each one's lease.
@@ -176,6 +177,15 @@ class KVEventPublisher:
                 self._done.wait(left)
         return True
 
+    def lease_fields(self) -> dict:
+        """What the worker's lease says of this publisher (thread-safe, no I/O):
+        ``kv_seq``, the last batch seq appended to the stream or dropped (every batch
+        up to it is settled), and ``kv_epoch``, this process's epoch. A reader whose index
+        of this worker is behind ``kv_seq`` with nothing left to read in the stream has
+        lost a tail (trimmed, deleted, dropped) and resyncs from the worker's snapshot."""
+        with self._lock:
+            return {"kv_seq": self._settled_seq, "kv_epoch": self.epoch}
+
     def stats(self) -> dict:
         """Counters: last_seq, published, dropped (batches), errors (failed Redis calls)."""
         with self._lock:
@@ -287,6 +297,8 @@ class WorkerLease:
         cluster: cluster name.
         ttl_s: lease lifetime without a heartbeat (seconds).
         interval_s: heartbeat period (seconds), below ``ttl_s``.
+        fields_fn: optional; returns more fields for each beat (e.g.
+            `KVEventPublisher.lease_fields`: ``kv_seq``, ``kv_epoch``).
 
     Raises:
         ValueError: ``interval_s`` is not in ``(0, ttl_s)``.
@@ -294,13 +306,15 @@ class WorkerLease:
 
     def __init__(self, redis_url: str, worker_id: str, address: str, info: dict,
                  load_fn: Callable[[], dict], cluster: str = DEFAULT_CLUSTER,
-                 ttl_s: float = 3.0, interval_s: float = 1.0):
+                 ttl_s: float = 3.0, interval_s: float = 1.0,
+                 fields_fn: Callable[[], dict] | None = None):
         if not 0 < interval_s < ttl_s:
             raise ValueError("interval_s must be positive and below ttl_s")
         self.worker_id = worker_id
         self.address = address
         self.info = dict(info)
         self.load_fn = load_fn
+        self.fields_fn = fields_fn
         self.key = lease_key(worker_id, cluster)
         self.set_key = workers_key(cluster)
         self.ttl_s = ttl_s
@@ -318,7 +332,13 @@ class WorkerLease:
             self._load = dict(self.load_fn())
         except Exception:  # the load callback belongs to the engine; never kill the heartbeat
             log.exception("load_fn of worker %s failed; reusing the last load", self.worker_id)
-        return {**self.info, "worker_id": self.worker_id, "address": self.address,
+        extra = {}
+        if self.fields_fn is not None:
+            try:
+                extra = dict(self.fields_fn())
+            except Exception:
+                log.exception("fields_fn of worker %s failed; lease written without its fields", self.worker_id)
+        return {**self.info, **extra, "worker_id": self.worker_id, "address": self.address,
                 "load": self._load, "ts": time.time()}
 
     def beat(self) -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
 import json
 import os
 import re
 
 import torch
 
+from kvmesh.workers import model_identity
 from kvmesh.workers.config import ModelConfig, normalize_dtype_name
 from kvmesh.workers.model import DecoderModel
 
@@ -21,7 +21,6 @@ EMBED_INIT_STD = 1.0
 """Standard deviation of the random-init embedding (as PyTorch's ``nn.Embedding`` default)."""
 
 _IGNORED_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
-_FINGERPRINT_SAMPLE = 1 << 20  # bytes read from each end of each weight file
 
 
 def _resolve_dtype(dtype: str | torch.dtype | None, default: str) -> str:
@@ -64,27 +63,10 @@ def _random_model(config: ModelConfig, device: str | torch.device, seed: int) ->
 
 
 def checkpoint_fingerprint(model_dir: str) -> str:
-    """Short content hash of a checkpoint directory, used to namespace its KV cache.
-
-    SHA-256 over config.json and, for each ``*.safetensors`` file in name order, its name,
-    size and first/last 1 MiB (header plus leading and trailing weights). Cheap for large
-    checkpoints and different for fine-tunes that share a directory name. Returns 12 hex chars.
-    """
-    h = hashlib.sha256()
-    with open(os.path.join(model_dir, "config.json"), "rb") as fh:
-        h.update(fh.read())
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        size = os.path.getsize(path)
-        h.update(os.path.basename(path).encode())
-        h.update(size.to_bytes(8, "little"))
-        with open(path, "rb") as fh:
-            h.update(fh.read(_FINGERPRINT_SAMPLE))
-            if size > 2 * _FINGERPRINT_SAMPLE:
-                fh.seek(size - _FINGERPRINT_SAMPLE)
-                h.update(fh.read(_FINGERPRINT_SAMPLE))
-            elif size > _FINGERPRINT_SAMPLE:
-                h.update(fh.read())
-    return h.hexdigest()[:12]
+    """Short content hash of a checkpoint directory, used to namespace its KV cache: config,
+    tokenizer files and every byte of every weight file (`model_identity.checkpoint_fingerprint`).
+    Returns 12 hex chars."""
+    return model_identity.checkpoint_fingerprint(model_dir)
 
 
 def read_config(model_dir: str) -> ModelConfig:

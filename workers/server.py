@@ -31,7 +31,7 @@ import grpc
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
-from kvmesh.workers import wire
+from kvmesh.workers import limits, wire
 from kvmesh.cache_store.block_record import RECORD_FORMAT_VERSION
 from kvmesh.cache_store.hashing import HASH_BYTES
 from kvmesh.workers.engine import Engine
@@ -92,6 +92,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.address = address
         self.gate = gate
         self.fetcher = PeerFetcher(engine, **(peer or {}))
+        self._foreign_models: set[str] = set()  # model ids of refused requests, logged once each
         # prefetches wait on the disk and on Redis: their own threads, so that a slow Redis
         # never holds up the threads GetLoad, GetSnapshot and FetchBlocks run on
         self._prefetch_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-prefetch")
@@ -100,6 +101,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
+        limits.check_prompt_size(request, self.engine.max_model_len)  # before tokenizing anything
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "text":
@@ -117,6 +119,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         arrival = time.monotonic()
         tenant, salt = (await self.gate.tenant(context, request) if self.gate is not None
                         else (request.tenant, request.cache_salt))
+        if request.model_id and request.model_id != self.engine.config.model_id:
+            await self._refuse_foreign_model(request.model_id, context)
         try:
             prompt_ids = self._prompt_ids(request)
             sampling = wire.sampling_from_proto(request)
@@ -165,6 +169,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 self.engine.abort(engine_rid)
                 if self.metrics is not None:
                     self.metrics.observe_finished(None, None, "abort")
+
+    async def _refuse_foreign_model(self, model_id: str, context) -> None:
+        """FAILED_PRECONDITION for a request tokenized and hashed for another model; logged
+        once per foreign model id."""
+        mine = self.engine.config.model_id
+        if model_id not in self._foreign_models and len(self._foreign_models) < 64:  # bounded: ids are input
+            self._foreign_models.add(model_id)
+            log.error("refusing requests for model %r from %s: this worker serves %r (weights, dtype, config or "
+                      "tokenizer differ); start the router with this worker's --model", model_id, context.peer(), mine)
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"request is for model {model_id!r} but worker {self.worker_id} serves {mine!r}: "
+                            f"start the router and workers with the same --model")
 
     async def _fetch_prefix(self, request: pb.GenerateRequest, prompt_ids: list[int], sampling, context,
                             tenant: str = "", salt: str = "") -> None:
@@ -216,10 +232,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                              num_blocks=e.num_blocks, vocab_size=e.config.vocab_size,
                              max_model_len=e.max_model_len, device=str(e.device))
 
+    # Control plane: the engine publishes its load each step; reading it never waits on one.
+    async def GetLoad(self, request, context):
+        return wire.load_to_proto(self.engine.load())
+
     # The engine lock is held for a whole model step: these run on a thread so the event
     # loop keeps streaming tokens meanwhile.
-    async def GetLoad(self, request, context):
-        return wire.load_to_proto(await asyncio.to_thread(self.engine.load))
 
     async def GetSnapshot(self, request, context):
         if self.gate is not None:
@@ -260,7 +278,8 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
                               gate=gate)
     grpc_host = GrpcHost(host, port, [(pb_grpc.add_WorkerServicer_to_server, servicer,
                                        pb.DESCRIPTOR.services_by_name["Worker"].full_name)],
-                         tls=tls, reflection_on=reflection)
+                         tls=tls, reflection_on=reflection,
+                         max_receive_bytes=limits.request_bytes_limit(engine.max_model_len))
     engine.start()
     from kvmesh.services import observability
 

@@ -26,6 +26,9 @@ DEFAULT_MAX_TOKENS = 16
 def sampling_from_proto(msg: pb.GenerateRequest) -> SamplingParams:
     """SamplingParams of a request; an unset sampling message means greedy, 16 tokens.
 
+    ``top_p`` 0 (proto3's default) means nucleus sampling off (1.0); a NaN or negative
+    ``top_p`` is passed through for `Engine.validate` to reject.
+
     max_tokens 0 inside a *set* sampling message is kept (and later rejected as
     INVALID_ARGUMENT) so that a client's mistake is reported, not silently fixed.
     """
@@ -35,7 +38,9 @@ def sampling_from_proto(msg: pb.GenerateRequest) -> SamplingParams:
     return SamplingParams(
         max_tokens=int(s.max_tokens),
         temperature=float(s.temperature),
-        top_p=float(s.top_p) if s.top_p > 0 else 1.0,
+        # 0 is proto3's "unset" (nucleus off); NaN and negatives are kept so that the
+        # engine rejects them as INVALID_ARGUMENT like any other bad sampling value
+        top_p=1.0 if s.top_p == 0 else float(s.top_p),
         seed=int(s.seed),
         ignore_eos=bool(s.ignore_eos),
     )

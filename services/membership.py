@@ -1,0 +1,83 @@
+"""Which live workers a router may route to: same model identity, one block size.
+
+A worker whose lease names another ``model_id`` than the router's (different weights,
+dtype, config or tokenizer; see `workers.model_identity`) would compute KV under another
+namespace and, for text prompts, receive token ids from another tokenizer. A worker with
+another ``block_size`` hashes prompts into different blocks. Neither may be mixed in:
+`Compatibility.select` routes around them and logs, once per worker and reason, why.
+
+The cluster's block size is the one most live (model-compatible) workers use; on a tie,
+the smallest. A router started without ``--model`` takes the model most workers serve.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import NamedTuple
+
+log = logging.getLogger(__name__)
+
+
+class Selection(NamedTuple):
+    """Result of `Compatibility.select`.
+
+    Attributes:
+        workers: ``{worker_id: lease}`` of the usable workers (may be empty).
+        block_size: their block size (tokens), or 0 when none is usable.
+        model_id: the model they serve ("" when none is usable).
+        reason: why no worker is usable (empty when some are).
+    """
+
+    workers: dict
+    block_size: int
+    model_id: str
+    reason: str
+
+
+class Compatibility:
+    """Filters leases for one router; remembers what it logged so each reason is logged once.
+
+    Args:
+        router_model_id: the model id the router hashes and tokenizes for (from its
+            ``--model``), or None to follow the workers (router without ``--model``).
+    """
+
+    def __init__(self, router_model_id: str | None):
+        self.router_model_id = router_model_id
+        self._logged: dict[str, str] = {}
+
+    def _note(self, worker_id: str, reason: str) -> None:
+        if self._logged.get(worker_id) != reason:
+            self._logged[worker_id] = reason
+            log.error("not routing to worker %s: %s", worker_id, reason)
+
+    def select(self, live: dict[str, dict]) -> Selection:
+        """Usable workers among ``live`` (``{worker_id: lease}``), logging each excluded one."""
+        if not live:
+            return Selection({}, 0, "", "no live workers registered: start workers or retry")
+        models = collections.Counter(str(info.get("model_id", "")) for info in live.values())
+        model = self.router_model_id or max(sorted(models), key=lambda m: models[m])
+        same = {}
+        for wid, info in live.items():
+            theirs = str(info.get("model_id", ""))
+            if theirs != model:
+                self._note(wid, f"it serves model {theirs!r} but the router hashes and tokenizes for {model!r} "
+                                f"(weights, dtype, config or tokenizer differ): start both with the same --model")
+            else:
+                same[wid] = info
+        if not same:
+            return Selection({}, 0, "", f"no live worker serves the router's model {model!r} (workers serve "
+                                        f"{sorted(models)}): start the router with the workers' --model")
+        sizes = collections.Counter(int(info.get("block_size", 16)) for info in same.values())
+        block_size = max(sorted(sizes), key=lambda b: sizes[b])  # most common; the smallest on a tie
+        usable = {}
+        for wid, info in same.items():
+            theirs = int(info.get("block_size", 16))
+            if theirs != block_size:
+                self._note(wid, f"it uses --block-size {theirs} but the cluster's workers use {block_size}: "
+                                f"restart it with --block-size {block_size}")
+            else:
+                usable[wid] = info
+                if self._logged.pop(wid, None) is not None:
+                    log.info("worker %s is compatible again; routing to it", wid)
+        return Selection(usable, block_size, model, "")

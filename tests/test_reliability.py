@@ -1,0 +1,296 @@
+"""Reliability under hostile or heavy input, on a real redis-server, worker and router.
+
+* A long prefill never takes its worker out of the cluster: the lease, health, GetLoad
+  and the router's view stay live while the engine thread is busy for seconds.
+* Size limits: an over-long prompt or a ~64 MiB body is refused in milliseconds, and the
+  next request works.
+* Bad sampling values (NaN / negative top_p) are INVALID_ARGUMENT; ``--max-waiting`` is
+  a flag.
+* Fuzz: malformed bodies to the worker and the router get no UNKNOWN and no hang, and
+  memory comes back (`bench.fuzz`). The default counts are reduced to keep the suite
+  quick (400 to the worker, 200 to the router, after 200 warm-up requests each);
+  ``KVMESH_FUZZ_FULL=1`` runs the full 5,000 and 2,000 after 500 warm-up requests.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from kvmesh.bench.fuzz import rss_kib, run_fuzz
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.services.cli import generate
+from kvmesh.services.launcher import ClusterSpec, LocalCluster
+
+pytestmark = pytest.mark.slow
+FULL_FUZZ = os.environ.get("KVMESH_FUZZ_FULL") == "1"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    spec = ClusterSpec(num_workers=1, num_blocks=2048, threads_per_worker=1,
+                       log_dir=str(tmp_path_factory.mktemp("logs")))
+    with LocalCluster(spec) as c:
+        yield c
+
+
+def toks(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def status(address: str) -> pb.RouterStatus:
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.RouterStub(ch).Status(pb.RouterStatusRequest(), timeout=5)
+
+
+def worker_address(cluster) -> str:
+    return next(iter(cluster.workers.values()))[0]
+
+
+def worker_pid(cluster) -> int:
+    return next(iter(cluster.workers.values()))[1].pid
+
+
+def test_long_prefill_keeps_worker_live(cluster):
+    """While one long prompt is prefilled (several seconds of back-to-back model steps),
+    a probe asking the router every 100 ms never gets UNAVAILABLE, and the router lists
+    the worker as busy all along."""
+    router = cluster.router_address
+    worker = worker_address(cluster)
+    # 4K tokens: four chunked steps of 1024 back to back, several seconds on 2 busy
+    # cores -- the lease heartbeat used to starve behind them on the engine lock
+    long_prompt = toks(100, 4_000)
+    done = threading.Event()
+    result: dict = {}
+
+    def run_long():
+        try:
+            result["out"] = generate(router, token_ids=long_prompt, max_tokens=1, timeout=300)
+        except grpc.RpcError as exc:
+            result["code"] = exc.code()
+        finally:
+            done.set()
+
+    codes: list = []
+    probes: list[threading.Thread] = []
+
+    def probe(i: int):
+        try:
+            generate(router, token_ids=toks(1000 + i, 8), max_tokens=1, timeout=120)
+            codes.append("OK")
+        except grpc.RpcError as exc:
+            codes.append(exc.code().name)
+
+    busy_seen = 0
+    listed = 0
+    polls = 0
+    t0 = time.monotonic()
+    threading.Thread(target=run_long, daemon=True).start()
+    with grpc.insecure_channel(worker) as ch:
+        load_stub = pb_grpc.WorkerStub(ch)
+        while not done.is_set() and time.monotonic() - t0 < 240:
+            th = threading.Thread(target=probe, args=(len(probes),), daemon=True)
+            th.start()
+            probes.append(th)
+            st = status(router)
+            polls += 1
+            if any(w.address == worker for w in st.workers):
+                listed += 1
+            if any(w.load.running_requests > 0 for w in st.workers):
+                busy_seen += 1
+            # control plane of the worker itself answers fast while a step runs
+            t = time.monotonic()
+            load_stub.GetLoad(pb.LoadRequest(), timeout=2.0)
+            assert time.monotonic() - t < 2.0
+            time.sleep(0.1)
+    elapsed = time.monotonic() - t0
+    for th in probes:
+        th.join(180)
+    assert done.is_set()
+    assert "out" in result, result
+    assert elapsed > 1.0, f"the prefill took only {elapsed:.1f} s: too short to overlap the probes"
+    assert codes and "UNAVAILABLE" not in codes, codes
+    assert all(c == "OK" for c in codes), codes
+    assert listed == polls, f"worker missing from the router's view in {polls - listed} of {polls} polls"
+    assert busy_seen > 0, "the router never saw the worker busy"
+
+
+def test_long_prefill_probe_bench_runs(cluster):
+    """`bench.long_prefill_probe` (the 32K-token check for an operator's cluster), short."""
+    from kvmesh.bench.long_prefill_probe import probe
+
+    out = probe(cluster.router_address, 600, interval_s=0.1)
+    assert out["probes"] and out["probes"].get("UNAVAILABLE", 0) == 0
+    assert out["polls_with_every_worker"] == out["status_polls"] > 0
+    assert out["worker_id"] == "worker-0"
+
+
+def test_engine_load_does_not_wait_for_a_step():
+    """`Engine.load` answers while another thread holds the engine lock (as a step does)."""
+    from kvmesh.workers.engine import Engine
+
+    engine = Engine(num_blocks=64)
+    holding = threading.Event()
+    release = threading.Event()
+
+    def hold():
+        with engine._lock:
+            holding.set()
+            release.wait(10)
+
+    th = threading.Thread(target=hold)
+    th.start()
+    try:
+        assert holding.wait(5)
+        t = time.monotonic()
+        load = engine.load()
+        assert time.monotonic() - t < 0.5
+        assert load["total_blocks"] == 64 and load["free_blocks"] == 64
+    finally:
+        release.set()
+        th.join()
+
+
+def _raw_generate(address: str, body: bytes, timeout: float = 30.0) -> grpc.StatusCode:
+    opts = [("grpc.max_send_message_length", 256 << 20)]
+    with grpc.insecure_channel(address, options=opts) as ch:
+        call = ch.unary_stream("/kvmesh.v1.Worker/Generate", request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+        try:
+            for _ in call(body, timeout=timeout):
+                pass
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("target", ["router", "worker"])
+def test_huge_body_refused_fast(cluster, target):
+    address = cluster.router_address if target == "router" else worker_address(cluster)
+    pid = cluster.router_proc.pid if target == "router" else worker_pid(cluster)
+    generate(address, token_ids=toks(7, 40), max_tokens=2)  # warm
+    rss0 = rss_kib(pid)
+    body = pb.GenerateRequest(text="x" * (64 * 1024 * 1024 - 1024)).SerializeToString()
+    t = time.monotonic()
+    code = _raw_generate(address, body)
+    took = time.monotonic() - t
+    assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), code
+    assert took < 5.0, f"refusing a 64 MiB body took {took:.1f} s"
+    # a prompt just over the model's context as token ids: INVALID_ARGUMENT naming the limit
+    ids = pb.GenerateRequest()
+    ids.token_ids.ids.extend([1] * 40_000)
+    t = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        generate(address, token_ids=[1] * 40_000, max_tokens=1, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "context" in err.value.details()
+    assert time.monotonic() - t < 5.0
+    # the next request works, and memory is back
+    out = generate(address, token_ids=toks(8, 40), max_tokens=2, timeout=60)
+    assert len(out["token_ids"]) == 2
+    assert rss_kib(pid) < rss0 * 1.10 + 8 * 1024, (rss0, rss_kib(pid))
+
+
+@pytest.mark.parametrize("field,value", [("top_p", math.nan), ("top_p", -0.5), ("top_p", 1.5),
+                                         ("temperature", math.nan)])
+def test_bad_sampling_values(cluster, field, value):
+    for address in (cluster.router_address, worker_address(cluster)):
+        req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=2))
+        setattr(req.sampling, field, value)
+        req.token_ids.ids.extend(toks(9, 20))
+        assert _raw_generate(address, req.SerializeToString()) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_max_waiting_flag_checked():
+    proc = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "worker", "--max-waiting", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--max-waiting" in proc.stderr
+
+
+def test_max_waiting_caps_the_queue():
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.request import Overloaded, SamplingParams
+
+    engine = Engine(num_blocks=64, max_waiting=2)  # not started: submissions stay queued
+    sp = SamplingParams(max_tokens=1)
+    engine.submit([1, 2, 3], sp, lambda o: None)
+    engine.submit([1, 2, 3], sp, lambda o: None)
+    with pytest.raises(Overloaded, match="2 waiting"):
+        engine.submit([1, 2, 3], sp, lambda o: None)
+
+
+def _check_fuzz(report, log_path: str | None):
+    d = report.to_dict()
+    assert report.alive, d
+    assert report.unknown == 0, d
+    assert report.hangs == 0, d
+    assert report.codes.get("INTERNAL", 0) == 0, d
+    assert report.rss_growth is not None and report.rss_growth <= 0.10, d
+    if log_path:
+        with open(log_path, errors="replace") as fh:
+            assert "Traceback" not in fh.read(), f"traceback in {log_path}"
+
+
+def test_fuzz_worker(cluster):
+    n = 5000 if FULL_FUZZ else 400
+    report = run_fuzz(worker_address(cluster), n, pid=worker_pid(cluster), seed=1, deadline_s=30.0,
+                      warmup=500 if FULL_FUZZ else 200)
+    assert report.sent == n
+    _check_fuzz(report, os.path.join(cluster.log_dir, "worker-0.log"))
+
+
+def test_fuzz_router(cluster):
+    n = 2000 if FULL_FUZZ else 200
+    report = run_fuzz(cluster.router_address, n, router=True, pid=cluster.router_proc.pid, seed=2,
+                      warmup=500 if FULL_FUZZ else 200, deadline_s=30.0)
+    assert report.sent == n
+    _check_fuzz(report, os.path.join(cluster.log_dir, "router.log"))
+
+
+def test_worker_refuses_tokens_of_another_model(cluster):
+    """A request made for another model identity (as a router with another --model sends)
+    is refused with FAILED_PRECONDITION, and the worker logs why."""
+    address = worker_address(cluster)
+    req = pb.GenerateRequest(model_id="some-other-model@0123456789ab",
+                             sampling=pb.SamplingParams(max_tokens=1))
+    req.token_ids.ids.extend(toks(11, 20))
+    assert _raw_generate(address, req.SerializeToString()) == grpc.StatusCode.FAILED_PRECONDITION
+    req.model_id = ""  # unset: accepted as before
+    assert _raw_generate(address, req.SerializeToString()) == grpc.StatusCode.OK
+    with open(os.path.join(cluster.log_dir, "worker-0.log"), errors="replace") as fh:
+        assert "refusing requests for model 'some-other-model@0123456789ab'" in fh.read()
+
+
+def test_worker_with_another_block_size_is_routed_around(cluster):
+    """Runs last in this module: it adds a worker with --block-size 32 to a cluster of 16.
+    Every request still succeeds, none goes to the odd worker, and the router logs why."""
+    from kvmesh.services.procs import free_port, spawn, stop_process, wait_healthy
+
+    port = free_port()
+    cmd = cluster.worker_cmd("odd", port)
+    cmd[cmd.index("--block-size") + 1] = "32"
+    proc = spawn(cmd, os.path.join(cluster.log_dir, "odd.log"))
+    try:
+        wait_healthy(f"127.0.0.1:{port}", proc=proc)
+        deadline = time.monotonic() + 30
+        while not any(w.worker_id == "odd" for w in status(cluster.router_address).workers):
+            assert time.monotonic() < deadline, "the odd worker never registered"
+            time.sleep(0.2)
+        for i in range(6):
+            out = generate(cluster.router_address, token_ids=toks(200 + i, 40), max_tokens=2, timeout=60)
+            assert out["worker_id"] == "worker-0"
+        with open(os.path.join(cluster.log_dir, "router.log"), errors="replace") as fh:
+            text = fh.read()
+        assert "not routing to worker odd" in text and "--block-size 32" in text
+    finally:
+        stop_process(proc)

@@ -1,0 +1,227 @@
+"""Router replicas share in-flight load through Redis: a burst whose prefix one worker holds
+does not pile more onto the holder as routers are added.
+
+Real redis-server, two workers and two router processes. The same kind of burst (16
+concurrent requests sharing a cached prefix, each with its own suffix) goes first through
+one router, then split evenly over two.
+"""
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import Counter
+
+import grpc
+import pytest
+
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.services.cli import generate
+from kvmesh.services.launcher import ClusterSpec, LocalCluster
+from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+
+pytestmark = pytest.mark.slow
+BS = 16
+
+
+def toks(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def indexed(router: str, worker_id: str) -> int:
+    with grpc.insecure_channel(router) as ch:
+        st = pb_grpc.RouterStub(ch).Status(pb.RouterStatusRequest(), timeout=5)
+    return next((w.cached_blocks for w in st.workers if w.worker_id == worker_id), 0)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    spec = ClusterSpec(num_workers=2, num_blocks=1024, threads_per_worker=1,
+                       log_dir=str(tmp_path_factory.mktemp("logs")))
+    with LocalCluster(spec) as c:
+        yield c
+
+
+def start_second_router(cluster) -> tuple[str, object]:
+    port = free_port()
+    cmd = python_cmd("router", "--port", str(port), "--redis-url", cluster.redis_url, "--policy",
+                     cluster.spec.policy, "--cluster", cluster.cluster)
+    proc = spawn(cmd, os.path.join(cluster.log_dir, "router-b.log"))
+    wait_healthy(f"127.0.0.1:{port}", proc=proc)
+    return f"127.0.0.1:{port}", proc
+
+
+def burst(routers: list[str], prefix: list[int], seed: int, n: int = 16) -> Counter:
+    """``n`` concurrent requests ``prefix + suffix``, spread round-robin over ``routers``."""
+    got: Counter = Counter()
+    errors = []
+    start = threading.Barrier(n)
+
+    def one(i: int):
+        start.wait()
+        try:
+            out = generate(routers[i % len(routers)], token_ids=prefix + toks(seed * 1000 + i, 24),
+                           max_tokens=24, ignore_eos=True, timeout=120)
+            got[out["worker_id"]] += 1
+        except grpc.RpcError as exc:
+            errors.append(exc.code().name)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    return got
+
+
+def measure(routers: list[str], seed: int) -> int:
+    """Warm a 64-block prefix on one worker, then send a burst over ``routers``; returns how
+    many of the 16 went to the prefix's holder."""
+    prefix = toks(500 + seed, 64 * BS)
+    holder = generate(routers[0], token_ids=prefix, max_tokens=1)["worker_id"]
+    deadline = time.monotonic() + 15
+    while min(indexed(r, holder) for r in routers) < 64:
+        assert time.monotonic() < deadline, "the prefix never reached every router's index"
+        time.sleep(0.1)
+    return burst(routers, prefix, seed)[holder]
+
+
+def test_holder_share_does_not_grow_with_routers(cluster):
+    """Each measurement starts from freshly started routers, so that neither carries the
+    other's routing history."""
+    one_router = measure([cluster.router_address], 1)
+    cluster.restart_router()
+    second, proc = start_second_router(cluster)
+    try:
+        cluster.wait_registered()
+        two = measure([cluster.router_address, second], 2)
+    finally:
+        stop_process(proc)
+    print("holder share of 16: one router", one_router, "two routers", two)
+    assert 0 < one_router < 16
+    assert two <= one_router + 2, f"holder got {one_router}/16 with one router but {two}/16 with two"
+
+
+def _decide_burst(redis_url: str, cluster: str, num_routers: int, shared: bool, n: int = 16) -> int:
+    """``n`` routing decisions of a burst (none finishes meanwhile), taken in turn by
+    ``num_routers`` router replicas with the real views, policy, speculative entries and
+    (if ``shared``) `SharedLoad`; returns how many went to the prefix's holder."""
+    import asyncio
+
+    from kvmesh.cache_store.hashing import Namespace, hash_blocks
+    from kvmesh.services.cluster_index import ClusterIndex
+    from kvmesh.services.policies import RouteRequest
+    from kvmesh.services.router import SPECULATIVE_TTL_S, RouterServicer
+    from kvmesh.services.shared_load import SharedLoad
+
+    prefix = toks(7, 40 * BS)
+    root = Namespace(model_id="m").root_hash()
+    live = {w: {"address": f"{w}:1", "block_size": BS, "model_id": "m", "ts": 0.0,
+                "load": {"total_blocks": 1024, "free_blocks": 1024}} for w in ("holder", "other")}
+
+    async def main():
+        routers = []
+        for i in range(num_routers):
+            index = ClusterIndex()
+            hashes = hash_blocks(prefix, BS, root).hashes
+            index.apply_snapshot("holder", 0, [(h, None, "device") for h in hashes])
+            r = RouterServicer(index, subscriber=None, seed=i)
+            if shared:
+                r.shared = SharedLoad(redis_url, cluster, r.shared_counts, router_id=f"r{i}")
+            routers.append(r)
+        got = 0
+        for k in range(n):
+            r = routers[k % num_routers]
+            ids = prefix + toks(100 + k, 24)
+            hashes = list(hash_blocks(ids, BS, root).hashes)
+            now = time.monotonic()
+            others = None
+            if r.shared:
+                others = await r.shared.others()
+                r._apply_shared_placements(hashes, live)
+            views = r._views(live, hashes, now, set(), others)
+            chosen = r.policy.choose(RouteRequest(len(ids), hashes, BS), views, r.rng)
+            r.index.add_speculative(chosen.worker_id, hashes, now, SPECULATIVE_TTL_S)
+            r._note_routed(chosen.worker_id, len(ids) - chosen.matched_blocks * BS)
+            if r.shared:
+                r.shared.note_placement(chosen.worker_id, hashes, SPECULATIVE_TTL_S)
+                await r.shared.publish()
+            got += chosen.worker_id == "holder"
+        for r in routers:
+            if r.shared:
+                await r.shared.close()
+        return got
+
+    return asyncio.run(main())
+
+
+def test_replicas_decide_as_one_router_with_shared_load():
+    from kvmesh.services.procs import RedisServer
+
+    server = RedisServer()
+    try:
+        one = _decide_burst(server.url, "c1", 1, shared=True)
+        results = {k: _decide_burst(server.url, f"c{k}", k, shared=True) for k in (2, 4)}
+        alone = {k: _decide_burst(server.url, f"u{k}", k, shared=False) for k in (2, 4)}
+    finally:
+        server.stop()
+    print("holder share of 16: one router", one, "shared", results, "unshared", alone)
+    assert 0 < one < 16
+    # the fault this guards against: without sharing, the holder's share grows with routers
+    # (16 of 16 with four); shared in-flight counts, routed shares and speculative
+    # placements keep it at one router's
+    assert alone[4] >= one + 4
+    for k, got in results.items():
+        assert got <= one + 1, f"{k} routers sharing load sent {got}/16 to the holder, one router {one}/16"
+
+
+def test_placement_checkpoints_match_shared_prefixes():
+    from kvmesh.services.shared_load import checkpoints, matched_prefix
+
+    hs = [bytes([i]) * 16 for i in range(1, 12)]
+    cps = checkpoints(hs)
+    assert [p for p, _ in cps] == [1, 2, 4, 8, 11]
+    assert matched_prefix(hs, cps) == 11
+    assert matched_prefix(hs[:9] + [b"x" * 16], cps) == 8   # diverges after block 9: 8 proven
+    assert matched_prefix(hs[:3], cps) == 2                  # shorter request
+    other = [bytes([100 + i]) * 16 for i in range(11)]       # chained hashes differ from block 1 on
+    assert matched_prefix(other, cps) == 0
+    assert checkpoints([]) == []
+
+
+def test_shared_load_without_redis_costs_one_timeout_per_cooldown():
+    """A Redis that does not answer (a listening socket nobody serves) never holds up routing
+    for more than one ``timeout_s`` per cooldown, and routing goes on with local counts."""
+    import asyncio
+    import socket
+
+    from kvmesh.services.shared_load import SharedLoad
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)  # accepts connections, never replies
+    port = sock.getsockname()[1]
+
+    async def main():
+        shared = SharedLoad(f"redis://127.0.0.1:{port}/0", "c", lambda: {"w": (1, 2, 3.0)}, timeout_s=0.2)
+        t0 = time.monotonic()
+        assert await shared.others() == {}
+        first = time.monotonic() - t0
+        t1 = time.monotonic()
+        for _ in range(20):
+            assert await shared.others() == {}
+            await shared.publish()
+        rest = time.monotonic() - t1
+        await shared.close()
+        return first, rest
+
+    try:
+        first, rest = asyncio.run(main())
+    finally:
+        sock.close()
+    assert first < 1.0
+    assert rest < 0.2, f"20 decisions during the cooldown took {rest:.2f} s"

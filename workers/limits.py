@@ -1,0 +1,75 @@
+"""Size limits of a Generate request, derived from the served model's context length.
+
+A prompt can never be longer than the model's context (``max_model_len`` tokens), so
+both the gRPC message cap and the cheap checks made before tokenizing, hashing or
+forwarding follow from it:
+
+* ``token_ids``: at most ``max_model_len - 1`` ids (one position is left for the first
+  generated token, as `Engine.validate` requires);
+* ``text``: at most ``MAX_TEXT_BYTES_PER_TOKEN`` UTF-8 bytes per token of context. Real
+  tokenizers average 3-5 bytes per token on text and code; 16 leaves room for long
+  whitespace and byte-fallback runs while refusing a 64 MiB body before it is tokenized;
+* the whole message: the larger of those two plus ``MESSAGE_SLACK_BYTES`` for the other
+  fields, and never below ``MIN_MESSAGE_BYTES`` (`request_bytes_limit`).
+
+Both the worker (from its own engine) and the router (from the workers' leases) call
+`check_prompt_size`, which raises `InvalidRequest` (gRPC INVALID_ARGUMENT).
+"""
+from __future__ import annotations
+
+from kvmesh.workers.request import InvalidRequest
+
+#: Text bytes allowed per token of context (bytes/token); see the module docstring.
+MAX_TEXT_BYTES_PER_TOKEN = 16
+#: Room for the request's other fields (ids, salt, sampling, prefix hint), bytes.
+MESSAGE_SLACK_BYTES = 64 * 1024
+#: Smallest receive cap (bytes): a router without ``--model`` in front of a long-context
+#: model still takes its token-id prompts (5 bytes per varint id, 128K tokens = 640 KiB).
+MIN_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+def request_bytes_limit(max_model_len: int) -> int:
+    """Largest request message (bytes) a server for a ``max_model_len``-token model accepts.
+
+    ``max(MIN_MESSAGE_BYTES, MAX_TEXT_BYTES_PER_TOKEN * max_model_len + MESSAGE_SLACK_BYTES)``;
+    token ids (at most 5 bytes each as protobuf varints) always fit below it.
+    """
+    return max(MIN_MESSAGE_BYTES, MAX_TEXT_BYTES_PER_TOKEN * int(max_model_len) + MESSAGE_SLACK_BYTES)
+
+
+def check_prompt_size(request, max_model_len: int, where: str = "the model") -> None:
+    """Refuse a GenerateRequest whose prompt cannot fit ``max_model_len`` tokens, cheaply.
+
+    Looks only at the count of ``token_ids`` or the UTF-8 length of ``text`` (O(1) for
+    both), so it runs before tokenizing or hashing. A text that passes may still tokenize
+    to too many tokens; the token count is checked again after tokenizing.
+
+    Raises:
+        InvalidRequest: the prompt is over the limit (the message says by how much).
+    """
+    kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
+        n = len(request.token_ids.ids)
+        if n >= max_model_len:
+            raise InvalidRequest(
+                f"prompt has {n} tokens but {where}'s context is {max_model_len} tokens: "
+                f"shorten it to at most {max_model_len - 1} tokens")
+    elif kind == "text":
+        cap = MAX_TEXT_BYTES_PER_TOKEN * max_model_len
+        n = len(request.text.encode("utf-8", "surrogatepass")) if len(request.text) * 4 > cap else 0
+        if n > cap:
+            raise InvalidRequest(
+                f"prompt text has {n} bytes; {where}'s context is {max_model_len} tokens, so at most {cap} bytes "
+                f"of text ({MAX_TEXT_BYTES_PER_TOKEN} per token) are accepted: shorten the prompt")
+
+
+def check_token_count(num_tokens: int, max_model_len: int, where: str = "the model") -> None:
+    """Refuse a tokenized prompt of ``max_model_len`` tokens or more.
+
+    Raises:
+        InvalidRequest: too many tokens.
+    """
+    if num_tokens >= max_model_len:
+        raise InvalidRequest(
+            f"prompt has {num_tokens} tokens but {where}'s context is {max_model_len} tokens: "
+            f"shorten it to at most {max_model_len - 1} tokens")
