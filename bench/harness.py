@@ -192,6 +192,49 @@ class _Progress:
         return False
 
 
+# ---------------------------------------------------------------------------- interrupts
+
+
+class _Interrupt:
+    """While entered (in the event loop's thread, the main one), SIGINT and SIGTERM set
+    ``event`` instead of killing the run, so the run can stop sending, cancel what is in
+    flight and still write what finished; ``signal`` names the first one. A second signal
+    raises KeyboardInterrupt (stop now, write nothing). Outside the main thread it does
+    nothing. Restores the previous handlers on exit."""
+
+    def __init__(self):
+        self.event = asyncio.Event()
+        self.signal: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_Interrupt":
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        loop = asyncio.get_running_loop()
+
+        def handler(signum, _frame):
+            if self.signal is not None:
+                raise KeyboardInterrupt
+            self.signal = signal.Signals(signum).name
+            print(f"\n{self.signal}: stopping; writing the requests that finished (again to quit at once)",
+                  file=sys.stderr, flush=True)
+            loop.call_soon_threadsafe(self.event.set)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, handler)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        import signal
+
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        return False
+
+
 # ---------------------------------------------------------------------------- one request
 
 
@@ -231,7 +274,7 @@ async def _one(generate, item: WorkItem, prompt: list[int], block_lengths: list[
     except asyncio.CancelledError:
         if call is not None:
             call.cancel()
-        rec.update(code="CANCELLED", error="cancelled at the run's grace deadline", cancelled=True)
+        rec.update(code="CANCELLED", error="cancelled at the run's grace deadline or by an interrupt", cancelled=True)
     except grpc.aio.AioRpcError as exc:
         rec.update(code=_code_name(exc), error=_details(exc))
     except grpc.RpcError as exc:  # pragma: no cover - other RpcError flavours
@@ -266,7 +309,8 @@ async def drive(items: Sequence[WorkItem], send: Callable[[WorkItem], Awaitable[
                 offsets: Sequence[float] | None = None, cap: int | None = None, stop_after_s: float | None = None,
                 grace_s: float = DEFAULT_GRACE_S, finished: dict[int, bool] | None = None,
                 on_sent: Callable[[], None] | None = None,
-                on_record: Callable[[dict, bool], None] | None = None) -> tuple[list[dict], int]:
+                on_record: Callable[[dict, bool], None] | None = None,
+                interrupt: asyncio.Event | None = None) -> tuple[list[dict], int]:
     """Send ``items`` through ``send`` under an arrival schedule; returns (records, not sent).
 
     Args:
@@ -283,6 +327,8 @@ async def drive(items: Sequence[WorkItem], send: Callable[[WorkItem], Awaitable[
         on_sent: called when an item is sent.
         on_record: called with each record, and whether its item was sent (False for an
             item skipped because the turn it extends failed).
+        interrupt: once set (Ctrl-C), nothing more is sent and the items in flight are
+            cancelled at once; the records of what finished are returned as usual.
 
     An item with a ``parent`` is sent only once the parent has finished, and items become
     ready in release order, ties broken by workload order. An item whose parent failed is
@@ -343,9 +389,13 @@ async def drive(items: Sequence[WorkItem], send: Callable[[WorkItem], Awaitable[
             settle(k, rec, sent=True)
 
     stop_at = None if stop_after_s is None else t_start + stop_after_s
+    interrupted = asyncio.ensure_future(interrupt.wait()) if interrupt is not None else None
+    wake_on = [interrupted] if interrupted is not None else []
     while True:
         now = loop.time()
         if stop_at is not None and now >= stop_at:
+            break
+        if interrupt is not None and interrupt.is_set():
             break
         while next_release < n and (offsets is None or t_start + offsets[order[next_release]] <= now):
             release(order[next_release])
@@ -365,21 +415,26 @@ async def drive(items: Sequence[WorkItem], send: Callable[[WorkItem], Awaitable[
             wake = stop_at if wake is None else min(wake, stop_at)
         timeout = None if wake is None else max(0.0, wake - loop.time())
         if in_flight:
-            finished_tasks, _ = await asyncio.wait(list(in_flight), timeout=timeout,
+            finished_tasks, _ = await asyncio.wait(list(in_flight) + wake_on, timeout=timeout,
                                                    return_when=asyncio.FIRST_COMPLETED)
-            collect(finished_tasks)
+            collect(t for t in finished_tasks if t is not interrupted)
+        elif wake_on:
+            await asyncio.wait(wake_on, timeout=timeout if timeout is not None else 0.0)
         else:
             await asyncio.sleep(timeout if timeout is not None else 0.0)
 
     # Sending is over; let what is in flight finish, up to the grace deadline if bounded.
     hard_stop = None if stop_at is None else stop_at + max(0.0, grace_s)
-    while in_flight:
+    while in_flight and not (interrupt is not None and interrupt.is_set()):
         timeout = None if hard_stop is None else max(0.0, hard_stop - loop.time())
-        finished_tasks, _ = await asyncio.wait(list(in_flight), timeout=timeout,
+        finished_tasks, _ = await asyncio.wait(list(in_flight) + wake_on, timeout=timeout,
                                                return_when=asyncio.FIRST_COMPLETED)
-        if not finished_tasks:
+        finished_tasks = [t for t in finished_tasks if t is not interrupted]
+        if not finished_tasks and not (interrupt is not None and interrupt.is_set()):
             break
         collect(finished_tasks)
+    if interrupted is not None and not interrupted.done():
+        interrupted.cancel()
     if in_flight:
         pending = list(in_flight)
         for task in pending:
@@ -502,21 +557,29 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
             return rec
 
         finished: dict[int, bool] = {}
-        with _Progress(progress) as bar:
+        records: list[dict] = []
+        not_sent = len(measured)
+        duration = 0.0
+        with _Progress(progress) as bar, _Interrupt() as interrupt:
             warm_records: list[dict] = []
             if warm:
                 bar.phase(f"{policy} warm-up", len(warm))
                 origin["t"] = time.perf_counter()
                 warm_records, _ = await drive(warm, send, cap=arrival.cap or arrival.concurrency,
-                                              finished=finished, on_sent=bar.sent, on_record=bar.done)
+                                              finished=finished, on_sent=bar.sent, on_record=bar.done,
+                                              interrupt=interrupt.event)
                 for r in warm_records:
                     r["warmup"] = True
-            bar.phase(f"{policy}", len(measured))
-            origin["t"] = time.perf_counter()
-            records, not_sent = await drive(measured, send, offsets=offsets, cap=arrival.cap,
-                                            stop_after_s=duration_s, grace_s=grace_s, finished=finished,
-                                            on_sent=bar.sent, on_record=bar.done)
-            duration = time.perf_counter() - origin["t"]
+            if not interrupt.event.is_set():
+                if progress:
+                    print(f"[{policy}] sending {len(measured)} requests to {target}; Ctrl-C stops and writes the "
+                          "requests that finished", file=sys.stderr, flush=True)
+                bar.phase(f"{policy}", len(measured))
+                origin["t"] = time.perf_counter()
+                records, not_sent = await drive(measured, send, offsets=offsets, cap=arrival.cap,
+                                                stop_after_s=duration_s, grace_s=grace_s, finished=finished,
+                                                on_sent=bar.sent, on_record=bar.done, interrupt=interrupt.event)
+                duration = time.perf_counter() - origin["t"]
 
     records.sort(key=lambda r: r["index"])
     warm_records.sort(key=lambda r: r["index"])
@@ -538,6 +601,9 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
         "grace_s": grace_s if duration_s is not None else None,
         "num_not_sent": not_sent,
         "infinite_cache_hit_rate_blocks": workload.infinite_cache_hit_rate_blocks,
+        # interrupted (SIGINT/SIGTERM): the metrics cover only the requests that finished
+        "partial": interrupt.signal is not None,
+        "interrupted_by": interrupt.signal,
     }
     if workload.name == "mooncake":
         result["trace"] = workload.params.get("trace")
@@ -650,6 +716,8 @@ def run_policies(policies: Sequence[str], workload: Workload, out_dir: str | Pat
                                                        policy_label=policy, progress=progress, **run_kwargs))
         results.append(result)
         runs[policy] = [r for r in records if not r.get("warmup")]
+        if result.get("partial"):  # interrupted: the policies after this one do not run
+            break
     comparison = {
         "policies": policies,
         "workers": workers,
@@ -658,6 +726,7 @@ def run_policies(policies: Sequence[str], workload: Workload, out_dir: str | Pat
         "workload_params": workload.params,
         "arrival": (arrival or ArrivalSpec()).describe(),
         "results": results,
+        "partial": any(r.get("partial") for r in results),
     }
     if plots:
         from kvmesh.bench import plots as _plots
@@ -773,7 +842,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="with --target: gRPC service to call (default: auto-detect)")
     out.add_argument("--vocab-size", type=int, default=256, help="token ids lie in [0, N) (default 256)")
     out.add_argument("--tenant", default="", help="cache salt sent with every request")
-    out.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
+    out.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds (default 600)")
+    out.add_argument("--max-error-rate", type=float, default=0.0, metavar="FRACTION",
+                     help="exit 1 when more than this fraction of the measured requests failed (default 0: any "
+                          "failed request fails the run; requests cancelled at a --duration-s bound do not count)")
 
 
 def _flag(dest: str) -> str:
@@ -863,8 +935,34 @@ def _check_mode(args: argparse.Namespace) -> None:
         raise ValueError("--policy-label and --service only apply with --target")
 
 
+def error_rate_problem(result: dict, max_error_rate: float) -> str | None:
+    """Why ``result`` fails ``--max-error-rate`` (failed requests over measured requests,
+    cancelled ones excluded), naming the error codes; None when it passes."""
+    n, errors = int(result.get("num_requests") or 0), int(result.get("num_errors") or 0)
+    if not errors or errors / max(1, n) <= max_error_rate:
+        return None
+    codes = ", ".join(f"{code} {count}" for code, count in (result.get("error_codes") or {}).items())
+    return (f"{result.get('policy') or 'run'}: {errors} of {n} requests failed ({codes}), above "
+            f"--max-error-rate {max_error_rate:g}")
+
+
+def _exit_code(results: list[dict], max_error_rate: float, out: str) -> int:
+    """130 after an interrupt, 1 when a run has too many failed requests, else 0; says why on stderr."""
+    if any(r.get("partial") for r in results):
+        sig = next(r["interrupted_by"] for r in results if r.get("partial"))
+        print(f"interrupted by {sig}: wrote the requests that finished to {out} (result.json has \"partial\": true)",
+              file=sys.stderr)
+        return 130
+    problems = [p for p in (error_rate_problem(r, max_error_rate) for r in results) if p]
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     try:
+        if not 0.0 <= args.max_error_rate <= 1.0:
+            raise ValueError(f"--max-error-rate must be a fraction in [0, 1], got {args.max_error_rate}")
         _check_mode(args)
         workload = workload_from_args(args)
         arrival = arrival_from_args(args)
@@ -878,7 +976,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                  progress=not args.no_progress, plots=not args.no_plots, **common))
             print(report.to_markdown(result), end="")
             print(f"wrote {Path(args.out) / 'result.json'}", file=sys.stderr)
-            return 1 if result["num_requests"] and not result["num_ok"] else 0
+            return _exit_code([result], args.max_error_rate, args.out)
         comparison = run_policies(args.policies.split(","), workload, args.out,
                                   workers=2 if args.workers is None else args.workers,
                                   cluster_options=_cluster_options(args), arrival=arrival,
@@ -894,7 +992,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 1
     print(comparison_markdown(comparison), end="")
     print(f"wrote {Path(args.out) / 'comparison.json'}", file=sys.stderr)
-    return 1 if any(r["num_requests"] and not r["num_ok"] for r in comparison["results"]) else 0
+    return _exit_code(comparison["results"], args.max_error_rate, args.out)
 
 
 def register(subparsers) -> argparse.ArgumentParser:

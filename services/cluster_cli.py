@@ -27,7 +27,13 @@ def redis_url(text: str) -> str:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    from kvmesh.services.cli_checks import model_problem, policy_problem
     from kvmesh.services.router import serve_router
+
+    problem = policy_problem(args.policy) or model_problem(args.model)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     asyncio.run(serve_router(args.port, args.redis_url, policy=args.policy, host=args.host, model_dir=args.model,
                              cluster=args.cluster, seed=args.seed))
@@ -77,12 +83,14 @@ def _tier_flag_problem(args: argparse.Namespace) -> str | None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from kvmesh.services.cli_checks import exited_message, up_problem
     from kvmesh.services.launcher import LocalCluster
 
-    problem = _tier_flag_problem(args)
+    problem = up_problem(args, _tier_flag_problem(args))  # before anything starts
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    rc = 0
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: terminal closed
         signal.signal(sig, lambda *_: stop.set())
@@ -92,17 +100,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"kvmesh cluster up: router {cluster.router_address} (policy {args.policy}), "
               f"{len(cluster.workers)} workers, redis {cluster.redis_url}, logs in {cluster.log_dir}", flush=True)
         print(cluster.router_address, flush=True)
-        while not stop.is_set():
+        while not stop.is_set() and not rc:
             stop.wait(0.5)
-            dead = [wid for wid, (_, p) in cluster.workers.items() if p.poll() is not None]
-            if dead:
-                print(f"warning: workers exited: {', '.join(dead)} (see {cluster.log_dir})", file=sys.stderr)
-                for wid in dead:
-                    cluster.workers.pop(wid)
+            for name, proc in cluster.exited():  # a cluster missing a part is not "up"
+                print(f"error: {exited_message(name, proc)}", file=sys.stderr, flush=True)
+                rc = 1
+    except RuntimeError as exc:  # a process that did not start: its reason, then stop the rest
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        rc = 1
     finally:
         cluster.stop()
         print("kvmesh cluster stopped", flush=True)
-    return 0
+    return rc
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -120,30 +129,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def add_worker_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, type=redis_url, help="publish KV events and a lease to this Redis "
                    "(omit for a standalone worker)")
-    p.add_argument("--cluster", default="default", help="Redis key namespace of the cluster")
+    p.add_argument("--cluster", default="default", help="Redis key namespace of the cluster (default 'default')")
 
 
 def register(sub) -> None:
     from kvmesh.services.cli import _add_engine_args
 
+    from kvmesh.services.cli_checks import policy_names, port_number
+
+    policies = ", ".join(policy_names())
     p = sub.add_parser("router", help="serve the KV-aware router (kvmesh.v1.Router)")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--redis-url", required=True, type=redis_url)
-    p.add_argument("--cluster", default="default")
-    p.add_argument("--policy", default="kv_aware")
+    p.add_argument("--port", type=port_number, required=True, help="TCP port to serve gRPC on, 1-65535 (0: a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--redis-url", required=True, type=redis_url,
+                   help="the cluster's Redis, where workers publish leases and KV events (e.g. redis://127.0.0.1:6379/0)")
+    p.add_argument("--cluster", default="default",
+                   help="Redis key namespace shared with the workers' --cluster (default 'default')")
+    p.add_argument("--policy", default="kv_aware", metavar="NAME",
+                   help=f"routing policy, one of: {policies} (default kv_aware)")
     p.add_argument("--model", default=None, help="model directory (for its tokenizer); default built-in")
     p.add_argument("--seed", type=int, default=None, help="seed of the router's tie-breaking")
     p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("up", help="start redis-server, a router and N workers on loopback")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--port", type=int, default=0, help="router port (default: a free one)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes to start, >= 1 (default 2)")
+    p.add_argument("--port", type=port_number, default=0, help="router port, 1-65535 (default: a free one)")
     p.add_argument("--redis-url", default=None, type=redis_url, help="use this Redis instead of starting one")
     p.add_argument("--cluster", default=None,
                    help="Redis key namespace (default: a new one per run; name one to share a --redis-url's "
                         "remote tier across runs)")
-    p.add_argument("--policy", default="kv_aware")
+    p.add_argument("--policy", default="kv_aware", metavar="NAME",
+                   help=f"routing policy of the router, one of: {policies} (default kv_aware)")
     _add_engine_args(p)
     p.set_defaults(func=cmd_up)
 
@@ -151,16 +167,18 @@ def register(sub) -> None:
 
     p = sub.add_parser("demo", help="replay the bundled Mooncake trace sample on a local cluster, "
                        "round_robin vs kv_aware")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--tokens-per-block", type=int, default=16)
-    p.add_argument("--max-output-tokens", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--workers", type=int, default=2, help="workers per cluster (default 2)")
+    p.add_argument("--max-requests", type=int, default=None, help="replay the first N trace requests (default: all)")
+    p.add_argument("--tokens-per-block", type=int, default=16,
+                   help="tokens synthesized per trace block, K (default 16)")
+    p.add_argument("--max-output-tokens", type=int, default=4, help="cap on output tokens per request (default 4)")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight, closed loop (default 4)")
     p.add_argument("--num-blocks", type=int, default=None, help="blocks per worker (default: sized to the trace)")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help=f"comma-separated routing policies, a fresh cluster each (default {','.join(DEFAULT_POLICIES)})")
     p.add_argument("--trace", default=None, help="Mooncake-format JSONL (default: the bundled sample)")
-    p.add_argument("--out", default=os.path.join("runs", "demo"))
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=os.path.join("runs", "demo"), help="output folder (default runs/demo)")
+    p.add_argument("--json", action="store_true", help="also print the result as JSON on stdout")
     p.set_defaults(func=cmd_demo)
 
     from kvmesh.bench import harness
