@@ -841,7 +841,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--service", default="auto", choices=SERVICES,
                      help="with --target: gRPC service to call (default: auto-detect)")
     out.add_argument("--vocab-size", type=int, default=256, help="token ids lie in [0, N) (default 256)")
-    out.add_argument("--tenant", default="", help="cache salt sent with every request")
+    out.add_argument("--tenant", default="", help="cache salt sent with every request (default: none)")
     out.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds (default 600)")
     out.add_argument("--max-error-rate", type=float, default=0.0, metavar="FRACTION",
                      help="exit 1 when more than this fraction of the measured requests failed (default 0: any "
