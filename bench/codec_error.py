@@ -134,7 +134,7 @@ def to_markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.codec_error", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvmesh.bench.codec_error", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--lengths", default=",".join(map(str, PROMPT_LENGTHS)),
                         help=f"comma-separated prompt lengths, tokens (default {','.join(map(str, PROMPT_LENGTHS))})")

@@ -960,10 +960,40 @@ def _exit_code(results: list[dict], max_error_rate: float, out: str) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """``kvmesh bench``: 0 success, 1 failed requests (above ``--max-error-rate``) or a
+    cluster that did not start, 2 bad flags, 130 interrupted (SIGINT/SIGTERM).
+
+    SIGTERM outside a run (e.g. while a local cluster starts) stops like Ctrl-C: the
+    cluster is stopped on the way out. The previous SIGTERM handler is restored."""
+    import signal
+    import threading
+
+    def stop(signum, _frame):
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    try:
+        return _cmd_bench(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
     try:
         if not 0.0 <= args.max_error_rate <= 1.0:
             raise ValueError(f"--max-error-rate must be a fraction in [0, 1], got {args.max_error_rate}")
         _check_mode(args)
+        if args.policies is not None:  # the workers' device and model, before any cluster starts
+            from kvmesh.services.cli_checks import device_problem, model_problem
+
+            problem = device_problem(args.device or "cpu") or model_problem(args.model)
+            if problem:
+                raise ValueError(problem)
         workload = workload_from_args(args)
         arrival = arrival_from_args(args)
         slo = report.make_slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)

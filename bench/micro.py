@@ -125,7 +125,7 @@ def bench_radix(num_tokens: int = PROMPT_TOKENS, repeats: int = 21) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run all benchmarks; ``--json`` prints one JSON object. Returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m bench.micro", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvmesh.bench.micro", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)

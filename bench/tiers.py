@@ -393,7 +393,7 @@ def check_targets(results: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tiers", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvmesh.bench.tiers", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--repeats", type=int, default=7,
                         help="pairs per figure: 3x this for copies, 2x for disk writes (medians; best of for encodes)")

@@ -262,7 +262,7 @@ def _check_generate_args(args: argparse.Namespace, ids: list[int] | None) -> Non
     bad = next((t for t in ids or () if not 0 <= t < u32), None)
     if bad is not None:
         raise ValueError(f"--token-ids: {bad} is out of range [0, {u32})")
-    if not 0 <= args.max_tokens < u32:
+    if not 1 <= args.max_tokens < u32:
         raise ValueError(f"--max-tokens must be in [1, {u32}) (got {args.max_tokens})")
     if not 0 <= args.seed < 2**64:
         raise ValueError(f"--seed must be in [0, 2**64) (got {args.seed})")

@@ -197,7 +197,8 @@ def exited_message(name: str, proc, when: str = "") -> str:
 def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str | None:
     """Everything `kvmesh up` can check before it starts Redis or any process: worker count,
     routing policy, engine and tier flags (``tier_problem``: the tier check's message),
-    model folder, device, and whether ``--port`` is free. Returns the first problem."""
+    model folder, device, whether ``--port`` is free and ``--redis-url`` answers. Returns the
+    first problem."""
     def workers():
         if args.workers < 1:
             return f"--workers must be >= 1 (got {args.workers}): a cluster needs a worker to serve requests"
@@ -212,6 +213,39 @@ def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str
                     "or leave --port out for a free one")
         return None
 
+    def redis_reachable():
+        if not args.redis_url:
+            return None
+        import redis
+
+        try:
+            redis.Redis.from_url(args.redis_url, socket_timeout=3.0, socket_connect_timeout=3.0).ping()
+        except redis.exceptions.RedisError as exc:
+            return (f"--redis-url {args.redis_url}: cannot reach it ({exc}); leave --redis-url out to start "
+                    "a private one")
+        return None
+
     return first_problem(workers, lambda: policy_problem(args.policy), lambda: engine_flag_problem(args),
                          lambda: with_flag_names(tier_problem) if tier_problem else None,
-                         lambda: model_problem(args.model), lambda: device_problem(args.device), port)
+                         lambda: model_problem(args.model), lambda: device_problem(args.device), port,
+                         redis_reachable)
+
+
+def demo_problem(args: argparse.Namespace) -> str | None:
+    """Checks of `kvmesh demo`'s flags before any cluster starts; the first problem or None."""
+    for dest in ("workers", "tokens_per_block", "max_output_tokens", "concurrency", "num_blocks"):
+        value = getattr(args, dest, None)
+        if value is not None and value < 1:
+            return f"--{dest.replace('_', '-')} must be >= 1 (got {value})"
+    if args.max_requests is not None and args.max_requests < 1:
+        return f"--max-requests must be >= 1 (got {args.max_requests})"
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not names:
+        return "--policies names no routing policy"
+    for name in names:
+        problem = policy_problem(name)
+        if problem:
+            return problem.replace("--policy", "--policies", 1)
+    if args.trace is not None and not os.path.isfile(args.trace):
+        return f"--trace {args.trace}: no such file (a Mooncake-format JSONL trace)"
+    return None

@@ -116,6 +116,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvmesh.bench.demo import run_demo
+    from kvmesh.services.cli_checks import demo_problem
+
+    problem = demo_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     result = run_demo(workers=args.workers, max_requests=args.max_requests, tokens_per_block=args.tokens_per_block,
                       max_output_tokens=args.max_output_tokens, concurrency=args.concurrency,
@@ -142,7 +148,8 @@ def register(sub) -> None:
     p.add_argument("--port", type=port_number, required=True, help="TCP port to serve gRPC on, 1-65535 (0: a free one)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--redis-url", required=True, type=redis_url,
-                   help="the cluster's Redis, where workers publish leases and KV events (e.g. redis://127.0.0.1:6379/0)")
+                   help="the cluster's Redis, where workers publish leases and KV events "
+                        "(e.g. redis://127.0.0.1:6379/0)")
     p.add_argument("--cluster", default="default",
                    help="Redis key namespace shared with the workers' --cluster (default 'default')")
     p.add_argument("--policy", default="kv_aware", metavar="NAME",
@@ -175,7 +182,8 @@ def register(sub) -> None:
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight, closed loop (default 4)")
     p.add_argument("--num-blocks", type=int, default=None, help="blocks per worker (default: sized to the trace)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help=f"comma-separated routing policies, a fresh cluster each (default {','.join(DEFAULT_POLICIES)})")
+                   help="comma-separated routing policies, a fresh cluster each "
+                        f"(default {','.join(DEFAULT_POLICIES)})")
     p.add_argument("--trace", default=None, help="Mooncake-format JSONL (default: the bundled sample)")
     p.add_argument("--out", default=os.path.join("runs", "demo"), help="output folder (default runs/demo)")
     p.add_argument("--json", action="store_true", help="also print the result as JSON on stdout")

@@ -89,6 +89,7 @@ def _cuda_flag() -> str:
     (["--port", "70001"], "--port"),
     (["--port", "-5"], "--port"),
     (["--disk-dir", "/tmp/kvmesh-nowhere"], "--disk-bytes"),
+    (["--redis-url", "redis://127.0.0.1:1/0"], "--redis-url"),
 ])
 def test_up_rejects_bad_arguments_before_starting_anything(tmp_path, argv, flag):
     argv = [_cuda_flag() if a == "CUDA" else a for a in argv]
@@ -99,6 +100,25 @@ def test_up_rejects_bad_arguments_before_starting_anything(tmp_path, argv, flag)
     assert os.listdir(tmp_path) == []  # no log folder, no redis-server folder: nothing started
     if flag == "--policy":
         assert "kv_aware" in res.stderr and "round_robin" in res.stderr  # the valid names
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["demo", "--workers", "0"], "--workers"),
+    (["demo", "--policies", "bogus"], "--policies"),
+    (["demo", "--max-requests", "-3"], "--max-requests"),
+    (["demo", "--trace", "/nonexistent.jsonl"], "--trace"),
+    (["bench", "--policies", "kv_aware", "--device", "CUDA"], "--device"),
+    (["bench", "--policies", "kv_aware", "--model", "/nonexistent"], "--model"),
+    (["router", "--port", "0", "--redis-url", "redis://127.0.0.1:1/0", "--policy", "bogus"], "--policy"),
+])
+def test_cluster_commands_check_flags_before_starting_a_cluster(tmp_path, argv, flag):
+    argv = [_cuda_flag() if a == "CUDA" else a for a in argv]
+    if argv[0] in ("bench", "demo"):
+        argv += ["--out", str(tmp_path / "out")]
+    res = kvmesh(*argv, env={"TMPDIR": str(tmp_path)})
+    assert res.returncode == 2, res.stderr
+    assert flag in res.stderr and "Traceback" not in res.stderr and "starting a cold cluster" not in res.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_up_on_a_busy_port_fails_with_the_bind_error(tmp_path):
@@ -127,24 +147,34 @@ def test_a_server_already_on_the_port_does_not_pass_for_the_child(cluster, tmp_p
         stop_process(proc)
 
 
-def test_worker_errors_are_one_line_naming_the_flag():
-    cases = [
+_INTERNAL_FIELDS = ("disk_dir", "disk_bytes", "remote_url", "max_fetch_s", "max_num_seqs")
+
+
+def test_worker_errors_are_one_line_naming_the_flag(capsys):
+    from kvmesh.services.cli import main
+
+    cases = [  # the entry point as a process for the inputs
         (["--device", _cuda_flag()], "--device"),
         (["--disk-dir", "/tmp/kvmesh-nowhere"], "--disk-bytes"),
-        (["--host-bytes", "1M", "--remote-bytes", "1M"], "--redis-url"),
         (["--peer-fetch-max-s", "0"], "--peer-fetch-max-s"),
-        (["--max-seqs", "0"], "--max-seqs"),
     ]
     for argv, flag in cases:
         res = kvmesh("worker", "--port", "0", "--threads", "1", *argv)
         assert res.returncode == 2, (argv, res.stderr)
         assert flag in res.stderr and "Traceback" not in res.stderr, (argv, res.stderr)
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
-        for field in ("disk_dir", "disk_bytes", "remote_url", "max_fetch_s", "max_num_seqs"):
-            assert field not in res.stderr, res.stderr
-    for port in ("70001", "-5", "http"):
-        res = kvmesh("worker", "--port", port)
-        assert res.returncode == 2 and "--port" in res.stderr
+        assert not any(field in res.stderr for field in _INTERNAL_FIELDS), res.stderr
+    res = kvmesh("worker", "--port", "70001")
+    assert res.returncode == 2 and "--port" in res.stderr
+    for argv, flag in [(["--host-bytes", "1M", "--remote-bytes", "1M"], "--redis-url"),
+                       (["--max-seqs", "0"], "--max-seqs")]:  # the same code in this process
+        assert main(["worker", "--port", "0", "--threads", "1", *argv]) == 2
+        err = capsys.readouterr().err
+        assert flag in err and not any(field in err for field in _INTERNAL_FIELDS), err
+    for port in ("-5", "http"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["worker", "--port", port])
+        assert exit_.value.code == 2 and "--port" in capsys.readouterr().err
 
 
 def test_port_zero_registers_the_port_actually_bound(cluster):
@@ -174,13 +204,17 @@ def _byte_fallback_checkpoint(directory) -> str:
     return save_tiny_checkpoint(str(directory), cfg)
 
 
-def test_model_without_tokenizer_json_says_what_is_missing(tmp_path):
+def test_model_without_tokenizer_json_says_what_is_missing(tmp_path, capsys):
+    from kvmesh.services.cli import main
+
     model = _byte_fallback_checkpoint(tmp_path / "m")
-    for argv in (["up", "--model", model], ["worker", "--port", "0", "--threads", "1", "--model", model]):
-        res = kvmesh(*argv, env={"TMPDIR": str(tmp_path)})
-        assert res.returncode == 2, res.stderr
-        assert "tokenizer.json" in res.stderr and "byte" in res.stderr and "[256," in res.stderr
-        assert "Traceback" not in res.stderr
+    res = kvmesh("up", "--model", model, env={"TMPDIR": str(tmp_path)})
+    assert res.returncode == 2, res.stderr
+    assert "tokenizer.json" in res.stderr and "byte" in res.stderr and "[256," in res.stderr
+    assert "Traceback" not in res.stderr and os.listdir(tmp_path) == ["m"]  # nothing started
+    assert main(["worker", "--port", "0", "--threads", "1", "--model", model]) == 2  # the worker says the same
+    err = capsys.readouterr().err
+    assert "tokenizer.json" in err and "[256," in err
 
 
 @pytest.mark.slow
@@ -325,7 +359,7 @@ def test_version():
     assert res.returncode == 0 and res.stdout.strip() == f"kvmesh {version('kvmesh')}"
 
 
-def test_kv_size_codec_counts_the_scales():
+def test_kv_size_codec_counts_the_scales(capsys):
     from kvmesh.workers.config import resolve_model_shape
 
     cfg = resolve_model_shape("Llama-3-8B")
@@ -334,16 +368,22 @@ def test_kv_size_codec_counts_the_scales():
     # fp8 = 1-byte values + one fp32 scale per (layer, K/V, KV head)
     expected = {"int4": numel // 2 + 4 * (numel // 32), "fp8": numel + 4 * cfg.num_hidden_layers * 2 *
                 cfg.num_key_value_heads, "none": 2 * numel}
-    for codec, per_block in expected.items():
-        res = kvmesh("kv-size", "--model", "Llama-3-8B", "--tokens", "8192", "--codec", codec, "--json")
-        assert res.returncode == 0, res.stderr
-        out = json.loads(res.stdout)
-        assert out["bytes_per_block"] == per_block and out["blocks"] == 512
-        assert out["bytes"] == 512 * per_block and out["blocks_per_gib"] == (1 << 30) // per_block
-    raw = json.loads(kvmesh("kv-size", "--model", "Llama-3-8B", "--tokens", "8192", "--dtype", "int4", "--json").stdout)
+    from kvmesh.services.cli import main
+
+    res = kvmesh("kv-size", "--model", "Llama-3-8B", "--tokens", "8192", "--codec", "int4", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["bytes_per_block"] == expected["int4"] and out["blocks"] == 512
+    assert out["bytes"] == 512 * expected["int4"] and out["blocks_per_gib"] == (1 << 30) // expected["int4"]
+    for codec, per_block in expected.items():  # the other codecs through the same code, in this process
+        assert main(["kv-size", "--model", "Llama-3-8B", "--tokens", "8200", "--codec", codec, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["bytes_per_block"] == per_block and out["blocks"] == 513  # a partial block is a whole one
+    assert main(["kv-size", "--model", "Llama-3-8B", "--tokens", "8192", "--dtype", "int4", "--json"]) == 0
+    raw = json.loads(capsys.readouterr().out)
     assert raw["bytes"] * 1.25 == 512 * expected["int4"]  # what the raw count left out
-    bad = kvmesh("kv-size", "--model", "Llama-3-8B", "--tokens", "16", "--codec", "int4", "--dtype", "fp8")
-    assert bad.returncode == 2 and "--dtype" in bad.stderr
+    assert main(["kv-size", "--model", "Llama-3-8B", "--tokens", "16", "--codec", "int4", "--dtype", "fp8"]) == 2
+    assert "--dtype" in capsys.readouterr().err
 
 
 def test_generate_streams_text_as_it_arrives(cluster):
@@ -410,8 +450,8 @@ def test_readme_first_generate_example_shows_reuse():
 
 
 def test_offline_benchmarks_show_progress_on_stderr():
-    res = subprocess.run([sys.executable, "-m", "kvmesh.bench.codec_error", "--lengths", "20", "--seeds", "1", "--json"],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-m", "kvmesh.bench.codec_error", "--lengths", "20", "--seeds", "1",
+                          "--json"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     json.loads(res.stdout)  # stdout keeps only the result
     assert "bench.codec_error" in res.stderr and "100%" in res.stderr
