@@ -128,9 +128,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from kvmesh.workers.server import serve_worker
 
-    from kvmesh.services.cli_checks import device_problem, engine_flag_problem, with_flag_names
+    from kvmesh.services.cli_checks import device_problem, engine_flag_problem, model_problem, with_flag_names
 
-    problem = engine_flag_problem(args) or device_problem(args.device)
+    problem = engine_flag_problem(args) or device_problem(args.device) or model_problem(args.model)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

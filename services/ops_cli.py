@@ -30,7 +30,7 @@ def router_status(target: str, timeout: float = 10.0, api_key: str | None = None
     Returns ``{"policy", "indexed_blocks", "workers": [{"worker_id", "address",
     "cached_blocks", "running_requests", "waiting_requests", "queued_prefill_tokens",
     "free_blocks", "total_blocks"}]}`` (blocks are KV blocks, the router's index counts).
-    ``api_key`` goes in the ``x-api-key`` metadata; ``tls_ca`` makes the channel TLS,
+    ``api_key`` goes in the ``authorization: Bearer KEY`` metadata; ``tls_ca`` makes the channel TLS,
     verifying the router against that CA.
 
     Raises:
@@ -47,7 +47,7 @@ def router_status(target: str, timeout: float = 10.0, api_key: str | None = None
             channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=fh.read()))
     else:
         channel = grpc.insecure_channel(target)
-    metadata = (("x-api-key", api_key),) if api_key else None
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
     with channel:
         st = pb_grpc.RouterStub(channel).Status(pb.RouterStatusRequest(), timeout=timeout, metadata=metadata)
     workers = []
@@ -103,7 +103,7 @@ def register_status(sub) -> None:
     p.add_argument("--target", required=True, help="HOST:PORT of a kvmesh router")
     p.add_argument("--timeout", type=float, default=10.0, help="RPC deadline, seconds (default 10)")
     p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
-                   help="API key sent as x-api-key (default: $KVMESH_API_KEY; none)")
+                   help="API key, sent as `authorization: Bearer KEY` (default: $KVMESH_API_KEY; none)")
     p.add_argument("--tls-ca", default=None, help="CA certificate (PEM) to verify a TLS router (default: plaintext)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_status)
