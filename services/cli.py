@@ -438,6 +438,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"error: {with_flag_names(exc)}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:  # a path flag
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            raise
+        from kvmesh.services.cli_checks import os_error_message
+
+        print(f"error: {os_error_message(args, exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

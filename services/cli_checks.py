@@ -249,3 +249,15 @@ def demo_problem(args: argparse.Namespace) -> str | None:
     if args.trace is not None and not os.path.isfile(args.trace):
         return f"--trace {args.trace}: no such file (a Mooncake-format JSONL trace)"
     return None
+
+
+def os_error_message(args: argparse.Namespace, exc: OSError) -> str:
+    """One line for a file error, naming the flag whose value is the file when there is one
+    (``--trace missing.jsonl: No such file or directory``)."""
+    name = os.fspath(exc.filename) if exc.filename is not None else None
+    flag = next((f"--{dest.replace('_', '-')}" for dest, value in vars(args).items()
+                 if name is not None and isinstance(value, str) and value == name), None)
+    reason = exc.strerror or str(exc)
+    if flag:
+        return f"{flag} {name}: {reason}"
+    return f"{name}: {reason}" if name else reason

@@ -177,6 +177,12 @@ def test_worker_errors_are_one_line_naming_the_flag(capsys):
         assert exit_.value.code == 2 and "--port" in capsys.readouterr().err
 
 
+def test_a_missing_file_is_one_line_naming_its_flag():
+    res = kvmesh("sim", "--trace", "missing.jsonl", "--num-blocks", "100")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == "error: --trace missing.jsonl: No such file or directory"
+
+
 def test_port_zero_registers_the_port_actually_bound(cluster):
     import redis
 
