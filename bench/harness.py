@@ -231,7 +231,7 @@ class _Interrupt:
         import signal
 
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)  # None: not set from Python
         return False
 
 
@@ -817,21 +817,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ar.add_argument("--rate", type=float, default=None, help="poisson: mean requests per second (inf: all at once)")
     ar.add_argument("--time-scale", type=float, default=None,
                     help="trace: multiply the trace's inter-arrival times by this (0.1 = 10x faster; default 1)")
-    ar.add_argument("--max-concurrency", type=int, default=None, help="open loop: cap on requests in flight")
+    ar.add_argument("--max-concurrency", type=int, default=None,
+                    help="open loop: cap on requests in flight (default: no cap)")
     ar.add_argument("--max-requests", type=int, default=None,
-                    help="use only the first N requests of the workload, warm-up included")
+                    help="use only the first N requests of the workload, warm-up included (default: all)")
     ar.add_argument("--warmup-requests", type=int, default=0,
-                    help="send the first N requests first, as a closed loop, and leave them out of the metrics")
+                    help="send the first N requests first, as a closed loop, and leave them out of the metrics "
+                         "(default 0)")
     ar.add_argument("--duration-s", type=float, default=None,
-                    help="stop sending after this many seconds of the measured run")
+                    help="stop sending after this many seconds of the measured run (default: no time bound)")
     ar.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                     help=f"with --duration-s: seconds in-flight requests may still run before they are cancelled "
                          f"(default {DEFAULT_GRACE_S:g})")
 
     slo = p.add_argument_group("SLOs for goodput (requests/s meeting all of them)")
-    slo.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT bound, ms")
-    slo.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT bound, ms")
-    slo.add_argument("--slo-e2e-ms", type=float, default=None, help="E2E latency bound, ms")
+    slo.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT bound, ms (default: none)")
+    slo.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT bound, ms (default: none)")
+    slo.add_argument("--slo-e2e-ms", type=float, default=None, help="E2E latency bound, ms (default: none)")
 
     out = p.add_argument_group("output and client")
     out.add_argument("--out", required=True, help="output folder")
@@ -980,7 +982,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 130
     finally:
         if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -36,7 +36,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="host-memory tier for blocks evicted from the device pool (default 0: off)")
     t.add_argument("--host-codec", choices=codecs, default="none", help="host tier codec (default none)")
     t.add_argument("--disk-dir", default=None, help="directory of the disk tier (needs --host-bytes)")
-    t.add_argument("--disk-bytes", type=parse_bytes, default=0, help="disk tier capacity")
+    t.add_argument("--disk-bytes", type=parse_bytes, default=0,
+                   help="disk tier capacity (default 0; needed with --disk-dir)")
     t.add_argument("--disk-codec", choices=codecs, default="none", help="disk tier codec (default none)")
     t.add_argument("--disk-write-mode", choices=("through", "back"), default="through",
                    help="through: write each block to disk as it enters the host tier (default; survives a "

@@ -352,8 +352,8 @@ def test_every_flag_has_help_with_its_default():
             flag = f"{name} {a.option_strings[0] if a.option_strings else a.dest}"
             if not a.help:
                 missing.append(f"{flag}: no help")
-            elif (not a.required and a.default not in (None, False, argparse.SUPPRESS)
-                  and "default" not in a.help.lower()):
+            elif (not a.required and a.default is not None and a.default is not False
+                  and a.default != argparse.SUPPRESS and "default" not in a.help.lower()):
                 missing.append(f"{flag}: default {a.default!r} not stated")
     assert not missing, "\n".join(missing)
 
