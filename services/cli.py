@@ -135,10 +135,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    if args.port == 0:  # bind a free port now, so the lease and the peers get the real one
-        from kvmesh.services.procs import free_port
+    from kvmesh.services.cli_checks import busy_port_problem
+    from kvmesh.services.procs import free_port
 
-        args.port = free_port(args.host if args.host not in ("", "::", "[::]") else "0.0.0.0")
+    bind_host = args.host if args.host not in ("", "::", "[::]") else "0.0.0.0"
+    if args.port == 0:  # pick a free port now, so the lease and the peers get the real one
+        args.port = free_port(bind_host)
+    elif busy_port_problem(bind_host, args.port):  # before the model loads and a lease names this port
+        print(f"error: {busy_port_problem(bind_host, args.port)}", file=sys.stderr)
+        return 2
     worker_id = args.worker_id or f"{socket.gethostname()}:{args.port}"
     try:
         tier_config(args).validate()

@@ -60,6 +60,15 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
+def busy_port_problem(host: str, port: int) -> str | None:
+    """A message naming ``--port`` when ``host:port`` cannot be bound now, else None."""
+    reason = port_in_use(host, port)
+    if reason:
+        return (f"--port {port}: could not bind {host}:{port} ({reason}); pick another port, "
+                "or pass --port 0 for a free one")
+    return None
+
+
 def device_problem(device: str) -> str | None:
     """What keeps torch from using ``--device`` here, or None (imports torch unless "cpu")."""
     if device == "cpu":
@@ -205,13 +214,7 @@ def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str
         return None
 
     def port():
-        if not args.port:
-            return None
-        reason = port_in_use("127.0.0.1", args.port)
-        if reason:
-            return (f"--port {args.port}: cannot bind 127.0.0.1:{args.port} ({reason}); pick another port, "
-                    "or leave --port out for a free one")
-        return None
+        return busy_port_problem("127.0.0.1", args.port) if args.port else None
 
     def redis_reachable():
         if not args.redis_url:
