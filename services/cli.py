@@ -347,7 +347,8 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
             print(f"{args.model}: {args.tokens} tokens x batch {args.batch} = {sized['blocks']:,} blocks of "
                   f"{args.block_size} tokens; codec {args.codec} stores {sized['bytes_per_block']:,} bytes per block "
                   f"(pool {args.dtype}: {sized['pool_bytes_per_block']:,}) = {sized['bytes']:,} bytes "
-                  f"({result['gib']} GiB); {sized['blocks_per_gib']:,} blocks per GiB of --host-bytes/--disk-bytes")
+                  f"({result['gib']} GiB); {sized['blocks_per_gib']:,} blocks per GiB of --host-bytes "
+                  "(disk and remote records add a small header per block)")
         return 0
     nbytes = kv_cache_bytes(cfg, args.tokens, batch=args.batch, dtype=args.dtype)
     result = {

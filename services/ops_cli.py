@@ -141,7 +141,8 @@ def codec_block_bytes(cfg, codec: str, block_size: int, dtype: str = "bf16") -> 
 def codec_size(cfg, tokens: int, batch: int, codec: str, block_size: int, dtype: str) -> dict:
     """What ``tokens x batch`` tokens take in a tier with ``codec``: whole blocks of
     ``block_size`` tokens, each `codec_block_bytes`. Returns blocks, bytes_per_block,
-    pool_bytes_per_block, bytes and blocks_per_gib."""
+    pool_bytes_per_block, bytes and blocks_per_gib (the host tier's slots per GiB of
+    ``--host-bytes``: it holds ``capacity // payload_bytes`` blocks, `cache_store.host_tier`)."""
     per_block, pool_block = codec_block_bytes(cfg, codec, block_size, dtype)
     blocks = math.ceil(tokens / block_size) * batch
     return {"codec": codec, "block_size": block_size, "blocks": blocks, "bytes_per_block": per_block,
