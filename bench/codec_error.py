@@ -40,8 +40,9 @@ DOCUMENTED_MAX_LOGIT_DIFF = {"fp8": 0.1, "int4": 0.35}
 
 
 def measure(lengths=PROMPT_LENGTHS, seeds: int = SEEDS, max_tokens: int = MAX_TOKENS,
-            codecs=("fp8", "int4")) -> dict:
-    """Run the study; returns ``{codec: {length: {metric: value}}}`` plus the settings used."""
+            codecs=("fp8", "int4"), on_prompt=None) -> dict:
+    """Run the study; returns ``{codec: {length: {metric: value}}}`` plus the settings used.
+    ``on_prompt(length)`` is called after each prompt of ``length`` tokens (progress)."""
     import torch
 
     from kvmesh.cache_store.tier_store import TierConfig
@@ -103,6 +104,8 @@ def measure(lengths=PROMPT_LENGTHS, seeds: int = SEEDS, max_tokens: int = MAX_TO
                     prime(engines[c], prompt)
                     toks, _ = via_host(engines[c], prompt, max_tokens, cached)
                     per[c]["free"].append(sum(a == b for a, b in zip(toks, ref_tokens)) / max_tokens)
+                if on_prompt is not None:
+                    on_prompt(length)
             gaps.sort()
             for c in codecs:
                 m = per[c]
@@ -131,12 +134,24 @@ def to_markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.codec_error", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvmesh.bench.codec_error", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--lengths", default=",".join(map(str, PROMPT_LENGTHS)))
-    parser.add_argument("--seeds", type=int, default=SEEDS)
+    parser.add_argument("--lengths", default=",".join(map(str, PROMPT_LENGTHS)),
+                        help=f"comma-separated prompt lengths, tokens (default {','.join(map(str, PROMPT_LENGTHS))})")
+    parser.add_argument("--seeds", type=int, default=SEEDS, help=f"prompts per length (default {SEEDS})")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
-    result = measure(tuple(int(x) for x in args.lengths.split(",")), args.seeds)
+    try:
+        lengths = tuple(int(x) for x in args.lengths.split(","))
+    except ValueError:
+        parser.error(f"--lengths {args.lengths!r} is not a comma-separated list of token counts")
+    if not lengths or min(lengths) < 1 or args.seeds < 1:
+        parser.error("--lengths must be >= 1 tokens each and --seeds >= 1")
+    from kvmesh.bench.progress import StepProgress
+
+    # one unit per prompt token: the work of a prompt grows with its length
+    with StepProgress("bench.codec_error", sum(lengths) * args.seeds, enabled=not args.no_progress) as bar:
+        result = measure(lengths, args.seeds, on_prompt=lambda n: bar.advance(n, step=f"{n}-token prompts"))
     print(json.dumps(result) if args.json else to_markdown(result))
     return 0
 

@@ -65,6 +65,7 @@ from kvmesh.bench.workloads import (
     shared_prefix_workload,
 )
 from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.services.security import client_options
 
 SERVICES = ("auto", "worker", "router")
 _MAX_MSG = 64 * 1024 * 1024
@@ -194,6 +195,49 @@ class _Progress:
         return False
 
 
+# ---------------------------------------------------------------------------- interrupts
+
+
+class _Interrupt:
+    """While entered (in the event loop's thread, the main one), SIGINT and SIGTERM set
+    ``event`` instead of killing the run, so the run can stop sending, cancel what is in
+    flight and still write what finished; ``signal`` names the first one. A second signal
+    raises KeyboardInterrupt (stop now, write nothing). Outside the main thread it does
+    nothing. Restores the previous handlers on exit."""
+
+    def __init__(self):
+        self.event = asyncio.Event()
+        self.signal: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_Interrupt":
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        loop = asyncio.get_running_loop()
+
+        def handler(signum, _frame):
+            if self.signal is not None:
+                raise KeyboardInterrupt
+            self.signal = signal.Signals(signum).name
+            print(f"\n{self.signal}: stopping; writing the requests that finished (again to quit at once)",
+                  file=sys.stderr, flush=True)
+            loop.call_soon_threadsafe(self.event.set)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, handler)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        import signal
+
+        for sig, previous in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)  # None: not set from Python
+        return False
+
+
 # ---------------------------------------------------------------------------- one request
 
 
@@ -233,7 +277,7 @@ async def _one(generate, item: WorkItem, prompt: list[int], block_lengths: list[
     except asyncio.CancelledError:
         if call is not None:
             call.cancel()
-        rec.update(code="CANCELLED", error="cancelled at the run's grace deadline", cancelled=True)
+        rec.update(code="CANCELLED", error="cancelled at the run's grace deadline or by an interrupt", cancelled=True)
     except grpc.aio.AioRpcError as exc:
         rec.update(code=_code_name(exc), error=_details(exc))
     except grpc.RpcError as exc:  # pragma: no cover - other RpcError flavours
@@ -268,7 +312,8 @@ async def drive(items: Sequence[WorkItem], send: Callable[[WorkItem], Awaitable[
                 offsets: Sequence[float] | None = None, cap: int | None = None, stop_after_s: float | None = None,
                 grace_s: float = DEFAULT_GRACE_S, finished: dict[int, bool] | None = None,
                 on_sent: Callable[[], None] | None = None,
-                on_record: Callable[[dict, bool], None] | None = None) -> tuple[list[dict], int]:
+                on_record: Callable[[dict, bool], None] | None = None,
+                interrupt: asyncio.Event | None = None) -> tuple[list[dict], int]:
     """Send ``items`` through ``send`` under an arrival schedule; returns (records, not sent).
 
     Args:
@@ -285,6 +330,8 @@ async def drive(items: Sequence[WorkItem], send: Callable[[WorkItem], Awaitable[
         on_sent: called when an item is sent.
         on_record: called with each record, and whether its item was sent (False for an
             item skipped because the turn it extends failed).
+        interrupt: once set (Ctrl-C), nothing more is sent and the items in flight are
+            cancelled at once; the records of what finished are returned as usual.
 
     An item with a ``parent`` is sent only once the parent has finished, and items become
     ready in release order, ties broken by workload order. An item whose parent failed is
@@ -345,9 +392,13 @@ async def drive(items: Sequence[WorkItem], send: Callable[[WorkItem], Awaitable[
             settle(k, rec, sent=True)
 
     stop_at = None if stop_after_s is None else t_start + stop_after_s
+    interrupted = asyncio.ensure_future(interrupt.wait()) if interrupt is not None else None
+    wake_on = [interrupted] if interrupted is not None else []
     while True:
         now = loop.time()
         if stop_at is not None and now >= stop_at:
+            break
+        if interrupt is not None and interrupt.is_set():
             break
         while next_release < n and (offsets is None or t_start + offsets[order[next_release]] <= now):
             release(order[next_release])
@@ -367,21 +418,26 @@ async def drive(items: Sequence[WorkItem], send: Callable[[WorkItem], Awaitable[
             wake = stop_at if wake is None else min(wake, stop_at)
         timeout = None if wake is None else max(0.0, wake - loop.time())
         if in_flight:
-            finished_tasks, _ = await asyncio.wait(list(in_flight), timeout=timeout,
+            finished_tasks, _ = await asyncio.wait(list(in_flight) + wake_on, timeout=timeout,
                                                    return_when=asyncio.FIRST_COMPLETED)
-            collect(finished_tasks)
+            collect(t for t in finished_tasks if t is not interrupted)
+        elif wake_on:
+            await asyncio.wait(wake_on, timeout=timeout if timeout is not None else 0.0)
         else:
             await asyncio.sleep(timeout if timeout is not None else 0.0)
 
     # Sending is over; let what is in flight finish, up to the grace deadline if bounded.
     hard_stop = None if stop_at is None else stop_at + max(0.0, grace_s)
-    while in_flight:
+    while in_flight and not (interrupt is not None and interrupt.is_set()):
         timeout = None if hard_stop is None else max(0.0, hard_stop - loop.time())
-        finished_tasks, _ = await asyncio.wait(list(in_flight), timeout=timeout,
+        finished_tasks, _ = await asyncio.wait(list(in_flight) + wake_on, timeout=timeout,
                                                return_when=asyncio.FIRST_COMPLETED)
-        if not finished_tasks:
+        finished_tasks = [t for t in finished_tasks if t is not interrupted]
+        if not finished_tasks and not (interrupt is not None and interrupt.is_set()):
             break
         collect(finished_tasks)
+    if interrupted is not None and not interrupted.done():
+        interrupted.cancel()
     if in_flight:
         pending = list(in_flight)
         for task in pending:
@@ -533,25 +589,33 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
             return rec
 
         finished: dict[int, bool] = {}
-        with _Progress(progress) as bar:
+        records: list[dict] = []
+        not_sent = len(measured)
+        duration = 0.0
+        with _Progress(progress) as bar, _Interrupt() as interrupt:
             warm_records: list[dict] = []
             if warm:
                 bar.phase(f"{policy} warm-up", len(warm))
                 origin["t"] = time.perf_counter()
                 warm_records, _ = await drive(warm, send, cap=arrival.cap or arrival.concurrency,
-                                              finished=finished, on_sent=bar.sent, on_record=bar.done)
+                                              finished=finished, on_sent=bar.sent, on_record=bar.done,
+                                              interrupt=interrupt.event)
                 for r in warm_records:
                     r["warmup"] = True
-            bar.phase(f"{policy}", len(measured))
-            scraped = await asyncio.to_thread(server_metrics.scrape_all, metrics_urls) if metrics_urls else None
-            origin["t"] = time.perf_counter()
-            records, not_sent = await drive(measured, send, offsets=offsets, cap=arrival.cap,
-                                            stop_after_s=duration_s, grace_s=grace_s, finished=finished,
-                                            on_sent=bar.sent, on_record=bar.done)
-            duration = time.perf_counter() - origin["t"]
-            if scraped is not None:
-                server = server_metrics.run_delta(scraped, await asyncio.to_thread(server_metrics.scrape_all,
-                                                                                   metrics_urls))
+            if not interrupt.event.is_set():
+                if progress:
+                    print(f"[{policy}] sending {len(measured)} requests to {target}; Ctrl-C stops and writes the "
+                          "requests that finished", file=sys.stderr, flush=True)
+                bar.phase(f"{policy}", len(measured))
+                scraped = await asyncio.to_thread(server_metrics.scrape_all, metrics_urls) if metrics_urls else None
+                origin["t"] = time.perf_counter()
+                records, not_sent = await drive(measured, send, offsets=offsets, cap=arrival.cap,
+                                                stop_after_s=duration_s, grace_s=grace_s, finished=finished,
+                                                on_sent=bar.sent, on_record=bar.done, interrupt=interrupt.event)
+                duration = time.perf_counter() - origin["t"]
+                if scraped is not None:
+                    server = server_metrics.run_delta(scraped, await asyncio.to_thread(server_metrics.scrape_all,
+                                                                                       metrics_urls))
 
     records.sort(key=lambda r: r["index"])
     warm_records.sort(key=lambda r: r["index"])
@@ -573,6 +637,9 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
         "grace_s": grace_s if duration_s is not None else None,
         "num_not_sent": not_sent,
         "infinite_cache_hit_rate_blocks": workload.infinite_cache_hit_rate_blocks,
+        # interrupted (SIGINT/SIGTERM): the metrics cover only the requests that finished
+        "partial": interrupt.signal is not None,
+        "interrupted_by": interrupt.signal,
     }
     if workload.name == "mooncake":
         result["trace"] = workload.params.get("trace")
@@ -691,6 +758,8 @@ def run_policies(policies: Sequence[str], workload: Workload, out_dir: str | Pat
                                                        **run_kwargs))
         results.append(result)
         runs[policy] = [r for r in records if not r.get("warmup")]
+        if result.get("partial"):  # interrupted: the policies after this one do not run
+            break
     comparison = {
         "policies": policies,
         "workers": workers,
@@ -699,6 +768,7 @@ def run_policies(policies: Sequence[str], workload: Workload, out_dir: str | Pat
         "workload_params": workload.params,
         "arrival": (arrival or ArrivalSpec()).describe(),
         "results": results,
+        "partial": any(r.get("partial") for r in results),
     }
     if plots:
         from kvmesh.bench import plots as _plots
@@ -789,21 +859,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ar.add_argument("--rate", type=float, default=None, help="poisson: mean requests per second (inf: all at once)")
     ar.add_argument("--time-scale", type=float, default=None,
                     help="trace: multiply the trace's inter-arrival times by this (0.1 = 10x faster; default 1)")
-    ar.add_argument("--max-concurrency", type=int, default=None, help="open loop: cap on requests in flight")
+    ar.add_argument("--max-concurrency", type=int, default=None,
+                    help="open loop: cap on requests in flight (default: no cap)")
     ar.add_argument("--max-requests", type=int, default=None,
-                    help="use only the first N requests of the workload, warm-up included")
+                    help="use only the first N requests of the workload, warm-up included (default: all)")
     ar.add_argument("--warmup-requests", type=int, default=0,
-                    help="send the first N requests first, as a closed loop, and leave them out of the metrics")
+                    help="send the first N requests first, as a closed loop, and leave them out of the metrics "
+                         "(default 0)")
     ar.add_argument("--duration-s", type=float, default=None,
-                    help="stop sending after this many seconds of the measured run")
+                    help="stop sending after this many seconds of the measured run (default: no time bound)")
     ar.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                     help=f"with --duration-s: seconds in-flight requests may still run before they are cancelled "
                          f"(default {DEFAULT_GRACE_S:g})")
 
     slo = p.add_argument_group("SLOs for goodput (requests/s meeting all of them)")
-    slo.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT bound, ms")
-    slo.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT bound, ms")
-    slo.add_argument("--slo-e2e-ms", type=float, default=None, help="E2E latency bound, ms")
+    slo.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT bound, ms (default: none)")
+    slo.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT bound, ms (default: none)")
+    slo.add_argument("--slo-e2e-ms", type=float, default=None, help="E2E latency bound, ms (default: none)")
 
     out = p.add_argument_group("output and client")
     out.add_argument("--out", required=True, help="output folder")
@@ -813,17 +885,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--service", default="auto", choices=SERVICES,
                      help="with --target: gRPC service to call (default: auto-detect)")
     out.add_argument("--vocab-size", type=int, default=256, help="token ids lie in [0, N) (default 256)")
-    out.add_argument("--tenant", default="", help="cache salt sent with every request")
+    out.add_argument("--tenant", default="", help="cache salt sent with every request (default: none)")
     from kvmesh.services.security import add_client_args
 
     add_client_args(p)  # --api-key, --tls-ca, ... for a --target started secure (kvmesh up)
-    out.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
+    out.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds (default 600)")
+    out.add_argument("--max-error-rate", type=float, default=0.0, metavar="FRACTION",
+                     help="exit 1 when more than this fraction of the measured requests failed (default 0: any "
+                          "failed request fails the run; requests cancelled at a --duration-s bound do not count)")
     out.add_argument("--api", default="grpc", choices=("grpc", "openai"),
                      help="with --target: grpc (HOST:PORT of the gRPC API, default) or openai (the HTTP front: "
                           "http://HOST:PORT/v1 or HOST:PORT)")
     out.add_argument("--metrics-url", action="append", default=[], metavar="URL",
                      help="with --target: a /metrics endpoint to scrape around the run (repeat for each worker); "
-                          "the report then shows the server-side hit rate beside the client-side one")
+                          "the report then shows the server-side hit rate beside the client-side one "
+                          "(default: none)")
 
 
 def _flag(dest: str) -> str:
@@ -914,11 +990,65 @@ def _check_mode(args: argparse.Namespace) -> None:
                          "(with --policies each local cluster's metrics are scraped on their own)")
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from kvmesh.services.security import client_options
+def error_rate_problem(result: dict, max_error_rate: float) -> str | None:
+    """Why ``result`` fails ``--max-error-rate`` (failed requests over measured requests,
+    cancelled ones excluded), naming the error codes; None when it passes."""
+    n, errors = int(result.get("num_requests") or 0), int(result.get("num_errors") or 0)
+    if not errors or errors / max(1, n) <= max_error_rate:
+        return None
+    codes = ", ".join(f"{code} {count}" for code, count in (result.get("error_codes") or {}).items())
+    return (f"{result.get('policy') or 'run'}: {errors} of {n} requests failed ({codes}), above "
+            f"--max-error-rate {max_error_rate:g}")
 
+
+def _exit_code(results: list[dict], max_error_rate: float, out: str) -> int:
+    """130 after an interrupt, 1 when a run has too many failed requests, else 0; says why on stderr."""
+    if any(r.get("partial") for r in results):
+        sig = next(r["interrupted_by"] for r in results if r.get("partial"))
+        print(f"interrupted by {sig}: wrote the requests that finished to {out} (result.json has \"partial\": true)",
+              file=sys.stderr)
+        return 130
+    problems = [p for p in (error_rate_problem(r, max_error_rate) for r in results) if p]
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``kvmesh bench``: 0 success, 1 failed requests (above ``--max-error-rate``) or a
+    cluster that did not start, 2 bad flags, 130 interrupted (SIGINT/SIGTERM).
+
+    SIGTERM outside a run (e.g. while a local cluster starts) stops like Ctrl-C: the
+    cluster is stopped on the way out. The previous SIGTERM handler is restored."""
+    import signal
+    import threading
+
+    def stop(signum, _frame):
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
     try:
+        return _cmd_bench(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        if not 0.0 <= args.max_error_rate <= 1.0:
+            raise ValueError(f"--max-error-rate must be a fraction in [0, 1], got {args.max_error_rate}")
         _check_mode(args)
+        if args.policies is not None:  # the workers' device and model, before any cluster starts
+            from kvmesh.services.cli_checks import device_problem, model_problem
+
+            problem = device_problem(args.device or "cpu") or model_problem(args.model)
+            if problem:
+                raise ValueError(problem)
         workload = workload_from_args(args)
         arrival = arrival_from_args(args)
         slo = report.make_slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
@@ -932,7 +1062,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                  progress=not args.no_progress, plots=not args.no_plots, **common))
             print(report.to_markdown(result), end="")
             print(f"wrote {Path(args.out) / 'result.json'}", file=sys.stderr)
-            return 1 if result["num_requests"] and not result["num_ok"] else 0
+            return _exit_code([result], args.max_error_rate, args.out)
         comparison = run_policies(args.policies.split(","), workload, args.out,
                                   workers=2 if args.workers is None else args.workers,
                                   cluster_options=_cluster_options(args), arrival=arrival,
@@ -948,7 +1078,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 1
     print(comparison_markdown(comparison), end="")
     print(f"wrote {Path(args.out) / 'comparison.json'}", file=sys.stderr)
-    return 1 if any(r["num_requests"] and not r["num_ok"] for r in comparison["results"]) else 0
+    return _exit_code(comparison["results"], args.max_error_rate, args.out)
 
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -125,12 +125,19 @@ def bench_radix(num_tokens: int = PROMPT_TOKENS, repeats: int = 21) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run all benchmarks; ``--json`` prints one JSON object. Returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m bench.micro", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvmesh.bench.micro", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
+    from kvmesh.bench.progress import StepProgress
+
     results: dict = {}
-    for bench in [bench_hashing, bench_radix, *EXTRA_BENCHES]:
-        results.update(bench())
+    benches = [bench_hashing, bench_radix, *EXTRA_BENCHES]
+    with StepProgress("bench.micro", len(benches), enabled=not args.no_progress) as bar:
+        for bench in benches:
+            bar.step(bench.__name__)
+            results.update(bench())
+            bar.advance(1)
     if args.json:
         print(json.dumps(results))
     else:

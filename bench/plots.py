@@ -10,7 +10,7 @@ writes one PNG:
 - `worker_load`: time-averaged requests in flight on each worker, one panel per run,
   with each worker's share of requests and of computed prefill tokens in the legend.
 
-``python -m bench.plots OUT_DIR RUN_DIR [RUN_DIR ...]`` redraws them from the
+``python -m kvmesh.bench.plots OUT_DIR RUN_DIR [RUN_DIR ...]`` redraws them from the
 ``requests.jsonl`` files of earlier runs.
 """
 from __future__ import annotations
@@ -52,12 +52,18 @@ def ttft_cdf(runs: Mapping[str, Sequence[dict]], path: str | Path) -> Path:
     fig = _figure()
     ax = fig.add_subplot()
     lo = hi = None
+    failed_runs = []
     for label, records in runs.items():
-        xs, ys = report.ecdf(r["ttft_ms"] for r in _measured(records) if r.get("ok") and r.get("ttft_ms") is not None)
+        measured = _measured(records)
+        errors = sum(1 for r in measured if not r.get("ok") and not r.get("cancelled"))
+        xs, ys = report.ecdf(r["ttft_ms"] for r in measured if r.get("ok") and r.get("ttft_ms") is not None)
+        if errors:
+            failed_runs.append(f"{label}: {errors} of {len(measured)} requests failed")
         if not xs:
             continue
         p50 = report.percentiles(xs, [50])[0]
-        ax.step(xs, ys, where="post", label=f"{label} (p50 {p50:,.1f} ms, n={len(xs)})")
+        err = f", {errors} failed" if errors else ""
+        ax.step(xs, ys, where="post", label=f"{label} (p50 {p50:,.1f} ms, n={len(xs)}{err})")
         lo = xs[0] if lo is None else min(lo, xs[0])
         hi = xs[-1] if hi is None else max(hi, xs[-1])
     if lo is not None and lo > 0 and hi / lo > 50:
@@ -71,6 +77,9 @@ def ttft_cdf(runs: Mapping[str, Sequence[dict]], path: str | Path) -> Path:
         ax.legend(loc="lower right", fontsize=8)
     else:
         ax.text(0.5, 0.5, "no successful requests", ha="center", va="center", transform=ax.transAxes)
+    if failed_runs:  # failed requests have no TTFT: say how many the curves leave out
+        ax.text(0.01, 0.99, "\n".join(failed_runs), ha="left", va="top", fontsize=8, color="tab:red",
+                transform=ax.transAxes)
     return _save(fig, path)
 
 
@@ -157,16 +166,35 @@ def load_records(run_dir: str | Path) -> tuple[str, list[dict]]:
     return str(result.get("policy") or run_dir.name), records
 
 
+def unique_labels(labels: Sequence[str], run_dirs: Sequence[str | Path]) -> list[str]:
+    """``labels`` with each repeated one made unique by its run folder ("kv_aware (runs/a)"),
+    then by its position if the folders repeat too; unique labels stay as they are."""
+    out = list(labels)
+    for i, label in enumerate(labels):
+        if labels.count(label) > 1:
+            out[i] = f"{label} ({run_dirs[i]})"
+    for i, label in enumerate(out):
+        if out.count(label) > 1:
+            out[i] = f"{label} #{i + 1}"
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) < 2:
-        print("usage: python -m bench.plots OUT_DIR RUN_DIR [RUN_DIR ...]", file=sys.stderr)
+        print("usage: python -m kvmesh.bench.plots OUT_DIR RUN_DIR [RUN_DIR ...]", file=sys.stderr)
         return 2
     try:
-        runs = dict(load_records(d) for d in args[1:])
+        loaded = [load_records(d) for d in args[1:]]
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    labels = [label for label, _ in loaded]
+    unique = unique_labels(labels, args[1:])
+    if unique != labels:
+        print("warning: runs share a label; plotting them as " + ", ".join(repr(u) for u in unique),
+              file=sys.stderr)
+    runs = {label: records for label, (_, records) in zip(unique, loaded)}
     for p in write_plots(runs, args[0]):
         print(p)
     return 0

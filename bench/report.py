@@ -421,6 +421,8 @@ def _rows(result: dict) -> list[tuple[str, str]]:
     rows = [
         ("requests (errors)", f"{_num(result.get('num_requests'))} ({_num(result.get('num_errors'))})"),
     ]
+    if result.get("error_codes"):
+        rows.append(("errors by code", ", ".join(f"{c} {n}" for c, n in result["error_codes"].items())))
     if result.get("num_cancelled"):
         rows.append(("cancelled at the deadline", _num(result.get("num_cancelled"))))
     if result.get("num_not_sent"):
@@ -486,6 +488,9 @@ def to_markdown(result: dict) -> str:
     if result.get("warmup_requests"):
         meta.append(f"{result['warmup_requests']} warm-up requests left out")
     lines = [head, ""]
+    if result.get("partial"):
+        lines += [f"**Partial run**: interrupted by {result.get('interrupted_by') or 'a signal'}; the metrics cover "
+                  "only the requests that finished.", ""]
     if meta:
         lines += [", ".join(meta), ""]
     lines += ["| metric | value |", "|---|---:|"]

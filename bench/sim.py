@@ -611,7 +611,7 @@ def _command(args: argparse.Namespace) -> str:
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=str(DEFAULT_TRACE),
                    help="Mooncake-format JSONL, optionally .gz (default: the bundled full conversation trace)")
-    p.add_argument("--workers", type=int, default=10)
+    p.add_argument("--workers", type=int, default=10, help="simulated workers (default 10)")
     p.add_argument("--capacity-tokens", type=int, default=None, help="KV capacity of each worker in tokens")
     p.add_argument("--num-blocks", type=int, default=None, help="KV capacity of each worker in cache blocks")
     p.add_argument("--block-tokens", type=int, default=TRACE_BLOCK_TOKENS,
@@ -624,15 +624,18 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=None,
                    help="closed loop with this many clients (default: open loop at the trace's timestamps)")
     p.add_argument("--time-scale", type=float, default=1.0, help="open loop: divide timestamps by this")
-    p.add_argument("--max-output-tokens", type=int, default=None)
-    p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--prefill-s-per-token", type=float, default=CostModel.prefill_s_per_token)
-    p.add_argument("--decode-s-per-step", type=float, default=CostModel.decode_s_per_step)
+    p.add_argument("--max-output-tokens", type=int, default=None,
+                   help="cap on each request's output tokens (default: the trace's output lengths)")
+    p.add_argument("--max-requests", type=int, default=None, help="simulate the first N requests (default: all)")
+    p.add_argument("--prefill-s-per-token", type=float, default=CostModel.prefill_s_per_token,
+                   help=f"cost model: seconds per computed prefill token (default {CostModel.prefill_s_per_token:.3g})")
+    p.add_argument("--decode-s-per-step", type=float, default=CostModel.decode_s_per_step,
+                   help=f"cost model: seconds per decode step (default {CostModel.decode_s_per_step:g})")
     p.add_argument("--calibrate", action="store_true",
                    help="measure the cost model on this machine's engine (built-in model) first")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the policies' random choices (default 0)")
     p.add_argument("--out", default=None, help="also write OUT.json and OUT.md")
-    p.add_argument("--title", default="", help="title of OUT.md")
+    p.add_argument("--title", default="", help="title of OUT.md (default: none)")
     p.add_argument("--json", action="store_true", help="print {policy: fields} as JSON")
 
 

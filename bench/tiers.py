@@ -272,8 +272,9 @@ def _drop_page_cache(store) -> None:
             os.close(fd)
 
 
-def bench_ttft(rounds: int = 5, seed: int = 0, directory: str | None = None) -> dict:
-    """TTFT of a 2,048-token prompt, cold and with 1,792 tokens cached on each tier."""
+def bench_ttft(rounds: int = 5, seed: int = 0, directory: str | None = None, on_round=None) -> dict:
+    """TTFT of a 2,048-token prompt, cold and with 1,792 tokens cached on each tier.
+    ``on_round()`` is called after each round (progress)."""
     from kvmesh.cache_store.tier_store import TierConfig
     from kvmesh.workers.engine import Engine
     from kvmesh.workers.request import SamplingParams
@@ -314,6 +315,8 @@ def bench_ttft(rounds: int = 5, seed: int = 0, directory: str | None = None) -> 
                     engine.drop_host_tier()
                     _drop_page_cache(engine.tiers)
                 res[tier].append(measured(prefix, tier))
+            if on_round is not None:
+                on_round()
     finally:
         engine.stop()
         if directory is None:
@@ -325,10 +328,11 @@ def bench_ttft(rounds: int = 5, seed: int = 0, directory: str | None = None) -> 
     return out
 
 
-def bench_ttft_remote(rounds: int = 5, seed: int = 1) -> dict:
+def bench_ttft_remote(rounds: int = 5, seed: int = 1, on_round=None) -> dict:
     """TTFT of the same 2,048-token prompt with its first 1,792 tokens in the cluster's remote
     tier only, read by a second engine (a worker that never saw the prompt), against cold on
-    that engine; both engines share a private redis-server. Empty without redis-server."""
+    that engine; both engines share a private redis-server. Empty without redis-server.
+    ``on_round()`` is called after each round (progress)."""
     if shutil.which("redis-server") is None:
         return {}
     from kvmesh.cache_store.tier_store import TierConfig
@@ -367,6 +371,8 @@ def bench_ttft_remote(rounds: int = 5, seed: int = 1) -> dict:
             if out["usage"]["cached_tokens_by_tier"]["remote"] != CACHED_TOKENS:
                 raise RuntimeError(f"expected {CACHED_TOKENS} tokens from the remote tier, got {out['usage']}")
             res["remote"].append(out["timing"]["ttft_ms"])
+            if on_round is not None:
+                on_round()
     finally:
         writer.stop()
         reader.stop()
@@ -387,21 +393,29 @@ def check_targets(results: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tiers", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvmesh.bench.tiers", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--repeats", type=int, default=7,
                         help="pairs per figure: 3x this for copies, 2x for disk writes (medians; best of for encodes)")
     parser.add_argument("--rounds", type=int, default=5, help="TTFT rounds (median)")
     parser.add_argument("--dir", default=None, help="directory for the disk measurements (default: a temp dir)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
+    from kvmesh.bench.progress import StepProgress
+
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    results = bench_copies(args.repeats, directory=args.dir)
-    results.update(bench_ttft(args.rounds, directory=args.dir))
-    results.update(bench_ttft_remote(args.rounds))
+    # units: the copy figures count as --repeats, each TTFT round as one
+    with StepProgress("bench.tiers", args.repeats + 2 * args.rounds, enabled=not args.no_progress) as bar:
+        bar.step("copies and codecs")
+        results = bench_copies(args.repeats, directory=args.dir)
+        bar.advance(args.repeats, step="TTFT: device, host, disk")
+        results.update(bench_ttft(args.rounds, directory=args.dir, on_round=lambda: bar.advance(1)))
+        bar.step("TTFT: remote")
+        results.update(bench_ttft_remote(args.rounds, on_round=lambda: bar.advance(1)))
     results["targets"] = check_targets(results)
     if args.json:
         print(json.dumps(results))

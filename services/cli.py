@@ -16,6 +16,7 @@ import time
 import grpc
 
 from kvmesh.services.security import add_client_args, add_server_args, client_channel, client_options, server_gate
+from kvmesh.services.cli_checks import port_number
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +39,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="host-memory tier for blocks evicted from the device pool (default 0: off)")
     t.add_argument("--host-codec", choices=codecs, default="none", help="host tier codec (default none)")
     t.add_argument("--disk-dir", default=None, help="directory of the disk tier (needs --host-bytes)")
-    t.add_argument("--disk-bytes", type=parse_bytes, default=0, help="disk tier capacity")
+    t.add_argument("--disk-bytes", type=parse_bytes, default=0,
+                   help="disk tier capacity (default 0; needed with --disk-dir)")
     t.add_argument("--disk-codec", choices=codecs, default="none", help="disk tier codec (default none)")
     t.add_argument("--disk-write-mode", choices=("through", "back"), default="through",
                    help="through: write each block to disk as it enters the host tier (default; survives a "
@@ -144,11 +146,26 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from kvmesh.workers.server import serve_worker
 
+    from kvmesh.services.cli_checks import device_problem, engine_flag_problem, model_problem, with_flag_names
+
+    problem = engine_flag_problem(args) or device_problem(args.device) or model_problem(args.model)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    from kvmesh.services.cli_checks import busy_port_problem
+    from kvmesh.services.procs import free_port
+
+    bind_host = args.host if args.host not in ("", "::", "[::]") else "0.0.0.0"
+    if args.port == 0:  # pick a free port now, so the lease and the peers get the real one
+        args.port = free_port(bind_host)
+    elif busy_port_problem(bind_host, args.port):  # before the model loads and a lease names this port
+        print(f"error: {busy_port_problem(bind_host, args.port)}", file=sys.stderr)
+        return 2
     worker_id = args.worker_id or f"{socket.gethostname()}:{args.port}"
     try:
         tier_config(args).validate()
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {with_flag_names(exc)}", file=sys.stderr)
         return 2
     peer = peer_options(args)
     from kvmesh.services.observability import server_ports
@@ -165,7 +182,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         try:
             engine = make_engine(args)
         except ValueError as exc:  # a setting that only the model's shape can check
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {with_flag_names(exc)}", file=sys.stderr)
             return 2
         asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
                                  advertise=advertise, **ports, **secure))
@@ -177,7 +194,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         engine = make_engine(args, event_sink=publisher.sink)
     except ValueError as exc:
         publisher.close()
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {with_flag_names(exc)}", file=sys.stderr)
         return 2
     engine.snapshot_seq_fn = publisher.flush_now
     info = {"model_id": engine.config.model_id, "block_size": engine.block_size, "num_blocks": engine.num_blocks,
@@ -221,14 +238,16 @@ def parse_token_ids(text: str) -> list[int]:
 def generate(target: str, prompt: str | None = None, token_ids: list[int] | None = None, max_tokens: int = 16,
              tenant: str = "", temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              ignore_eos: bool = False, timeout: float = 600.0, channel: grpc.Channel | None = None,
-             **client_options) -> dict:
+             on_text=None, **client_options) -> dict:
     """Run one Generate RPC against a worker or router and collect the stream
     (`kvmesh.services.client.KvmeshClient`; ``client_options``: its TLS / API key / retry options).
+    ``on_text`` is called with each piece of text as it arrives (streaming output).
 
     Returns a dict with ``token_ids``, ``text``, ``worker_id``, ``finish_reason``,
     ``usage`` {prompt_tokens, cached_tokens, cached_tokens_by_tier, computed_prefill_tokens,
     completion_tokens} and ``timing`` {queue_ms, prefill_ms, ttft_ms, e2e_ms,
-    client_ttft_ms, client_e2e_ms}.
+    client_ttft_ms, client_e2e_ms}. ``on_text(str)``, if given, gets each piece of text as
+    its tokens arrive.
 
     Raises:
         grpc.RpcError: the server answered with an error status.
@@ -236,8 +255,20 @@ def generate(target: str, prompt: str | None = None, token_ids: list[int] | None
     from kvmesh.services.client import KvmeshClient
 
     with KvmeshClient(target, channel=channel, timeout=timeout, **client_options) as client:
-        out = client.generate(prompt if token_ids is None else None, token_ids, max_tokens=max_tokens, tenant=tenant,
-                              temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
+        kwargs = dict(max_tokens=max_tokens, tenant=tenant, temperature=temperature, top_p=top_p, seed=seed,
+                      ignore_eos=ignore_eos)
+        if on_text is None:
+            out = client.generate(prompt if token_ids is None else None, token_ids, **kwargs)
+        else:
+            from kvmesh.services.client import make_request
+
+            req = make_request(prompt if token_ids is None else None, token_ids, **kwargs)
+            chunks = []
+            for chunk in client.stream_request(req):
+                chunks.append(chunk)
+                if chunk.text:
+                    on_text(chunk.text)
+            out = client._collect(chunks, req.request_id)
     return out.to_dict()
 
 
@@ -247,7 +278,7 @@ def _check_generate_args(args: argparse.Namespace, ids: list[int] | None) -> Non
     bad = next((t for t in ids or () if not 0 <= t < u32), None)
     if bad is not None:
         raise ValueError(f"--token-ids: {bad} is out of range [0, {u32})")
-    if not 0 <= args.max_tokens < u32:
+    if not 1 <= args.max_tokens < u32:
         raise ValueError(f"--max-tokens must be in [1, {u32}) (got {args.max_tokens})")
     if not 0 <= args.seed < 2**64:
         raise ValueError(f"--seed must be in [0, 2**64) (got {args.seed})")
@@ -269,10 +300,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:  # caught before sending: the server would say the same
         _print_error(args, "INVALID_ARGUMENT", str(exc))
         return 2
+    stream = args.stream if args.stream is not None else (sys.stdout.isatty() and not args.json)
+    if stream and args.json:
+        _print_error(args, "INVALID_ARGUMENT", "--stream prints text as it comes; --json prints one object at the end: "
+                     "pick one")
+        return 2
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
     try:
         out = generate(args.target, prompt=args.prompt, token_ids=ids, max_tokens=args.max_tokens,
                        tenant=args.tenant, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                       ignore_eos=args.ignore_eos, timeout=args.timeout, **client_options(args))
+                       ignore_eos=args.ignore_eos, timeout=args.timeout, on_text=show if stream else None,
+                       **client_options(args))
     except ValueError as exc:  # credentials flags
         _print_error(args, "INVALID_ARGUMENT", str(exc))
         return 2
@@ -285,7 +327,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(out))
     else:
         u = out["usage"]
-        print(out["text"])
+        print("" if stream else out["text"])
         print(f"[worker {out['worker_id']}] prompt {u['prompt_tokens']} tokens, cached {u['cached_tokens']}, "
               f"completion {u['completion_tokens']}, TTFT {out['timing']['ttft_ms']:.1f} ms, "
               f"E2E {out['timing']['e2e_ms']:.1f} ms", file=sys.stderr)
@@ -303,6 +345,25 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
     if args.tokens < 0 or args.batch < 1:
         print("error: --tokens must be >= 0 and --batch >= 1", file=sys.stderr)
         return 2
+    if args.codec:  # what a tier stores: whole blocks, encoded, scales included
+        from kvmesh.services.ops_cli import codec_size
+
+        try:
+            sized = codec_size(cfg, args.tokens, args.batch, args.codec, args.block_size, args.dtype)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        result = {"model": args.model, "tokens": args.tokens, "batch": args.batch, "dtype": args.dtype, **sized,
+                  "gib": round(sized["bytes"] / 2**30, 4)}
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"{args.model}: {args.tokens} tokens x batch {args.batch} = {sized['blocks']:,} blocks of "
+                  f"{args.block_size} tokens; codec {args.codec} stores {sized['bytes_per_block']:,} bytes per block "
+                  f"(pool {args.dtype}: {sized['pool_bytes_per_block']:,}) = {sized['bytes']:,} bytes "
+                  f"({result['gib']} GiB); {sized['blocks_per_gib']:,} blocks per GiB of --host-bytes "
+                  "(disk and remote records add a small header per block)")
+        return 0
     nbytes = kv_cache_bytes(cfg, args.tokens, batch=args.batch, dtype=args.dtype)
     result = {
         "model": args.model, "tokens": args.tokens, "batch": args.batch, "dtype": args.dtype,
@@ -320,17 +381,22 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvmesh.services.ops_cli import register_status, version
+
     parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh prefix-cache service")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--version", action="version", version=f"kvmesh {version()}")
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        type=str.upper, help="log level of this process (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("worker", help="serve one worker (kvmesh.v1.Worker) until interrupted")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=port_number, required=True,
+                   help="TCP port to serve gRPC on, 1-65535 (0: a free one, which is what gets advertised)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--advertise", default=None, metavar="HOST:PORT",
                    help="address the router and peers use to reach this worker (default --host:--port; "
                         "required when --host is 0.0.0.0 or ::, e.g. the pod IP on Kubernetes)")
-    p.add_argument("--worker-id", default=None)
+    p.add_argument("--worker-id", default=None, help="id in the cluster (default HOSTNAME:PORT)")
     from kvmesh.services.observability import add_server_flags
 
     add_server_flags(p, "worker")
@@ -342,23 +408,35 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="most tokens to generate (default 16)")
     p.add_argument("--tenant", default="", help="cache salt: splits the prefix cache of your tenant (the tenant "
-                   "itself comes from --api-key)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--timeout", type=float, default=600.0, help="RPC deadline in seconds")
+                   "itself comes from --api-key; default: none)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature, >= 0; 0 = greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the smallest set of tokens whose probability reaches P, "
+                        "in (0, 1] (default 1: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, for reproducible sampling (default 0)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past end-of-sequence tokens until --max-tokens (default: stop at EOS)")
+    p.add_argument("--timeout", type=float, default=600.0, help="RPC deadline in seconds (default 600)")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print text as tokens arrive (default: on when stdout is a terminal and not --json)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("kv-size", help="KV cache memory for a model shape")
+    p = sub.add_parser("kv-size", help="KV cache memory for a model shape, raw or as a tier codec stores it")
     p.add_argument("--model", required=True, help="tiny, a known name (e.g. Llama-3-8B) or a model directory")
-    p.add_argument("--tokens", type=int, required=True)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8", "int4"])
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--tokens", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8", "int4"],
+                   help="element type (default bf16); without --codec, fp8/int4 count values only, no scales; "
+                        "with --codec it is the pool dtype the blocks come in (fp32, bf16 or fp16)")
+    p.add_argument("--codec", default=None, choices=["none", "fp8", "int4"],
+                   help="size whole blocks as the host/disk/remote tier codec stores them, scales included "
+                        "(default: raw KV bytes, no block rounding)")
+    p.add_argument("--block-size", type=int, default=16, help="with --codec: tokens per KV block (default 16)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_kv_size)
 
     from kvmesh.services import cluster_cli
@@ -367,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(sub.choices["worker"])
     add_client_args(sub.choices["generate"])
     cluster_cli.register(sub)
+    register_status(sub)
     return parser
 
 
@@ -379,11 +458,20 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, RuntimeError) as exc:  # bad option or start-up failure: say it plainly
+    except (ValueError, RuntimeError) as exc:  # bad option (2) or start-up failure (1): say it plainly
         if logging.getLogger().isEnabledFor(logging.DEBUG):
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        from kvmesh.services.cli_checks import with_flag_names
+
+        print(f"error: {with_flag_names(exc)}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:  # a path flag
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            raise
+        from kvmesh.services.cli_checks import os_error_message
+
+        print(f"error: {os_error_message(args, exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -35,12 +35,17 @@ def _env_redis_url() -> str | None:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    from kvmesh.services.cli_checks import model_problem, policy_problem
     from kvmesh.services.observability import server_ports
     from kvmesh.services.router import serve_router
     from kvmesh.services.security import server_gate
 
     if not args.redis_url:
         print("error: the router needs --redis-url or KVMESH_REDIS_URL", file=sys.stderr)
+        return 2
+    problem = policy_problem(args.policy) or model_problem(args.model)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         gate = server_gate(args)
@@ -97,10 +102,11 @@ def _tier_flag_problem(args: argparse.Namespace) -> str | None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from kvmesh.services.cli_checks import exited_message, up_problem
     from kvmesh.services.launcher import LocalCluster
 
-    problem = _tier_flag_problem(args)
-    if not -1 <= args.http_port < 65536:
+    problem = up_problem(args, _tier_flag_problem(args))  # before anything starts
+    if not problem and not -1 <= args.http_port < 65536:
         problem = f"--http-port must be a port in [0, 65535], or -1 for no HTTP front (got {args.http_port})"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -108,6 +114,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.insecure:
         print("WARNING: kvmesh up --insecure: security is OFF (no TLS, no API keys, every caller may read and "
               "clear every tenant's cache); for local development only", flush=True)
+    rc = 0
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: terminal closed
         signal.signal(sig, lambda *_: stop.set())
@@ -126,21 +133,28 @@ def cmd_up(args: argparse.Namespace) -> int:
                   f"clients: set -a; . {c.client_env}; set +a   (or pass --tls-ca {c.ca} --tls-cert "
                   f"{c.client_cert} --tls-key {c.client_key} --api-key KEY; the key is in {c.client_env})\n"
                   f"  e.g. kvmesh generate --target {cluster.router_address} --prompt hello", flush=True)
-        while not stop.is_set():
+        while not stop.is_set() and not rc:
             stop.wait(0.5)
-            dead = [wid for wid, (_, p) in cluster.workers.items() if p.poll() is not None]
-            if dead:
-                print(f"warning: workers exited: {', '.join(dead)} (see {cluster.log_dir})", file=sys.stderr)
-                for wid in dead:
-                    cluster.workers.pop(wid)
+            for name, proc in cluster.exited():  # a cluster missing a part is not "up"
+                print(f"error: {exited_message(name, proc)}", file=sys.stderr, flush=True)
+                rc = 1
+    except RuntimeError as exc:  # a process that did not start: its reason, then stop the rest
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        rc = 1
     finally:
         cluster.stop()
         print("kvmesh cluster stopped", flush=True)
-    return 0
+    return rc
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvmesh.bench.demo import run_demo
+    from kvmesh.services.cli_checks import demo_problem
+
+    problem = demo_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     result = run_demo(workers=args.workers, max_requests=args.max_requests, tokens_per_block=args.tokens_per_block,
                       max_output_tokens=args.max_output_tokens, concurrency=args.concurrency,
@@ -155,19 +169,25 @@ def add_worker_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=_env_redis_url(), type=redis_url, help="publish KV events and a lease to "
                    "this Redis, redis://:PASSWORD@HOST:PORT/DB (default env KVMESH_REDIS_URL; omit for a standalone "
                    "worker)")
-    p.add_argument("--cluster", default="default", help="Redis key namespace of the cluster")
+    p.add_argument("--cluster", default="default", help="Redis key namespace of the cluster (default 'default')")
 
 
 def register(sub) -> None:
     from kvmesh.services.cli import _add_engine_args
 
+    from kvmesh.services.cli_checks import policy_names, port_number
+
+    policies = ", ".join(policy_names())
     p = sub.add_parser("router", help="serve the KV-aware router (kvmesh.v1.Router)")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=port_number, required=True, help="TCP port to serve gRPC on, 1-65535 (0: a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--redis-url", default=_env_redis_url(), type=redis_url,
-                   help="the cluster's Redis, redis://:PASSWORD@HOST:PORT/DB (default env KVMESH_REDIS_URL)")
-    p.add_argument("--cluster", default="default")
-    p.add_argument("--policy", default="kv_aware")
+                   help="the cluster's Redis, where workers publish leases and KV events, "
+                        "redis://:PASSWORD@HOST:PORT/DB (default env KVMESH_REDIS_URL)")
+    p.add_argument("--cluster", default="default",
+                   help="Redis key namespace shared with the workers' --cluster (default 'default')")
+    p.add_argument("--policy", default="kv_aware", metavar="NAME",
+                   help=f"routing policy, one of: {policies} (default kv_aware)")
     p.add_argument("--model", default=None, help="model directory (for its tokenizer); default built-in")
     p.add_argument("--seed", type=int, default=None, help="seed of the router's tie-breaking")
     from kvmesh.services.observability import add_server_flags
@@ -179,13 +199,14 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("up", help="start redis-server, a router and N workers on loopback")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--port", type=int, default=0, help="router port (default: a free one)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes to start, >= 1 (default 2)")
+    p.add_argument("--port", type=port_number, default=0, help="router port, 1-65535 (default: a free one)")
     p.add_argument("--redis-url", default=None, type=redis_url, help="use this Redis instead of starting one")
     p.add_argument("--cluster", default=None,
                    help="Redis key namespace (default: a new one per run; name one to share a --redis-url's "
                         "remote tier across runs)")
-    p.add_argument("--policy", default="kv_aware")
+    p.add_argument("--policy", default="kv_aware", metavar="NAME",
+                   help=f"routing policy of the router, one of: {policies} (default kv_aware)")
     p.add_argument("--http-port", type=int, default=0, metavar="PORT",
                    help="port of the router's OpenAI-compatible HTTP front (default 0: a free one; -1: off)")
     p.add_argument("--insecure", action="store_true",
@@ -197,16 +218,19 @@ def register(sub) -> None:
 
     p = sub.add_parser("demo", help="replay the bundled Mooncake trace sample on a local cluster, "
                        "round_robin vs kv_aware")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--tokens-per-block", type=int, default=16)
-    p.add_argument("--max-output-tokens", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--workers", type=int, default=2, help="workers per cluster (default 2)")
+    p.add_argument("--max-requests", type=int, default=None, help="replay the first N trace requests (default: all)")
+    p.add_argument("--tokens-per-block", type=int, default=16,
+                   help="tokens synthesized per trace block, K (default 16)")
+    p.add_argument("--max-output-tokens", type=int, default=4, help="cap on output tokens per request (default 4)")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight, closed loop (default 4)")
     p.add_argument("--num-blocks", type=int, default=None, help="blocks per worker (default: sized to the trace)")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help="comma-separated routing policies, a fresh cluster each "
+                        f"(default {','.join(DEFAULT_POLICIES)})")
     p.add_argument("--trace", default=None, help="Mooncake-format JSONL (default: the bundled sample)")
-    p.add_argument("--out", default=os.path.join("runs", "demo"))
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=os.path.join("runs", "demo"), help="output folder (default runs/demo)")
+    p.add_argument("--json", action="store_true", help="also print the result as JSON on stdout")
     p.set_defaults(func=cmd_demo)
 
     from kvmesh.bench import harness

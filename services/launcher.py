@@ -179,6 +179,15 @@ class LocalCluster:
                     raise RuntimeError(f"router sees workers {sorted(live)}, expected {sorted(alive)}")
                 time.sleep(0.2)
 
+    def exited(self) -> list[tuple[str, object]]:
+        """(name, Popen) of each started process that has exited: "router", "redis-server"
+        (when this cluster started it) and worker ids, in that order."""
+        procs = [("router", self.router_proc)]
+        if self.redis is not None:
+            procs.append(("redis-server", self.redis.proc))
+        procs += [(wid, proc) for wid, (_, proc) in self.workers.items()]
+        return [(name, proc) for name, proc in procs if proc is not None and proc.poll() is not None]
+
     def kill_worker(self, worker_id: str) -> None:
         """SIGKILL one worker (fault injection)."""
         _, proc = self.workers[worker_id]

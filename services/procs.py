@@ -98,6 +98,7 @@ def spawn(cmd: list[str], log_path: str | None = None, env: dict | None = None) 
     the child should (the main thread in kvmesh).
     """
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    log_offset = out.tell() if log_path else 0  # this child's output starts here (the log is appended to)
     full_env = dict(os.environ)
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     full_env["PYTHONPATH"] = repo_root + os.pathsep + full_env.get("PYTHONPATH", "")
@@ -105,6 +106,7 @@ def spawn(cmd: list[str], log_path: str | None = None, env: dict | None = None) 
     proc = subprocess.Popen(_with_parent_death_signal(cmd), stdout=out, stderr=subprocess.STDOUT, env=full_env,
                             start_new_session=True)
     proc.log_path = log_path  # named in errors about this process
+    proc.log_offset = log_offset
     return proc
 
 
@@ -112,26 +114,46 @@ def wait_healthy(address: str, timeout: float = 120.0, proc: subprocess.Popen | 
     """Block until the gRPC health service at ``address`` answers SERVING (over mutual TLS
     with ``tls``, a `kvmesh.workers.tls.TlsConfig`).
 
+    With ``proc`` logging to a file, also waits for its "listening on" line, so a server
+    already on that port does not pass for the child.
+
     Raises:
-        RuntimeError: ``proc`` exited first, or ``timeout`` seconds passed.
+        RuntimeError: ``proc`` exited first (the message has its last error line), or
+            ``timeout`` seconds passed.
     """
     deadline = time.monotonic() + timeout
     with (tls.peer_sync_channel(address) if tls is not None else grpc.insecure_channel(address)) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             if proc is not None and proc.poll() is not None:
-                log = getattr(proc, "log_path", None)
-                raise RuntimeError(f"process for {address} exited with code {proc.returncode} before serving"
-                                   + (f"; its log: {log}" if log else ""))
+                from kvmesh.services.cli_checks import exited_message
+
+                raise RuntimeError(exited_message(f"process for {address}", proc, " before serving"))
             try:
                 resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                # SERVING may come from another process on a busy port: the child must also
+                # have said it is listening (its bind succeeded)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING and _said_listening(proc):
                     return
             except grpc.RpcError:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{address} not healthy after {timeout:.0f} s")
             time.sleep(0.1)
+
+
+def _said_listening(proc: subprocess.Popen | None) -> bool:
+    """Whether ``proc``'s log has the "listening on" line kvmesh servers print after binding
+    (True when there is no process or log to ask)."""
+    log = getattr(proc, "log_path", None)
+    if not log:
+        return True
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(getattr(proc, "log_offset", 0))
+            return b" listening on " in fh.read()
+    except OSError:
+        return True
 
 
 def stop_process(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:

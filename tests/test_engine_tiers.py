@@ -356,8 +356,8 @@ def test_cli_tier_flags(capsys):
     cfg = tier_config(args)
     assert (cfg.remote_bytes, cfg.remote_codec, cfg.remote_url, cfg.remote_cluster) == (
         2 << 30, "fp8", "redis://127.0.0.1:7/0", "c1")
-    for argv, needle in [(["--disk-dir", "/d"], "disk_bytes"), (["--disk-dir", "/d", "--disk-bytes", "1G"], "host"),
-                         (["--host-bytes", "1G", "--remote-bytes", "1G"], "remote_url")]:
+    for argv, needle in [(["--disk-dir", "/d"], "--disk-bytes"), (["--disk-dir", "/d", "--disk-bytes", "1G"], "host"),
+                         (["--host-bytes", "1G", "--remote-bytes", "1G"], "--redis-url")]:
         assert cmd_worker(p.parse_args(["worker", "--port", "1", *argv])) == 2  # before any model loads
         assert needle in capsys.readouterr().err
     with pytest.raises(SystemExit):

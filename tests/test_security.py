@@ -317,7 +317,7 @@ def test_kvmesh_up_is_secure_by_default_and_says_how_to_connect():
 def test_kvmesh_up_insecure_says_so_first():
     from kvmesh.services.procs import stop_process
 
-    proc = _up("--workers", "0", "--insecure")
+    proc = _up("--workers", "1", "--insecure")
     try:
         lines = _read_until(proc, "kvmesh cluster up")
         assert "security is OFF" in lines[0]

@@ -125,10 +125,19 @@ def load_tokenizer(model_dir: str | None, config: ModelConfig) -> Tokenizer:
     `ByteTokenizer` with the config's vocabulary size and BOS/EOS ids.
 
     Raises:
-        ValueError: from `HFTokenizer` or `ByteTokenizer` (unusable file or ids).
+        ValueError: from `HFTokenizer` (unusable file), or no tokenizer.json while the config's
+            ids do not fit the byte tokenizer (the message says what is missing).
     """
     if model_dir is not None and os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         eos = list(config.eos_token_ids)
         eos += [i for i in _generation_eos(model_dir) if i not in eos]
         return HFTokenizer(model_dir, bos_token_id=config.bos_token_id, eos_token_ids=eos)
-    return ByteTokenizer(config.vocab_size, bos=config.bos_token_id, eos=config.eos_token_id)
+    try:
+        return ByteTokenizer(config.vocab_size, bos=config.bos_token_id, eos=config.eos_token_id)
+    except ValueError as exc:
+        if model_dir is None:
+            raise
+        raise ValueError(
+            f"{model_dir}: no tokenizer.json, and the byte-level fallback tokenizer does not fit this model "
+            f"({exc}). Copy the model's tokenizer.json into the folder; the fallback only serves checkpoints "
+            f"whose config.json has vocab_size >= 258 and bos/eos ids in [256, vocab_size)") from None

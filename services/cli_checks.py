@@ -1,0 +1,266 @@
+"""Checks the `kvmesh` command line runs before it starts anything, and how it reports a child.
+
+Every check returns a message that names the flag the user typed (``--port``, ``--model``)
+or None; the caller prints ``error: MESSAGE`` and exits with status 2 (a usage error),
+before any redis-server, worker or router process exists. `last_error_line` pulls the
+reason out of a child's log when a process still fails after starting.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+
+#: Library field names that appear in messages, and the flag a user types for each.
+FLAG_OF_FIELD = {
+    "host_bytes": "--host-bytes", "host_codec": "--host-codec", "disk_dir": "--disk-dir",
+    "disk_bytes": "--disk-bytes", "disk_codec": "--disk-codec", "write_mode": "--disk-write-mode",
+    "peer_bytes": "--peer-bytes", "remote_bytes": "--remote-bytes", "remote_codec": "--remote-codec",
+    "remote_url": "--redis-url", "max_fetch_s": "--peer-fetch-max-s", "max_num_seqs": "--max-seqs",
+    "max_num_batched_tokens": "--max-batched-tokens", "num_blocks": "--num-blocks", "block_size": "--block-size",
+    "max_model_len": "--max-model-len",
+}
+_FIELD_RE = re.compile(r"(?<![\w-])(" + "|".join(sorted(FLAG_OF_FIELD, key=len, reverse=True)) + r")(?![\w-])")
+
+
+def with_flag_names(message: str) -> str:
+    """``message`` with library field names (``disk_dir``) replaced by their flags (``--disk-dir``)."""
+    return _FIELD_RE.sub(lambda m: FLAG_OF_FIELD[m.group(1)], str(message))
+
+
+def port_number(text: str) -> int:
+    """argparse type of a ``--port``: an int in 0..65535 (0 = any free port).
+
+    Raises:
+        argparse.ArgumentTypeError: not an int in that range.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1-65535, or 0 for a free one)") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is outside 1-65535 (0 picks a free port)")
+    return value
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound right now (e.g. "Address already in use"), or None.
+
+    Binds a throw-away socket with SO_REUSEADDR, as a gRPC server does, so a port left in
+    TIME_WAIT counts as free.
+    """
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host.strip("[]") or "0.0.0.0", port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+def busy_port_problem(host: str, port: int) -> str | None:
+    """A message naming ``--port`` when ``host:port`` cannot be bound now, else None."""
+    reason = port_in_use(host, port)
+    if reason:
+        return (f"--port {port}: could not bind {host}:{port} ({reason}); pick another port, "
+                "or pass --port 0 for a free one")
+    return None
+
+
+def device_problem(device: str) -> str | None:
+    """What keeps torch from using ``--device`` here, or None (imports torch unless "cpu")."""
+    if device == "cpu":
+        return None
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        return f"--device {device!r} is not a torch device (use cpu, cuda or cuda:N)"
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        return f"--device {device!r}: kvmesh workers run on cpu or cuda"
+    if torch.version.cuda is None:
+        return (f"--device {device}: this torch build ({torch.__version__}) has no CUDA support; "
+                "use --device cpu or install a CUDA build of torch")
+    if not torch.cuda.is_available():
+        return f"--device {device}: no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES)"
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        return f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible"
+    return None
+
+
+def model_problem(model: str | None) -> str | None:
+    """What is wrong with a ``--model`` folder (missing, no config.json, no weights, no usable
+    tokenizer), or None; None for the built-in model. Reads config.json and the tokenizer,
+    not the weights."""
+    if model is None:
+        return None
+    import glob
+
+    if not os.path.isdir(model):
+        return f"--model {model}: no such directory (a local Hugging Face folder with config.json and *.safetensors)"
+    from kvmesh.workers.loader import read_config
+    from kvmesh.workers.tokenizer import load_tokenizer
+
+    try:
+        cfg = read_config(model)
+        if not glob.glob(os.path.join(model, "*.safetensors")):
+            return f"--model {model}: no *.safetensors weight files in the folder"
+        load_tokenizer(model, cfg)
+    except ValueError as exc:
+        return f"--model: {exc}"
+    return None
+
+
+def policy_names() -> list[str]:
+    """Routing policy names a router accepts."""
+    from kvmesh.services.policies import POLICIES
+
+    return sorted(POLICIES)
+
+
+def policy_problem(policy: str) -> str | None:
+    names = policy_names()
+    if policy not in names:
+        return f"--policy {policy!r} is not a routing policy; choose one of: {', '.join(names)}"
+    return None
+
+
+def engine_flag_problem(args: argparse.Namespace) -> str | None:
+    """Range checks of the worker engine flags (`services.cli._add_engine_args`) and the
+    peer-fetch flags, in flag names; None when they are fine."""
+    for dest in ("block_size", "num_blocks", "max_batched_tokens", "max_seqs"):
+        value = getattr(args, dest, None)
+        if value is not None and value < 1:
+            return f"--{dest.replace('_', '-')} must be >= 1 (got {value})"
+    if getattr(args, "max_model_len", None) is not None and args.max_model_len < 1:
+        return f"--max-model-len must be >= 1 tokens (got {args.max_model_len})"
+    if getattr(args, "threads", 0) is not None and getattr(args, "threads", 0) < 0:
+        return f"--threads must be >= 0 (got {args.threads})"
+    fetch_s = getattr(args, "peer_fetch_max_s", None)
+    if fetch_s is not None and not fetch_s > 0:
+        return f"--peer-fetch-max-s must be > 0 seconds (got {fetch_s})"
+    return None
+
+
+def first_problem(*checks) -> str | None:
+    """The first non-None result of ``checks`` (callables), evaluated in order."""
+    for check in checks:
+        problem = check()
+        if problem:
+            return problem
+    return None
+
+
+_ERROR_LINE = re.compile(r"^(error: |[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b)")
+
+
+def last_error_line(log_path: str | None, max_bytes: int = 65536) -> str | None:
+    """The last line of a child's log that states an error (``error: ...`` or the final
+    ``SomeError: ...`` line of a traceback), else its last non-blank line; None when the log
+    is missing or empty. Reads at most the last ``max_bytes`` bytes."""
+    if not log_path:
+        return None
+    try:
+        with open(log_path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            text = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if _ERROR_LINE.match(line):
+            return line
+    return lines[-1] if lines else None
+
+
+def exited_message(name: str, proc, when: str = "") -> str:
+    """One line about a child that exited: its name, exit code (``when``: e.g. " before
+    serving"), last error line and log path."""
+    import signal
+
+    log = getattr(proc, "log_path", None)
+    line = last_error_line(log)
+    if line and not _ERROR_LINE.match(line) and not proc.returncode > 0:
+        line = None  # a killed process's last line is not its reason
+    if proc.returncode is not None and proc.returncode < 0:
+        try:
+            text = f"{name} was killed by {signal.Signals(-proc.returncode).name}{when}"
+        except ValueError:
+            text = f"{name} was killed by signal {-proc.returncode}{when}"
+    else:
+        text = f"{name} exited with code {proc.returncode}{when}"
+    if line:
+        text += f": {line.removeprefix('error: ')}"
+    if log:
+        text += f" (log: {log})"
+    return text
+
+
+def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str | None:
+    """Everything `kvmesh up` can check before it starts Redis or any process: worker count,
+    routing policy, engine and tier flags (``tier_problem``: the tier check's message),
+    model folder, device, whether ``--port`` is free and ``--redis-url`` answers. Returns the
+    first problem."""
+    def workers():
+        if args.workers < 1:
+            return f"--workers must be >= 1 (got {args.workers}): a cluster needs a worker to serve requests"
+        return None
+
+    def port():
+        return busy_port_problem("127.0.0.1", args.port) if args.port else None
+
+    def redis_reachable():
+        if not args.redis_url:
+            return None
+        import redis
+
+        try:
+            redis.Redis.from_url(args.redis_url, socket_timeout=3.0, socket_connect_timeout=3.0).ping()
+        except redis.exceptions.RedisError as exc:
+            return (f"--redis-url {args.redis_url}: cannot reach it ({exc}); leave --redis-url out to start "
+                    "a private one")
+        return None
+
+    return first_problem(workers, lambda: policy_problem(args.policy), lambda: engine_flag_problem(args),
+                         lambda: with_flag_names(tier_problem) if tier_problem else None,
+                         lambda: model_problem(args.model), lambda: device_problem(args.device), port,
+                         redis_reachable)
+
+
+def demo_problem(args: argparse.Namespace) -> str | None:
+    """Checks of `kvmesh demo`'s flags before any cluster starts; the first problem or None."""
+    for dest in ("workers", "tokens_per_block", "max_output_tokens", "concurrency", "num_blocks"):
+        value = getattr(args, dest, None)
+        if value is not None and value < 1:
+            return f"--{dest.replace('_', '-')} must be >= 1 (got {value})"
+    if args.max_requests is not None and args.max_requests < 1:
+        return f"--max-requests must be >= 1 (got {args.max_requests})"
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not names:
+        return "--policies names no routing policy"
+    for name in names:
+        problem = policy_problem(name)
+        if problem:
+            return problem.replace("--policy", "--policies", 1)
+    if args.trace is not None and not os.path.isfile(args.trace):
+        return f"--trace {args.trace}: no such file (a Mooncake-format JSONL trace)"
+    return None
+
+
+def os_error_message(args: argparse.Namespace, exc: OSError) -> str:
+    """One line for a file error, naming the flag whose value is the file when there is one
+    (``--trace missing.jsonl: No such file or directory``)."""
+    name = os.fspath(exc.filename) if exc.filename is not None else None
+    flag = next((f"--{dest.replace('_', '-')}" for dest, value in vars(args).items()
+                 if name is not None and isinstance(value, str) and value == name), None)
+    reason = exc.strerror or str(exc)
+    if flag:
+        return f"{flag} {name}: {reason}"
+    return f"{name}: {reason}" if name else reason

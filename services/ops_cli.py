@@ -1,0 +1,150 @@
+"""Operator sub-commands of the `kvmesh` CLI: ``status`` (the router's view of its cluster),
+``--version``, and the codec sizing behind ``kv-size --codec``."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+
+def version() -> str:
+    """The installed kvmesh version (package metadata), or "unknown" when not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _version
+
+    try:
+        return _version("kvmesh")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------- status
+
+
+def router_status(target: str, timeout: float = 10.0, api_key: str | None = None,
+                  tls_ca: str | None = None) -> dict:
+    """Ask a router's ``Router/Status`` and return it as a dict.
+
+    Returns ``{"policy", "indexed_blocks", "workers": [{"worker_id", "address",
+    "cached_blocks", "running_requests", "waiting_requests", "queued_prefill_tokens",
+    "free_blocks", "total_blocks"}]}`` (blocks are KV blocks, the router's index counts).
+    ``api_key`` goes in the ``authorization: Bearer KEY`` metadata; ``tls_ca`` makes the channel TLS,
+    verifying the router against that CA.
+
+    Raises:
+        grpc.RpcError: the router answered with an error (UNIMPLEMENTED: not a router).
+        OSError: ``tls_ca`` cannot be read.
+    """
+    import grpc
+
+    from kvmesh.proto import kvmesh_pb2 as pb
+    from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+
+    if tls_ca:
+        with open(tls_ca, "rb") as fh:
+            channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=fh.read()))
+    else:
+        channel = grpc.insecure_channel(target)
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    with channel:
+        st = pb_grpc.RouterStub(channel).Status(pb.RouterStatusRequest(), timeout=timeout, metadata=metadata)
+    workers = []
+    for w in st.workers:
+        workers.append({"worker_id": w.worker_id, "address": w.address, "cached_blocks": int(w.cached_blocks),
+                        "running_requests": int(w.load.running_requests),
+                        "waiting_requests": int(w.load.waiting_requests),
+                        "queued_prefill_tokens": int(w.load.queued_prefill_tokens),
+                        "free_blocks": int(w.load.free_blocks), "total_blocks": int(w.load.total_blocks)})
+    return {"policy": st.policy, "indexed_blocks": int(st.indexed_blocks), "workers": workers}
+
+
+def status_table(status: dict) -> str:
+    """A plain-text table of `router_status` for a terminal."""
+    workers = status["workers"]
+    lines = [f"router policy {status['policy']}, {len(workers)} live workers, "
+             f"{status['indexed_blocks']:,} KV blocks indexed"]
+    header = ("worker", "address", "running", "waiting", "queued prefill tokens", "free / total blocks",
+              "cached blocks")
+    rows = [(w["worker_id"], w["address"], str(w["running_requests"]), str(w["waiting_requests"]),
+             f"{w['queued_prefill_tokens']:,}", f"{w['free_blocks']:,} / {w['total_blocks']:,}",
+             f"{w['cached_blocks']:,}") for w in workers]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    if not workers:
+        lines.append("(no live workers: check that workers run with the router's --redis-url and --cluster)")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+
+    try:
+        status = router_status(args.target, timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca)
+    except grpc.RpcError as exc:
+        code = exc.code().name if hasattr(exc, "code") and exc.code() else "UNKNOWN"
+        detail = exc.details() if hasattr(exc, "details") else str(exc)
+        if code == "UNIMPLEMENTED":
+            detail = f"{args.target} is not a kvmesh router (kvmesh status asks Router/Status)"
+        print(f"error: {code}: {detail}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"error: --tls-ca: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(status) if args.json else status_table(status), end="\n" if args.json else "")
+    return 0
+
+
+def register_status(sub) -> None:
+    p = sub.add_parser("status", help="print a router's view of its cluster: live workers, their load and "
+                                      "cached blocks, blocks indexed")
+    p.add_argument("--target", required=True, help="HOST:PORT of a kvmesh router")
+    p.add_argument("--timeout", type=float, default=10.0, help="RPC deadline, seconds (default 10)")
+    p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
+                   help="API key, sent as `authorization: Bearer KEY` (default: $KVMESH_API_KEY; none)")
+    p.add_argument("--tls-ca", default=None, help="CA certificate (PEM) to verify a TLS router (default: plaintext)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_status)
+
+
+# ---------------------------------------------------------------------------- kv-size --codec
+
+#: Pool dtypes a codec can take blocks in (the worker's model dtype).
+POOL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def codec_block_bytes(cfg, codec: str, block_size: int, dtype: str = "bf16") -> tuple[int, int]:
+    """(bytes of one encoded block, bytes of one block in the pool) as the tier codec stores it.
+
+    The block is ``(layers, 2, kv_heads, block_size, head_dim)`` of ``cfg``;
+    ``payload_bytes`` comes from the codec itself (`cache_store.kv_codec`), so its scales
+    are included.
+
+    Raises:
+        ValueError: unknown codec, a dtype that is not a pool dtype, or block_size < 1.
+    """
+    import torch
+
+    from kvmesh.cache_store.kv_codec import make_codec
+
+    if dtype not in POOL_DTYPES:
+        raise ValueError(f"--dtype {dtype} is not a KV pool dtype; with --codec use one of {', '.join(POOL_DTYPES)}")
+    if block_size < 1:
+        raise ValueError(f"--block-size must be >= 1 (got {block_size})")
+    shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, block_size, cfg.head_dim)
+    c = make_codec(codec, shape, getattr(torch, POOL_DTYPES[dtype]))
+    return int(c.payload_bytes), int(c.block_bytes)
+
+
+def codec_size(cfg, tokens: int, batch: int, codec: str, block_size: int, dtype: str) -> dict:
+    """What ``tokens x batch`` tokens take in a tier with ``codec``: whole blocks of
+    ``block_size`` tokens, each `codec_block_bytes`. Returns blocks, bytes_per_block,
+    pool_bytes_per_block, bytes and blocks_per_gib (the host tier's slots per GiB of
+    ``--host-bytes``: it holds ``capacity // payload_bytes`` blocks, `cache_store.host_tier`)."""
+    per_block, pool_block = codec_block_bytes(cfg, codec, block_size, dtype)
+    blocks = math.ceil(tokens / block_size) * batch
+    return {"codec": codec, "block_size": block_size, "blocks": blocks, "bytes_per_block": per_block,
+            "pool_bytes_per_block": pool_block, "bytes": blocks * per_block,
+            "blocks_per_gib": (1 << 30) // per_block}

@@ -1,0 +1,463 @@
+"""The `kvmesh` command line tells the truth: success means success, arguments are checked
+before anything starts, a failing child's reason is shown, and Ctrl-C keeps finished work.
+
+Every test runs the installed `kvmesh` entry point (or ``python -m kvmesh...``) as a
+subprocess against real worker, router and redis-server processes on loopback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+KVMESH = os.path.join(os.path.dirname(sys.executable), "kvmesh")
+MAX_MODEL_LEN = 60  # the module worker's context: the multi-turn bench's third turns exceed it
+
+
+def kvmesh(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([KVMESH, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def _listening_port(log_path: str, proc, timeout: float = 120.0) -> int:
+    """The port a server printed in its "listening on HOST:PORT" line."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(log_path, encoding="utf-8", errors="replace") as fh:
+            m = re.search(r"listening on [\d.]+:(\d+)", fh.read())
+        if m:
+            return int(m.group(1))
+        assert proc.poll() is None, open(log_path).read()
+        time.sleep(0.1)
+    raise AssertionError(f"no listening line in {log_path}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """redis-server, one registered worker started with ``--port 0``, one router."""
+    from kvmesh.services.procs import RedisServer, free_port, python_cmd, spawn, stop_process, wait_healthy
+
+    logs = tmp_path_factory.mktemp("logs")
+    redis = RedisServer()
+    procs = []
+    try:
+        wlog = str(logs / "w0.log")
+        worker = spawn(python_cmd("worker", "--port", "0", "--worker-id", "w0", "--threads", "1", "--num-blocks", "64",
+                                  "--max-model-len", str(MAX_MODEL_LEN), "--redis-url", redis.url, "--cluster", "t"),
+                       wlog)
+        procs.append(worker)
+        worker_addr = f"127.0.0.1:{_listening_port(wlog, worker)}"
+        wait_healthy(worker_addr, proc=worker)
+        router_addr = f"127.0.0.1:{free_port()}"
+        router = spawn(python_cmd("router", "--port", router_addr.rsplit(":", 1)[1], "--redis-url", redis.url,
+                                  "--cluster", "t"), str(logs / "router.log"))
+        procs.append(router)
+        wait_healthy(router_addr, proc=router)
+        yield {"redis": redis, "worker": worker_addr, "router": router_addr, "logs": logs}
+    finally:
+        for p in procs:
+            stop_process(p)
+        redis.stop()
+
+
+# ---------------------------------------------------------------------------- arguments checked first
+
+
+def _cuda_flag() -> str:
+    import torch
+
+    return "cuda:99" if torch.cuda.is_available() else "cuda"  # a device this machine lacks
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--workers", "0"], "--workers"),
+    (["--workers", "-1"], "--workers"),
+    (["--policy", "bogus"], "--policy"),
+    (["--model", "/nonexistent"], "--model"),
+    (["--block-size", "0"], "--block-size"),
+    (["--num-blocks", "0"], "--num-blocks"),
+    (["--max-seqs", "0"], "--max-seqs"),
+    (["--peer-fetch-max-s", "0"], "--peer-fetch-max-s"),
+    (["--device", "CUDA"], "--device"),
+    (["--port", "70001"], "--port"),
+    (["--port", "-5"], "--port"),
+    (["--disk-dir", "/tmp/kvmesh-nowhere"], "--disk-bytes"),
+    (["--redis-url", "redis://127.0.0.1:1/0"], "--redis-url"),
+])
+def test_up_rejects_bad_arguments_before_starting_anything(tmp_path, argv, flag):
+    argv = [_cuda_flag() if a == "CUDA" else a for a in argv]
+    res = kvmesh("up", *argv, env={"TMPDIR": str(tmp_path)})
+    assert res.returncode == 2, res.stderr
+    assert flag in res.stderr and "Traceback" not in res.stderr
+    assert "cluster up" not in res.stdout
+    assert os.listdir(tmp_path) == []  # no log folder, no redis-server folder: nothing started
+    if flag == "--policy":
+        assert "kv_aware" in res.stderr and "round_robin" in res.stderr  # the valid names
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["demo", "--workers", "0"], "--workers"),
+    (["demo", "--policies", "bogus"], "--policies"),
+    (["demo", "--max-requests", "-3"], "--max-requests"),
+    (["demo", "--trace", "/nonexistent.jsonl"], "--trace"),
+    (["bench", "--policies", "kv_aware", "--device", "CUDA"], "--device"),
+    (["bench", "--policies", "kv_aware", "--model", "/nonexistent"], "--model"),
+    (["router", "--port", "0", "--redis-url", "redis://127.0.0.1:1/0", "--policy", "bogus"], "--policy"),
+])
+def test_cluster_commands_check_flags_before_starting_a_cluster(tmp_path, argv, flag):
+    argv = [_cuda_flag() if a == "CUDA" else a for a in argv]
+    if argv[0] in ("bench", "demo"):
+        argv += ["--out", str(tmp_path / "out")]
+    res = kvmesh(*argv, env={"TMPDIR": str(tmp_path)})
+    assert res.returncode == 2, res.stderr
+    assert flag in res.stderr and "Traceback" not in res.stderr and "starting a cold cluster" not in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_up_on_a_busy_port_fails_with_the_bind_error(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = kvmesh("up", "--port", str(port), env={"TMPDIR": str(tmp_path)})
+    assert res.returncode == 2 and "cluster up" not in res.stdout
+    assert f"--port {port}" in res.stderr and "in use" in res.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_server_already_on_the_port_does_not_pass_for_the_child(cluster, tmp_path):
+    """The port check and the child's bind race; the readiness wait must not take the other
+    router's SERVING answer for the child's."""
+    from kvmesh.services.procs import python_cmd, spawn, stop_process, wait_healthy
+
+    port = cluster["router"].rsplit(":", 1)[1]
+    proc = spawn(python_cmd("router", "--port", port, "--redis-url", cluster["redis"].url, "--cluster", "t"),
+                 str(tmp_path / "second-router.log"))
+    try:
+        with pytest.raises(RuntimeError, match="could not bind"):  # the child's own last error line
+            wait_healthy(cluster["router"], proc=proc, timeout=120)
+    finally:
+        stop_process(proc)
+
+
+_INTERNAL_FIELDS = ("disk_dir", "disk_bytes", "remote_url", "max_fetch_s", "max_num_seqs")
+
+
+def test_worker_errors_are_one_line_naming_the_flag(capsys):
+    from kvmesh.services.cli import main
+
+    cases = [  # the entry point as a process for the issue's inputs
+        (["--device", _cuda_flag()], "--device"),
+        (["--disk-dir", "/tmp/kvmesh-nowhere"], "--disk-bytes"),
+        (["--peer-fetch-max-s", "0"], "--peer-fetch-max-s"),
+    ]
+    for argv, flag in cases:
+        res = kvmesh("worker", "--port", "0", "--threads", "1", *argv)
+        assert res.returncode == 2, (argv, res.stderr)
+        assert flag in res.stderr and "Traceback" not in res.stderr, (argv, res.stderr)
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert not any(field in res.stderr for field in _INTERNAL_FIELDS), res.stderr
+    res = kvmesh("worker", "--port", "70001")
+    assert res.returncode == 2 and "--port" in res.stderr
+    for argv, flag in [(["--host-bytes", "1M", "--remote-bytes", "1M"], "--redis-url"),
+                       (["--max-seqs", "0"], "--max-seqs")]:  # the same code in this process
+        assert main(["worker", "--port", "0", "--threads", "1", *argv]) == 2
+        err = capsys.readouterr().err
+        assert flag in err and not any(field in err for field in _INTERNAL_FIELDS), err
+    for port in ("-5", "http"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["worker", "--port", port])
+        assert exit_.value.code == 2 and "--port" in capsys.readouterr().err
+
+
+def test_a_missing_file_is_one_line_naming_its_flag():
+    res = kvmesh("sim", "--trace", "missing.jsonl", "--num-blocks", "100")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == "error: --trace missing.jsonl: No such file or directory"
+
+
+def test_port_zero_registers_the_port_actually_bound(cluster):
+    import redis
+
+    from kvmesh.workers.kv_publisher import lease_key
+
+    lease = json.loads(redis.Redis.from_url(cluster["redis"].url).get(lease_key("w0", "t")))
+    assert lease["address"] == cluster["worker"] and not lease["address"].endswith(":0")
+    from kvmesh.services.ops_cli import router_status
+
+    deadline = time.monotonic() + 30
+    while not router_status(cluster["router"])["workers"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert router_status(cluster["router"])["workers"][0]["address"] == cluster["worker"]
+
+
+def _byte_fallback_checkpoint(directory) -> str:
+    """A real HF-layout checkpoint whose config has Llama's BOS/EOS ids (1, 2) and no tokenizer.json."""
+    import dataclasses
+
+    from kvmesh.workers.config import ModelConfig
+    from kvmesh.workers.loader import save_tiny_checkpoint
+
+    cfg = dataclasses.replace(ModelConfig.tiny(), bos_token_id=1, eos_token_id=2)
+    return save_tiny_checkpoint(str(directory), cfg)
+
+
+def test_model_without_tokenizer_json_says_what_is_missing(tmp_path, capsys):
+    from kvmesh.services.cli import main
+
+    model = _byte_fallback_checkpoint(tmp_path / "m")
+    res = kvmesh("up", "--model", model, env={"TMPDIR": str(tmp_path)})
+    assert res.returncode == 2, res.stderr
+    assert "tokenizer.json" in res.stderr and "byte" in res.stderr and "[256," in res.stderr
+    assert "Traceback" not in res.stderr and os.listdir(tmp_path) == ["m"]  # nothing started
+    assert main(["worker", "--port", "0", "--threads", "1", "--model", model]) == 2  # the worker says the same
+    err = capsys.readouterr().err
+    assert "tokenizer.json" in err and "[256," in err
+
+
+@pytest.mark.slow
+def test_up_prints_a_failing_childs_last_error_line(tmp_path):
+    """A remote tier too small for one block record is only known once the worker has the
+    model's shape: the worker fails after start, and up shows its reason, not only a path."""
+    res = kvmesh("up", "--workers", "1", "--threads", "1", "--host-bytes", "8M", "--remote-bytes", "32K",
+                 env={"TMPDIR": str(tmp_path)}, timeout=180)
+    assert res.returncode == 1, res.stderr
+    assert "cannot hold one block record" in res.stderr and "worker-0" in res.stderr
+    assert "cluster up" not in res.stdout
+
+
+# ---------------------------------------------------------------------------- success means success
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as fh:
+                out += [int(c) for c in fh.read().split()]
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        return fh.read().replace(b"\0", b" ").decode()
+
+
+@pytest.mark.slow
+def test_up_exits_non_zero_when_a_process_it_started_dies(tmp_path):
+    up = subprocess.Popen([KVMESH, "up", "--workers", "1", "--threads", "1", "--num-blocks", "64"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        line = up.stdout.readline()
+        assert "cluster up" in line, up.stderr.read() if up.poll() is not None else line
+        worker = next(c for c in _children(up.pid) if " worker " in _cmdline(c))
+        os.kill(worker, signal.SIGKILL)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 1
+    assert "worker-0 was killed by SIGKILL" in err
+
+
+def _bench_multi_turn(target: str, out, *extra: str) -> subprocess.CompletedProcess:
+    # 4 conversations x 3 turns; each third turn (72+ tokens) exceeds the worker's 60-token context
+    return kvmesh("bench", "--target", target, "--workload", "multi-turn", "--mt-conversations", "4", "--mt-turns", "3",
+                  "--mt-system-len", "16", "--mt-user-len", "16", "--mt-output-len", "4", "--no-progress",
+                  "--out", str(out), *extra, timeout=300)
+
+
+def test_bench_fails_when_requests_fail_unless_allowed(cluster, tmp_path):
+    res = _bench_multi_turn(cluster["worker"], tmp_path / "strict", "--no-plots")
+    result = json.loads((tmp_path / "strict" / "result.json").read_text())
+    assert result["num_errors"] == 4 and result["num_ok"] == 8, result["errors"]
+    assert res.returncode == 1
+    assert "4 of 12 requests failed" in res.stderr and "INVALID_ARGUMENT" in res.stderr
+    assert "errors by code" in res.stdout and "INVALID_ARGUMENT 4" in res.stdout  # the summary table
+    res = _bench_multi_turn(cluster["worker"], tmp_path / "lenient", "--no-plots", "--max-error-rate", "0.5")
+    assert res.returncode == 0, res.stderr
+    res = _bench_multi_turn(cluster["worker"], tmp_path / "bad", "--max-error-rate", "2")
+    assert res.returncode == 2 and "--max-error-rate" in res.stderr
+
+
+def test_ttft_plot_counts_failed_requests(tmp_path, monkeypatch):
+    from kvmesh.bench import plots
+
+    figs = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figs.append(fig) or path)
+    ok = [{"ok": True, "ttft_ms": 10.0 + i} for i in range(3)]
+    bad = [{"ok": False, "code": "UNAVAILABLE"}] * 2
+    plots.ttft_cdf({"kv_aware": ok + bad, "round_robin": bad}, tmp_path / "t.png")
+    texts = [t.get_text() for t in figs[0].axes[0].texts]
+    assert any("kv_aware: 2 of 5 requests failed" in t and "round_robin: 2 of 2 requests failed" in t for t in texts)
+    assert "2 failed" in figs[0].axes[0].get_legend().get_texts()[0].get_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_bench_writes_what_finished(cluster, tmp_path, sig):
+    out = tmp_path / "run"
+    bench = subprocess.Popen([KVMESH, "bench", "--target", cluster["worker"], "--workload", "shared-prefix",
+                              "--gsp-num-groups", "2", "--gsp-prompts-per-group", "20", "--gsp-system-prompt-len", "16",
+                              "--gsp-question-len", "8", "--gsp-output-len", "2", "--rate", "2", "--no-plots",
+                              "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while "sending 40 requests" not in (line := bench.stderr.readline()):
+            assert line, "bench ended before sending"
+        time.sleep(2.0)  # ~4 requests released at 2/s; 40 take ~20 s
+        bench.send_signal(sig)
+        _, err = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 130, err
+    result = json.loads((out / "result.json").read_text())
+    assert result["partial"] is True and result["interrupted_by"] == sig.name
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert len(rows) == result["num_requests"] < 40
+    assert result["num_requests"] + result["num_not_sent"] == 40
+    assert all(r["ok"] or r.get("cancelled") for r in rows)  # nothing counted as failed
+    assert "Partial run" in (out / "result.md").read_text()
+
+
+# ---------------------------------------------------------------------------- say what it does
+
+
+def test_every_flag_has_help_with_its_default():
+    import argparse
+
+    from kvmesh.services.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name, p in sub.choices.items():
+        if name == "sim":  # its flags are documented with the simulator itself
+            continue
+        for a in p._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            flag = f"{name} {a.option_strings[0] if a.option_strings else a.dest}"
+            if not a.help:
+                missing.append(f"{flag}: no help")
+            elif (not a.required and a.default is not None and a.default is not False
+                  and a.default != argparse.SUPPRESS and "default" not in a.help.lower()):
+                missing.append(f"{flag}: default {a.default!r} not stated")
+    assert not missing, "\n".join(missing)
+
+
+def test_version():
+    from importlib.metadata import version
+
+    res = kvmesh("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"kvmesh {version('kvmesh')}"
+
+
+def test_kv_size_codec_counts_the_scales(capsys):
+    from kvmesh.workers.config import resolve_model_shape
+
+    cfg = resolve_model_shape("Llama-3-8B")
+    numel = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * 16 * cfg.head_dim  # one 16-token block
+    # docs/TIERS.md formats: int4 = 4-bit values + one fp32 scale per 32 values along head_dim;
+    # fp8 = 1-byte values + one fp32 scale per (layer, K/V, KV head)
+    expected = {"int4": numel // 2 + 4 * (numel // 32), "fp8": numel + 4 * cfg.num_hidden_layers * 2 *
+                cfg.num_key_value_heads, "none": 2 * numel}
+    from kvmesh.services.cli import main
+
+    res = kvmesh("kv-size", "--model", "Llama-3-8B", "--tokens", "8192", "--codec", "int4", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["bytes_per_block"] == expected["int4"] and out["blocks"] == 512
+    assert out["bytes"] == 512 * expected["int4"] and out["blocks_per_gib"] == (1 << 30) // expected["int4"]
+    for codec, per_block in expected.items():  # the other codecs through the same code, in this process
+        assert main(["kv-size", "--model", "Llama-3-8B", "--tokens", "8200", "--codec", codec, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["bytes_per_block"] == per_block and out["blocks"] == 513  # a partial block is a whole one
+    assert main(["kv-size", "--model", "Llama-3-8B", "--tokens", "8192", "--dtype", "int4", "--json"]) == 0
+    raw = json.loads(capsys.readouterr().out)
+    assert raw["bytes"] * 1.25 == 512 * expected["int4"]  # what the raw count left out
+    assert main(["kv-size", "--model", "Llama-3-8B", "--tokens", "16", "--codec", "int4", "--dtype", "fp8"]) == 2
+    assert "--dtype" in capsys.readouterr().err
+
+
+def test_generate_streams_text_as_it_arrives(cluster):
+    from kvmesh.services.cli import generate
+
+    pieces: list[str] = []
+    prompt = "stream these tokens"
+    out = generate(cluster["worker"], prompt=prompt, max_tokens=8, ignore_eos=True, on_text=pieces.append)
+    assert len(pieces) > 1 and "".join(pieces) == out["text"]  # one piece per step, not one at the end
+    res = kvmesh("generate", "--target", cluster["worker"], "--prompt", prompt, "--max-tokens", "8", "--ignore-eos",
+                 "--stream")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == out["text"] + "\n"
+    both = kvmesh("generate", "--target", cluster["worker"], "--prompt", prompt, "--stream", "--json")
+    assert both.returncode == 2
+
+
+def test_status_prints_the_routers_view(cluster):
+    from kvmesh.services.cli import generate
+
+    prompt = list(range(1, 41))  # 40 tokens: two full 16-token blocks
+    generate(cluster["router"], token_ids=prompt, max_tokens=1)
+    deadline = time.monotonic() + 30
+    while True:
+        res = kvmesh("status", "--target", cluster["router"], "--json")
+        assert res.returncode == 0, res.stderr
+        status = json.loads(res.stdout)
+        if status["indexed_blocks"] >= 2:
+            break
+        assert time.monotonic() < deadline, status
+        time.sleep(0.3)
+    (w,) = status["workers"]
+    assert w["worker_id"] == "w0" and w["address"] == cluster["worker"] and w["total_blocks"] == 64
+    assert w["cached_blocks"] >= 2
+    text = kvmesh("status", "--target", cluster["router"])
+    assert text.returncode == 0 and "w0" in text.stdout and "kv_aware" in text.stdout
+    not_router = kvmesh("status", "--target", cluster["worker"])
+    assert not_router.returncode == 1 and "not a kvmesh router" in not_router.stderr
+
+
+def test_plots_keep_runs_that_share_a_label(tmp_path, monkeypatch):
+    from kvmesh.bench import plots
+
+    runs = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "result.json").write_text(json.dumps({"policy": "kv_aware"}))
+        (d / "requests.jsonl").write_text(json.dumps({"ok": True, "ttft_ms": 1.0}) + "\n")
+        runs.append(str(d))
+    seen = {}
+    monkeypatch.setattr(plots, "write_plots", lambda r, out: seen.update(r) or [])
+    assert plots.main([str(tmp_path / "out"), *runs]) == 0
+    assert len(seen) == 2 and all(k.startswith("kv_aware (") for k in seen)
+
+
+def test_readme_first_generate_example_shows_reuse():
+    """The first generate example's prompt spans more than one 16-token block (bytes + BOS),
+    and the README runs it twice, so the second run reports cached tokens."""
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md"), encoding="utf-8").read()
+    m = re.search(r'^P="([^"]+)"', readme, re.M)
+    assert m and len(m.group(1).encode()) + 1 > 2 * 16
+    assert len(re.findall(r'kvmesh generate --target \S+ --prompt "\$P"', readme)) >= 2
+
+
+def test_offline_benchmarks_show_progress_on_stderr():
+    res = subprocess.run([sys.executable, "-m", "kvmesh.bench.codec_error", "--lengths", "20", "--seeds", "1",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    json.loads(res.stdout)  # stdout keeps only the result
+    assert "bench.codec_error" in res.stderr and "100%" in res.stderr
