@@ -267,18 +267,26 @@ def test_ports_refuse_plaintext_and_missing_keys(cpu_cluster):
 
 
 def test_http_front_over_https(cpu_cluster):
-    """The router's --http-port (the Service's "http" port) serves HTTPS and wants the API key."""
+    """The router's --http-port (the Service's "http" port) serves HTTPS, and a completion
+    needs the API key (401 without)."""
     creds = cpu_cluster["creds"]
     router = cpu_cluster["routers"][1]
-    url = f"https://127.0.0.1:{router.port_named('http')}/v1/models"
+    url = f"https://127.0.0.1:{router.port_named('http')}/v1/completions"
     ctx = ssl.create_default_context(cafile=creds.ca)
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {creds.api_key}"})
-    with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
-        body = json.loads(r.read())
-    assert body["object"] == "list" and len(body["data"]) == 1, body
+    body = json.dumps({"prompt": "hello", "max_tokens": 2, "temperature": 0}).encode()
+
+    def post(headers):
+        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **headers})
+        with urllib.request.urlopen(req, context=ctx, timeout=60) as r:
+            return r.status, json.loads(r.read())
+
+    status, out = post({"Authorization": f"Bearer {creds.api_key}"})
+    assert status == 200 and out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 2, out
     with pytest.raises(urllib.error.HTTPError) as exc:
-        urllib.request.urlopen(url, context=ctx, timeout=10)
+        post({})
     assert exc.value.code == 401
+    with pytest.raises((urllib.error.URLError, ConnectionError)):   # plain HTTP on the HTTPS port
+        urllib.request.urlopen(url.replace("https://", "http://"), data=body, timeout=10)
 
 
 def test_workers_expose_the_keda_metric(cpu_cluster):

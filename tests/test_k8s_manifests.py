@@ -497,3 +497,39 @@ def test_parse_bytes_matches_k8s_sizes():
         cm = find(render(overlay), "ConfigMap", "kvmesh-config")[0]["data"]
         for key in ("KVMESH_HOST_BYTES", "KVMESH_DISK_BYTES", "KVMESH_PEER_BYTES"):
             assert parse_bytes(cm[key]) > 0 and not cm[key].endswith("i"), (overlay, key)
+
+
+def test_k8s_secrets_generator(tmp_path, capsys):
+    """`python -m kvmesh.services.k8s_secrets` prints valid Secrets whose certificate names
+    kvmesh-peer and the router Service, whose api-keys file accepts the key it kept, and
+    keeps the CA key out of the YAML."""
+    import yaml
+    from cryptography import x509
+
+    from kvmesh.services.auth import Authenticator
+    from kvmesh.services.k8s_secrets import main
+
+    out_dir = tmp_path / "creds"
+    assert main(["--namespace", "serving", "--tenant", "team-a", "--tenant", "team-b", "--out-dir", str(out_dir),
+                 "--days", "2"]) == 0
+    objs = list(yaml.safe_load_all(capsys.readouterr().out))
+    for obj in objs:
+        kubernetes_validate.validate(obj, K8S_VERSIONS[0], strict=True)
+    data = {o["metadata"]["name"]: {k: base64.b64decode(v) for k, v in o["data"].items()} for o in objs}
+    assert {o["metadata"]["namespace"] for o in objs} == {"serving"}
+    assert set(data) == set(FILE_SECRETS) and all(set(data[n]) == FILE_SECRETS[n] for n in data)
+    cert = x509.load_pem_x509_certificate(data["kvmesh-tls"]["tls.crt"])
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert {"kvmesh-peer", "kvmesh-router", "kvmesh-router.serving.svc"} <= set(names)
+    assert data["kvmesh-tls"]["ca.crt"] == (out_dir / "ca.crt").read_bytes()
+    ca_key = (out_dir / "ca.key").read_bytes()
+    assert b"PRIVATE KEY" in ca_key and oct((out_dir / "ca.key").stat().st_mode & 0o777) == "0o600"
+    assert not any(ca_key.strip() in v for d in data.values() for v in d.values()), "the CA key stays offline"
+    env = dict(line.split("=", 1) for line in (out_dir / "client.env").read_text().splitlines()
+               if line and not line.startswith("#"))
+    keys_file = tmp_path / "api-keys"
+    keys_file.write_bytes(data["kvmesh-api-keys"]["api-keys"])
+    auth = Authenticator.from_file(str(keys_file))
+    assert auth.tenant_for(f"Bearer {env['KVMESH_API_KEY']}") == "team-a"
+    assert env["KVMESH_API_KEY"].encode() not in data["kvmesh-api-keys"]["api-keys"], "keys are stored hashed"
+    assert main(["--tenant", "two words", "--out-dir", str(tmp_path / "x")]) == 2
