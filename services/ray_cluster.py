@@ -106,9 +106,9 @@ class ProcessSupervisor:
     ``role`` is ``worker``, ``router`` or ``redis``; ``cmd_args`` is the command line, where
     ``{ip}``, ``{port}``, ``{metrics_port}``, ``{http_port}`` (free ports of this node) and
     ``{creds}`` (the folder ``files`` are written to, mode 0700, files 0600) are replaced.
-    ``env``: extra environment of the child (``KVMESH_REDIS_URL``). The child is started in ``__init__`` (so a restarted actor starts it
-    again); a watcher thread ends the actor's process when the child exits unexpectedly,
-    which is what makes Ray restart the actor.
+    ``env``: extra environment of the child (``KVMESH_REDIS_URL``). The child is started in
+    ``__init__`` (so a restarted actor starts it again); a watcher thread ends the actor's
+    process when the child exits unexpectedly, which is what makes Ray restart the actor.
 
     Raises:
         RuntimeError: from ``__init__``, the child did not become ready in ``ready_timeout``.
