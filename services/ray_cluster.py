@@ -445,6 +445,8 @@ def run_until_stopped(spec: RaySpec) -> int:
     """`kvmesh ray`: connect, place, print status lines until SIGINT/SIGTERM, remove."""
     import ray
 
+    from kvmesh.services.security import redact_url
+
     t0 = time.monotonic()
     try:
         ray.init(address=spec.address, log_to_driver=False)
@@ -459,7 +461,7 @@ def run_until_stopped(spec: RaySpec) -> int:
     try:
         placement.start()
         print(f"kvmesh on Ray: router {placement.router_address} (policy {spec.policy}), {spec.workers} workers "
-              f"({spec.strategy}), redis {_redact(placement.redis_url)}; up in {time.monotonic() - t0:.1f} s",
+              f"({spec.strategy}), redis {redact_url(placement.redis_url)}; up in {time.monotonic() - t0:.1f} s",
               flush=True)
         if placement.credentials is not None:
             print(f"clients: set -a; . {placement.credentials.client_env}; set +a   (TLS, client certificate and "
@@ -484,12 +486,3 @@ def run_until_stopped(spec: RaySpec) -> int:
         ray.shutdown()
         print("kvmesh on Ray stopped: actors and placement group removed", flush=True)
     return 0
-
-
-def _redact(url: str) -> str:
-    """``url`` without its password (for logs)."""
-    head, at, tail = url.rpartition("@")
-    if not at:
-        return url
-    scheme, _, _ = head.partition("://")
-    return f"{scheme}://***@{tail}"

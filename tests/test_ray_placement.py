@@ -228,7 +228,11 @@ def test_kvmesh_ray_command(ray_cluster, tmp_path, redis_server):
     assert proc.returncode == 0, out
     assert "actors and placement group removed" in out
     assert "clients: set -a; . " in out and "client.env" in out, "secure by default, says how to connect"
-    assert f"redis {redis_server.url}" in out and "kvmesh on Ray: router" in out
+    from kvmesh.services.security import redact_url
+
+    assert f"redis {redact_url(redis_server.url)}" in out and "kvmesh on Ray: router" in out
+    password = redis_server.url.split("@")[0].rpartition(":")[2]
+    assert not password or password not in out, "the Redis password is never printed"
     assert (tmp_path / "logs" / "worker-0.log").stat().st_size > 0
     pgs = [p for p in placement_group_table().values() if p["name"] == "kvmesh-raycli"]
     assert pgs and all(p["state"] == "REMOVED" for p in pgs)
