@@ -133,15 +133,21 @@ def write_cert_and_key(cert, key, cert_path: str, key_path: str) -> None:
     _write(key_path, _pem_key(key), private=True)
 
 
-def generate_cluster_credentials(run_dir: str) -> ClusterCredentials:
+def generate_cluster_credentials(run_dir: str, dns: tuple[str, ...] = (),
+                                 ips: tuple[str, ...] = ()) -> ClusterCredentials:
     """Write a fresh CA, the shared peer certificate, an API key file and ``client.env`` into
-    ``run_dir`` (created mode 0700). Returns their paths and the API key."""
+    ``run_dir`` (created mode 0700). Returns their paths and the API key.
+
+    ``dns`` / ``ips``: more subjectAltNames of the peer certificate, beyond ``kvmesh-peer``,
+    ``localhost`` and ``127.0.0.1`` (the addresses clients dial the router at, e.g. the
+    nodes' IPs under `kvmesh ray`)."""
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     p = lambda name: os.path.join(run_dir, name)  # noqa: E731
     ca_cert, ca_key = make_ca()
     write_cert_and_key(ca_cert, ca_key, p("ca.pem"), p("ca.key"))
-    cert, key = issue_certificate(ca_cert, ca_key, "kvmesh-local-peer", dns=(PEER_SERVER_NAME, "localhost"),
-                                  ips=("127.0.0.1",))
+    cert, key = issue_certificate(ca_cert, ca_key, "kvmesh-local-peer",
+                                  dns=tuple(dict.fromkeys((PEER_SERVER_NAME, "localhost", *dns))),
+                                  ips=tuple(dict.fromkeys(("127.0.0.1", *ips))))
     write_cert_and_key(cert, key, p("peer.pem"), p("peer.key"))
     client_ca, client_ca_key = make_ca("kvmesh client CA")
     write_cert_and_key(client_ca, client_ca_key, p("client-ca.pem"), p("client-ca.key"))

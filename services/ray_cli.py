@@ -50,6 +50,15 @@ def register(sub) -> argparse.ArgumentParser:
                    help="folder for each process's log, on its node (default $TMPDIR/kvmesh-ray-logs)")
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help="seconds to wait for the placement group and every actor to serve (default 600)")
+    p.add_argument("--insecure", action="store_true",
+                   help="run without TLS and API keys (default: generate credentials as `kvmesh up` does; "
+                        "docs/SECURITY.md)")
+    p.add_argument("--run-dir", default=None,
+                   help="folder on the driver's machine for the generated credentials (RUN_DIR/credentials: CA, "
+                        "certificates, api-keys, client.env); default a new temporary folder, removed at stop")
+    p.add_argument("--cert-dns", action="append", default=[], metavar="NAME",
+                   help="another DNS name clients reach the router by, added to its certificate (repeatable; "
+                        "e.g. the Kubernetes Service kvmesh-router)")
     _add_engine_args(p)
     p.set_defaults(func=cmd_ray)
     return p

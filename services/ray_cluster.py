@@ -14,7 +14,15 @@ node's IP and advertising it:
   id, so the worker rejoins and the router takes it back once its lease appears;
 - `RayPlacement.stop` stops every child (SIGTERM: the servers' graceful drain), kills
   the actors and removes the placement group. Actors and the placement group belong to
-  the driver's Ray job, so Ray removes them even if the driver is killed.
+  the driver's Ray job, so Ray removes them even if the driver is killed;
+- secure by default, as `kvmesh up`: the driver generates the cluster's credentials
+  (`kvmesh.services.credentials`; the certificate also names every Ray node's IP) in its
+  run directory, ships the files each process needs to its actor (written 0600 on that
+  node), and starts every process with ``--tls-cert/--tls-key/--tls-ca/--client-ca/
+  --api-keys``; the Redis URL with its password reaches the processes in
+  ``KVMESH_REDIS_URL``, never in argv. ``insecure`` turns all of it off;
+- every worker and the router serve Prometheus metrics on a free port of their node, and
+  the router its HTTP front; `format_status` prints their URLs.
 
 ``ray`` is imported only here, so other kvmesh commands never load it.
 """
@@ -23,6 +31,8 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shutil
+import tempfile
 import signal
 import sys
 import threading
@@ -56,6 +66,9 @@ class RaySpec:
     disk_dir: str | None = None                            # each worker gets DISK_DIR/<worker id>
     log_level: str = "WARNING"
     log_dir: str | None = None                             # on every node; default $TMPDIR/kvmesh-ray-logs
+    insecure: bool = False                                 # no TLS, no API keys (development only)
+    run_dir: str | None = None                             # driver's credentials; default a new temp dir
+    cert_dns: list[str] = field(default_factory=list)      # more DNS names clients dial the router by
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RaySpec":
@@ -74,7 +87,8 @@ class RaySpec:
                    policy=args.policy, model=args.model, max_restarts=args.max_restarts,
                    status_interval=args.status_interval, status_file=args.status_file,
                    ready_timeout=args.ready_timeout, worker_args=engine, disk_dir=args.disk_dir,
-                   log_level=args.log_level, log_dir=args.log_dir)
+                   log_level=args.log_level, log_dir=args.log_dir, insecure=getattr(args, "insecure", False),
+                   run_dir=getattr(args, "run_dir", None), cert_dns=list(getattr(args, "cert_dns", None) or []))
 
     def bundle(self) -> dict[str, float]:
         """One worker's placement-group bundle."""
@@ -89,22 +103,27 @@ class RaySpec:
 class ProcessSupervisor:
     """Body of the Ray actor class: runs one kvmesh (or redis-server) process on its node.
 
-    ``role`` is ``worker``, ``router`` or ``redis``; ``make_cmd(node_ip, port)`` returns the
-    command line. The child is started in ``__init__`` (so a restarted actor starts it
-    again); a watcher thread ends the actor's process when the child exits unexpectedly,
-    which is what makes Ray restart the actor.
+    ``role`` is ``worker``, ``router`` or ``redis``; ``cmd_args`` is the command line, where
+    ``{ip}``, ``{port}``, ``{metrics_port}``, ``{http_port}`` (free ports of this node) and
+    ``{creds}`` (the folder ``files`` are written to, mode 0700, files 0600) are replaced.
+    ``env``: extra environment of the child (``KVMESH_REDIS_URL``). The child is started in
+    ``__init__`` (so a restarted actor starts it again); a watcher thread ends the actor's
+    process when the child exits unexpectedly, which is what makes Ray restart the actor.
 
     Raises:
         RuntimeError: from ``__init__``, the child did not become ready in ``ready_timeout``.
     """
 
     def __init__(self, role: str, name: str, cmd_kind: str, cmd_args: list[str], port: int,
-                 ready_timeout: float, log_dir: str | None = None):
+                 ready_timeout: float, log_dir: str | None = None, env: dict | None = None,
+                 files: dict[str, bytes] | None = None):
         import ray
 
         from kvmesh.services.procs import free_port, spawn, wait_healthy
 
         self.role, self.name = role, name
+        self.metrics_port = self.http_port = None
+        self.tls = bool(files)
         ctx = ray.get_runtime_context()
         self.node_id = ctx.get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
@@ -128,14 +147,34 @@ class ProcessSupervisor:
         else:
             from kvmesh.services.procs import python_cmd
 
-            cmd = python_cmd(*[a.replace("{ip}", self.node_ip).replace("{port}", str(self.port)) for a in cmd_args])
+            creds = self._write_files(files)
+            subs = {"{ip}": self.node_ip, "{port}": str(self.port), "{creds}": creds or ""}
+            if any("{metrics_port}" in a for a in cmd_args):
+                self.metrics_port = free_port(self.node_ip)
+                subs["{metrics_port}"] = str(self.metrics_port)
+            if any("{http_port}" in a for a in cmd_args):
+                self.http_port = free_port(self.node_ip)
+                subs["{http_port}"] = str(self.http_port)
+
+            def sub(a: str) -> str:
+                for k, v in subs.items():
+                    a = a.replace(k, v)
+                return a
+
+            cmd = python_cmd(*[sub(a) for a in cmd_args])
         self.stopping = False
-        self.proc = spawn(cmd, self.log_path)
+        self.proc = spawn(cmd, self.log_path, env=env)
         try:
             if cmd_kind == "redis":
                 self._wait_tcp(ready_timeout)
             else:
-                wait_healthy(self.address, timeout=ready_timeout, proc=self.proc)
+                tls = None
+                if files:
+                    from kvmesh.workers.tls import TlsConfig
+
+                    tls = TlsConfig.from_files(os.path.join(creds, "peer.pem"), os.path.join(creds, "peer.key"),
+                                               os.path.join(creds, "ca.pem"))
+                wait_healthy(self.address, timeout=ready_timeout, proc=self.proc, tls=tls)
         except BaseException:
             self.stopping = True
             from kvmesh.services.procs import stop_process
@@ -143,6 +182,20 @@ class ProcessSupervisor:
             stop_process(self.proc)
             raise
         threading.Thread(target=self._watch, daemon=True).start()
+
+    def _write_files(self, files: dict[str, bytes] | None) -> str | None:
+        """Write ``files`` into LOG_DIR/NAME-credentials (0700; files 0600); its path."""
+        if not files:
+            return None
+        folder = os.path.join(self.log_dir, f"{self.name}-credentials")
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)
+        for fname, data in files.items():
+            path = os.path.join(folder, fname)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        return folder
 
     def _wait_tcp(self, timeout: float) -> None:
         import socket
@@ -166,9 +219,14 @@ class ProcessSupervisor:
 
     def info(self) -> dict:
         """Where this process runs: role, name, node id and IP, address, pids, restarted."""
-        return {"role": self.role, "name": self.name, "node_id": self.node_id, "node_ip": self.node_ip,
-                "address": self.address, "pid": self.proc.pid, "actor_pid": os.getpid(),
-                "alive": self.proc.poll() is None, "restarted": self.restarted, "log": self.log_path}
+        out = {"role": self.role, "name": self.name, "node_id": self.node_id, "node_ip": self.node_ip,
+               "address": self.address, "pid": self.proc.pid, "actor_pid": os.getpid(),
+               "alive": self.proc.poll() is None, "restarted": self.restarted, "log": self.log_path}
+        if self.metrics_port:
+            out["metrics"] = f"http://{self.node_ip}:{self.metrics_port}/metrics"
+        if self.http_port:
+            out["http"] = f"{'https' if self.tls else 'http'}://{self.node_ip}:{self.http_port}/v1"
+        return out
 
     def stop(self) -> int | None:
         """SIGTERM the child (the servers drain gracefully) and wait; returns its exit code."""
@@ -179,13 +237,15 @@ class ProcessSupervisor:
         return self.proc.returncode
 
 
-def _router_sees(address: str) -> dict[str, str]:
+def _router_sees(address: str, tls=None) -> dict[str, str]:
+    """{worker id: address} the router lists (``tls``: the driver's peer `TlsConfig`;
+    Router.Status details are for peers only)."""
     import grpc
 
     from kvmesh.proto import kvmesh_pb2 as pb
     from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(address) as ch:
+    with (tls.peer_sync_channel(address) if tls is not None else grpc.insecure_channel(address)) as ch:
         status = pb_grpc.RouterStub(ch).Status(pb.RouterStatusRequest(), timeout=5)
     return {w.worker_id: w.address for w in status.workers}
 
@@ -215,6 +275,10 @@ class RayPlacement:
         self.workers: dict[str, object] = {}
         self.redis_url = spec.redis_url
         self.router_address = ""
+        self.credentials = None    # `kvmesh.services.credentials.ClusterCredentials` unless insecure
+        self.peer_tls = None
+        self._files: dict[str, bytes] | None = None
+        self._own_run_dir: str | None = None
 
     def _options(self, **kw):
         return self.Actor.options(max_restarts=self.spec.max_restarts, **kw)
@@ -222,13 +286,37 @@ class RayPlacement:
     def worker_cmd(self, worker_id: str) -> list[str]:
         s = self.spec
         cmd = ["--log-level", s.log_level, "worker", "--host", "{ip}", "--port", "{port}",
-               "--advertise", "{ip}:{port}", "--worker-id", worker_id, "--redis-url", self.redis_url,
-               "--cluster", s.cluster, *s.worker_args]
+               "--advertise", "{ip}:{port}", "--worker-id", worker_id, "--metrics-port", "{metrics_port}",
+               "--cluster", s.cluster, *self._security_args(), *s.worker_args]
         if s.model:
             cmd += ["--model", s.model]
         if s.disk_dir:
             cmd += ["--disk-dir", os.path.join(s.disk_dir, worker_id)]
         return cmd
+
+    def _security_args(self) -> list[str]:
+        if self._files is None:
+            return ["--insecure"]
+        return ["--tls-cert", "{creds}/peer.pem", "--tls-key", "{creds}/peer.key", "--tls-ca", "{creds}/ca.pem",
+                "--client-ca", "{creds}/client-ca.pem", "--api-keys", "{creds}/api-keys"]
+
+    def _make_credentials(self) -> None:
+        """Generate the cluster's credentials (certificate naming every live Ray node's IP)."""
+        from kvmesh.services.credentials import generate_cluster_credentials
+        from kvmesh.workers.tls import TlsConfig
+
+        run_dir = self.spec.run_dir
+        if run_dir is None:
+            run_dir = self._own_run_dir = tempfile.mkdtemp(prefix="kvmesh-ray-")
+        ips = tuple(sorted({n["NodeManagerAddress"] for n in self.ray.nodes() if n.get("Alive")}))
+        c = self.credentials = generate_cluster_credentials(os.path.join(run_dir, "credentials"),
+                                                            dns=tuple(self.spec.cert_dns), ips=ips)
+        self._files = {}
+        for name, path in (("peer.pem", c.cert), ("peer.key", c.key), ("ca.pem", c.ca),
+                           ("client-ca.pem", c.client_ca), ("api-keys", c.api_keys)):
+            with open(path, "rb") as f:
+                self._files[name] = f.read()
+        self.peer_tls = TlsConfig.from_files(c.cert, c.key, c.ca, c.client_ca)
 
     def start(self) -> "RayPlacement":
         from ray.util.placement_group import placement_group
@@ -238,6 +326,8 @@ class RayPlacement:
         ray = self.ray
         deadline = time.monotonic() + s.ready_timeout
         try:
+            if not s.insecure:
+                self._make_credentials()
             self.pg = placement_group([s.bundle()] * s.workers, strategy=s.strategy, name=f"kvmesh-{s.cluster}")
             if not self.pg.wait(timeout_seconds=s.ready_timeout):
                 raise RuntimeError(f"placement group of {s.workers} x {s.bundle()} ({s.strategy}) not placed after "
@@ -250,18 +340,21 @@ class RayPlacement:
                     s.ready_timeout, s.log_dir)
                 info = ray.get(self.redis.info.remote(), timeout=s.ready_timeout)
                 self.redis_url = f"redis://:{password}@{info['address']}/0"
+            env = {"KVMESH_REDIS_URL": self.redis_url}   # the password stays out of every argv
             for i in range(s.workers):
                 wid = f"worker-{i}"
                 self.workers[wid] = self._options(
                     name=f"kvmesh-{s.cluster}-{wid}", num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-                ).remote("worker", wid, "kvmesh", self.worker_cmd(wid), s.worker_port, s.ready_timeout, s.log_dir)
+                ).remote("worker", wid, "kvmesh", self.worker_cmd(wid), s.worker_port, s.ready_timeout, s.log_dir,
+                         env, self._files)
             router_cmd = ["--log-level", s.log_level, "router", "--host", "{ip}", "--port", "{port}",
-                          "--redis-url", self.redis_url, "--cluster", s.cluster, "--policy", s.policy]
+                          "--cluster", s.cluster, "--policy", s.policy, "--metrics-port", "{metrics_port}",
+                          "--http-port", "{http_port}", *self._security_args()]
             if s.model:
                 router_cmd += ["--model", s.model]
             self.router = self._options(name=f"kvmesh-{s.cluster}-router", **head).remote(
-                "router", "router", "kvmesh", router_cmd, s.router_port, s.ready_timeout, s.log_dir)
+                "router", "router", "kvmesh", router_cmd, s.router_port, s.ready_timeout, s.log_dir, env, self._files)
             infos = self.status(timeout=max(1.0, deadline - time.monotonic()))
             self.router_address = next(i["address"] for i in infos if i["role"] == "router")
             self.wait_registered(timeout=max(1.0, deadline - time.monotonic()))
@@ -296,7 +389,7 @@ class RayPlacement:
             want = {i["name"]: i["address"] for i in self.status(timeout=max(1.0, deadline - time.monotonic()))
                     if i["role"] == "worker" and i.get("state") == "serving"}
             try:
-                seen = _router_sees(self.router_address)
+                seen = _router_sees(self.router_address, self.peer_tls)
             except Exception:
                 seen = {}
             if len(want) == len(self.workers) and all(seen.get(w) == a for w, a in want.items()):
@@ -327,6 +420,14 @@ class RayPlacement:
                 pass
         self.workers.clear()
         self.router = self.redis = self.pg = None
+        if self._own_run_dir:
+            shutil.rmtree(self._own_run_dir, ignore_errors=True)
+            self._own_run_dir = None
+
+    def client_options(self) -> dict:
+        """Keyword arguments of `kvmesh.services.cli.generate` / `client_channel` for a client of
+        the router (TLS, client certificate and API key); empty when insecure."""
+        return self.credentials.client_options() if self.credentials is not None else {}
 
 
 def format_status(infos: list[dict]) -> list[str]:
@@ -335,13 +436,16 @@ def format_status(infos: list[dict]) -> list[str]:
     for i in infos:
         node = f"node {i['node_ip']} ({i['node_id'][:8]})" if "node_id" in i else "node ?"
         extra = " restarted" if i.get("restarted") else ""
-        lines.append(f"{i['name']:<10} {i['state']:<11} {node}  {i.get('address', '-')}{extra}")
+        urls = "".join(f"  {k} {i[k]}" for k in ("metrics", "http") if i.get(k))
+        lines.append(f"{i['name']:<10} {i['state']:<11} {node}  {i.get('address', '-')}{urls}{extra}")
     return lines
 
 
 def run_until_stopped(spec: RaySpec) -> int:
     """`kvmesh ray`: connect, place, print status lines until SIGINT/SIGTERM, remove."""
     import ray
+
+    from kvmesh.services.security import redact_url
 
     t0 = time.monotonic()
     try:
@@ -357,8 +461,13 @@ def run_until_stopped(spec: RaySpec) -> int:
     try:
         placement.start()
         print(f"kvmesh on Ray: router {placement.router_address} (policy {spec.policy}), {spec.workers} workers "
-              f"({spec.strategy}), redis {_redact(placement.redis_url)}; up in {time.monotonic() - t0:.1f} s",
+              f"({spec.strategy}), redis {redact_url(placement.redis_url)}; up in {time.monotonic() - t0:.1f} s",
               flush=True)
+        if placement.credentials is not None:
+            print(f"clients: set -a; . {placement.credentials.client_env}; set +a   (TLS, client certificate and "
+                  f"API key; removed when this command stops)", flush=True)
+        else:
+            print("WARNING: kvmesh ray --insecure: security is OFF (no TLS, no API keys)", flush=True)
         print(placement.router_address, flush=True)
         while not stop.is_set():
             lines = format_status(placement.status())
@@ -377,12 +486,3 @@ def run_until_stopped(spec: RaySpec) -> int:
         ray.shutdown()
         print("kvmesh on Ray stopped: actors and placement group removed", flush=True)
     return 0
-
-
-def _redact(url: str) -> str:
-    """``url`` without its password (for logs)."""
-    head, at, tail = url.rpartition("@")
-    if not at:
-        return url
-    scheme, _, _ = head.partition("://")
-    return f"{scheme}://***@{tail}"

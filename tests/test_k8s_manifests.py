@@ -11,10 +11,13 @@ the CLI.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import inspect
 import io
+import os
 import re
+from unittest import mock
 
 import kubernetes_validate
 import pytest
@@ -32,7 +35,8 @@ OPERATOR_SECRETS = {
     ("kvmesh-redis", "password"): "operator-password",
     ("kvmesh-redis-url", "url"): "redis://:operator-password@redis.example.internal:6379/0",
 }
-OPTIONAL_SECRETS = {"kvmesh-tls", "kvmesh-api-keys"}   # mounted for the TLS/API-key flags to come
+#: Secrets mounted as files, which the operator creates (python -m kvmesh.services.k8s_secrets)
+FILE_SECRETS = {"kvmesh-tls": {"tls.crt", "tls.key", "ca.crt"}, "kvmesh-api-keys": {"api-keys"}}
 OPERATOR_PVCS = {"kvmesh-model"}
 DOWNWARD = {"status.podIP": "10.0.3.7", "metadata.name": "kvmesh-worker-0"}
 SERVICE_NAMES = {"router": pb.DESCRIPTOR.services_by_name["Router"].full_name,
@@ -60,13 +64,17 @@ def kvmesh_containers(objs):
             yield owner, tpl, c
 
 
-def parse_cli(argv: list[str]) -> argparse.Namespace:
+def parse_cli(argv: list[str], env: dict[str, str] | None = None) -> argparse.Namespace:
+    """``argv`` parsed by kvmesh's parser in the container's environment ``env`` (flags such
+    as --redis-url default to KVMESH_* variables)."""
     assert argv[0] == "kvmesh", argv
     unexpanded = [a for a in argv if re.search(r"\$\(", a)]
     assert not unexpanded, f"unresolved $(VAR) in {argv}: {unexpanded}"
     err = io.StringIO()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    environ.update(env or {})
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), mock.patch.dict(os.environ, environ, clear=True):
             return build_parser().parse_args(argv[1:])
     except SystemExit:
         raise AssertionError(f"kvmesh CLI rejects {argv[1:]}: {err.getvalue()}") from None
@@ -75,6 +83,41 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
 def resolved(objs, c):
     env = container_env(c, objs, DOWNWARD, OPERATOR_SECRETS)
     return env, container_argv(c, env)
+
+
+def parsed(objs, c) -> argparse.Namespace:
+    env, argv = resolved(objs, c)
+    return parse_cli(argv, env)
+
+
+@pytest.fixture(scope="module")
+def secret_files(tmp_path_factory):
+    """The operator's Secrets as `kvmesh.services.k8s_secrets` generates them: {name: {key: bytes}}."""
+    from kvmesh.services.k8s_secrets import cluster_secrets
+
+    objs, _, _, keys = cluster_secrets("kvmesh-test", days=1)
+    out = {o["metadata"]["name"]: {k: base64.b64decode(v) for k, v in o["data"].items()} for o in objs}
+    assert set(out) == set(FILE_SECRETS) and all(set(out[n]) == FILE_SECRETS[n] for n in out)
+    return out
+
+
+def mounted_paths(tpl: dict, c: dict, secrets: dict, tmp) -> dict[str, str]:
+    """{path in the container: local file} for every file of a Secret volume ``c`` mounts."""
+    volumes = {v["name"]: v for v in tpl["spec"].get("volumes", [])}
+    out = {}
+    for m in c.get("volumeMounts", []):
+        sec = volumes.get(m["name"], {}).get("secret")
+        if not sec or sec["secretName"] not in secrets:
+            continue
+        data = secrets[sec["secretName"]]
+        items = sec.get("items") or [{"key": k, "path": k} for k in data]
+        for it in items:
+            assert it["key"] in data, f"volume {m['name']} projects missing key {it['key']}"
+            local = tmp / sec["secretName"] / it["path"]
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_bytes(data[it["key"]])
+            out[f"{m['mountPath'].rstrip('/')}/{it['path']}"] = str(local)
+    return out
 
 
 # -- rendering and schema ---------------------------------------------------------------
@@ -141,8 +184,9 @@ def test_writable_mounts_only_where_needed(rendered):
             assert v is not None, f"{overlay}: {owner} mounts undefined volume {m['name']}"
             if "secret" in v or "configMap" in v:
                 assert m.get("readOnly") is True, f"{overlay}: {owner} mounts {m['name']} writable"
-            if "secret" in v and v["secret"]["secretName"] in OPTIONAL_SECRETS:
-                assert v["secret"].get("optional") is True, f"{overlay}: {m['name']} must be optional for now"
+            if "secret" in v and v["secret"]["secretName"] in FILE_SECRETS:
+                assert not v["secret"].get("optional"), \
+                    f"{overlay}: {m['name']}: the pod must not start without its certificates or keys"
             if not m.get("readOnly"):
                 assert "emptyDir" in v or "persistentVolumeClaim" in v, f"{overlay}: {owner} {m['name']}"
             if "persistentVolumeClaim" in v and v["persistentVolumeClaim"].get("claimName"):
@@ -151,18 +195,26 @@ def test_writable_mounts_only_where_needed(rendered):
 
 
 def test_kvmesh_servers_probe_their_grpc_service(rendered):
+    """TLS ports cannot take the kubelet's plaintext gRPC probe: each probe execs
+    kvmesh.services.probe against the container's own port, service and certificates."""
+    from kvmesh.services import probe as probe_mod
+
     overlay, objs = rendered
     for owner, tpl, c in kvmesh_containers(objs):
-        env, argv = resolved(objs, c)
-        args = parse_cli(argv)
+        args = parsed(objs, c)
         if args.command not in SERVICE_NAMES:
             continue
         where = f"{overlay}: {owner}"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            grpc_probe = c[probe].get("grpc")
-            assert grpc_probe, f"{where}: {probe} is a native gRPC probe"
-            assert grpc_probe["port"] == args.port, f"{where}: {probe} port {grpc_probe['port']} != --port"
-            assert grpc_probe["service"] == SERVICE_NAMES[args.command], f"{where}: {probe} service"
+            cmd = c[probe].get("exec", {}).get("command", [])
+            assert cmd[:3] == ["python", "-m", "kvmesh.services.probe"], f"{where}: {probe} execs the TLS probe"
+            p = probe_mod.build_parser().parse_args(cmd[3:])
+            host, _, port = p.target.rpartition(":")
+            assert host == "127.0.0.1" and int(port) == args.port, f"{where}: {probe} target {p.target} != --port"
+            assert p.service == SERVICE_NAMES[args.command], f"{where}: {probe} service"
+            assert (p.tls_ca, p.tls_cert, p.tls_key) == (args.tls_ca, args.tls_cert, args.tls_key), \
+                f"{where}: {probe} uses the server's own certificates"
+            assert c[probe].get("timeoutSeconds", 1) >= 3, f"{where}: {probe}: an interpreter start needs > 1 s"
         assert any(p["containerPort"] == args.port for p in c["ports"]), f"{where}: --port is a container port"
         # graceful drain: preStop, then the server's own stop grace, inside the grace period
         from kvmesh.workers.grpc_host import GrpcHost
@@ -173,12 +225,12 @@ def test_kvmesh_servers_probe_their_grpc_service(rendered):
         assert tpl["spec"]["terminationGracePeriodSeconds"] >= float(pre[1]) + drain_s + 10, where
 
 
-def test_command_lines_parse_with_the_cli(rendered):
+def test_command_lines_parse_with_the_cli(rendered, secret_files, tmp_path):
     overlay, objs = rendered
     seen = 0
     for owner, tpl, c in kvmesh_containers(objs):
         env, argv = resolved(objs, c)
-        args = parse_cli(argv)
+        args = parse_cli(argv, env)
         seen += 1
         where = f"{overlay}: {owner}"
         if args.command == "worker":
@@ -203,25 +255,43 @@ def test_command_lines_parse_with_the_cli(rendered):
         else:
             raise AssertionError(f"{where}: unexpected kvmesh command {args.command}")
         if args.command in ("router", "worker"):
-            check_security_and_metrics(where, args, c)
+            check_security_and_metrics(where, argv, env, args, tpl, c, objs, secret_files, tmp_path / owner)
     assert seen, f"{overlay}: no kvmesh container"
 
 
-def check_security_and_metrics(where: str, args: argparse.Namespace, c: dict) -> None:
-    """Once the CLI has the TLS and metrics flags (agreed names), the manifests must use them.
+def check_security_and_metrics(where: str, argv: list[str], env: dict, args: argparse.Namespace, tpl: dict,
+                               c: dict, objs: list[dict], secrets: dict, tmp) -> None:
+    """Routers and workers run secure: TLS from the mounted Secret, the Redis password only
+    in the environment, metrics (and the router's HTTP front) on declared ports; and the
+    start-up checks of `server_gate` pass on the Secrets' files."""
+    from kvmesh.services.security import server_gate
 
-    Until then the manifests carry commented places for them (k8s/base/router.yaml,
-    worker.yaml); these checks turn on by themselves when the flags appear.
-    """
-    if hasattr(args, "insecure") and args.host not in ("127.0.0.1", "::1", "localhost"):
-        assert getattr(args, "tls_cert", None) or args.insecure, \
-            f"{where}: binds {args.host} without --tls-cert/--tls-key/--tls-ca or --insecure (see the comments)"
-    if getattr(args, "tls_cert", None):
-        for flag in ("tls_cert", "tls_key", "tls_ca"):
-            assert str(getattr(args, flag)).startswith("/etc/kvmesh/tls/"), f"{where}: --{flag.replace('_', '-')}"
-    if hasattr(args, "metrics_port"):
-        port = next(p["containerPort"] for p in c["ports"] if p["name"] == "metrics")
-        assert args.metrics_port == port, f"{where}: --metrics-port {args.metrics_port} != metrics port {port}"
+    assert not args.insecure, f"{where}: --insecure"
+    assert args.tls_cert and args.tls_key and args.tls_ca, f"{where}: binds {args.host} without TLS"
+    for flag in ("tls_cert", "tls_key", "tls_ca"):
+        assert str(getattr(args, flag)).startswith("/etc/kvmesh/tls/"), f"{where}: --{flag.replace('_', '-')}"
+    assert "--redis-url" not in argv, f"{where}: the Redis URL comes from KVMESH_REDIS_URL, not argv"
+    password = args.redis_url.split("@")[0].rpartition(":")[2]
+    assert password and not any(password in a for a in argv), f"{where}: the Redis password is in argv"
+    port = next(p["containerPort"] for p in c["ports"] if p["name"] == "metrics")
+    assert args.metrics_port == port, f"{where}: --metrics-port {args.metrics_port} != metrics port {port}"
+    if args.command == "router":
+        assert args.api_keys and args.api_keys.startswith("/etc/kvmesh/auth/"), f"{where}: --api-keys"
+        http = next(p["containerPort"] for p in c["ports"] if p["name"] == "http")
+        assert args.http_port == http, f"{where}: --http-port {args.http_port} != http port {http}"
+        svc = find(objs, "Service", "kvmesh-router")
+        assert svc and any(p.get("targetPort") == "http" for p in svc[0]["spec"]["ports"]), \
+            f"{where}: the kvmesh-router Service exposes the HTTP front"
+    # start-up checks on the files the Secrets mount (as generated by kvmesh.services.k8s_secrets)
+    files = mounted_paths(tpl, c, secrets, tmp)
+    local = argparse.Namespace(**vars(args))
+    for flag in ("tls_cert", "tls_key", "tls_ca", "client_ca", "api_keys"):
+        path = getattr(local, flag)
+        if path:
+            assert path in files, f"{where}: --{flag.replace('_', '-')} {path} is not a file of a mounted Secret"
+            setattr(local, flag, files[path])
+    gate = server_gate(local, worker=args.command == "worker")
+    assert gate.tls is not None, where
 
 
 def test_shared_flags_agree(rendered):
@@ -229,7 +299,7 @@ def test_shared_flags_agree(rendered):
     overlay, objs = rendered
     by_cmd: dict[str, set] = {}
     for _, _, c in kvmesh_containers(objs):
-        args = parse_cli(resolved(objs, c)[1])
+        args = parsed(objs, c)
         if args.command in ("router", "worker"):
             by_cmd.setdefault("redis", set()).add(args.redis_url)
             by_cmd.setdefault("cluster", set()).add(args.cluster)
@@ -351,7 +421,7 @@ def test_network_policy_paths():
 
 def _worker_args(objs):
     sts = find(objs, "StatefulSet", "kvmesh-worker")[0]
-    return parse_cli(resolved(objs, sts["spec"]["template"]["spec"]["containers"][0])[1])
+    return parsed(objs, sts["spec"]["template"]["spec"]["containers"][0])
 
 
 def test_cpu_overlay_is_small_and_self_contained():
@@ -368,7 +438,7 @@ def test_gpu_overlay():
     assert args.device == "cuda" and args.model.startswith("/models/")
     assert not find(objs, "Secret"), "the gpu overlay ships no password: the operator creates kvmesh-redis"
     router = find(objs, "Deployment", "kvmesh-router")[0]
-    rargs = parse_cli(resolved(objs, router["spec"]["template"]["spec"]["containers"][0])[1])
+    rargs = parsed(objs, router["spec"]["template"]["spec"]["containers"][0])
     assert rargs.model == args.model, "router tokenizes with the workers' model"
 
 
@@ -410,7 +480,7 @@ def test_ray_cluster():
     per_pod = int(gpu[0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
     assert gpu[0]["rayStartParams"]["num-gpus"] == str(per_pod)
     driver = find(objs, "Deployment", "kvmesh-ray")[0]
-    args = parse_cli(resolved(objs, driver["spec"]["template"]["spec"]["containers"][0])[1])
+    args = parsed(objs, driver["spec"]["template"]["spec"]["containers"][0])
     assert args.command == "ray" and args.gpus_per_worker == 1 and args.device == "cuda"
     assert args.address == f"ray://{rc[0]['metadata']['name']}-head-svc:10001"
     assert args.workers <= sum(g["maxReplicas"] * per_pod for g in gpu)
@@ -427,3 +497,39 @@ def test_parse_bytes_matches_k8s_sizes():
         cm = find(render(overlay), "ConfigMap", "kvmesh-config")[0]["data"]
         for key in ("KVMESH_HOST_BYTES", "KVMESH_DISK_BYTES", "KVMESH_PEER_BYTES"):
             assert parse_bytes(cm[key]) > 0 and not cm[key].endswith("i"), (overlay, key)
+
+
+def test_k8s_secrets_generator(tmp_path, capsys):
+    """`python -m kvmesh.services.k8s_secrets` prints valid Secrets whose certificate names
+    kvmesh-peer and the router Service, whose api-keys file accepts the key it kept, and
+    keeps the CA key out of the YAML."""
+    import yaml
+    from cryptography import x509
+
+    from kvmesh.services.auth import Authenticator
+    from kvmesh.services.k8s_secrets import main
+
+    out_dir = tmp_path / "creds"
+    assert main(["--namespace", "serving", "--tenant", "team-a", "--tenant", "team-b", "--out-dir", str(out_dir),
+                 "--days", "2"]) == 0
+    objs = list(yaml.safe_load_all(capsys.readouterr().out))
+    for obj in objs:
+        kubernetes_validate.validate(obj, K8S_VERSIONS[0], strict=True)
+    data = {o["metadata"]["name"]: {k: base64.b64decode(v) for k, v in o["data"].items()} for o in objs}
+    assert {o["metadata"]["namespace"] for o in objs} == {"serving"}
+    assert set(data) == set(FILE_SECRETS) and all(set(data[n]) == FILE_SECRETS[n] for n in data)
+    cert = x509.load_pem_x509_certificate(data["kvmesh-tls"]["tls.crt"])
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert {"kvmesh-peer", "kvmesh-router", "kvmesh-router.serving.svc"} <= set(names)
+    assert data["kvmesh-tls"]["ca.crt"] == (out_dir / "ca.crt").read_bytes()
+    ca_key = (out_dir / "ca.key").read_bytes()
+    assert b"PRIVATE KEY" in ca_key and oct((out_dir / "ca.key").stat().st_mode & 0o777) == "0o600"
+    assert not any(ca_key.strip() in v for d in data.values() for v in d.values()), "the CA key stays offline"
+    env = dict(line.split("=", 1) for line in (out_dir / "client.env").read_text().splitlines()
+               if line and not line.startswith("#"))
+    keys_file = tmp_path / "api-keys"
+    keys_file.write_bytes(data["kvmesh-api-keys"]["api-keys"])
+    auth = Authenticator.from_file(str(keys_file))
+    assert auth.tenant_for(f"Bearer {env['KVMESH_API_KEY']}") == "team-a"
+    assert env["KVMESH_API_KEY"].encode() not in data["kvmesh-api-keys"]["api-keys"], "keys are stored hashed"
+    assert main(["--tenant", "two words", "--out-dir", str(tmp_path / "x")]) == 2

@@ -59,9 +59,12 @@ def prompts() -> list[list[int]]:
     return ids + ids[:1]
 
 
-def cold_outputs(address: str, batch: list[list[int]]) -> list[list[int]]:
+def cold_outputs(address: str, batch: list[list[int]], creds) -> list[list[int]]:
+    """Outputs of a worker called directly as a cluster peer (ClearCache is peer-only)."""
+    from kvmesh.services.security import client_channel
+
     out = []
-    with grpc.insecure_channel(address) as ch:
+    with client_channel(address, tls_ca=creds.ca, tls_cert=creds.cert, tls_key=creds.key) as ch:
         stub = pb_grpc.WorkerStub(ch)
         for ids in batch:
             stub.ClearCache(pb.ClearCacheRequest(), timeout=10)
@@ -71,8 +74,9 @@ def cold_outputs(address: str, batch: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def router_workers(address: str) -> dict[str, str]:
-    with grpc.insecure_channel(address) as ch:
+def router_workers(address: str, tls) -> dict[str, str]:
+    """The router's workers, asked as a peer (Router.Status details are for peers only)."""
+    with tls.peer_sync_channel(address) as ch:
         st = pb_grpc.RouterStub(ch).Status(pb.RouterStatusRequest(), timeout=5)
     return {w.worker_id: w.address for w in st.workers}
 
@@ -122,9 +126,22 @@ def test_place_serve_kill_recover(ray_cluster, capsys, tmp_path):
         assert infos["router"]["node_id"] == head_id and infos["redis"]["node_id"] == head_id
         lines = format_status(list(infos.values()))
         assert len(lines) == 4 and all("node 127.0.0.1 (" in line for line in lines)
+        assert infos["router"]["http"].startswith("https://127.0.0.1:") and all(
+            infos[n]["metrics"].startswith("http://127.0.0.1:") for n in ("router", "worker-0", "worker-1"))
+
+        # secure by default: plaintext and key-less clients are refused
+        creds = placement.credentials
+        assert creds is not None and placement.client_options()
+        with pytest.raises(grpc.RpcError):
+            generate(placement.router_address, token_ids=[1, 2, 3], max_tokens=1, timeout=10)
+        with pytest.raises(grpc.RpcError):
+            generate(placement.router_address, token_ids=[1, 2, 3], max_tokens=1, timeout=10, tls_ca=creds.ca,
+                     api_key=creds.api_key)   # the router has --client-ca: no certificate, no handshake
+        opts = placement.client_options()
 
         batch = prompts()
-        before = [generate(placement.router_address, token_ids=ids, max_tokens=4, timeout=120) for ids in batch]
+        before = [generate(placement.router_address, token_ids=ids, max_tokens=4, timeout=120, **opts)
+                  for ids in batch]
         assert before[-1]["usage"]["cached_tokens"] > 0, "the repeated prompt is served from the cache"
 
         # SIGKILL worker-0's actor process: its child drains and exits, Ray restarts the actor
@@ -135,7 +152,7 @@ def test_place_serve_kill_recover(ray_cluster, capsys, tmp_path):
         deadline = time.monotonic() + 60
         while not dropped:
             assert time.monotonic() < deadline, "router never dropped the killed worker"
-            dropped = router_workers(placement.router_address).get("worker-0") != victim["address"]
+            dropped = router_workers(placement.router_address, placement.peer_tls).get("worker-0") != victim["address"]
             time.sleep(0.1)
         drop_s = time.monotonic() - t1
         placement.wait_registered(timeout=180)
@@ -143,18 +160,21 @@ def test_place_serve_kill_recover(ray_cluster, capsys, tmp_path):
         after = {i["name"]: i for i in placement.status()}
         assert after["worker-0"]["restarted"] and after["worker-0"]["actor_pid"] != victim["actor_pid"]
         assert after["worker-0"]["state"] == "serving"
-        assert router_workers(placement.router_address)["worker-0"] == after["worker-0"]["address"]
+        assert router_workers(placement.router_address, placement.peer_tls)["worker-0"] == after["worker-0"]["address"]
         pids.append(after["worker-0"]["pid"])
-        again = [generate(placement.router_address, token_ids=ids, max_tokens=4, timeout=120) for ids in batch]
+        again = [generate(placement.router_address, token_ids=ids, max_tokens=4, timeout=120, **opts)
+                 for ids in batch]
         # cold reference: worker-1 called directly, every tier emptied before each prompt
-        cold = cold_outputs(after["worker-1"]["address"], batch)
+        cold = cold_outputs(after["worker-1"]["address"], batch, creds)
         assert [o["token_ids"] for o in before] == cold
         assert [o["token_ids"] for o in again] == cold
         # and the load harness against the Ray-placed router: the trace sample's first requests
         from kvmesh.bench.harness import main as bench_main
 
         rc = bench_main(["--target", placement.router_address, "--max-requests", "6", "--max-output-tokens", "2",
-                         "--concurrency", "2", "--no-plots", "--no-progress", "--out", str(tmp_path / "bench")])
+                         "--concurrency", "2", "--no-plots", "--no-progress", "--out", str(tmp_path / "bench"),
+                         "--tls-ca", creds.ca, "--api-key", creds.api_key, "--tls-cert", creds.client_cert,
+                         "--tls-key", creds.client_key])
         result = json.loads((tmp_path / "bench" / "result.json").read_text())
         assert rc == 0 and result["num_ok"] == 6 and result["num_errors"] == 0
         assert set(result["worker_share"]) <= {"worker-0", "worker-1"}
@@ -163,7 +183,9 @@ def test_place_serve_kill_recover(ray_cluster, capsys, tmp_path):
                   f"worker-0 SIGKILL -> dropped by router {drop_s:.1f} s -> back and registered {recovery:.1f} s")
     finally:
         pg = placement.pg
+        run_dir = os.path.dirname(placement.credentials.run_dir) if placement.credentials else None
         placement.stop()
+    assert run_dir and not os.path.exists(run_dir), "the generated credentials are removed at stop"
     # nothing left: every child exited, the placement group is removed
     for pid in pids:
         deadline = time.monotonic() + 30
@@ -196,7 +218,8 @@ def test_kvmesh_ray_command(ray_cluster, tmp_path, redis_server):
             time.sleep(0.2)
         lines = status_file.read_text().splitlines()
         assert sorted(line.split()[0] for line in lines) == ["router", "worker-0"]
-        assert all(" serving " in line and "node 127.0.0.1 (" in line for line in lines)
+        assert all(" serving " in line and "node 127.0.0.1 (" in line and " metrics http://127.0.0.1:" in line
+                   for line in lines)
         pgs = [p for p in placement_group_table().values() if p["name"] == "kvmesh-raycli"]
         assert len(pgs) == 1 and pgs[0]["state"] == "CREATED"
     finally:
@@ -204,7 +227,12 @@ def test_kvmesh_ray_command(ray_cluster, tmp_path, redis_server):
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     assert "actors and placement group removed" in out
-    assert f"redis {redis_server.url}" in out and "kvmesh on Ray: router" in out
+    assert "clients: set -a; . " in out and "client.env" in out, "secure by default, says how to connect"
+    from kvmesh.services.security import redact_url
+
+    assert f"redis {redact_url(redis_server.url)}" in out and "kvmesh on Ray: router" in out
+    password = redis_server.url.split("@")[0].rpartition(":")[2]
+    assert not password or password not in out, "the Redis password is never printed"
     assert (tmp_path / "logs" / "worker-0.log").stat().st_size > 0
     pgs = [p for p in placement_group_table().values() if p["name"] == "kvmesh-raycli"]
     assert pgs and all(p["state"] == "REMOVED" for p in pgs)

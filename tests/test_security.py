@@ -302,7 +302,9 @@ def test_kvmesh_up_is_secure_by_default_and_says_how_to_connect():
         router = lines[1]
         import re
 
-        env_file = next(m.group(1) for m in map(re.compile(r"(\S+client\.env)").search, lines) if m)
+        # the "clients:" line names client.env (metrics and HTTP URL lines come before it)
+        env_file = next(m.group(1) for m in (re.search(r"clients: set -a; \. (\S+client\.env)", line)
+                                             for line in lines) if m)
         env = dict(line.split("=", 1) for line in open(env_file).read().split())
         creds = {"tls_ca": env["KVMESH_TLS_CA"], "api_key": env["KVMESH_API_KEY"],
                  "tls_cert": env["KVMESH_TLS_CERT"], "tls_key": env["KVMESH_TLS_KEY"]}

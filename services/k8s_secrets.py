@@ -1,0 +1,115 @@
+"""Kubernetes Secrets of a secure kvmesh cluster, generated offline.
+
+``python -m kvmesh.services.k8s_secrets --namespace NS --out-dir DIR > secrets.yaml``
+prints two Secrets as YAML, for ``kubectl apply -f secrets.yaml``:
+
+* ``kvmesh-tls`` (type ``kubernetes.io/tls``; keys ``tls.crt``, ``tls.key``, ``ca.crt``):
+  one certificate for the routers and workers (``--tls-cert``/``--tls-key``), issued by a
+  new cluster CA (``--tls-ca``), with DNS subjectAltNames ``kvmesh-peer`` (the name peers
+  verify each other by, `kvmesh.workers.tls.PEER_SERVER_NAME`) and the router Service's
+  names (``kvmesh-router``, ``kvmesh-router.NS``, ``kvmesh-router.NS.svc``,
+  ``kvmesh-router.NS.svc.cluster.local``) plus any ``--dns`` given;
+* ``kvmesh-api-keys`` (key ``api-keys``): the router's ``--api-keys`` file with one key
+  per ``--tenant``, stored as SHA-256 (`kvmesh.services.auth.hash_key`).
+
+The CA's private key and the plaintext API keys never go into the YAML: they are written
+to ``--out-dir`` (mode 0700; keys 0600): ``ca.crt`` and ``ca.key`` (keep the key offline;
+it mints peers), and ``client.env`` with ``KVMESH_TLS_CA`` and ``KVMESH_API_KEY`` for the
+first tenant. Certificates come from `kvmesh.services.credentials` (ECDSA P-256,
+RFC 5280 profiles); Secret objects follow the Kubernetes core/v1 Secret schema.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import secrets
+import sys
+
+import yaml
+
+from kvmesh.services.auth import hash_key
+from kvmesh.services.credentials import _pem_cert, _pem_key, _write, issue_certificate, make_ca
+from kvmesh.workers.tls import PEER_SERVER_NAME
+
+__all__ = ["router_names", "cluster_secrets", "main"]
+
+LABELS = {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/part-of": "kvmesh"}
+
+
+def router_names(namespace: str, service: str = "kvmesh-router") -> list[str]:
+    """DNS names clients dial the router Service by, in namespace ``namespace``."""
+    return [service, f"{service}.{namespace}", f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local"]
+
+
+def _secret(name: str, data: dict[str, bytes], namespace: str | None, type_: str = "Opaque") -> dict:
+    meta = {"name": name, "labels": dict(LABELS)}
+    if namespace:
+        meta["namespace"] = namespace
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": type_,
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()}}
+
+
+def cluster_secrets(namespace: str = "default", tenants: tuple[str, ...] = ("default",),
+                    dns: tuple[str, ...] = (), days: int = 365, set_namespace: bool = True):
+    """``(secrets, ca_cert_pem, ca_key_pem, api_keys)``: the Secret objects (dicts) and what
+    stays with the operator; ``api_keys`` maps each tenant to its new plaintext key.
+
+    Raises:
+        ValueError: no tenant, or a tenant id with whitespace.
+    """
+    if not tenants:
+        raise ValueError("give at least one --tenant")
+    for t in tenants:
+        if not t or any(ch.isspace() for ch in t) or t.startswith("#"):
+            raise ValueError(f"--tenant {t!r}: a tenant id is one word")
+    ca_cert, ca_key = make_ca("kvmesh cluster CA", days=days)
+    names = (PEER_SERVER_NAME, *router_names(namespace), *dns)
+    cert, key = issue_certificate(ca_cert, ca_key, "kvmesh-peer", dns=tuple(dict.fromkeys(names)), days=days)
+    api_keys = {t: "kvm_" + secrets.token_urlsafe(32) for t in tenants}
+    lines = "# tenant  key (SHA-256 of the API key)\n" + "".join(f"{t}  {hash_key(k)}\n" for t, k in api_keys.items())
+    ns = namespace if set_namespace else None
+    objs = [_secret("kvmesh-tls", {"tls.crt": _pem_cert(cert), "tls.key": _pem_key(key), "ca.crt": _pem_cert(ca_cert)},
+                    ns, "kubernetes.io/tls"),
+            _secret("kvmesh-api-keys", {"api-keys": lines.encode()}, ns)]
+    return objs, _pem_cert(ca_cert), _pem_key(ca_key), api_keys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvmesh.services.k8s_secrets",
+                                description="Print the Secrets kvmesh-tls and kvmesh-api-keys as YAML "
+                                            "(docs/DEPLOY.md); keep the CA key and API keys in --out-dir.")
+    p.add_argument("--namespace", default="default", help="namespace of the cluster (router Service names, "
+                   "metadata.namespace); default 'default'")
+    p.add_argument("--tenant", action="append", default=None,
+                   help="tenant id to issue an API key for (repeatable; default: one tenant 'default')")
+    p.add_argument("--dns", action="append", default=[],
+                   help="another DNS name clients reach the router by, e.g. an Ingress host (repeatable)")
+    p.add_argument("--days", type=int, default=365, help="validity of the CA and certificate (default 365)")
+    p.add_argument("--out-dir", required=True, help="folder for ca.crt, ca.key and client.env (created 0700)")
+    args = p.parse_args(argv)
+    if args.days < 1:
+        print(f"error: --days must be >= 1 (got {args.days})", file=sys.stderr)
+        return 2
+    try:
+        objs, ca_pem, ca_key_pem, api_keys = cluster_secrets(args.namespace, tuple(args.tenant or ("default",)),
+                                                             tuple(args.dns), args.days)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out_dir, mode=0o700, exist_ok=True)
+    out = lambda name: os.path.join(args.out_dir, name)  # noqa: E731
+    _write(out("ca.crt"), ca_pem, private=False)
+    _write(out("ca.key"), ca_key_pem, private=True)
+    first = next(iter(api_keys))
+    env = f"KVMESH_TLS_CA={os.path.abspath(out('ca.crt'))}\nKVMESH_API_KEY={api_keys[first]}\n"
+    env += "".join(f"# tenant {t}: KVMESH_API_KEY={k}\n" for t, k in list(api_keys.items())[1:])
+    _write(out("client.env"), env.encode(), private=True)
+    sys.stdout.write(yaml.safe_dump_all(objs, sort_keys=False))
+    print(f"wrote {out('ca.crt')}, {out('ca.key')} (keep offline) and {out('client.env')} (API keys of "
+          f"{', '.join(api_keys)})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
