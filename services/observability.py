@@ -46,11 +46,11 @@ def _serve_metrics(extras: Extras, registry, host: str, port: int, what: str) ->
 
 
 async def start_worker_extras(servicer, host: str, metrics_port: int | None, http_port: int | None,
-                              authenticate=None) -> Extras:
+                              authenticate=None, ssl_context=None) -> Extras:
     """Serve a worker's metrics and, optionally, its HTTP front.
 
     Metrics are recorded whenever either is on (the HTTP front also serves ``/metrics``).
-    ``authenticate`` as in `start_router_extras`.
+    ``authenticate`` and ``ssl_context`` as in `start_router_extras`.
 
     Raises:
         RuntimeError: a port could not be bound (names the flag).
@@ -71,7 +71,7 @@ async def start_worker_extras(servicer, host: str, metrics_port: int | None, htt
         front = HttpFront(servicer.Generate, servicer.engine.tokenizer, servicer.engine.config.model_id,
                           model_dir=getattr(servicer.engine, "model_dir", None), registry=metrics.registry,
                           max_model_len=servicer.engine.max_model_len, authenticate=authenticate)
-        extras.http_port = await front.start(host, http_port)
+        extras.http_port = await front.start(host, http_port, ssl_context)
         extras._stops.append(front.stop)
     return extras
 

@@ -283,7 +283,9 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     engine.start()
     from kvmesh.services import observability
 
-    extras = await observability.start_worker_extras(servicer, host, metrics_port, http_port)
+    extras = await observability.start_worker_extras(
+        servicer, host, metrics_port, http_port,
+        ssl_context=tls.server_ssl_context() if tls is not None else None)
     bound = await grpc_host.start()
     log.info("worker %s serving on %s:%d", worker_id, host, bound)
     print(f"kvmesh worker {worker_id} listening on {host}:{bound}", flush=True)
