@@ -86,6 +86,7 @@ from kvmesh.cache_store.hashing import Namespace, hash_blocks
 from kvmesh.cache_store.prefix_cache import PrefixCache
 from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
 from kvmesh.services.policies import POLICIES, RoutedShare, RouteRequest, WorkerView, make_policy
+from kvmesh.services.shortlist import shortlist
 
 __all__ = [
     "TRACE_BLOCK_TOKENS",
@@ -350,11 +351,22 @@ class _Routed:
         self.by_id = {w.worker_id: w for w in self.workers}
         self.policy = make_policy(policy, **(policy_kwargs or {}))
         self.routed = RoutedShare()
+        self.routed.set_fleet(num_workers)
+        self.ids = [w.worker_id for w in self.workers]
+        for wid in self.ids:
+            self.routed.track(wid)
 
     def route(self, spec: _Spec, now: float, block: int, rng: random.Random) -> tuple[_Worker, int]:
-        matches = self.index.match(spec.route_hashes, now)
+        routed_mean = None
+        if self.policy.uses_shortlist:
+            matches = shortlist(self.index, self.routed, spec.route_hashes, now, self.ids, rng)
+            shown = [self.by_id[wid] for wid in matches]
+            routed_mean = self.routed.total() / len(self.workers)
+        else:
+            matches = self.index.match(spec.route_hashes, now)
+            shown = self.workers
         views = []
-        for w in self.workers:
+        for w in shown:
             m = matches.get(w.worker_id)
             views.append(WorkerView(
                 worker_id=w.worker_id, address="", matched_blocks=m.num_blocks if m else 0,
@@ -362,7 +374,7 @@ class _Routed:
                 waiting_requests=len(w.queue), queued_prefill_tokens=w.queued_prefill,
                 free_blocks=w.cache.pool.num_free_blocks, total_blocks=w.capacity,
                 routed_recent=self.routed.value(w.worker_id)))
-        chosen = self.policy.choose(RouteRequest(spec.num_tokens, spec.route_hashes, block), views, rng)
+        chosen = self.policy.choose(RouteRequest(spec.num_tokens, spec.route_hashes, block, routed_mean), views, rng)
         w = self.by_id[chosen.worker_id]
         self.index.add_speculative(w.worker_id, spec.route_hashes, now, SPECULATIVE_TTL_S)
         self.routed.note(w.worker_id)

@@ -10,6 +10,7 @@ run reproducible.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from abc import ABC, abstractmethod
@@ -72,17 +73,25 @@ class RouteRequest:
         num_tokens: prompt length (tokens).
         block_hashes: chained hashes of the prompt's full blocks.
         block_size: tokens per block.
+        routed_mean: mean `WorkerView.routed_recent` over every live worker (requests), for
+            callers that pass a shortlist of views; None: the mean over the views given.
     """
 
     num_tokens: int
     block_hashes: list[bytes]
     block_size: int
+    routed_mean: float | None = None
 
 
 class RoutingPolicy(ABC):
     """Chooses one worker per request. Subclasses set ``name`` and register."""
 
     name: ClassVar[str]
+    #: True when the policy decides as well from a shortlist of views (``services.shortlist``:
+    #: deepest prefix holders, least-routed and random workers, with
+    #: `RouteRequest.routed_mean` set) as from every worker; callers with large fleets may
+    #: then build views for the shortlist only.
+    uses_shortlist: ClassVar[bool] = False
 
     @abstractmethod
     def choose(self, req: RouteRequest, workers: list[WorkerView], rng: random.Random) -> WorkerView:
@@ -206,34 +215,112 @@ class RoutedShare:
     router and the simulator each keep one and pass ``value`` as
     `WorkerView.routed_recent`.
 
+    The window grows with the fleet: after `set_fleet` (n workers) it is
+    ``max(window, per_worker * n)`` decisions, so the mean count per worker stays near
+    ``per_worker`` at any fleet size. With a fixed window of 400 decisions, 1,000 workers
+    average 0.4 requests each, and a share cap with a slack of a few requests no longer
+    bounds anything (`KVAwarePolicy`).
+
+    Also keeps the decayed total (`total`) and, for shortlists, the workers with the
+    smallest counts (`least`), both without touching every worker.
+
     Raises:
-        ValueError: ``window`` < 1.
+        ValueError: ``window`` < 1 or ``per_worker`` < 0.
     """
 
-    __slots__ = ("window", "_decay", "_scale", "_counts")
+    __slots__ = ("window", "base_window", "per_worker", "fleet", "_decay", "_scale", "_counts", "_total",
+                 "_heap", "_tick")
 
-    def __init__(self, window: float = 400.0):
+    def __init__(self, window: float = 400.0, per_worker: float = 40.0):
         if window < 1:
             raise ValueError(f"window must be >= 1 decision, got {window}")
-        self.window = float(window)
+        if per_worker < 0:
+            raise ValueError(f"per_worker must be >= 0 decisions, got {per_worker}")
+        self.base_window = float(window)
+        self.per_worker = float(per_worker)
+        self.fleet = 0
+        self.window = self.base_window
         self._decay = 1.0 - 1.0 / self.window
         self._scale = 1.0          # counts are stored divided by the accumulated decay
         self._counts: dict[str, float] = {}
+        self._total = 0.0          # sum of stored counts
+        self._heap: list[tuple[float, int, str]] = []   # (stored count, tick, worker) with stale entries
+        self._tick = 0
+
+    def set_fleet(self, num_workers: int) -> None:
+        """Tell the number of live workers (workers); the window becomes
+        ``max(window, per_worker * num_workers)`` decisions."""
+        n = max(0, int(num_workers))
+        if n == self.fleet:
+            return
+        self.fleet = n
+        self.window = max(self.base_window, self.per_worker * n)
+        self._decay = 1.0 - 1.0 / self.window
 
     def note(self, worker_id: str) -> None:
         """Record one request routed to ``worker_id``."""
         self._scale *= self._decay
         if self._scale < 1e-200:  # renormalise before underflow
-            self._counts = {k: v * self._scale for k, v in self._counts.items()}
+            s = self._scale
+            self._counts = {k: v * s for k, v in self._counts.items()}
+            self._total *= s
+            self._heap = [(c, t, w) for t, (w, c) in enumerate(self._counts.items())]
+            heapq.heapify(self._heap)
+            self._tick = len(self._heap)
             self._scale = 1.0
-        self._counts[worker_id] = self._counts.get(worker_id, 0.0) + 1.0 / self._scale
+        add = 1.0 / self._scale
+        c = self._counts.get(worker_id, 0.0) + add
+        self._counts[worker_id] = c
+        self._total += add
+        self._push(c, worker_id)
+
+    def _push(self, stored: float, worker_id: str) -> None:
+        self._tick += 1
+        heapq.heappush(self._heap, (stored, self._tick, worker_id))
+        if len(self._heap) > 4 * len(self._counts) + 64:  # drop stale entries
+            self._heap = [(c, t, w) for t, (w, c) in enumerate(self._counts.items())]
+            heapq.heapify(self._heap)
+
+    def track(self, worker_id: str) -> None:
+        """Count ``worker_id`` (at 0 if new) among the candidates of `least`."""
+        if worker_id not in self._counts:
+            self._counts[worker_id] = 0.0
+            self._push(0.0, worker_id)
 
     def value(self, worker_id: str) -> float:
         """Decayed count of requests routed to ``worker_id`` (requests)."""
         return self._counts.get(worker_id, 0.0) * self._scale
 
+    def total(self) -> float:
+        """Sum of all workers' decayed counts (requests); O(1)."""
+        return self._total * self._scale
+
+    def least(self, k: int) -> list[str]:
+        """Up to ``k`` tracked or noted workers with the smallest counts, smallest first.
+
+        Cost O((k + stale entries popped) * log n), not O(n).
+        """
+        heap = self._heap
+        counts = self._counts
+        out: list[str] = []
+        keep: list[tuple[float, int, str]] = []
+        seen: set[str] = set()
+        while heap and len(out) < k:
+            entry = heapq.heappop(heap)
+            c, _, w = entry
+            if w in seen or counts.get(w) != c:
+                continue  # stale: the worker was noted again or forgotten since
+            seen.add(w)
+            out.append(w)
+            keep.append(entry)
+        for entry in keep:
+            heapq.heappush(heap, entry)
+        return out
+
     def forget(self, worker_id: str) -> None:
-        self._counts.pop(worker_id, None)
+        c = self._counts.pop(worker_id, None)
+        if c is not None:
+            self._total -= c
 
 
 @register
@@ -291,11 +378,13 @@ class KVAwarePolicy(RoutingPolicy):
     """
 
     name = "kv_aware"
+    uses_shortlist = True
 
     def __init__(self, queue_weight: float = 0.05, decode_weight: float = 128.0, share_cap: float = 0.15,
-                 share_slack: float = 4.0):
-        if min(queue_weight, decode_weight, share_cap, share_slack) < 0:
-            raise ValueError("queue_weight, decode_weight, share_cap and share_slack must be >= 0")
+                 share_slack: float = 4.0, share_weight: float = 0.05):
+        if min(queue_weight, decode_weight, share_cap, share_slack, share_weight) < 0:
+            raise ValueError("queue_weight, decode_weight, share_cap, share_slack and share_weight must be >= 0")
+        self.share_weight = float(share_weight)
         self.queue_weight = float(queue_weight)
         self.decode_weight = float(decode_weight)
         self.share_cap = float(share_cap)
@@ -310,8 +399,10 @@ class KVAwarePolicy(RoutingPolicy):
         """
         _require(workers)
         n_tok = float(req.num_tokens)
-        mean = sum(w.routed_recent for w in workers) / len(workers)
+        mean = req.routed_mean if req.routed_mean is not None else \
+            sum(w.routed_recent for w in workers) / len(workers)
         limit = (1.0 + self.share_cap) * mean + self.share_slack
+        per_share = self.share_weight * n_tok / max(mean, 1.0)
         capped = [w.routed_recent > limit for w in workers]
         if all(capped):
             capped = [False] * len(workers)
@@ -322,13 +413,15 @@ class KVAwarePolicy(RoutingPolicy):
                 continue
             out.append(n_tok - req.block_size * w.weighted_blocks
                        + self.queue_weight * w.queued_prefill_tokens
-                       + self.decode_weight * w.running_requests)
+                       + self.decode_weight * w.running_requests
+                       + per_share * (w.routed_recent - mean))
         return out
 
     def choose(self, req, workers, rng):
         costs = self.costs(req, workers)
         # Round away float noise so equal estimates tie and the tie-break is random.
-        return _argmin(workers, [round(c, 6) for c in costs], rng)
+        # Equal estimates go to the worker with the smallest recent share, then at random.
+        return _argmin(workers, [(round(c, 6), round(w.routed_recent, 6)) for c, w in zip(costs, workers)], rng)
 
 
 # Other routers' policies (sglang_cache_aware, ray_prefix_affinity, dynamo_kv, llmd_precise,
