@@ -59,6 +59,18 @@ def test_kv_aware_keeps_97_percent_of_pooled_at_10_workers_of_3m_tokens(full_tra
     assert kv["num_requests"] == 12_031 and sum(kv["worker_requests"]) == 12_031
 
 
+def test_kv_aware_holds_at_100_workers_on_a_trace_slice():
+    # The fleet-size collapse: with a fixed 400-decision share window and no pull towards
+    # cold workers, kv_aware fell to 14.5 % (pooled 36.6 %) at imbalance 2.27 on the full
+    # trace at 100 x 3M. On the first 6,000 requests (60 per worker):
+    wl = prepare(load_mooncake(DEFAULT_TRACE, 6000))
+    res = run_policies(wl, [POOLED, "kv_aware"], num_workers=100, capacity_tokens=3_000_000)
+    kv, pooled = res["kv_aware"], res[POOLED]
+    assert kv["hit_rate_blocks"] >= 0.98 * pooled["hit_rate_blocks"], (kv["hit_rate_blocks"], pooled)
+    assert kv["imbalance"] <= 1.10
+    assert min(kv["worker_requests"]) > 0  # every worker takes part
+
+
 # ---------------------------------------------------------------- cache blocks
 def test_a_follow_up_hits_exactly_its_shared_prefix():
     r = simulate([req([1, 2, 3]), req([1, 2, 9, 10], ts_ms=10_000)], POOLED, 1, num_blocks=100)
