@@ -210,10 +210,21 @@ def test_kv_aware_blocks_every_worker_holds_give_no_preference():
 def test_kv_aware_share_cap_overrides_a_full_hit_well_above_mean():
     p = make_policy("kv_aware")
     req = request(20)
-    # mean 10, limit 1.15 * 10 + 4 = 15.5: "hot" at 16 takes nothing despite a full hit.
-    ws = [view("hot", matched_blocks=20, routed_recent=16.0), view("b", routed_recent=10.0),
+    # mean 10, limit 1.15 * 10 + 4 = 15.5: "hot" at 16, busy, takes nothing despite a full hit.
+    ws = [view("hot", matched_blocks=20, routed_recent=16.0, running_requests=1), view("b", routed_recent=10.0),
           view("c", routed_recent=9.0), view("d", routed_recent=5.0)]
     assert "hot" not in picks(p, req, ws)
+    # An idle worker over the cap keeps a request when it holds at least half of its prompt
+    # (idle_exempt_hit): no queue to protect, and the hit saves the recompute.
+    ws[0].running_requests = 0
+    assert set(picks(p, req, ws)) == {"hot"}
+    ws[0].matched_blocks = ws[0].weighted_blocks = 9  # under half: capped
+    assert "hot" not in picks(p, req, ws)
+    ws[0].matched_blocks = ws[0].weighted_blocks = 20
+    ws[0].queued_prefill_tokens = 1                    # not idle: capped
+    assert "hot" not in picks(p, req, ws)
+    ws[0].running_requests = 1
+    ws[0].queued_prefill_tokens = 0
     # Within the cap a large hit is kept.
     ws[0].routed_recent, ws[3].routed_recent = 15.0, 6.0
     assert set(picks(p, req, ws)) == {"hot"}
