@@ -79,6 +79,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         await self._channels.close()
 
     def _views(self, live: dict[str, dict], hashes: list[bytes], now: float, exclude: set[str]) -> list[WorkerView]:
+        self.routed.set_fleet(len(live))  # the share window grows with the fleet
         matches = self.index.match(hashes, now) if hashes else {}
         views = []
         for wid, info in live.items():
