@@ -473,9 +473,9 @@ def simulate(reqs, policy: str, num_workers: int, capacity_tokens: int | None = 
     order = 0
     pending: deque = deque()
     if concurrency is None:
-        t0 = min((spec.arrival_s for spec in wl.specs), default=0.0)
+        first = min((spec.arrival_s for spec in wl.specs), default=0.0)
         for spec in wl.specs:
-            arrival = (spec.arrival_s - t0) * time_scale
+            arrival = (spec.arrival_s - first) * time_scale
             heapq.heappush(events, (arrival, order, _ARRIVE, _Job(spec, arrival)))
             order += 1
     else:

@@ -313,3 +313,8 @@ def test_cli_sim_shows_progress_with_an_eta_on_stderr_and_names_a_missing_trace(
     r = _kvmesh("sim", "--trace", tmp_path / "missing.jsonl", "--num-blocks", "10")
     assert r.returncode == 2 and "--trace" in r.stderr and "Traceback" not in r.stderr
     assert "multiply every gap" in _kvmesh("sim", "--help").stdout
+
+
+def test_sim_seconds_is_the_replays_own_wall_time():
+    r = simulate([req([1], ts_ms=5000), req([2], ts_ms=6000)], "round_robin", 1, num_blocks=10)
+    assert 0 <= r["sim_seconds"] < 5
