@@ -23,7 +23,8 @@ block of ``block_tokens`` tokens):
   conversations; ``docs``: long documents with few reuses; ``zipf``: shared prefixes of
   Zipf popularity; ``bursty``: bursts of requests sharing a new prefix within a second.
 
-The generated workloads arrive as a Poisson process (bursty: ON/OFF) at a rate that keeps
+The generated workloads grow with the fleet (``workers // 10`` times as many groups,
+conversations, tenants, documents, prefixes and requests, at least once), arrive as a Poisson process (bursty: ON/OFF) at a rate that keeps
 the fleet's cold prefill load at ``--load`` of its capacity at every fleet size, and each
 worker holds ``--pressure`` of the workload's distinct tokens divided by the fleet size, so
 a fleet of any size is as loaded and as short of cache as the others. Token-level
@@ -134,11 +135,16 @@ def _zipf(rng: random.Random, n: int, s: float) -> Callable[[], int]:
 
 
 # ------------------------------------------------------------------ generators
+def _scale(workers: int) -> int:
+    """Workload size factor: generated workloads grow with the fleet (x1 up to 10 workers)."""
+    return max(1, workers // 10)
+
+
 def _gsp(groups: int, per_group: int, system: int, question: int, output: int, bt: int):
     from kvmesh.bench.workloads import shared_prefix_workload
 
     def make(workers: int, load: float) -> list[TraceRequest]:
-        wl = shared_prefix_workload(groups, per_group, system, question, output, seed=1)
+        wl = shared_prefix_workload(groups * _scale(workers), per_group, system, question, output, seed=1)
         rate = _rate(load, workers, (system + question) * 0.5)
         arr = _poisson(random.Random(2), len(wl.items), rate)
         return tokens_to_trace([it.tokens for it in wl.items], [it.max_tokens for it in wl.items], arr, bt)
@@ -149,10 +155,11 @@ def _multiturn(convs: int, turns: int, system: int, user: int, output: int, bt: 
     from kvmesh.bench.workloads import multi_turn_workload
 
     def make(workers: int, load: float) -> list[TraceRequest]:
-        wl = multi_turn_workload(convs, turns, system, user, output, seed=3)
+        n_conv = convs * _scale(workers)
+        wl = multi_turn_workload(n_conv, turns, system, user, output, seed=3)
         rng = random.Random(4)
         mean_tok = system + user * (turns + 1) / 2 + output * (turns - 1) / 2
-        starts = _poisson(rng, convs, _rate(load, workers, mean_tok * 0.5) / turns)
+        starts = _poisson(rng, n_conv, _rate(load, workers, mean_tok * 0.5) / turns)
         prompts, outs, arr, hist, when = [], [], [], {}, {}
         for it in wl.items:
             if it.parent is None:
@@ -175,8 +182,9 @@ def _multiturn(convs: int, turns: int, system: int, user: int, output: int, bt: 
 def _tenants(n_req: int = 3000, tenants: int = 300, s: float = 1.1):
     def make(workers: int, load: float) -> list[TraceRequest]:
         rng = random.Random(5)
-        pick = _zipf(rng, tenants, s)
-        sys_len = [rng.randint(2, 8) for _ in range(tenants)]
+        n_ten, n = tenants * _scale(workers), n_req * _scale(workers)
+        pick = _zipf(rng, n_ten, s)
+        sys_len = [rng.randint(2, 8) for _ in range(n_ten)]
         next_id = [10 ** 7]
 
         def fresh(k: int) -> list[int]:
@@ -186,7 +194,7 @@ def _tenants(n_req: int = 3000, tenants: int = 300, s: float = 1.1):
         system = [fresh(n) for n in sys_len]
         convs: list[list[int]] = []
         chains = []
-        for _ in range(n_req):
+        for _ in range(n):
             if convs and rng.random() < 0.35:
                 c = convs[rng.randrange(max(0, len(convs) - 200), len(convs))]
                 c.extend(fresh(rng.randint(1, 3)))
@@ -201,12 +209,13 @@ def _tenants(n_req: int = 3000, tenants: int = 300, s: float = 1.1):
 def _docs(n_docs: int = 600, n_req: int = 1500):
     def make(workers: int, load: float) -> list[TraceRequest]:
         rng = random.Random(6)
-        docs = [list(range(10 ** 7 + 1000 * d, 10 ** 7 + 1000 * d + rng.randint(16, 64))) for d in range(n_docs)]
+        nd, n = n_docs * _scale(workers), n_req * _scale(workers)
+        docs = [list(range(10 ** 7 + 1000 * d, 10 ** 7 + 1000 * d + rng.randint(16, 64))) for d in range(nd)]
         chains = []
         used = 0
-        for i in range(n_req):
+        for i in range(n):
             # mostly new documents, a few asked about again soon after
-            if used < n_docs and (i == 0 or rng.random() < 0.55):
+            if used < nd and (i == 0 or rng.random() < 0.55):
                 d = used
                 used += 1
             else:
@@ -219,9 +228,10 @@ def _docs(n_docs: int = 600, n_req: int = 1500):
 def _zipf_prefixes(n_req: int = 3000, prefixes: int = 1000, s: float = 1.2):
     def make(workers: int, load: float) -> list[TraceRequest]:
         rng = random.Random(7)
-        pick = _zipf(rng, prefixes, s)
-        pre = [list(range(10 ** 7 + 100 * p, 10 ** 7 + 100 * p + rng.randint(4, 16))) for p in range(prefixes)]
-        chains = [pre[pick()] + [2 * 10 ** 8 + 10 * i + k for k in range(rng.randint(1, 4))] for i in range(n_req)]
+        n_pre, n = prefixes * _scale(workers), n_req * _scale(workers)
+        pick = _zipf(rng, n_pre, s)
+        pre = [list(range(10 ** 7 + 100 * p, 10 ** 7 + 100 * p + rng.randint(4, 16))) for p in range(n_pre)]
+        chains = [pre[pick()] + [2 * 10 ** 9 + 10 * i + k for k in range(rng.randint(1, 4))] for i in range(n)]
         return _chains(chains, rng, workers, load)
     return make
 
@@ -229,12 +239,13 @@ def _zipf_prefixes(n_req: int = 3000, prefixes: int = 1000, s: float = 1.2):
 def _bursty(n_req: int = 3000):
     def make(workers: int, load: float) -> list[TraceRequest]:
         rng = random.Random(8)
+        n = n_req * _scale(workers)
         chains, arr = [], []
         t = 0.0
         base = 10 ** 7
         mean_blocks = 12.0
         rate = _rate(load, workers, mean_blocks * 512 * 0.5)
-        while len(chains) < n_req:
+        while len(chains) < n:
             burst = rng.randint(20, 60)
             pre = list(range(base, base + rng.randint(6, 16)))
             base += 100
@@ -243,7 +254,7 @@ def _bursty(n_req: int = 3000):
                 arr.append(t + rng.random())  # a burst lands within a second
             t += burst / rate  # long-run average rate as the others
         return [TraceRequest(int(a * 1000), 512 * len(c), rng.randint(50, 300), tuple(c))
-                for a, c in sorted(zip(arr, chains))][:n_req]
+                for a, c in sorted(zip(arr, chains))][:n]
     return make
 
 
