@@ -635,6 +635,8 @@ def _command(args: argparse.Namespace) -> str:
     for key, value in vars(args).items():
         if key in defaults and (value != defaults[key] or key in ("trace", "workers")) and key not in ("out", "json", "no_progress"):
             flag = "--" + key.replace("_", "-")
+            if key == "trace" and value == str(DEFAULT_TRACE):
+                value = "bench/data/" + DEFAULT_TRACE.name  # the bundled trace, from the repository root
             parts += [flag] if value is True else [flag, shlex.quote(str(value))]
     if args.out:
         parts += ["--out", shlex.quote(str(args.out))]
