@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -361,12 +362,13 @@ class ClusterIndex:
         result[w] = PrefixMatch(n, by_medium)
 
     def match_deepest(self, block_hashes: Sequence[bytes], now: float, limit: int,
-                      also: Iterable[str] = ()) -> dict[str, PrefixMatch]:
+                      also: Iterable[str] = (), rng: random.Random | None = None) -> dict[str, PrefixMatch]:
         """The (at most) ``limit`` workers holding the longest leading runs of a request.
 
         Same counting as :meth:`match` (real and live speculative entries), but only for
         the deepest holders: workers are taken by decreasing match length, and among
-        workers of the last length taken an arbitrary subset fills the limit. Workers
+        workers of the last length taken a subset fills the limit (drawn with ``rng``
+        from the sorted ids, or the smallest ids without one). Workers
         with no matching block are never returned. For routing over a shortlist: the cost
         is O(matched blocks + limit) set operations instead of one result per known
         worker, so it does not grow with the fleet when every worker holds a shared
@@ -377,6 +379,7 @@ class ClusterIndex:
             now: current time on the clock used for :meth:`add_speculative` (seconds).
             limit: most deepest holders returned (workers), >= 0.
             also: workers whose matches are wanted as well, whatever their depth.
+            rng: draws the subset of a level larger than what is left of ``limit``.
 
         Returns:
             ``{worker_id: PrefixMatch}``, the deepest holders first, then those of
@@ -413,11 +416,14 @@ class ClusterIndex:
             levels.append((i, alive))
         depth: dict[str, int] = {}
         for d, ws in reversed(levels if limit > 0 else ()):
-            for w in ws:
-                if w not in depth:
-                    depth[w] = d
-                    if len(depth) >= limit:
-                        break
+            new = [w for w in ws if w not in depth] if depth else list(ws)
+            need = limit - len(depth)
+            if len(new) > need:
+                # a level larger than what is left: a subset that does not depend on set order
+                new.sort()
+                new = rng.sample(new, need) if rng is not None else new[:need]
+            for w in new:
+                depth[w] = d
             if len(depth) >= limit:
                 break
         for w in also:

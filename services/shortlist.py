@@ -53,8 +53,9 @@ def shortlist(index: ClusterIndex, routed: RoutedShare, block_hashes: Sequence[b
             index or the routed counts still know but that have left; None: all are live.
 
     Returns:
-        ``{worker_id: PrefixMatch or None}`` (None: no matching block), deepest holders
-        first; all live workers when the fleet is no larger than the shortlist.
+        ``{worker_id: PrefixMatch or None}`` (None: no matching block), in worker id
+        order; all live workers when the fleet is no larger than the shortlist. The
+        result depends only on the arguments and ``rng``'s state, never on set order.
     """
     if len(worker_ids) <= holders + least + sample:
         matches = index.match(block_hashes, now) if block_hashes else {}
@@ -65,13 +66,13 @@ def shortlist(index: ClusterIndex, routed: RoutedShare, block_hashes: Sequence[b
         others[w] = None
     for w in rng.sample(live, min(sample, len(live))):
         others[w] = None
-    found = index.match_deepest(block_hashes, now, holders, also=others) if block_hashes else {}
+    found = index.match_deepest(block_hashes, now, holders, also=others, rng=rng) if block_hashes else {}
     ok = live_set if live_set is not None else _ALL
     out: dict[str, PrefixMatch | None] = {w: m for w, m in found.items() if w in ok}
     for w in others:
         if w in ok and w not in out:
             out[w] = None
-    return out
+    return {w: out[w] for w in sorted(out)}
 
 
 class _All:

@@ -287,5 +287,9 @@ def test_match_deepest_agrees_with_match_for_the_deepest_holders(steps, req, lim
     depths = sorted((m.num_blocks for m in full.values()), reverse=True)
     top = [m.num_blocks for w, m in list(got.items())[:min(limit, len(full))]]
     assert top == depths[:min(limit, len(full))]
+    # without an rng a partial level is cut at the smallest ids; with one, seeded draws repeat
+    import random
+    a = idx.match_deepest(hashes, now=0.5, limit=limit, rng=random.Random(3))
+    assert a == idx.match_deepest(hashes, now=0.5, limit=limit, rng=random.Random(3))
     # every `also` worker with a match is there
     assert {w for w in also if w in full} <= set(got)

@@ -41,7 +41,7 @@ def test_large_fleets_get_deep_holders_least_routed_and_a_sample():
     out = shortlist(idx, share, [H(i) for i in range(6)], 0.0, ids, random.Random(1), holders=8, least=4, sample=4)
     assert len(out) <= 16
     assert out["w0007"].num_blocks == 5 and out["w0500"].num_blocks == 5 and out["w0900"].num_blocks == 3
-    assert list(out)[:2] in (["w0007", "w0500"], ["w0500", "w0007"])  # deepest first
+    assert list(out) == sorted(out)  # in id order, whatever the sets hold
     never = set(ids[990:])
     assert len(never & set(out)) >= 4        # the least routed are there
     for w, m in out.items():                 # every match is exact; all hold the shared block
