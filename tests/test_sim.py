@@ -318,3 +318,18 @@ def test_cli_sim_shows_progress_with_an_eta_on_stderr_and_names_a_missing_trace(
 def test_sim_seconds_is_the_replays_own_wall_time():
     r = simulate([req([1], ts_ms=5000), req([2], ts_ms=6000)], "round_robin", 1, num_blocks=10)
     assert 0 <= r["sim_seconds"] < 5
+
+
+def test_a_replay_with_a_shortlist_repeats_across_processes():
+    # Shortlists (fleets over 16 workers) must not depend on set iteration order, which
+    # changes with each process's string hash seed.
+    import os
+    import subprocess
+    import sys
+
+    code = ("from kvmesh.bench.sim import simulate, DEFAULT_TRACE; from kvmesh.bench.trace import load_mooncake; "
+            "r = simulate(load_mooncake(DEFAULT_TRACE, 1500), 'kv_aware', 40, 3_000_000); "
+            "print(r['worker_requests'], r['hit_blocks'])")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                           env=dict(os.environ, PYTHONHASHSEED=seed)).stdout for seed in ("1", "2")}
+    assert len(outs) == 1, outs
