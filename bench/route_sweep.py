@@ -65,13 +65,13 @@ class SweepWorkload:
         name: row label.
         make: ``make(workers, load)`` -> requests (arrivals scaled to the fleet).
         block_tokens: tokens per trace block.
-        capacity_tokens: ``capacity_tokens(workers, reqs)`` -> KV tokens per worker.
+        capacity_tokens: ``capacity_tokens(workers, reqs, block_tokens)`` -> KV tokens per worker.
     """
 
     name: str
     make: Callable[[int, float], list[TraceRequest]]
     block_tokens: int
-    capacity_tokens: Callable[[int, list[TraceRequest]], int]
+    capacity_tokens: Callable[[int, list[TraceRequest], int], int]
 
 
 # ---------------------------------------------------------------- conversions
