@@ -30,7 +30,7 @@ Workers and time
 Each worker has one prefill stream served in arrival order and decodes beside it (decode is
 batched with other work, so it does not hold the stream). A request's life:
 
-1. **Arrival** (the trace timestamp divided by ``time_scale``, or, with ``concurrency=K``, a
+1. **Arrival** (the trace timestamp, every gap multiplied by ``time_scale``, or, with ``concurrency=K``, a
    closed loop of K clients as in ``kvmesh bench``): the policy chooses a worker from the
    views; the router's bookkeeping follows (`RoutedShare.note`, a speculative index entry for
    2 s, the estimated prefill ``N - B * matched`` added to the worker's queued prefill).
@@ -86,6 +86,7 @@ from kvmesh.cache_store.hashing import Namespace, hash_blocks
 from kvmesh.cache_store.prefix_cache import PrefixCache
 from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
 from kvmesh.services.policies import POLICIES, RoutedShare, RouteRequest, WorkerView, make_policy
+from kvmesh.services.shortlist import shortlist
 
 __all__ = [
     "TRACE_BLOCK_TOKENS",
@@ -350,11 +351,22 @@ class _Routed:
         self.by_id = {w.worker_id: w for w in self.workers}
         self.policy = make_policy(policy, **(policy_kwargs or {}))
         self.routed = RoutedShare()
+        self.routed.set_fleet(num_workers)
+        self.ids = [w.worker_id for w in self.workers]
+        for wid in self.ids:
+            self.routed.track(wid)
 
     def route(self, spec: _Spec, now: float, block: int, rng: random.Random) -> tuple[_Worker, int]:
-        matches = self.index.match(spec.route_hashes, now)
+        routed_mean = None
+        if self.policy.uses_shortlist:
+            matches = shortlist(self.index, self.routed, spec.route_hashes, now, self.ids, rng)
+            shown = [self.by_id[wid] for wid in matches]
+            routed_mean = self.routed.total() / len(self.workers)
+        else:
+            matches = self.index.match(spec.route_hashes, now)
+            shown = self.workers
         views = []
-        for w in self.workers:
+        for w in shown:
             m = matches.get(w.worker_id)
             views.append(WorkerView(
                 worker_id=w.worker_id, address="", matched_blocks=m.num_blocks if m else 0,
@@ -362,7 +374,7 @@ class _Routed:
                 waiting_requests=len(w.queue), queued_prefill_tokens=w.queued_prefill,
                 free_blocks=w.cache.pool.num_free_blocks, total_blocks=w.capacity,
                 routed_recent=self.routed.value(w.worker_id)))
-        chosen = self.policy.choose(RouteRequest(spec.num_tokens, spec.route_hashes, block), views, rng)
+        chosen = self.policy.choose(RouteRequest(spec.num_tokens, spec.route_hashes, block, routed_mean), views, rng)
         w = self.by_id[chosen.worker_id]
         self.index.add_speculative(w.worker_id, spec.route_hashes, now, SPECULATIVE_TTL_S)
         self.routed.note(w.worker_id)
@@ -403,23 +415,32 @@ def _percentile(sorted_xs: list[float], p: float) -> float:
 def simulate(reqs, policy: str, num_workers: int, capacity_tokens: int | None = None, *,
              num_blocks: int | None = None, block_tokens: int = TRACE_BLOCK_TOKENS, block_size: int | None = None,
              concurrency: int | None = None, time_scale: float = 1.0, cost: CostModel | None = None,
-             max_output_tokens: int | None = None, seed: int = 0, policy_kwargs: dict | None = None) -> dict:
+             max_output_tokens: int | None = None, seed: int = 0, policy_kwargs: dict | None = None,
+             unbounded: bool = False, progress: Callable[[int], None] | None = None) -> dict:
     """Replay a trace through ``policy`` on ``num_workers`` simulated workers.
 
     Args:
         reqs: `bench.trace.TraceRequest` s, or a `Workload` from `prepare` (then
             ``block_tokens``, ``block_size`` and ``max_output_tokens`` are the workload's).
         policy: a registered routing policy, or ``"pooled"`` (the shared-cache reference).
-        capacity_tokens: KV capacity of each worker in tokens.
+        capacity_tokens: KV capacity of each worker in tokens. Memory grows with the blocks
+            actually cached, not with the capacity (`BlockPool` makes blocks on first use).
         num_blocks: KV capacity of each worker in cache blocks (instead of tokens).
+        unbounded: room for every block of the trace on every worker (nothing is ever
+            evicted; the infinite-cache hit rate); ``capacity_tokens`` and ``num_blocks``
+            are then ignored.
         block_tokens: tokens one trace block stands for.
         block_size: None, one cache block per trace block; else kvmesh's block size in
             tokens (token mode, as the live cluster).
         concurrency: closed loop with this many clients (as ``kvmesh bench``); None = open
-            loop at the trace's timestamps divided by ``time_scale``.
+            loop at the trace's timestamps.
+        time_scale: open loop: every gap between trace timestamps is multiplied by this
+            (2 = half the arrival rate), as ``kvmesh bench --time-scale``.
         cost: the worker cost model (default: `CostModel()`).
         seed: seed of the policy's random choices.
         policy_kwargs: constructor arguments of the policy.
+        progress: called with the number of requests finished so far, every 256 requests
+            and at the end.
 
     Returns:
         ``policy``, ``num_requests``, ``hit_rate_blocks``, ``hit_rate_tokens``, ``ttft_ms``
@@ -431,10 +452,14 @@ def simulate(reqs, policy: str, num_workers: int, capacity_tokens: int | None = 
     """
     t0 = time.perf_counter()
     wl = reqs if isinstance(reqs, Workload) else prepare(reqs, block_tokens, block_size, max_output_tokens)
-    if num_workers < 1 or (concurrency is not None and concurrency < 1) or time_scale <= 0:
-        raise ValueError("num_workers and concurrency must be >= 1, time_scale > 0")
+    if num_workers < 1 or (concurrency is not None and concurrency < 1) or not (
+            time_scale > 0 and math.isfinite(time_scale)):
+        raise ValueError(f"workers and concurrency must be >= 1 and time scale a finite number > 0 "
+                         f"(got {num_workers}, {concurrency}, {time_scale})")
     block = wl.cache_block_tokens
-    if num_blocks is None:
+    if unbounded:
+        num_blocks = sum(spec.alloc_blocks for spec in wl.specs) + 1
+    elif num_blocks is None:
         if capacity_tokens is None:
             raise ValueError("give capacity_tokens or num_blocks")
         num_blocks = int(capacity_tokens // block)
@@ -448,8 +473,9 @@ def simulate(reqs, policy: str, num_workers: int, capacity_tokens: int | None = 
     order = 0
     pending: deque = deque()
     if concurrency is None:
+        first = min((spec.arrival_s for spec in wl.specs), default=0.0)
         for spec in wl.specs:
-            arrival = spec.arrival_s / time_scale
+            arrival = (spec.arrival_s - first) * time_scale
             heapq.heappush(events, (arrival, order, _ARRIVE, _Job(spec, arrival)))
             order += 1
     else:
@@ -459,6 +485,7 @@ def simulate(reqs, policy: str, num_workers: int, capacity_tokens: int | None = 
             order += 1
     ttfts: list[float] = []
     hit_blocks = total_blocks = hit_tokens = total_tokens = 0
+    finished = 0
 
     def start(w: _Worker, now: float) -> None:
         nonlocal order
@@ -510,9 +537,14 @@ def simulate(reqs, policy: str, num_workers: int, capacity_tokens: int | None = 
             total_blocks += spec.trace_blocks
             hit_tokens += cached
             total_tokens += spec.num_tokens
+            finished += 1
+            if progress is not None and not finished % 256:
+                progress(finished)
             if pending:
                 heapq.heappush(events, (now, order, _ARRIVE, _Job(pending.popleft(), now)))
                 order += 1
+    if progress is not None:
+        progress(finished)
     counts = cluster.counts()
     ttfts.sort()
     mean = sum(counts) / len(counts) if counts else 0.0
@@ -552,7 +584,8 @@ def run_policies(reqs, policies: Sequence[str] = DEFAULT_POLICIES, **kwargs) -> 
     """`simulate` each policy on the same prepared workload; ``{name: result}`` in order.
 
     ``kwargs`` go to `simulate` (``block_tokens``, ``block_size`` and
-    ``max_output_tokens`` to `prepare`). Raises ValueError for an unknown name.
+    ``max_output_tokens`` to `prepare`), except ``progress``: ``progress(policy)`` returns
+    the per-request callback of that policy's run. Raises ValueError for an unknown name.
     """
     unknown = [p for p in policies if p not in POLICIES and p not in _LAYOUTS]
     if unknown:
@@ -560,7 +593,8 @@ def run_policies(reqs, policies: Sequence[str] = DEFAULT_POLICIES, **kwargs) -> 
                          f"{', '.join(sorted([*POLICIES, *_LAYOUTS]))}")
     prep = {k: kwargs.pop(k) for k in ("block_tokens", "block_size", "max_output_tokens") if k in kwargs}
     wl = reqs if isinstance(reqs, Workload) else prepare(reqs, **prep)
-    return {p: simulate(wl, p, **kwargs) for p in policies}
+    progress = kwargs.pop("progress", None)
+    return {p: simulate(wl, p, progress=progress(p) if progress is not None else None, **kwargs) for p in policies}
 
 
 # ------------------------------------------------------------------------------ report
@@ -599,12 +633,56 @@ def _command(args: argparse.Namespace) -> str:
     defaults = vars(_parser().parse_args([]))
     parts = ["kvmesh", "sim"]
     for key, value in vars(args).items():
-        if key in defaults and (value != defaults[key] or key in ("trace", "workers")) and key not in ("out", "json"):
+        if key in defaults and (value != defaults[key] or key in ("trace", "workers")) and key not in ("out", "json", "no_progress"):
             flag = "--" + key.replace("_", "-")
+            if key == "trace" and value == str(DEFAULT_TRACE):
+                value = "bench/data/" + DEFAULT_TRACE.name  # the bundled trace, from the repository root
             parts += [flag] if value is True else [flag, shlex.quote(str(value))]
     if args.out:
         parts += ["--out", shlex.quote(str(args.out))]
     return " ".join(parts)
+
+
+class _SimProgress:
+    """A rich progress bar on stderr over every policy's replay: requests done, elapsed, ETA."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled = enabled
+        self.total = total
+        self._bar = None
+        self._task = None
+        self._base = 0      # requests of the policies already finished
+        self._last = 0
+
+    def __enter__(self) -> "_SimProgress":
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                 console=Console(stderr=True), transient=False)
+            self._bar.start()
+            self._task = self._bar.add_task("sim", total=self.total)
+        return self
+
+    def policy(self, name: str) -> Callable[[int], None] | None:
+        """The callback of one policy's replay (`simulate`'s ``progress``)."""
+        if self._bar is None:
+            return None
+        self._base += self._last
+        self._last = 0
+        self._bar.update(self._task, description=f"sim {name}", completed=self._base)
+
+        def update(done: int) -> None:
+            self._last = done
+            self._bar.update(self._task, completed=self._base + done)
+        return update
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
 
 
 # --------------------------------------------------------------------------------- CLI
@@ -612,8 +690,12 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=str(DEFAULT_TRACE),
                    help="Mooncake-format JSONL, optionally .gz (default: the bundled full conversation trace)")
     p.add_argument("--workers", type=int, default=10, help="simulated workers (default 10)")
-    p.add_argument("--capacity-tokens", type=int, default=None, help="KV capacity of each worker in tokens")
+    p.add_argument("--capacity-tokens", type=int, default=None,
+                   help="KV capacity of each worker in tokens (memory grows with what is cached, not with this)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV capacity of each worker in cache blocks")
+    p.add_argument("--unbounded", action="store_true",
+                   help="room for every block on every worker: nothing is evicted (the infinite-cache hit rate); "
+                        "instead of --capacity-tokens / --num-blocks")
     p.add_argument("--block-tokens", type=int, default=TRACE_BLOCK_TOKENS,
                    help="tokens one trace block stands for (default 512, the trace's own)")
     p.add_argument("--block-size", type=int, default=None,
@@ -623,7 +705,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated, '{POOLED}' = one shared cache of all workers' capacity (default: all)")
     p.add_argument("--concurrency", type=int, default=None,
                    help="closed loop with this many clients (default: open loop at the trace's timestamps)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="open loop: divide timestamps by this")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="open loop: multiply every gap between trace timestamps by this (2 = half the arrival "
+                        "rate, 0.5 = twice), as in 'kvmesh bench' (default 1)")
     p.add_argument("--max-output-tokens", type=int, default=None,
                    help="cap on each request's output tokens (default: the trace's output lengths)")
     p.add_argument("--max-requests", type=int, default=None, help="simulate the first N requests (default: all)")
@@ -637,31 +721,39 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="also write OUT.json and OUT.md")
     p.add_argument("--title", default="", help="title of OUT.md (default: none)")
     p.add_argument("--json", action="store_true", help="print {policy: fields} as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
     from kvmesh.bench.trace import load_mooncake
 
-    if args.capacity_tokens is None and args.num_blocks is None:
-        print("error: give --capacity-tokens or --num-blocks", file=sys.stderr)
+    if args.capacity_tokens is None and args.num_blocks is None and not args.unbounded:
+        print("error: give --capacity-tokens, --num-blocks or --unbounded", file=sys.stderr)
         return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     cost = calibrate() if args.calibrate else CostModel(args.prefill_s_per_token, args.decode_s_per_step)
-    reqs = load_mooncake(args.trace, args.max_requests)
     try:
-        results = run_policies(reqs, policies, num_workers=args.workers, capacity_tokens=args.capacity_tokens,
-                               num_blocks=args.num_blocks, block_tokens=args.block_tokens, block_size=args.block_size,
-                               concurrency=args.concurrency, time_scale=args.time_scale, cost=cost,
-                               max_output_tokens=args.max_output_tokens, seed=args.seed)
+        reqs = load_mooncake(args.trace, args.max_requests)
+    except (OSError, ValueError) as exc:
+        print(f"error: --trace {args.trace}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with _SimProgress(not args.no_progress, len(policies) * len(reqs)) as bar:
+            results = run_policies(reqs, policies, num_workers=args.workers, capacity_tokens=args.capacity_tokens,
+                                   num_blocks=args.num_blocks, block_tokens=args.block_tokens,
+                                   block_size=args.block_size, concurrency=args.concurrency,
+                                   time_scale=args.time_scale, cost=cost, max_output_tokens=args.max_output_tokens,
+                                   seed=args.seed, unbounded=args.unbounded, progress=bar.policy)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     settings = {
         "trace": Path(args.trace).name, "requests": len(reqs), "workers": args.workers,
-        "capacity_tokens": args.capacity_tokens, "num_blocks": args.num_blocks, "block_tokens": args.block_tokens,
+        "capacity_tokens": "unbounded" if args.unbounded else args.capacity_tokens,
+        "num_blocks": args.num_blocks, "block_tokens": args.block_tokens,
         "block_size": args.block_size,
         "arrivals": f"closed loop of {args.concurrency}" if args.concurrency else
-                    f"open loop, trace timestamps / {args.time_scale:g}",
+                    f"open loop, gaps between trace timestamps x {args.time_scale:g}",
         "max_output_tokens": args.max_output_tokens,
         "cost_model": asdict(cost), "seed": args.seed,
     }

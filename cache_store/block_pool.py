@@ -108,22 +108,23 @@ class BlockPool:
         ValueError: ``num_blocks`` < 1.
     """
 
-    __slots__ = ("num_blocks", "_blocks", "_head", "_tail", "_num_free", "_num_evictable", "_on_evict")
+    __slots__ = ("num_blocks", "_blocks", "_head", "_tail", "_fresh", "_num_free", "_num_evictable", "_on_evict")
 
     def __init__(self, num_blocks: int, on_evict: Callable[[int, bytes], None] | None = None):
         _check_dims(num_blocks=num_blocks)
         self.num_blocks = num_blocks
         self._on_evict = on_evict
-        self._blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks are made on first use, so memory grows with the blocks handed out, not with
+        # num_blocks: ids len(_blocks)..num_blocks-1 have never been used and sit, in id
+        # order, where the `_fresh` marker sits in the free queue.
+        self._blocks: list[Block] = []
         self._head = Block(-1)
         self._tail = Block(-1)
-        prev = self._head
-        for b in self._blocks:
-            prev.next = b
-            b.prev = prev
-            prev = b
-        prev.next = self._tail
-        self._tail.prev = prev
+        self._fresh = Block(-2)
+        self._head.next = self._fresh
+        self._fresh.prev = self._head
+        self._fresh.next = self._tail
+        self._tail.prev = self._fresh
         self._num_free = num_blocks
         self._num_evictable = 0
 
@@ -160,7 +161,21 @@ class BlockPool:
     def _block(self, block_id: int) -> Block:
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block id {block_id!r} out of range [0, {self.num_blocks})")
-        return self._blocks[block_id]
+        if block_id < len(self._blocks):
+            return self._blocks[block_id]
+        return Block(block_id)  # never used: ref 0, no hash (a detached stand-in)
+
+    def _take_fresh(self) -> Block:
+        """Make the lowest never-used block (held, ref 1); drop the marker when none is left."""
+        b = Block(len(self._blocks), ref_cnt=1)
+        self._blocks.append(b)
+        self._num_free -= 1
+        if len(self._blocks) == self.num_blocks:
+            f = self._fresh
+            f.prev.next = f.next
+            f.next.prev = f.prev
+            f.prev = f.next = None
+        return b
 
     # -- public API --------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[int] | None:
@@ -183,8 +198,12 @@ class BlockPool:
             return None
         out = []
         on_evict = self._on_evict
+        fresh = self._fresh
         for _ in range(n):
             b = self._head.next
+            if b is fresh:
+                out.append(self._take_fresh().block_id)
+                continue
             self._unlink(b)
             b.ref_cnt = 1
             h = b.block_hash
@@ -313,7 +332,10 @@ class BlockPool:
         out = []
         b = self._head.next
         while b is not self._tail:
-            out.append(b.block_id)
+            if b is self._fresh:
+                out.extend(range(len(self._blocks), self.num_blocks))
+            else:
+                out.append(b.block_id)
             b = b.next
         return out
 
@@ -329,16 +351,23 @@ class BlockPool:
         prev = self._head
         b = self._head.next
         steps = 0
+        fresh = self.num_blocks - len(self._blocks)
         while b is not self._tail:
             if b is None:
                 errors.append(f"queue broken after block {prev.block_id}")
                 break
             steps += 1
-            if steps > self.num_blocks:
+            if steps > self.num_blocks + 1:
                 errors.append("free queue longer than the pool (cycle?)")
                 break
             if b.prev is not prev:
                 errors.append(f"block {b.block_id}: prev link does not point to {prev.block_id}")
+            if b is self._fresh:
+                if not fresh:
+                    errors.append("never-used marker queued with no never-used block left")
+                fresh = -1
+                prev, b = b, b.next
+                continue
             if b.block_id in seen:
                 errors.append(f"block {b.block_id} queued twice")
             if not 0 <= b.block_id < self.num_blocks or self._blocks[b.block_id] is not b:
@@ -351,6 +380,8 @@ class BlockPool:
             prev, b = b, b.next
         if b is self._tail and self._tail.prev is not prev:
             errors.append("tail sentinel prev link is stale")
+        if fresh > 0:
+            errors.append(f"{fresh} never-used blocks but no marker in the queue")
         ref0 = 0
         for blk in self._blocks:
             if blk.ref_cnt < 0:
@@ -363,6 +394,7 @@ class BlockPool:
                 errors.append(f"held block {blk.block_id} still linked")
         if len(seen) != ref0:
             errors.append(f"queue holds {len(seen)} blocks, {ref0} have ref 0")
+        ref0 += self.num_blocks - len(self._blocks)  # never used: empty, ref 0
         if self._num_free != ref0:
             errors.append(f"num_free counter {self._num_free} != {ref0} ref-0 blocks")
         if self._num_evictable != queued_hashed:
@@ -389,7 +421,7 @@ class BlockPool:
         out = []
         b = self._head.next
         while b is not self._tail:
-            if b.block_hash is not None:
+            if b.block_hash is not None and b is not self._fresh:
                 b.block_hash = None
                 out.append(b.block_id)
             b = b.next

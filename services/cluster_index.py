@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -359,6 +360,97 @@ class ClusterIndex:
         if device:
             by_medium["device"] = device
         result[w] = PrefixMatch(n, by_medium)
+
+    def match_deepest(self, block_hashes: Sequence[bytes], now: float, limit: int,
+                      also: Iterable[str] = (), rng: random.Random | None = None) -> dict[str, PrefixMatch]:
+        """The (at most) ``limit`` workers holding the longest leading runs of a request.
+
+        Same counting as :meth:`match` (real and live speculative entries), but only for
+        the deepest holders: workers are taken by decreasing match length, and among
+        workers of the last length taken a subset fills the limit (drawn with ``rng``
+        from the sorted ids, or the smallest ids without one). Workers
+        with no matching block are never returned. For routing over a shortlist: the cost
+        is O(matched blocks + limit) set operations instead of one result per known
+        worker, so it does not grow with the fleet when every worker holds a shared
+        first block.
+
+        Args:
+            block_hashes: the request's chained block hashes, first block first.
+            now: current time on the clock used for :meth:`add_speculative` (seconds).
+            limit: most deepest holders returned (workers), >= 0.
+            also: workers whose matches are wanted as well, whatever their depth.
+            rng: draws the subset of a level larger than what is left of ``limit``.
+
+        Returns:
+            ``{worker_id: PrefixMatch}``, the deepest holders first, then those of
+            ``also`` that match at least one block; each with ``num_blocks >= 1``.
+        """
+        self._purge_speculative(now)
+        blocks = self._blocks
+        spec = self._spec
+        levels: list[tuple[int, set[str]]] = []   # (depth, workers reaching at least that depth)
+        alive: set[str] = set()
+        i = 0
+        for h in block_hashes:
+            real = blocks.get(h)
+            sp = spec.get(h)
+            if real is None and sp is None:
+                break
+            if i == 0:
+                nxt = set(real) if real is not None else set()
+                if sp is not None:
+                    nxt.update(sp)
+            elif real is None:
+                nxt = alive.intersection(sp)
+            else:
+                nxt = alive.intersection(real)
+                if sp is not None and len(nxt) != len(alive):
+                    nxt.update(alive.intersection(sp))
+            if not nxt:
+                break
+            if i and len(nxt) != len(alive):
+                levels.append((i, alive))
+            alive = nxt
+            i += 1
+        if i:
+            levels.append((i, alive))
+        depth: dict[str, int] = {}
+        for d, ws in reversed(levels if limit > 0 else ()):
+            new = [w for w in ws if w not in depth] if depth else list(ws)
+            need = limit - len(depth)
+            if len(new) > need:
+                # a level larger than what is left: a subset that does not depend on set order
+                new.sort()
+                new = rng.sample(new, need) if rng is not None else new[:need]
+            for w in new:
+                depth[w] = d
+            if len(depth) >= limit:
+                break
+        for w in also:
+            if w not in depth:
+                for d, ws in reversed(levels):
+                    if w in ws:
+                        depth[w] = d
+                        break
+        off: dict[str, dict[str, int]] = {}
+        if self._offdev and depth:
+            offdev = self._offdev
+            for j, h in enumerate(block_hashes[:max(depth.values())]):
+                od = offdev.get(h)
+                if od is None:
+                    continue
+                for w, m in od.items():
+                    if depth.get(w, 0) > j:
+                        by = off.setdefault(w, {})
+                        by[MEDIUMS[m]] = by.get(MEDIUMS[m], 0) + 1
+        out: dict[str, PrefixMatch] = {}
+        for w, d in depth.items():
+            by = off.get(w, {})
+            dev = d - sum(by.values())
+            if dev:
+                by["device"] = dev
+            out[w] = PrefixMatch(d, by)
+        return out
 
     # -------------------------------------------------------------- internals
     def _add(self, h: bytes, wid: str, bits: int, state: _WorkerState) -> None:

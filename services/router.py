@@ -98,6 +98,7 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     def _views(self, live: dict[str, dict], hashes: list[bytes], now: float, exclude: set[str],
                others: dict | None = None) -> list[WorkerView]:
+        self.routed.set_fleet(len(live))  # the share window grows with the fleet
         matches = self.index.match(hashes, now) if hashes else {}
         views = []
         for wid, info in live.items():

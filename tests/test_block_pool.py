@@ -193,6 +193,7 @@ def test_check_integrity_detects_corruption():
     with pytest.raises(RuntimeError, match="not queued"):
         p.check_integrity()
     q = BlockPool(10)
+    q.free(q.get_new_blocks(10))  # every block made and queued
     blk = q._blocks[4]
     blk.prev.next = blk.next  # unlink without bookkeeping
     blk.next.prev = blk.prev
@@ -202,6 +203,35 @@ def test_check_integrity_detects_corruption():
     r._num_evictable = 3
     with pytest.raises(RuntimeError, match="num_evictable"):
         r.check_integrity()
+
+
+def test_a_huge_pool_costs_memory_only_for_the_blocks_used():
+    import tracemalloc
+
+    tracemalloc.start()
+    p = BlockPool(10**12)  # far more blocks than memory could hold as objects
+    ids = p.get_new_blocks(1000)
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert size < 2_000_000
+    assert ids == list(range(1000))  # handed out in id order, as from a fully built queue
+    assert p.num_free_blocks == 10**12 - 1000 and p.num_in_use_blocks == 1000
+    for i in ids[:3]:
+        p.set_hash(i, h(i))
+    p.free(reversed(ids))
+    # never-used blocks come before freed ones; freed blocks keep their LRU order behind them
+    assert p.get_new_blocks(2) == [1000, 1001]
+    assert p.get_hash(10**12 - 1) is None and p.ref_cnt(10**12 - 1) == 0
+    with pytest.raises(ValueError):
+        p.touch([10**12 - 1])  # never used: empty
+    with pytest.raises(ValueError):
+        p.free([10**12 - 1])
+    small = BlockPool(3)
+    assert small.get_new_blocks(3) == [0, 1, 2] and small.get_new_blocks(1) is None
+    small.free([2, 1, 0])
+    assert small.free_queue() == [2, 1, 0]
+    small.check_integrity()
+    assert BlockPool(4).free_queue() == [0, 1, 2, 3]
 
 
 def test_block_has_slots():

@@ -265,3 +265,31 @@ def test_applying_batches_matches_a_model_dict(steps, req):
             m = min(model[w][h], key=MEDIUMS.index)
             best[m] = best.get(m, 0) + 1
         assert got.by_medium == best
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(STEP, max_size=30), req=st.lists(HASH_IDS, max_size=8), limit=st.integers(0, 5),
+       also=st.lists(st.sampled_from(WORKERS), max_size=3), spec=st.sampled_from(WORKERS))
+def test_match_deepest_agrees_with_match_for_the_deepest_holders(steps, req, limit, also, spec):
+    idx = ClusterIndex()
+    seqs = {w: 0 for w in WORKERS}
+    for worker, events, _ in steps:
+        seqs[worker] += 1
+        assert idx.apply_batch(batch(worker, seqs[worker], *[_to_event(e) for e in events]))
+    hashes = [H(i) for i in req]
+    idx.add_speculative(spec, hashes[:2], now=0.0, ttl_s=1.0)
+    full = {w: m for w, m in idx.match(hashes, now=0.5).items() if m.num_blocks}
+    got = idx.match_deepest(hashes, now=0.5, limit=limit, also=also)
+    # every answer is exact (blocks and media) and only holders are returned
+    for w, m in got.items():
+        assert m == full[w], w
+    # the deepest holders come first: the top `limit` depths are exactly the best ones
+    depths = sorted((m.num_blocks for m in full.values()), reverse=True)
+    top = [m.num_blocks for w, m in list(got.items())[:min(limit, len(full))]]
+    assert top == depths[:min(limit, len(full))]
+    # without an rng a partial level is cut at the smallest ids; with one, seeded draws repeat
+    import random
+    a = idx.match_deepest(hashes, now=0.5, limit=limit, rng=random.Random(3))
+    assert a == idx.match_deepest(hashes, now=0.5, limit=limit, rng=random.Random(3))
+    # every `also` worker with a match is there
+    assert {w for w in also if w in full} <= set(got)

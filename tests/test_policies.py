@@ -210,10 +210,21 @@ def test_kv_aware_blocks_every_worker_holds_give_no_preference():
 def test_kv_aware_share_cap_overrides_a_full_hit_well_above_mean():
     p = make_policy("kv_aware")
     req = request(20)
-    # mean 10, limit 1.15 * 10 + 4 = 15.5: "hot" at 16 takes nothing despite a full hit.
-    ws = [view("hot", matched_blocks=20, routed_recent=16.0), view("b", routed_recent=10.0),
+    # mean 10, limit 1.15 * 10 + 4 = 15.5: "hot" at 16, busy, takes nothing despite a full hit.
+    ws = [view("hot", matched_blocks=20, routed_recent=16.0, running_requests=1), view("b", routed_recent=10.0),
           view("c", routed_recent=9.0), view("d", routed_recent=5.0)]
     assert "hot" not in picks(p, req, ws)
+    # An idle worker over the cap keeps a request when it holds at least half of its prompt
+    # (idle_exempt_hit): no queue to protect, and the hit saves the recompute.
+    ws[0].running_requests = 0
+    assert set(picks(p, req, ws)) == {"hot"}
+    ws[0].matched_blocks = ws[0].weighted_blocks = 9  # under half: capped
+    assert "hot" not in picks(p, req, ws)
+    ws[0].matched_blocks = ws[0].weighted_blocks = 20
+    ws[0].queued_prefill_tokens = 1                    # not idle: capped
+    assert "hot" not in picks(p, req, ws)
+    ws[0].running_requests = 1
+    ws[0].queued_prefill_tokens = 0
     # Within the cap a large hit is kept.
     ws[0].routed_recent, ws[3].routed_recent = 15.0, 6.0
     assert set(picks(p, req, ws)) == {"hot"}
@@ -231,7 +242,7 @@ def test_kv_aware_queue_is_charged_at_queue_weight():
 
 
 def test_kv_aware_costs_follow_the_documented_formula():
-    p = KVAwarePolicy(queue_weight=0.25, decode_weight=10.0, share_cap=0.5, share_slack=1.0)
+    p = KVAwarePolicy(queue_weight=0.25, decode_weight=10.0, share_cap=0.5, share_slack=1.0, share_weight=0.0)
     req = request(10)  # 160 tokens
     ws = [view("a", matched_blocks=4, weighted_blocks=3.0, queued_prefill_tokens=50, running_requests=2,
                routed_recent=6.0),
@@ -247,6 +258,58 @@ def test_kv_aware_costs_follow_the_documented_formula():
     assert p.costs(req, ws)[0] == pytest.approx(cost_a)
     ws[0].routed_recent = 10.5  # mean 6.25, limit 10.375: over
     assert p.costs(req, ws)[0] == math.inf
+
+
+def test_kv_aware_share_term_pulls_new_work_to_under_share_workers():
+    # A new conversation (only the shared first block in common) on a worker that holds the
+    # block but has a large share, against a cold worker with none: the share term
+    # (0.05 * N / mean per request of difference from the mean) outweighs one block.
+    p = make_policy("kv_aware")
+    req = request(40)  # 640 tokens
+    ws = [view("warm", matched_blocks=1, routed_recent=9.0), view("cold", routed_recent=1.0)]
+    # mean 5 (cap 9.75): warm +0.05 * 640 / 5 * 4 = +25.6, cold -25.6; one block saves 16
+    assert set(picks(p, req, ws)) == {"cold"}
+    assert p.costs(req, ws) == pytest.approx([640 - 16 + 25.6, 640 - 25.6])
+    # routed_mean from the caller (a shortlist of a larger fleet) replaces the mean of the views
+    req.routed_mean = 10.0
+    assert p.costs(req, ws) == pytest.approx([640 - 16 - 3.2, 640 - 28.8])
+    # without the term the holder of the shared block wins
+    assert set(picks(make_policy("kv_aware", share_weight=0.0), request(40), ws)) == {"warm"}
+
+
+def test_routed_share_window_grows_with_the_fleet():
+    share = RoutedShare(window=400, per_worker=40)
+    assert share.window == 400
+    share.set_fleet(5)
+    assert share.window == 400          # never below the base window
+    share.set_fleet(100)
+    assert share.window == 4000
+    for i in range(8000):
+        share.note(f"w{i % 100}")
+    # mean per worker near per_worker once the window is full
+    assert share.total() / 100 == pytest.approx(40 * (1 - (1 - 1 / 4000) ** 8000), rel=1e-3)
+    assert sum(share.value(f"w{i}") for i in range(100)) == pytest.approx(share.total(), rel=1e-9)
+
+
+def test_routed_share_least_finds_idle_and_least_routed_workers():
+    share = RoutedShare()
+    for w in ("a", "b", "c", "d"):
+        share.track(w)
+    for w in ("a", "a", "b", "c", "a", "b"):
+        share.note(w)
+    assert share.least(1) == ["d"]       # tracked, never routed
+    assert share.least(2) == ["d", "c"]
+    assert share.least(10) == ["d", "c", "b", "a"]
+    assert share.least(10) == ["d", "c", "b", "a"]  # least() leaves the heap intact
+    share.note("d"); share.note("d"); share.note("d")
+    assert share.least(1) == ["c"]
+    share.forget("c")
+    assert "c" not in share.least(10)
+    # many notes: stale heap entries are dropped, answers stay exact
+    for i in range(5000):
+        share.note("abd"[i % 3])
+    vals = {w: share.value(w) for w in "abd"}
+    assert share.least(3) == sorted(vals, key=vals.get)
 
 
 def test_routed_share_decays_per_decision():
@@ -339,9 +402,9 @@ def test_simulation_idle_queues_still_no_pile_up_on_the_shared_block():
     sent, hit, best = simulate("kv_aware", workers=4, service_tokens=10**9)
     assert share_ratio(sent) <= 1.25, sent
     assert hit / best >= 0.75
-    # Without it (nor the decode term) every request follows the shared block to one worker,
+    # Without it (nor the decode and share terms) every request follows the shared block to one worker,
     # as the pure prefix policy does.
-    for name, kw in (("kv_aware", dict(share_cap=1e9, decode_weight=0)), ("prefix", {})):
+    for name, kw in (("kv_aware", dict(share_cap=1e9, decode_weight=0, share_weight=0)), ("prefix", {})):
         sent, _, _ = simulate(name, workers=4, service_tokens=10**9, **kw)
         assert share_ratio(sent) > 3.5, (name, sent)
 

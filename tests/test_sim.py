@@ -59,6 +59,18 @@ def test_kv_aware_keeps_97_percent_of_pooled_at_10_workers_of_3m_tokens(full_tra
     assert kv["num_requests"] == 12_031 and sum(kv["worker_requests"]) == 12_031
 
 
+def test_kv_aware_holds_at_100_workers_on_a_trace_slice():
+    # The fleet-size collapse: with a fixed 400-decision share window and no pull towards
+    # cold workers, kv_aware fell to 14.5 % (pooled 36.6 %) at imbalance 2.27 on the full
+    # trace at 100 x 3M. On the first 6,000 requests (60 per worker):
+    wl = prepare(load_mooncake(DEFAULT_TRACE, 6000))
+    res = run_policies(wl, [POOLED, "kv_aware"], num_workers=100, capacity_tokens=3_000_000)
+    kv, pooled = res["kv_aware"], res[POOLED]
+    assert kv["hit_rate_blocks"] >= 0.98 * pooled["hit_rate_blocks"], (kv["hit_rate_blocks"], pooled)
+    assert kv["imbalance"] <= 1.10
+    assert min(kv["worker_requests"]) > 0  # every worker takes part
+
+
 # ---------------------------------------------------------------- cache blocks
 def test_a_follow_up_hits_exactly_its_shared_prefix():
     r = simulate([req([1, 2, 3]), req([1, 2, 9, 10], ts_ms=10_000)], POOLED, 1, num_blocks=100)
@@ -242,3 +254,82 @@ def test_cli_sim_needs_a_capacity(tmp_path, capsys):
 
     assert main(["sim", "--trace", str(DEFAULT_SAMPLE), "--workers", "2"]) == 2
     assert "capacity" in capsys.readouterr().err
+
+
+def test_time_scale_multiplies_the_gaps_between_timestamps():
+    # Two cold 1-block prompts 1 s apart (plus an offset that must not matter); each takes
+    # 512 ms. Gaps x 0.25: the second arrives 250 ms after the first and waits 262 ms.
+    reqs = [req([1], ts_ms=5000), req([2], ts_ms=6000)]
+    for scale, second in ((1.0, 512.0), (2.0, 512.0), (0.25, 512.0 + 262.0)):
+        r = simulate(reqs, "round_robin", 1, num_blocks=10, cost=SLOW_COST, time_scale=scale)
+        assert r["ttft_ms"]["p99"] == pytest.approx(512.0 + (second - 512.0) * 0.99), scale
+    with pytest.raises(ValueError, match="time scale"):
+        simulate(reqs, "round_robin", 1, num_blocks=10, time_scale=float("nan"))
+
+
+def test_unbounded_gives_the_infinite_cache_hit_rate_without_a_capacity():
+    reqs = load_mooncake(DEFAULT_SAMPLE)
+    hits, total = infinite_cache_hit_rate(reqs)
+    r = simulate(reqs, POOLED, 2, unbounded=True, concurrency=1)
+    assert (r["hit_blocks"], r["total_blocks"]) == (hits, total)
+    # a capacity far beyond memory costs only what is cached, and gives the same figure
+    r = simulate(reqs, POOLED, 2, capacity_tokens=10**12, concurrency=1)
+    assert (r["hit_blocks"], r["total_blocks"]) == (hits, total)
+
+
+def _kvmesh(*args, limit_kb: int | None = None, timeout: float = 120.0):
+    import os
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).with_name("kvmesh")
+    cmd = " ".join(shlex.quote(str(a)) for a in (exe, *args))
+    if limit_kb:
+        cmd = f"ulimit -v {limit_kb}; exec {cmd}"
+    return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, COLUMNS="120"))
+
+
+def test_cli_sim_huge_capacity_and_unbounded_run_in_little_memory():
+    # 10^12 tokens per worker (2e9 blocks) used to be built up front: 12.6 GB. Under a
+    # 3 GB address-space limit both runs finish and agree.
+    common = ["sim", "--trace", DEFAULT_SAMPLE, "--workers", "2", "--policies", "pooled,kv_aware", "--json",
+              "--no-progress"]
+    big = _kvmesh(*common, "--capacity-tokens", "1000000000000", limit_kb=3_000_000)
+    assert big.returncode == 0, big.stderr
+    unb = _kvmesh(*common, "--unbounded", limit_kb=3_000_000)
+    assert unb.returncode == 0, unb.stderr
+    assert json.loads(big.stdout) == json.loads(unb.stdout)
+
+
+def test_cli_sim_shows_progress_with_an_eta_on_stderr_and_names_a_missing_trace(tmp_path):
+    r = _kvmesh("sim", "--trace", DEFAULT_SAMPLE, "--workers", "2", "--policies", "pooled,round_robin",
+                "--num-blocks", "500", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "ETA" in r.stderr and "800/800" in r.stderr  # 2 policies x 400 requests
+    assert set(json.loads(r.stdout)) == {"pooled", "round_robin"}
+    r = _kvmesh("sim", "--trace", tmp_path / "missing.jsonl", "--num-blocks", "10")
+    assert r.returncode == 2 and "--trace" in r.stderr and "Traceback" not in r.stderr
+    assert "multiply every gap" in _kvmesh("sim", "--help").stdout
+
+
+def test_sim_seconds_is_the_replays_own_wall_time():
+    r = simulate([req([1], ts_ms=5000), req([2], ts_ms=6000)], "round_robin", 1, num_blocks=10)
+    assert 0 <= r["sim_seconds"] < 5
+
+
+def test_a_replay_with_a_shortlist_repeats_across_processes():
+    # Shortlists (fleets over 16 workers) must not depend on set iteration order, which
+    # changes with each process's string hash seed.
+    import os
+    import subprocess
+    import sys
+
+    code = ("from kvmesh.bench.sim import simulate, DEFAULT_TRACE; from kvmesh.bench.trace import load_mooncake; "
+            "r = simulate(load_mooncake(DEFAULT_TRACE, 1500), 'kv_aware', 40, 3_000_000); "
+            "print(r['worker_requests'], r['hit_blocks'])")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                           env=dict(os.environ, PYTHONHASHSEED=seed)).stdout for seed in ("1", "2")}
+    assert len(outs) == 1, outs

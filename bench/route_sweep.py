@@ -1,0 +1,422 @@
+"""Routing sweep: kv_aware against the field's routers on many workloads and fleet sizes.
+
+``python -m kvmesh.bench.route_sweep`` replays each workload below through `bench.sim`
+(same caches, index, load model and GPU-class cost model for every policy) at each fleet
+size, and prints one row per (workload, fleet): the pooled reference, kv_aware, the best
+of the field's cache-aware routers (``sglang_cache_aware``, ``ray_prefix_affinity``,
+``dynamo_kv``, ``llmd_precise``) and whether kv_aware meets its targets there:
+
+* hit rate >= the best field policy's (``hit``),
+* imbalance (max over mean of per-worker request counts) <= 1.10 (``bal``),
+* TTFT p99 <= every field policy's (``p99``).
+
+Workloads (each a list of `bench.trace.TraceRequest`, replayed one cache block per trace
+block of ``block_tokens`` tokens):
+
+* ``mooncake``: the bundled Mooncake conversation trace at its own timestamps (3M tokens
+  per worker, as in docs/ROUTING.md); ``--mooncake-requests`` takes a slice.
+* ``gsp-*``: SGLang's generated-shared-prefix workload (`bench.workloads.shared_prefix_workload`)
+  at several group counts, group sizes and prompt lengths.
+* ``multiturn-*``: the harness's multi-turn chats (`bench.workloads.multi_turn_workload`),
+  each turn sent after the previous one finished plus a think time.
+* ``tenants``: many small tenants (Zipf popularity) with short system prompts and short
+  conversations; ``docs``: long documents with few reuses; ``zipf``: shared prefixes of
+  Zipf popularity; ``bursty``: bursts of requests sharing a new prefix within a second.
+
+The generated workloads grow with the fleet (``workers // 10`` times as many groups,
+conversations, tenants, documents, prefixes and requests, at least once), arrive as a Poisson process (bursty: ON/OFF) at a rate that keeps
+the fleet's cold prefill load at ``--load`` of its capacity at every fleet size, and each
+worker holds ``--pressure`` of the workload's distinct tokens divided by the fleet size, so
+a fleet of any size is as loaded and as short of cache as the others. Token-level
+workloads are cut into blocks of ``block_tokens`` tokens and each distinct prefix becomes
+a block id, as in a Mooncake trace.
+
+Cost: seconds to a few minutes per workload and fleet on one core; ``--quick`` runs a
+small subset for iteration.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from kvmesh.bench.sim import DEFAULT_TRACE, POOLED, CostModel, prepare, simulate
+from kvmesh.bench.trace import TraceRequest, load_mooncake
+
+__all__ = ["FIELD", "WORKLOADS", "SweepWorkload", "tokens_to_trace", "run_sweep", "sweep_markdown", "main"]
+
+#: The field's cache-aware routers kv_aware is measured against.
+FIELD = ("sglang_cache_aware", "ray_prefix_affinity", "dynamo_kv", "llmd_precise")
+#: Prefill tokens per second of a worker in the default cost model.
+_PREFILL_TPS = 1.0 / CostModel().prefill_s_per_token
+
+
+@dataclass
+class SweepWorkload:
+    """One workload: requests with arrival times at fleet size ``workers``.
+
+    Attributes:
+        name: row label.
+        make: ``make(workers, load)`` -> requests (arrivals scaled to the fleet).
+        block_tokens: tokens per trace block.
+        capacity_tokens: ``capacity_tokens(workers, reqs, block_tokens)`` -> KV tokens per worker.
+    """
+
+    name: str
+    make: Callable[[int, float], list[TraceRequest]]
+    block_tokens: int
+    capacity_tokens: Callable[[int, list[TraceRequest], int], int]
+
+
+# ---------------------------------------------------------------- conversions
+def tokens_to_trace(prompts: Sequence[Sequence[int]], outputs: Sequence[int], arrivals_s: Sequence[float],
+                    block_tokens: int) -> list[TraceRequest]:
+    """Token prompts as Mooncake-format requests: one hash id per distinct prefix block.
+
+    Block ``k`` of a prompt gets the id of (id of block ``k - 1``, its tokens), so equal ids
+    at the same position mean equal prefixes, as in the Mooncake traces; the last block may
+    be partial. Requests are returned in arrival order.
+    """
+    ids: dict[tuple, int] = {}
+    out = []
+    for prompt, n_out, t in sorted(zip(prompts, outputs, arrivals_s), key=lambda x: x[2]):
+        parent = -1
+        chain = []
+        for i in range(0, len(prompt), block_tokens):
+            key = (parent, tuple(prompt[i:i + block_tokens]))
+            hid = ids.get(key)
+            if hid is None:
+                hid = ids[key] = len(ids)
+            chain.append(hid)
+            parent = hid
+        # input_length in the trace's 512-token blocks, so that `prepare(block_tokens=B)` gives back
+        # B tokens per full block and the partial tail exactly
+        tail = len(prompt) - block_tokens * (len(chain) - 1)
+        length = 512 * (len(chain) - 1) + tail * 512 // block_tokens
+        out.append(TraceRequest(int(round(t * 1000)), length, int(n_out), tuple(chain)))
+    return out
+
+
+def _unique_tokens(reqs: Sequence[TraceRequest], block_tokens: int) -> int:
+    seen = set()
+    for r in reqs:
+        seen.update(r.hash_ids)
+    return len(seen) * block_tokens
+
+
+def _poisson(rng: random.Random, n: int, rate: float) -> list[float]:
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def _rate(load: float, workers: int, mean_tokens: float) -> float:
+    """Requests/s that keep cold prefill at ``load`` of the fleet's capacity."""
+    return load * workers * _PREFILL_TPS / max(1.0, mean_tokens)
+
+
+def _zipf(rng: random.Random, n: int, s: float) -> Callable[[], int]:
+    weights = [1.0 / (i + 1) ** s for i in range(n)]
+    cum, acc = [], 0.0
+    for w in weights:
+        acc += w
+        cum.append(acc)
+    import bisect
+
+    return lambda: min(n - 1, bisect.bisect_left(cum, rng.random() * acc))
+
+
+# ------------------------------------------------------------------ generators
+def _scale(workers: int) -> int:
+    """Workload size factor: generated workloads grow with the fleet (x1 up to 10 workers)."""
+    return max(1, workers // 10)
+
+
+def _gsp(groups: int, per_group: int, system: int, question: int, output: int, bt: int):
+    from kvmesh.bench.workloads import shared_prefix_workload
+
+    def make(workers: int, load: float) -> list[TraceRequest]:
+        wl = shared_prefix_workload(groups * _scale(workers), per_group, system, question, output, seed=1)
+        rate = _rate(load, workers, (system + question) * 0.5)
+        arr = _poisson(random.Random(2), len(wl.items), rate)
+        return tokens_to_trace([it.tokens for it in wl.items], [it.max_tokens for it in wl.items], arr, bt)
+    return make
+
+
+def _multiturn(convs: int, turns: int, system: int, user: int, output: int, bt: int, think_s: float = 5.0):
+    from kvmesh.bench.workloads import multi_turn_workload
+
+    def make(workers: int, load: float) -> list[TraceRequest]:
+        n_conv = convs * _scale(workers)
+        wl = multi_turn_workload(n_conv, turns, system, user, output, seed=3)
+        rng = random.Random(4)
+        mean_tok = system + user * (turns + 1) / 2 + output * (turns - 1) / 2
+        starts = _poisson(rng, n_conv, _rate(load, workers, mean_tok * 0.5) / turns)
+        prompts, outs, arr, hist, when = [], [], [], {}, {}
+        for it in wl.items:
+            if it.parent is None:
+                prompt = list(it.tokens)
+                t = starts[it.group]
+            else:
+                prompt = hist[it.parent] + list(it.tokens)
+                # the previous turn's prefill + decode at the cost model's speed, then a think time
+                t = when[it.parent] + len(hist[it.parent]) / _PREFILL_TPS + 0.03 * output + rng.expovariate(1 / think_s)
+            completion = [rng.randrange(256) for _ in range(it.max_tokens)]
+            hist[it.index] = prompt + completion
+            when[it.index] = t
+            prompts.append(prompt)
+            outs.append(it.max_tokens)
+            arr.append(t)
+        return tokens_to_trace(prompts, outs, arr, bt)
+    return make
+
+
+def _tenants(n_req: int = 3000, tenants: int = 300, s: float = 1.1):
+    def make(workers: int, load: float) -> list[TraceRequest]:
+        rng = random.Random(5)
+        n_ten, n = tenants * _scale(workers), n_req * _scale(workers)
+        pick = _zipf(rng, n_ten, s)
+        sys_len = [rng.randint(2, 8) for _ in range(n_ten)]
+        next_id = [10 ** 7]
+
+        def fresh(k: int) -> list[int]:
+            out = list(range(next_id[0], next_id[0] + k))
+            next_id[0] += k
+            return out
+        system = [fresh(n) for n in sys_len]
+        convs: list[list[int]] = []
+        chains = []
+        for _ in range(n):
+            if convs and rng.random() < 0.35:
+                c = convs[rng.randrange(max(0, len(convs) - 200), len(convs))]
+                c.extend(fresh(rng.randint(1, 3)))
+            else:
+                c = system[pick()] + fresh(rng.randint(1, 4))
+                convs.append(c)
+            chains.append(list(c))
+        return _chains(chains, rng, workers, load)
+    return make
+
+
+def _docs(n_docs: int = 600, n_req: int = 1500):
+    def make(workers: int, load: float) -> list[TraceRequest]:
+        rng = random.Random(6)
+        nd, n = n_docs * _scale(workers), n_req * _scale(workers)
+        docs = [list(range(10 ** 7 + 1000 * d, 10 ** 7 + 1000 * d + rng.randint(16, 64))) for d in range(nd)]
+        chains = []
+        used = 0
+        for i in range(n):
+            # mostly new documents, a few asked about again soon after
+            if used < nd and (i == 0 or rng.random() < 0.55):
+                d = used
+                used += 1
+            else:
+                d = rng.randrange(max(0, used - 40), max(1, used))
+            chains.append(docs[d] + [2 * 10 ** 8 + i])
+        return _chains(chains, rng, workers, load)
+    return make
+
+
+def _zipf_prefixes(n_req: int = 3000, prefixes: int = 1000, s: float = 1.2):
+    def make(workers: int, load: float) -> list[TraceRequest]:
+        rng = random.Random(7)
+        n_pre, n = prefixes * _scale(workers), n_req * _scale(workers)
+        pick = _zipf(rng, n_pre, s)
+        pre = [list(range(10 ** 7 + 100 * p, 10 ** 7 + 100 * p + rng.randint(4, 16))) for p in range(n_pre)]
+        chains = [pre[pick()] + [2 * 10 ** 9 + 10 * i + k for k in range(rng.randint(1, 4))] for i in range(n)]
+        return _chains(chains, rng, workers, load)
+    return make
+
+
+def _bursty(n_req: int = 3000):
+    def make(workers: int, load: float) -> list[TraceRequest]:
+        rng = random.Random(8)
+        n = n_req * _scale(workers)
+        chains, arr = [], []
+        t = 0.0
+        base = 10 ** 7
+        mean_blocks = 12.0
+        rate = _rate(load, workers, mean_blocks * 512 * 0.5)
+        while len(chains) < n:
+            burst = rng.randint(20, 60)
+            pre = list(range(base, base + rng.randint(6, 16)))
+            base += 100
+            for _ in range(burst):
+                chains.append(pre + [2 * 10 ** 8 + len(chains)])
+                arr.append(t + rng.random())  # a burst lands within a second
+            t += burst / rate  # long-run average rate as the others
+        return [TraceRequest(int(a * 1000), 512 * len(c), rng.randint(50, 300), tuple(c))
+                for a, c in sorted(zip(arr, chains))][:n]
+    return make
+
+
+def _chains(chains: list[list[int]], rng: random.Random, workers: int, load: float) -> list[TraceRequest]:
+    mean_blocks = sum(len(c) for c in chains) / max(1, len(chains))
+    arr = _poisson(rng, len(chains), _rate(load, workers, mean_blocks * 512 * 0.5))
+    return [TraceRequest(int(a * 1000), 512 * len(c), rng.randint(50, 300), tuple(c)) for a, c in zip(arr, chains)]
+
+
+def _pressure(p: float):
+    return lambda workers, reqs, bt: max(bt, int(p * _unique_tokens(reqs, bt) / workers))
+
+
+def _mooncake(max_requests: int | None):
+    def make(workers: int, load: float) -> list[TraceRequest]:
+        return load_mooncake(DEFAULT_TRACE, max_requests)
+    return make
+
+
+def workloads(mooncake_requests: int | None = None, pressure: float = 0.3) -> list[tuple[SweepWorkload, float]]:
+    """The sweep's workloads with the pressure each is run at: ``[(workload, pressure)]``."""
+    press = _pressure(pressure)
+    fixed3m = lambda workers, reqs, bt: 3_000_000  # noqa: E731
+    wl = [
+        (SweepWorkload("mooncake", _mooncake(mooncake_requests), 512, fixed3m), pressure),
+        (SweepWorkload("gsp-64x16", _gsp(64, 16, 2048, 128, 256, 32), 32, press), pressure),
+        (SweepWorkload("gsp-16x64", _gsp(16, 64, 1024, 256, 128, 32), 32, press), pressure),
+        (SweepWorkload("gsp-256x4", _gsp(256, 4, 4096, 64, 64, 64), 64, press), pressure),
+        (SweepWorkload("multiturn-200x6", _multiturn(200, 6, 512, 128, 128, 32), 32, press), pressure),
+        (SweepWorkload("multiturn-50x20", _multiturn(50, 20, 2048, 256, 64, 64), 64, press), pressure),
+        (SweepWorkload("tenants", _tenants(), 512, press), pressure),
+        (SweepWorkload("docs", _docs(), 512, press), pressure),
+        (SweepWorkload("zipf", _zipf_prefixes(), 512, press), pressure),
+        (SweepWorkload("bursty", _bursty(), 512, press), pressure),
+    ]
+    return wl
+
+
+#: Names of the sweep's workloads.
+WORKLOADS = tuple(w.name for w, _ in workloads())
+
+
+# ---------------------------------------------------------------------- sweep
+def run_sweep(names: Sequence[str], fleets: Sequence[int], load: float = 0.7, pressure: float = 0.3,
+              policies: Sequence[str] = (POOLED, "kv_aware", *FIELD), mooncake_requests: int | None = None,
+              policy_kwargs: dict | None = None, seed: int = 0, progress=None) -> list[dict]:
+    """Run every (workload, fleet) and return one row per pair.
+
+    Each row: ``workload``, ``workers``, ``requests``, ``capacity_tokens``, and
+    ``results`` {policy: {hit_rate_blocks, imbalance, ttft_p50_ms, ttft_p99_ms,
+    sim_seconds}}, plus the target checks ``hit_ok``, ``balance_ok``, ``p99_ok`` and
+    ``best_field`` (the field policy with the highest hit rate).
+    """
+    rows = []
+    table = {w.name: w for w, _ in workloads(mooncake_requests, pressure)}
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"unknown workload {', '.join(unknown)}; known: {', '.join(table)}")
+    for name in names:
+        w = table[name]
+        for workers in fleets:
+            reqs = w.make(workers, load)
+            cap = w.capacity_tokens(workers, reqs, w.block_tokens)
+            wl = prepare(reqs, block_tokens=w.block_tokens)
+            res = {}
+            for p in policies:
+                r = simulate(wl, p, workers, cap, seed=seed,
+                             policy_kwargs=policy_kwargs if p == "kv_aware" else None)
+                res[p] = {"hit_rate_blocks": r["hit_rate_blocks"], "imbalance": r["imbalance"],
+                          "ttft_p50_ms": r["ttft_ms"]["p50"], "ttft_p99_ms": r["ttft_ms"]["p99"],
+                          "sim_seconds": r["sim_seconds"]}
+                if progress is not None:
+                    progress(name, workers, p)
+            rows.append(_judge({"workload": name, "workers": workers, "requests": len(reqs),
+                                "capacity_tokens": cap, "results": res}))
+    return rows
+
+
+def _judge(row: dict) -> dict:
+    res = row["results"]
+    field = [p for p in FIELD if p in res]
+    kv = res.get("kv_aware")
+    if kv is None or not field:
+        return row
+    best = max(field, key=lambda p: res[p]["hit_rate_blocks"])
+    row["best_field"] = best
+    row["hit_ok"] = kv["hit_rate_blocks"] >= res[best]["hit_rate_blocks"] - 1e-9
+    row["balance_ok"] = kv["imbalance"] <= 1.10
+    row["p99_ok"] = kv["ttft_p99_ms"] <= min(res[p]["ttft_p99_ms"] for p in field) + 1e-6
+    return row
+
+
+def sweep_markdown(rows: Sequence[dict]) -> str:
+    """The sweep as a Markdown table (hit rates in %, p99 in ms, ✓/✗ per target)."""
+    def mark(ok):
+        return "—" if ok is None else ("✓" if ok else "✗")
+    lines = ["| workload | workers | pooled | kv_aware | best field | kv imbalance | kv p99 (ms) | "
+             "best field p99 (ms) | hit | bal | p99 |",
+             "|---|---:|---:|---:|---|---:|---:|---:|:-:|:-:|:-:|"]
+    for row in rows:
+        res = row["results"]
+        kv = res.get("kv_aware", {})
+        pooled = res.get(POOLED, {}).get("hit_rate_blocks")
+        best = row.get("best_field")
+        field_p99 = min((res[p]["ttft_p99_ms"] for p in FIELD if p in res), default=math.nan)
+        lines.append(
+            f"| {row['workload']} | {row['workers']} | "
+            f"{'—' if pooled is None else f'{pooled:.2%}'} | {kv.get('hit_rate_blocks', math.nan):.2%} | "
+            f"{best} {res[best]['hit_rate_blocks']:.2%} @{res[best]['imbalance']:.2f} | "
+            f"{kv.get('imbalance', math.nan):.3f} | {kv.get('ttft_p99_ms', math.nan):,.0f} | {field_p99:,.0f} | "
+            f"{mark(row.get('hit_ok'))} | {mark(row.get('balance_ok'))} | {mark(row.get('p99_ok'))} |"
+            if best else f"| {row['workload']} | {row['workers']} | | | | | | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvmesh.bench.route_sweep", description=__doc__.split("\n")[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated (default: all): {', '.join(WORKLOADS)}")
+    p.add_argument("--workers", default="10,100", help="comma-separated fleet sizes (default 10,100)")
+    p.add_argument("--load", type=float, default=0.7,
+                   help="generated workloads: cold prefill load as a fraction of the fleet's capacity (default 0.7)")
+    p.add_argument("--pressure", type=float, default=0.3,
+                   help="generated workloads: fleet KV capacity as a fraction of the distinct tokens (default 0.3)")
+    p.add_argument("--mooncake-requests", type=int, default=None,
+                   help="first N requests of the bundled trace (default: all 12,031)")
+    p.add_argument("--policies", default=",".join((POOLED, "kv_aware", *FIELD)),
+                   help="comma-separated (default: pooled, kv_aware and the four field routers)")
+    p.add_argument("--kv-aware", default="{}", help="JSON of kv_aware constructor arguments (default: {})")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    args = p.parse_args(argv)
+    try:
+        fleets = [int(x) for x in args.workers.split(",") if x.strip()]
+        kw = json.loads(args.kv_aware)
+    except ValueError as exc:
+        print(f"error: --workers takes integers and --kv-aware a JSON object: {exc}", file=sys.stderr)
+        return 2
+    names = [x.strip() for x in args.workloads.split(",") if x.strip()]
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    total = len(names) * len(fleets) * len(policies)
+    done = [0]
+    t0 = time.monotonic()
+
+    def progress(name, workers, policy):
+        done[0] += 1
+        if not args.quiet:
+            el = time.monotonic() - t0
+            eta = el / done[0] * (total - done[0])
+            print(f"[{done[0]}/{total}] {name} x{workers} {policy}  {el:.0f}s elapsed, ETA {eta:.0f}s",
+                  file=sys.stderr, flush=True)
+    try:
+        rows = run_sweep(names, fleets, args.load, args.pressure, policies, args.mooncake_requests, kw,
+                         progress=progress)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    print(sweep_markdown(rows), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
