@@ -27,6 +27,12 @@ def redis_url(text: str) -> str:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    if args.backend == "vllm":
+        from kvmesh.services import vllm_cli
+
+        return vllm_cli.run(args, args.router_parser)
+    if args.port is None or args.redis_url is None:
+        args.router_parser.error("the router needs --port and --redis-url (or --backend vllm)")
     from kvmesh.services.observability import server_ports
     from kvmesh.services.router import serve_router
 
@@ -133,9 +139,10 @@ def register(sub) -> None:
     from kvmesh.services.cli import _add_engine_args
 
     p = sub.add_parser("router", help="serve the KV-aware router (kvmesh.v1.Router)")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, default=None, help="gRPC port (required unless --backend vllm)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--redis-url", required=True, type=redis_url)
+    p.add_argument("--redis-url", default=None, type=redis_url, help="the cluster's Redis (required unless "
+                   "--backend vllm)")
     p.add_argument("--cluster", default="default")
     p.add_argument("--policy", default="kv_aware")
     p.add_argument("--model", default=None, help="model directory (for its tokenizer); default built-in")
@@ -143,7 +150,10 @@ def register(sub) -> None:
     from kvmesh.services.observability import add_server_flags
 
     add_server_flags(p, "router")
-    p.set_defaults(func=cmd_router)
+    from kvmesh.services.vllm_cli import add_flags as add_vllm_flags
+
+    add_vllm_flags(p)
+    p.set_defaults(func=cmd_router, router_parser=p)
 
     p = sub.add_parser("up", help="start redis-server, a router and N workers on loopback")
     p.add_argument("--workers", type=int, default=2)
