@@ -21,13 +21,18 @@ VLLM_PY = vllm_python()
 
 # Runs inside vLLM's virtualenv: vLLM's own functions, the way its engine core calls them.
 _VLLM_SCRIPT = r"""
-import json, sys
+import json, os, sys
 from vllm import __version__
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils as u
 cases = json.load(sys.stdin)
 out = {"version": __version__, "results": []}
 for c in cases:
+    # vLLM reads PYTHONHASHSEED when it derives NONE_HASH (init_none_hash)
+    if c["seed"] is None:
+        os.environ.pop("PYTHONHASHSEED", None)
+    else:
+        os.environ["PYTHONHASHSEED"] = c["seed"]
     fn = get_hash_fn_by_name(c["algo"])
     u.init_none_hash(fn)
     parent = None
@@ -48,22 +53,23 @@ print(json.dumps(out))
 """
 
 
-def _cases(algos):
+def _cases():
     rng = random.Random(7)
     cases = []
-    for algo in algos:
-        for bs in (16, 32):
-            toks = [rng.randrange(0, 50000) for _ in range(bs * 4 + 5)]
-            cases.append({"algo": algo, "block_size": bs, "tokens": toks})
-            cases.append({"algo": algo, "block_size": bs, "tokens": toks, "salt": "tenant-a"})
-            cases.append({"algo": algo, "block_size": bs, "tokens": toks[:bs * 2], "lora": ["ad", "/m/ad"]})
+    for seed in (None, "1234"):
+        # xxhash without PYTHONHASHSEED is seeded at random per process: refused, not compared
+        for algo in HASH_ALGOS if seed is not None else ("sha256", "sha256_cbor"):
+            for bs in (16, 32):
+                toks = [rng.randrange(0, 50000) for _ in range(bs * 4 + 5)]
+                base = {"algo": algo, "block_size": bs, "seed": seed}
+                cases.append({**base, "tokens": toks})
+                cases.append({**base, "tokens": toks, "salt": "tenant-a"})
+                cases.append({**base, "tokens": toks[:bs * 2], "lora": ["ad", "/m/ad"]})
     return cases
 
 
-def _run_vllm(cases, seed: str | None) -> dict:
+def _run_vllm(cases) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    if seed is not None:
-        env["PYTHONHASHSEED"] = seed
     env["VLLM_LOGGING_LEVEL"] = "ERROR"
     proc = subprocess.run([str(VLLM_PY), "-c", _VLLM_SCRIPT], input=json.dumps(cases), capture_output=True,
                           text=True, env=env, timeout=240)
@@ -77,19 +83,17 @@ needs_vllm = pytest.mark.skipif(not VLLM_PY.exists(),
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [None, "1234"])
-def test_hashes_equal_vllm_own_functions(seed):
-    algos = HASH_ALGOS if seed is not None else ("sha256", "sha256_cbor")  # xxhash needs a seed
-    cases = _cases(algos)
-    got = _run_vllm(cases, seed)
+def test_hashes_equal_vllm_own_functions():
+    cases = _cases()
+    got = _run_vllm(cases)
     assert check_version(got["version"]) in SUPPORTED_VERSIONS
-    assert len(got["results"]) == len(cases)
+    assert len(got["results"]) == len(cases) == 36
     for case, res in zip(cases, got["results"]):
         hasher = VllmHasher(VllmHashConfig(version=got["version"], block_size=case["block_size"],
-                                           hash_algo=case["algo"], hash_seed=seed))
+                                           hash_algo=case["algo"], hash_seed=case["seed"]))
         lora = tuple(case["lora"]) if case.get("lora") else None
         ours = hasher.block_hashes(case["tokens"], cache_salt=case.get("salt"), lora=lora)
-        assert [d.hex() for d in ours] == res["digests"], case["algo"]
+        assert [d.hex() for d in ours] == res["digests"], (case["algo"], case["seed"])
         assert len(ours) == len(case["tokens"]) // case["block_size"]
         # the default event form (64-bit ints) maps to the same index keys
         assert [event_key(i) for i in res["ints"]] == [hasher.digest_key(d) for d in ours]
