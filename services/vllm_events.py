@@ -137,6 +137,7 @@ class VllmEventSubscriber:
         check_root: called with each parent-less stored block
             ``(key, token_ids, extra_keys)``; returns False when the router's hash
             settings do not reproduce that key (counted in ``hash_mismatches``).
+        on_batch: called with each applied `EventBatch` (metrics: event lag).
 
     Counters (read by metrics and tests): ``batches``, ``events``, ``gaps``, ``restarts``,
     ``decode_errors``, ``hash_checks``, ``hash_mismatches``, ``last_lag_s`` (seconds from
@@ -144,13 +145,14 @@ class VllmEventSubscriber:
     """
 
     def __init__(self, index: ClusterIndex, worker_id: str, endpoint: str, replay_endpoint: str | None = None,
-                 topic: str = "", check_root=None):
+                 topic: str = "", check_root=None, on_batch=None):
         self.index = index
         self.worker_id = worker_id
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self.check_root = check_root
+        self.on_batch = on_batch
         self._local_seq = 0
         self._last_vllm_seq: int | None = None
         self._task: asyncio.Task | None = None
@@ -200,7 +202,10 @@ class VllmEventSubscriber:
                                   "--vllm-block-size match the server; routing to it by prefix will miss",
                                   self.worker_id)
         self._local_seq += 1
-        self.index.apply_batch(EventBatch(self.worker_id, self._local_seq, batch.ts, batch.events))
+        applied = EventBatch(self.worker_id, self._local_seq, batch.ts, batch.events)
+        self.index.apply_batch(applied)
+        if self.on_batch is not None:
+            self.on_batch(applied)
         self.batches += 1
         self.events += len(batch.events)
         self.last_lag_s = max(0.0, (now_wall if now_wall is not None else time.time()) - batch.ts)

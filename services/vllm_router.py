@@ -164,13 +164,18 @@ class VllmRouter:
             self.chat_template = ChatTemplate.for_model(model_dir)
         self.servers: dict[str, _ServerState] = {}
         for s in servers:
-            sub = VllmEventSubscriber(self.index, s.name, s.events, s.replay, check_root=self._check_root)
+            sub = VllmEventSubscriber(self.index, s.name, s.events, s.replay, check_root=self._check_root,
+                                      on_batch=self._on_batch)
             self.servers[s.name] = _ServerState(s, sub)
         self.metrics = None
         self.requests_unhashed = 0
         self._session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task | None = None
         self._runner: web.AppRunner | None = None
+
+    def _on_batch(self, batch) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_batch(batch)
 
     # ------------------------------------------------------------ hashing
     def _check_root(self, key: bytes, token_ids: list[int], extra_keys) -> bool:

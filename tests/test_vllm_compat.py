@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from kvmesh.bench.vllm_peer import vllm_python
+from kvmesh.bench.vllm_peer import vllm_python, vllm_ready
 from kvmesh.services.vllm_compat import (HASH_ALGOS, SUPPORTED_VERSIONS, UnsupportedVllm, VllmHashConfig,
                                          VllmHasher, check_version, event_key)
 
@@ -77,7 +77,7 @@ def _run_vllm(cases) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-needs_vllm = pytest.mark.skipif(not VLLM_PY.exists(),
+needs_vllm = pytest.mark.skipif(not vllm_ready(),
                                 reason=f"no vLLM virtualenv at {VLLM_PY.parent.parent} (scripts/setup.sh makes it)")
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.bench.trace import load_mooncake, synthesize_tokens
-from kvmesh.bench.vllm_peer import VLLM_ENV, make_tiny_llama, vllm_command, vllm_python
+from kvmesh.bench.vllm_peer import VLLM_ENV, make_tiny_llama, vllm_command, vllm_python, vllm_ready
 from kvmesh.services.procs import free_port
 
 VLLM_PY = vllm_python()
@@ -28,7 +28,7 @@ TRACE = Path(__file__).resolve().parents[1] / "bench" / "data" / "mooncake_conve
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not VLLM_PY.exists(), reason=f"no vLLM virtualenv at {VLLM_PY.parent.parent} "
+    pytest.mark.skipif(not vllm_ready(), reason=f"no vLLM virtualenv at {VLLM_PY.parent.parent} "
                                                     "(scripts/setup.sh makes it)"),
 ]
 

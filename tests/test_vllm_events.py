@@ -14,7 +14,7 @@ import time
 import msgpack
 import pytest
 
-from kvmesh.bench.vllm_peer import vllm_python
+from kvmesh.bench.vllm_peer import vllm_python, vllm_ready
 from kvmesh.services.cluster_index import ClusterIndex
 from kvmesh.services.vllm_compat import VllmHashConfig, VllmHasher, event_key
 from kvmesh.services.vllm_events import VllmEventSubscriber, decode_vllm_batch
@@ -141,7 +141,7 @@ sys.stdout.buffer.write(msgspec.msgpack.Encoder().encode(KVEventBatch(ts=12.5, e
 """
 
 
-@pytest.mark.skipif(not VLLM_PY.exists(), reason="no vLLM virtualenv (scripts/setup.sh makes it)")
+@pytest.mark.skipif(not vllm_ready(), reason="no vLLM virtualenv (scripts/setup.sh makes it)")
 @pytest.mark.slow
 def test_decodes_vllm_own_encoding():
     spec = {"hashes": [11, 22, 1 << 63], "tokens": list(range(6)), "bs": 2}
