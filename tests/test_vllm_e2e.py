@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,10 @@ TRACE = Path(__file__).resolve().parents[1] / "bench" / "data" / "mooncake_conve
 
 pytestmark = [
     pytest.mark.slow,
+    # the module's first test also pays for starting two vLLM servers (1-3 minutes each on two
+    # shared cores: vLLM's import, model load and CPU warm-up), which the suite's 300 s per
+    # test does not cover; the tests themselves take seconds
+    pytest.mark.timeout(900),
     pytest.mark.skipif(not vllm_ready(), reason=f"no vLLM virtualenv at {VLLM_PY.parent.parent} "
                                                     "(scripts/setup.sh makes it)"),
 ]
@@ -150,18 +155,30 @@ def test_router_errors_are_openai_shaped(fleet):
     assert status == 400 and out["error"]["param"] == "prompt"
 
 
+def _conversation_slice(max_blocks: int = 64) -> list:
+    """The sample's multi-turn requests: those whose second trace block another request shares.
+
+    Most single requests of the sample share only trace block 0 (a system prompt every
+    request starts with), which any policy hits on every server; the turns of a
+    conversation are where routing decides the hit rate.
+    """
+    reqs = load_mooncake(TRACE)
+    seconds = Counter(r.hash_ids[1] for r in reqs if len(r.hash_ids) > 1)
+    return [r for r in reqs if len(r.hash_ids) > 1 and seconds[r.hash_ids[1]] > 1 and len(r.hash_ids) <= max_blocks]
+
+
 def test_kv_aware_beats_round_robin_on_trace_slice(fleet):
-    reqs = [r for r in load_mooncake(TRACE, max_requests=400) if len(r.hash_ids) <= 24][:40]
-    assert len(reqs) >= 30
+    reqs = _conversation_slice()
+    assert len(reqs) >= 40
     rates = {}
     for policy, base in fleet["routers"].items():
         prompt_tokens = cached_tokens = 0
         for r in reqs:
-            ids = [256] + synthesize_tokens(r, BLOCK, vocab_size=256)
-            _, _, n, cached, _ = _complete(base, ids, salt=f"trace-{policy}")
+            ids = [256] + synthesize_tokens(r, 16, vocab_size=256)   # 16 tokens per 512-token trace block
+            _, _, n, cached, _ = _complete(base, ids, salt=f"trace-{policy}")  # each policy starts cold
             prompt_tokens += n
             cached_tokens += cached
             time.sleep(0.05)
         rates[policy] = cached_tokens / prompt_tokens
     print("vLLM-reported token hit rate:", rates)
-    assert rates["kv_aware"] > rates["round_robin"], rates
+    assert rates["kv_aware"] > rates["round_robin"] + 0.05, rates
