@@ -432,7 +432,7 @@ class VllmRouter:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
-        return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return int(self._runner.addresses[0][1])
 
     async def stop(self) -> None:
         if self._poller is not None:

@@ -147,6 +147,27 @@ def test_shared_prefix_goes_to_holder_and_vllm_confirms_hits(fleet):
     assert sum(s["hash_mismatches"] for s in h["servers"].values()) == 0, h
 
 
+def test_chat_follow_up_goes_to_holder(fleet):
+    """Chat prompts are hashed from the model's chat template as vLLM renders them."""
+    base = fleet["routers"]["kv_aware"]
+    system = "You answer in riddles. " * 12
+    w0 = None
+    for k in range(3):
+        body = {"model": "tiny-llama", "max_tokens": 1, "temperature": 0.0, "cache_salt": "chat-test",
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"question {k}"}]}
+        status, headers, out = _http(base + "/v1/chat/completions", body)
+        assert status == 200, out
+        cached = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        matched = int(headers["x-kvmesh-matched-blocks"])
+        if k == 0:
+            w0 = headers["x-kvmesh-worker"]
+            assert cached == 0
+        else:
+            assert headers["x-kvmesh-worker"] == w0
+            assert cached >= len(system) // BLOCK * BLOCK - BLOCK and matched * BLOCK == cached, (matched, cached)
+        time.sleep(0.5)
+
+
 def test_router_errors_are_openai_shaped(fleet):
     base = fleet["routers"]["kv_aware"]
     status, _, out = _http(base + "/v1/completions", {"model": "tiny-llama", "prompt": ["a", "b"], "max_tokens": 1})
