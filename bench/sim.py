@@ -701,6 +701,12 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None,
                    help="kvmesh block size: synthesize and hash prompts as the live cluster does "
                         "(default: one cache block per trace block)")
+    p.add_argument("--backend", choices=("kvmesh", "vllm"), default="kvmesh",
+                   help="vllm: simulated vLLM servers behind `kvmesh router --backend vllm` (blocks named by "
+                        "vLLM's published hashes; needs --block-size; see bench/vllm_sim.py)")
+    p.add_argument("--vllm-hash-algo", default="sha256", help="with --backend vllm: the servers' "
+                   "--prefix-caching-hash-algo")
+    p.add_argument("--vllm-hash-seed", default=None, help="with --backend vllm: the servers' PYTHONHASHSEED")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help=f"comma-separated, '{POOLED}' = one shared cache of all workers' capacity (default: all)")
     p.add_argument("--concurrency", type=int, default=None,
@@ -737,9 +743,24 @@ def cmd_sim(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"error: --trace {args.trace}: {exc}", file=sys.stderr)
         return 2
+    work = reqs
+    if args.backend == "vllm":  # blocks named by vLLM's published keys (bench.vllm_sim)
+        from kvmesh.bench.vllm_sim import prepare_vllm
+        from kvmesh.services.vllm_compat import VllmHashConfig
+
+        if args.block_size is None:
+            print("error: --backend vllm needs --block-size (the vLLM servers' --block-size)", file=sys.stderr)
+            return 2
+        try:
+            work = prepare_vllm(reqs, VllmHashConfig(block_size=args.block_size, hash_algo=args.vllm_hash_algo,
+                                                     hash_seed=args.vllm_hash_seed),
+                                args.block_tokens, args.max_output_tokens)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
-        with _SimProgress(not args.no_progress, len(policies) * len(reqs)) as bar:
-            results = run_policies(reqs, policies, num_workers=args.workers, capacity_tokens=args.capacity_tokens,
+        with _SimProgress(not args.no_progress, len(policies) * len(work)) as bar:
+            results = run_policies(work, policies, num_workers=args.workers, capacity_tokens=args.capacity_tokens,
                                    num_blocks=args.num_blocks, block_tokens=args.block_tokens,
                                    block_size=args.block_size, concurrency=args.concurrency,
                                    time_scale=args.time_scale, cost=cost, max_output_tokens=args.max_output_tokens,
@@ -751,7 +772,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         "trace": Path(args.trace).name, "requests": len(reqs), "workers": args.workers,
         "capacity_tokens": "unbounded" if args.unbounded else args.capacity_tokens,
         "num_blocks": args.num_blocks, "block_tokens": args.block_tokens,
-        "block_size": args.block_size,
+        "block_size": args.block_size, "backend": args.backend,
         "arrivals": f"closed loop of {args.concurrency}" if args.concurrency else
                     f"open loop, gaps between trace timestamps x {args.time_scale:g}",
         "max_output_tokens": args.max_output_tokens,

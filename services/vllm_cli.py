@@ -1,0 +1,67 @@
+"""``kvmesh router --backend vllm``: flags and start-up of the vLLM router mode.
+
+Kept apart from `services.cluster_cli` so the router command gains the mode in a few lines.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+__all__ = ["add_flags", "run"]
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """Add ``--backend`` and the ``--vllm-*`` flags to the router command."""
+    from kvmesh.services.vllm_compat import DEFAULT_SEED, HASH_ALGOS, SUPPORTED_VERSIONS
+
+    g = p.add_argument_group("vLLM backend (--backend vllm; see docs/VLLM.md)")
+    g.add_argument("--backend", choices=("kvmesh", "vllm"), default="kvmesh",
+                   help="kvmesh: route kvmesh workers found through Redis (default); vllm: route vLLM OpenAI "
+                        "servers from their own ZMQ KV events, serving OpenAI HTTP on --http-port (or --port)")
+    g.add_argument("--vllm-server", action="append", default=[], metavar="[NAME=]URL,EVENTS[,REPLAY]",
+                   help="a vLLM server: its base URL (http://HOST:8000), its --kv-events-config endpoint "
+                        "(tcp://HOST:5557) and optionally its replay endpoint; repeat per server")
+    g.add_argument("--vllm-block-size", type=int, default=None, metavar="TOKENS",
+                   help="the servers' --block-size (required: 16 is vLLM's CUDA default, 32 on its CPU backend)")
+    g.add_argument("--vllm-hash-algo", default="sha256", choices=HASH_ALGOS,
+                   help="the servers' --prefix-caching-hash-algo (default sha256, vLLM's default)")
+    g.add_argument("--vllm-hash-seed", default=None, metavar="SEED",
+                   help=f"the servers' PYTHONHASHSEED, if set (unset: vLLM seeds sha256 with {DEFAULT_SEED!r}; "
+                        "xxhash then cannot be reproduced)")
+    g.add_argument("--vllm-bytes-hashes", action="store_true",
+                   help="the servers run with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (events carry whole digests)")
+    g.add_argument("--vllm-version", default=SUPPORTED_VERSIONS[-1],
+                   help=f"vLLM version whose hashing to use; each server's /version must match one of "
+                        f"{', '.join(SUPPORTED_VERSIONS)}")
+    g.add_argument("--served-model-name", default=None,
+                   help="the servers' --served-model-name; requests naming another model (a LoRA adapter) are "
+                        "routed by load only")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Start the vLLM router mode from parsed ``router`` arguments; exits 2 on bad flags."""
+    from kvmesh.services.vllm_compat import UnsupportedVllm, VllmHashConfig
+    from kvmesh.services.vllm_router import parse_server_spec, serve_vllm_router
+
+    if not args.vllm_server:
+        parser.error("--backend vllm needs at least one --vllm-server URL,EVENTS")
+    if args.vllm_block_size is None:
+        parser.error("--backend vllm needs --vllm-block-size (the servers' --block-size)")
+    port = args.http_port if args.http_port is not None else args.port
+    if port is None:
+        parser.error("--backend vllm serves OpenAI HTTP: give --http-port (or --port)")
+    try:
+        servers = [parse_server_spec(s, i) for i, s in enumerate(args.vllm_server)]
+        config = VllmHashConfig(version=args.vllm_version, block_size=args.vllm_block_size,
+                                hash_algo=args.vllm_hash_algo, hash_seed=args.vllm_hash_seed,
+                                int_block_hashes=not args.vllm_bytes_hashes)
+    except (ValueError, UnsupportedVllm) as exc:
+        parser.error(str(exc))
+    try:
+        asyncio.run(serve_vllm_router(servers, config, port, host=args.host, model_dir=args.model,
+                                      served_model=args.served_model_name, policy=args.policy, seed=args.seed))
+    except ValueError as exc:
+        print(f"kvmesh router: {exc}", file=sys.stderr)
+        return 2
+    return 0
