@@ -1,5 +1,6 @@
 # The two commands of the README: `make demo` (main job) and `make test` (tests).
-# Both run scripts/setup.sh first, so they work on a fresh machine.
+# Both run scripts/setup.sh first, so they work on a fresh machine; the tests also install
+# vLLM's CPU build (its own virtualenv, outside the clone) for the vLLM router-mode tests.
 .PHONY: setup demo test bench proto
 
 setup:
@@ -8,7 +9,8 @@ setup:
 demo: setup
 	.venv/bin/kvmesh demo
 
-test: setup
+test:
+	@./scripts/setup.sh --vllm-peer
 	.venv/bin/python -m pytest -q -ra
 
 bench: setup

