@@ -180,8 +180,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # torch's fused kernel on the float32 copy, then HF's cast-then-scale order
+        xf = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * xf.to(x.dtype)
 
 
@@ -212,15 +212,13 @@ def rope_inv_freq(config: ModelConfig, device: str | torch.device = "cpu") -> to
     return torch.where(mid, blended, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` over the last dim (rotate-half convention, HF Llama)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (Su et al. 2021) on ``x [T, heads, D]`` with ``cos, sin [T, 1, D]``."""
-    return x * cos + _rotate_half(x) * sin
+    """RoPE (Su et al. 2021) on ``x [T, heads, D]`` with ``cos, sin [T, 1, D]``.
+
+    ``sin`` here is signed (``[-sin, sin]`` over the two halves, see `DecoderModel._rope`),
+    so ``rotate_half(x) * sin_hf`` is ``roll(x, D/2) * sin``: three kernels instead of five.
+    """
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, -1), sin)
 
 
 class SwiGLU(nn.Module):
@@ -233,20 +231,67 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
 
+        self._fused_key: tuple | None = None
+        self._fused = torch.empty(0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_proj.weight, self.up_proj.weight
+        key = (id(g), g._version, g.data_ptr(), id(u), u._version, u.data_ptr())
+        if self._fused_key != key:  # gate and up as one [2 * I, H] matmul; rebuilt when weights change
+            self._fused = torch.cat([g, u]).detach()
+            self._fused_key = key
+        gu = F.linear(x, self._fused)
+        i = g.shape[0]
+        return self.down_proj(F.silu(gu[:, :i]) * gu[:, i:])
 
 
 @dataclass
 class _SeqPlan:
-    """Per-sequence attention work shared by all layers of one forward step."""
+    """One sequence with several new tokens (a prefill chunk), attended on its own."""
 
     start: int  # first row in the flattened batch
     end: int  # one past the last row
     total: int  # context_len + query_len: keys attended to
-    blocks: torch.Tensor  # [ceil(total / block_size)] int64 block ids on the model device
-    mask: torch.Tensor | None  # [query_len, total] bool (True = attend), or None
+    blocks: torch.Tensor | None  # [ceil(total / block_size)] int64 block ids, None when self_only
+    mask: torch.Tensor | None  # [query_len, total] additive float mask, or None
     is_causal: bool  # plain top-left causal mask (context_len == 0, no window)
+    self_only: bool  # context_len == 0: the keys are this step's own K/V, no read from the pool
+
+
+@dataclass
+class _DecodeGroup:
+    """All one-token sequences of a step, attended in one batched call per layer.
+
+    Block tables are padded to the longest one (padding reads block 0 and is masked out),
+    so one gather per layer reads every sequence's K/V straight into the
+    ``[B, kv_heads, max_blocks * block_size, D]`` layout attention takes.
+    """
+
+    rows: torch.Tensor | None  # [B] int64 rows in the flattened batch; None when they are 0..B-1
+    blocks: torch.Tensor  # [B * max_blocks] int64 block ids, padded per sequence
+    num_seqs: int
+    max_blocks: int
+    mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] additive float mask, or None
+
+
+@dataclass
+class _StepPlan:
+    """Attention work of one forward step, built once and shared by all layers."""
+
+    decode: _DecodeGroup | None
+    seqs: list[_SeqPlan]
+
+
+def _gather_kv(kv_cache: torch.Tensor, layer_idx: int, blocks: torch.Tensor) -> torch.Tensor:
+    """K and V of ``blocks`` for one layer as ``[2, kv_heads, n * block_size, D]`` (one copy).
+
+    The pool is ``[num_blocks, layers, 2, kv_heads, block_size, D]``; selecting along the
+    block dimension of the ``[2, kv_heads, num_blocks, block_size, D]`` view lands each
+    head's keys contiguous, in block-table order, with no second reshape copy.
+    """
+    layer = kv_cache[:, layer_idx].permute(1, 2, 0, 3, 4)
+    g = layer.index_select(2, blocks)
+    return g.view(g.shape[0], g.shape[1], -1, g.shape[-1])
 
 
 class PagedAttention(nn.Module):
@@ -268,6 +313,26 @@ class PagedAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False, dtype=dtype)
+        self._fused_key: tuple | None = None
+        self._fused: tuple[torch.Tensor, torch.Tensor | None] = (torch.empty(0), None)
+
+    def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The q/k/v weights (and biases) stacked into one ``[(H + 2 * kv_heads) * D, hidden]`` matrix.
+
+        Rebuilt whenever a projection's parameter object or in-place version changes, so
+        weights loaded or edited after construction are always the ones used.
+        """
+        ps = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+              self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)
+        key = tuple((id(p), p._version, p.data_ptr()) for p in ps if p is not None)
+        if self._fused_key != key:
+            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+            b = None
+            if self.q_proj.bias is not None:
+                b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
+            self._fused = (w, b)
+            self._fused_key = key
+        return self._fused
 
     def forward(
         self,
@@ -278,40 +343,78 @@ class PagedAttention(nn.Module):
         layer_idx: int,
         slot_blocks: torch.Tensor,
         slot_offsets: torch.Tensor,
-        plans: list[_SeqPlan],
+        plan: _StepPlan,
         block_size: int,
     ) -> torch.Tensor:
-        """``x [T, H]`` -> ``[T, H]``; writes this layer's K/V for the T tokens into ``kv_cache``."""
+        """``x [T, H]`` -> ``[T, H]``; writes this layer's K/V for the T tokens into ``kv_cache``.
+
+        Decoding sequences (one new token each) share one batched attention call that reads
+        their K/V through the padded block tables; each prefill chunk gets one call, over
+        its own fresh K/V when it has no cached context (no read from the pool) or over its
+        blocks otherwise.
+        """
         t = x.shape[0]
         d = self.head_dim
-        q = _apply_rope(self.q_proj(x).view(t, self.num_heads, d), cos, sin)
-        k = _apply_rope(self.k_proj(x).view(t, self.num_kv_heads, d), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        nh, nkv = self.num_heads, self.num_kv_heads
+        w, b = self._fused_qkv()
+        qkv = F.linear(x, w, b).view(t, nh + 2 * nkv, d)
+        qk = _apply_rope(qkv[:, : nh + nkv], cos, sin)  # RoPE on q and k in one pass
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, nh + nkv:]
 
         # Scatter the new K/V into their slots: [T, kv_heads, D] each.
         kv_cache[slot_blocks, layer_idx, 0, :, slot_offsets] = k.to(kv_cache.dtype)
         kv_cache[slot_blocks, layer_idx, 1, :, slot_offsets] = v.to(kv_cache.dtype)
 
-        out = torch.empty(t, self.num_heads, d, dtype=x.dtype, device=x.device)
-        for p in plans:
-            # [n_blocks, 2, kv_heads, block_size, D] -> [2, kv_heads, n_blocks * block_size, D]
-            kv = kv_cache[p.blocks, layer_idx]
-            n = kv.shape[0]
-            kv = kv.permute(1, 2, 0, 3, 4).reshape(2, self.num_kv_heads, n * block_size, d)
-            # 4-D [1, heads, len, D] inputs let CPU SDPA pick its fused kernel (3-D falls back to math).
-            keys = kv[0:1, :, : p.total].to(x.dtype)
-            values = kv[1:2, :, : p.total].to(x.dtype)
-            qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qs,
-                keys,
-                values,
-                attn_mask=p.mask,
-                is_causal=p.is_causal,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )
-            out[p.start : p.end] = o[0].transpose(0, 1)
-        return self.o_proj(out.view(t, self.num_heads * d))
+        dec = plan.decode
+        if dec is not None and dec.rows is None and not plan.seqs:
+            out = self._decode(q, kv_cache, layer_idx, dec, x.dtype)  # pure decode step
+            return self.o_proj(out.view(t, nh * d))
+        if dec is None and len(plan.seqs) == 1 and plan.seqs[0].self_only:  # one cold prefill
+            return self.o_proj(self._prefill(plan.seqs[0], q, k, v, kv_cache, layer_idx).reshape(t, nh * d))
+        out = torch.empty(t, nh, d, dtype=x.dtype, device=x.device)
+        if dec is not None:
+            out.index_copy_(0, dec.rows, self._decode(q.index_select(0, dec.rows), kv_cache, layer_idx, dec, x.dtype))
+        for p in plan.seqs:
+            out[p.start : p.end] = self._prefill(p, q, k, v, kv_cache, layer_idx)
+        return self.o_proj(out.view(t, nh * d))
+
+    def _prefill(self, p: _SeqPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 layer_idx: int) -> torch.Tensor:
+        """Attention of one prefill chunk: rows ``[p.start, p.end)`` of ``q [T, H, D]`` -> ``[q_len, H, D]``.
+
+        Without cached context the keys are the chunk's own fresh ``k``/``v`` (no pool read);
+        otherwise its blocks are gathered once from the pool.
+        """
+        qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D], strided view
+        if p.self_only:
+            keys = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            values = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+        else:
+            kv = _gather_kv(kv_cache, layer_idx, p.blocks)[:, :, : p.total]
+            if kv.dtype != q.dtype:
+                kv = kv.to(q.dtype)
+            keys, values = kv[0:1], kv[1:2]
+        o = F.scaled_dot_product_attention(
+            qs, keys, values, attn_mask=p.mask, is_causal=p.is_causal, enable_gqa=self.num_kv_heads != self.num_heads)
+        return o[0].transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, layer_idx: int, dec: _DecodeGroup,
+                dtype: torch.dtype) -> torch.Tensor:
+        """Batched paged attention for one new token per sequence: ``q [B, H, D]`` -> ``[B, H, D]``.
+
+        GQA without copying K/V per query head: with one query token, the ``H / kv_heads``
+        query heads of a group are laid out as that group's query rows
+        (``[B, kv_heads, H / kv_heads, D]``), which attend to the same keys under the same mask.
+        """
+        b, nh, d = q.shape
+        kv = _gather_kv(kv_cache, layer_idx, dec.blocks)  # [2, kv_heads, B * L, D]
+        kv = kv.view(2, self.num_kv_heads, b, -1, d).transpose(1, 2)  # [2, B, kv_heads, L, D]
+        if kv.dtype != dtype:
+            kv = kv.to(dtype)
+        qg = q.reshape(b, self.num_kv_heads, nh // self.num_kv_heads, d)
+        o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=dec.mask)
+        return o.reshape(b, nh, d)
 
 
 class DecoderLayer(nn.Module):
@@ -356,7 +459,8 @@ class DecoderModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[T, 1, D]`` for the given positions, computed in float32 then cast to ``dtype``."""
+        """cos and signed sin ``[T, 1, D]`` (``[-sin, sin]`` over the halves) for the given
+        positions, computed in float32 then cast to ``dtype``."""
         dev = positions.device
         inv = self._inv_freq.get(dev)
         if inv is None:
@@ -364,22 +468,35 @@ class DecoderModel(nn.Module):
             self._inv_freq[dev] = inv
         freqs = positions.to(torch.float32)[:, None] * inv[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = emb.sin()
+        sin[..., : sin.shape[-1] // 2].neg_()  # signed for `_apply_rope`'s roll form
+        return emb.cos().to(dtype), sin.to(dtype)
 
-    def _plans(self, meta: AttentionMetadata, device: torch.device) -> list[_SeqPlan]:
+    def _plan(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
+        """Group the step's sequences: one-token decodes into one `_DecodeGroup`, prefill
+        chunks into one `_SeqPlan` each; masks are built here once, not per layer."""
         window = self.config.sliding_window
         bs = meta.block_size
-        plans: list[_SeqPlan] = []
+        dtype = self.embed_tokens.weight.dtype
+        seqs: list[_SeqPlan] = []
+        dec_rows: list[int] = []
+        dec_totals: list[int] = []
+        dec_tables: list[list[int]] = []
         start = 0
         for q_len, ctx, table in zip(meta.query_lens, meta.context_lens, meta.block_tables):
             total = ctx + q_len
-            blocks = torch.tensor(table[: -(-total // bs)], dtype=torch.int64, device=device)
+            if q_len == 1:
+                dec_rows.append(start)
+                dec_totals.append(total)
+                dec_tables.append(table[: -(-total // bs)])
+                start += 1
+                continue
             mask: torch.Tensor | None = None
             is_causal = False
             windowed = window is not None and total > window
             if ctx == 0 and not windowed:
-                is_causal = q_len > 1
-            elif q_len > 1 or windowed:
+                is_causal = True
+            else:
                 q_pos = torch.arange(ctx, total, device=device)[:, None]
                 k_pos = torch.arange(total, device=device)[None, :]
                 visible = k_pos <= q_pos
@@ -387,11 +504,32 @@ class DecoderModel(nn.Module):
                     visible = visible & (k_pos > q_pos - window)
                 # additive float mask, built once per step: a bool mask would be converted
                 # inside every layer's attention call
-                dtype = self.embed_tokens.weight.dtype
                 mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-            plans.append(_SeqPlan(start, start + q_len, total, blocks, mask, is_causal))
+            blocks = None
+            if ctx > 0:
+                blocks = torch.tensor(table[: -(-total // bs)], dtype=torch.int64, device=device)
+            seqs.append(_SeqPlan(start, start + q_len, total, blocks, mask, is_causal, ctx == 0))
             start += q_len
-        return plans
+        decode = None
+        if dec_rows:
+            n = len(dec_rows)
+            max_blocks = max(len(t) for t in dec_tables)
+            padded = [t + [t[0]] * (max_blocks - len(t)) for t in dec_tables]
+            blocks = torch.tensor(padded, dtype=torch.int64).view(-1).to(device)
+            totals = torch.tensor(dec_totals, dtype=torch.int64)
+            k_pos = torch.arange(max_blocks * bs, dtype=torch.int64)[None, :]
+            visible = k_pos < totals[:, None]
+            if window is not None:
+                visible &= k_pos >= (totals - window)[:, None]
+            mask = None
+            if not bool(visible.all()):
+                mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+                mask = mask.view(n, 1, 1, -1).to(device)
+            rows = None
+            if seqs or dec_rows[-1] != n - 1:
+                rows = torch.tensor(dec_rows, dtype=torch.int64, device=device)
+            decode = _DecodeGroup(rows, blocks, n, max_blocks, mask)
+        return _StepPlan(decode, seqs)
 
     def _check(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         t = input_ids.shape[0]
@@ -448,12 +586,12 @@ class DecoderModel(nn.Module):
         slots = meta.slot_mapping.to(device)
         slot_blocks = torch.div(slots, bs, rounding_mode="floor")
         slot_offsets = slots - slot_blocks * bs
-        plans = self._plans(meta, device)
+        plan = self._plan(meta, device)
 
         h = self.embed_tokens(input_ids)
         cos, sin = self._rope(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache, i, slot_blocks, slot_offsets, plans, bs)
+            h = layer(h, cos, sin, kv_cache, i, slot_blocks, slot_offsets, plan, bs)
 
         if logits_indices is None:
             logits_indices = meta.last_token_indices(device)
