@@ -127,7 +127,7 @@ class AttentionMetadata:
                 "query_lens, context_lens and block_tables must have one entry per sequence; got "
                 f"{len(query_lens)}, {len(context_lens)}, {len(block_tables)}"
             )
-        pieces: list[torch.Tensor] = []
+        slot_list: list[int] = []  # built in Python: one tensor per step, not several per sequence
         for i, (q, c, table) in enumerate(zip(query_lens, context_lens, block_tables)):
             if q < 1:
                 raise ValueError(f"sequence {i}: query_len must be >= 1, got {q}")
@@ -138,12 +138,13 @@ class AttentionMetadata:
                 raise ValueError(
                     f"sequence {i}: block table has {len(table)} blocks but {c + q} tokens need {needed}"
                 )
-            bt = torch.tensor(list(table[:needed]), dtype=torch.int64)
-            if bool((bt < 0).any()):
+            if needed and min(table[:needed]) < 0:
                 raise ValueError(f"sequence {i}: negative block id in block table")
-            pos = torch.arange(c, c + q, dtype=torch.int64)
-            pieces.append(bt[pos // block_size] * block_size + pos % block_size)
-        slots = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+            if q == 1:
+                slot_list.append(table[c // block_size] * block_size + c % block_size)
+            else:
+                slot_list.extend(table[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+        slots = torch.tensor(slot_list, dtype=torch.int64)
         return AttentionMetadata(
             query_lens=[int(q) for q in query_lens],
             context_lens=[int(c) for c in context_lens],
