@@ -40,8 +40,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: model's)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--long-prefill-token-threshold", type=_int_at_least(0, "--long-prefill-token-threshold"),
-                   default=256, help="most prompt tokens one request prefills per step while other requests "
-                   "run or wait, so short requests are not queued behind a long prompt (0 = no cap; default 256)")
+                   default=None, help="most prompt tokens one request prefills per step while other requests "
+                   "run or wait, so short requests are not queued behind a long prompt (0 = no cap; default: a "
+                   "quarter of --max-batched-tokens)")
     p.add_argument("--max-num-partial-prefills", type=_int_at_least(1, "--max-num-partial-prefills"),
                    default=2, help="most requests with a partly computed prompt at once (default 2)")
     # names only: the codec registry imports torch, which the CLI loads only when a worker

@@ -37,12 +37,7 @@ from kvmesh.workers.request import (
     RequestOutput,
     SamplingParams,
 )
-from kvmesh.workers.scheduler import (
-    DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
-    DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
-    ScheduledBatch,
-    Scheduler,
-)
+from kvmesh.workers.scheduler import DEFAULT_MAX_NUM_PARTIAL_PREFILLS, ScheduledBatch, Scheduler
 from kvmesh.workers.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -68,7 +63,7 @@ class Engine:
         tiers: host / disk / peer-staging tiers below the device pool
             (`cache_store.tier_store.TierConfig`); None for the device pool only.
         long_prefill_token_threshold, max_num_partial_prefills: fair scheduling of long
-            prefills (`workers.scheduler.Scheduler`).
+            prefills (`workers.scheduler.Scheduler`; threshold None = a quarter of the budget).
 
     Raises:
         ValueError: bad sizes or tier configuration.
@@ -87,7 +82,7 @@ class Engine:
         event_sink: Callable[[object], None] | None = None,
         seed: int = 0,
         tiers: TierConfig | None = None,
-        long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
+        long_prefill_token_threshold: int | None = None,
         max_num_partial_prefills: int = DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
     ):
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks),

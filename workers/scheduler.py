@@ -54,8 +54,8 @@ class ScheduledBatch:
         return bool(self.requests)
 
 
-#: Default prompt tokens one request may prefill per step (``--long-prefill-token-threshold``).
-DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 256
+#: Default ``--long-prefill-token-threshold``: this fraction (1/N) of the step's token budget.
+LONG_PREFILL_BUDGET_SHARE = 4
 #: Default most requests in a partial prefill at once (``--max-num-partial-prefills``).
 DEFAULT_MAX_NUM_PARTIAL_PREFILLS = 2
 
@@ -69,9 +69,10 @@ class Scheduler:
         max_num_seqs: most requests running at once.
         tiers: the lower cache tiers, or None.
         long_prefill_token_threshold: most prompt tokens one request computes per step
-            while other requests are running or waiting (tokens); 0 = no cap. A prompt
-            alone on the worker still takes the whole budget; with company, a long prefill
-            leaves budget to the decodes and short prompts of the same step.
+            while other requests are running or waiting (tokens); 0 = no cap; None (default)
+            = a quarter of ``max_num_batched_tokens``. A prompt alone on the worker still
+            takes the whole budget; with company, a long prefill first leaves budget to the
+            decodes and short prompts of the step, then takes back what they left unused.
         max_num_partial_prefills: most requests whose prompt is partly computed at once
             (>= 1). A waiting request that would become one more is passed over (a later
             request that finishes its prompt in this step can still start), so short
@@ -88,8 +89,10 @@ class Scheduler:
 
     def __init__(self, cache: PrefixCache, max_num_batched_tokens: int = 1024, max_num_seqs: int = 32,
                  tiers: TierStore | None = None,
-                 long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
+                 long_prefill_token_threshold: int | None = None,
                  max_num_partial_prefills: int = DEFAULT_MAX_NUM_PARTIAL_PREFILLS):
+        if long_prefill_token_threshold is None:
+            long_prefill_token_threshold = max(1, max_num_batched_tokens // LONG_PREFILL_BUDGET_SHARE)
         if long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (got {long_prefill_token_threshold})")
         if max_num_partial_prefills < 1:
@@ -192,6 +195,16 @@ class Scheduler:
             for j in range(req.num_committed_blocks, len(req.block_hashes)):
                 inflight.add(req.block_hashes[j])
         self.waiting.extendleft(reversed(passed))
+        # 3. budget nobody else wanted goes back to prefills the threshold capped
+        for k, req in enumerate(batch.requests):
+            if budget <= 0:
+                break
+            want = req.num_tokens - req.num_computed - batch.num_new_tokens[k]
+            if want > 0 and req.status is RequestStatus.RUNNING:
+                extra = min(want, budget)
+                if self._grow(req, req.num_computed + batch.num_new_tokens[k] + extra):
+                    batch.num_new_tokens[k] += extra
+                    budget -= extra
         return batch
 
     def _chunk(self, req: Request) -> int:
