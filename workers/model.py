@@ -216,10 +216,12 @@ def rope_inv_freq(config: ModelConfig, device: str | torch.device = "cpu") -> to
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE (Su et al. 2021) on ``x [T, heads, D]`` with ``cos, sin [T, 1, D]``.
 
-    ``sin`` here is signed (``[-sin, sin]`` over the two halves, see `DecoderModel._rope`),
-    so ``rotate_half(x) * sin_hf`` is ``roll(x, D/2) * sin``: three kernels instead of five.
+    Rotate-half convention (HF Llama): ``x * cos + [-x2, x1] * sin`` where ``x1, x2`` are
+    the two halves of each head.
     """
-    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, -1), sin)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, rotated, sin)
 
 
 class SwiGLU(nn.Module):
@@ -388,9 +390,9 @@ class PagedAttention(nn.Module):
         otherwise its blocks are gathered once from the pool.
         """
         qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D], strided view
-        if p.self_only:
-            keys = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            values = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+        if p.self_only:  # contiguous per head: the CPU flash kernel reads strided K/V slower
+            keys = k[p.start : p.end].transpose(0, 1).unsqueeze(0).contiguous()
+            values = v[p.start : p.end].transpose(0, 1).unsqueeze(0).contiguous()
         else:
             kv = _gather_kv(kv_cache, layer_idx, p.blocks)[:, :, : p.total]
             if kv.dtype != q.dtype:
@@ -460,8 +462,7 @@ class DecoderModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin ``[T, 1, D]`` (``[-sin, sin]`` over the halves) for the given
-        positions, computed in float32 then cast to ``dtype``."""
+        """cos/sin ``[T, 1, D]`` for the given positions, computed in float32 then cast to ``dtype``."""
         dev = positions.device
         inv = self._inv_freq.get(dev)
         if inv is None:
@@ -469,9 +470,7 @@ class DecoderModel(nn.Module):
             self._inv_freq[dev] = inv
         freqs = positions.to(torch.float32)[:, None] * inv[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        sin = emb.sin()
-        sin[..., : sin.shape[-1] // 2].neg_()  # signed for `_apply_rope`'s roll form
-        return emb.cos().to(dtype), sin.to(dtype)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def _plan(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
         """Group the step's sequences: one-token decodes into one `_DecodeGroup`, prefill
