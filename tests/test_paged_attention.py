@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import zlib
 
 import pytest
 import torch
@@ -101,7 +102,7 @@ def _random_batch(rng: random.Random, bs: int, num_blocks: int, kinds: str):
 @pytest.mark.parametrize("kinds", ["dddddd", "dpdcd", "pc", "d"])
 def test_batched_attention_matches_naive(block_size, window, kinds):
     model = _model(window)
-    rng = random.Random(hash((block_size, window, kinds)) & 0xFFFF)
+    rng = random.Random(zlib.crc32(f"{block_size}/{window}/{kinds}".encode()))
     meta = _random_batch(rng, block_size, 64, kinds)
     cfg = model.config
     kv_ref = allocate_kv_cache(cfg, 64, block_size)
@@ -111,7 +112,7 @@ def test_batched_attention_matches_naive(block_size, window, kinds):
     ref = _reference(model, x, kv_ref, meta)
     ours = _ours(model, x, kv_ours, meta)
     assert (ours.double() - ref).abs().max().item() < 1e-4
-    torch.testing.assert_close(kv_ours, kv_ref)  # same K/V written at the same slots
+    torch.testing.assert_close(kv_ours, kv_ref, atol=1e-4, rtol=1e-4)  # same K/V at the same slots
 
 
 def test_gqa_group_sizes_and_mha():
@@ -156,3 +157,22 @@ def test_weights_changed_after_first_forward_are_used():
     ref = _reference(model, x, kv.clone(), meta)
     assert (after.double() - ref).abs().max().item() < 1e-4
     assert (after - before).abs().max().item() > 1e-3
+
+
+def test_fused_projections_share_the_parameters_storage():
+    """Stacking q/k/v and gate/up keeps one copy of the weights: the parameters become views."""
+    model = _model(None)
+    meta = _random_batch(random.Random(5), 16, 16, "p")
+    x = torch.randn(meta.num_tokens, model.config.hidden_size)
+    _ours(model, x, allocate_kv_cache(model.config, 16, 16), meta)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    with torch.inference_mode():
+        mlp(x)
+    w, _ = attn._fused_qkv()
+    assert attn.q_proj.weight.data_ptr() == w.data_ptr()
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp._fused.untyped_storage().data_ptr()
+    state = model.state_dict()  # still saves and reloads under the HF names
+    again = _model(None)
+    again.load_state_dict(state)
+    torch.testing.assert_close(again.layers[0].self_attn.v_proj.weight, attn.v_proj.weight)

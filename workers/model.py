@@ -224,6 +224,28 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.addcmul(x * cos, rotated, sin)
 
 
+def _fuse_rows(params: list[torch.Tensor]) -> torch.Tensor:
+    """Stack ``params`` along dim 0 into one tensor and re-point each parameter at its rows.
+
+    The projections then share the stacked storage (no second copy of the weights), and one
+    matmul computes all of them. Built outside inference mode so the parameters stay
+    editable in place afterwards.
+    """
+    with torch.inference_mode(False), torch.no_grad():
+        fused = torch.cat([p.detach() for p in params])
+        row = 0
+        for p in params:
+            n = p.shape[0]
+            p.data = fused[row : row + n]
+            row += n
+    return fused
+
+
+def _fuse_key(params: list[torch.Tensor | None]) -> tuple:
+    """Identity, in-place version and storage of each parameter: changes when weights do."""
+    return tuple((id(p), p._version, p.data_ptr()) for p in params if p is not None)
+
+
 class SwiGLU(nn.Module):
     """SwiGLU MLP (Shazeer 2020): ``down(silu(gate(x)) * up(x))``, ``[T, H] -> [T, H]``."""
 
@@ -238,13 +260,12 @@ class SwiGLU(nn.Module):
         self._fused = torch.empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.gate_proj.weight, self.up_proj.weight
-        key = (id(g), g._version, g.data_ptr(), id(u), u._version, u.data_ptr())
-        if self._fused_key != key:  # gate and up as one [2 * I, H] matmul; rebuilt when weights change
-            self._fused = torch.cat([g, u]).detach()
-            self._fused_key = key
+        params = [self.gate_proj.weight, self.up_proj.weight]
+        if self._fused_key != _fuse_key(params):  # gate and up as one [2 * I, H] matmul
+            self._fused = _fuse_rows(params)
+            self._fused_key = _fuse_key(params)
         gu = F.linear(x, self._fused)
-        i = g.shape[0]
+        i = self.gate_proj.weight.shape[0]
         return self.down_proj(F.silu(gu[:, :i]) * gu[:, i:])
 
 
@@ -322,19 +343,17 @@ class PagedAttention(nn.Module):
     def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The q/k/v weights (and biases) stacked into one ``[(H + 2 * kv_heads) * D, hidden]`` matrix.
 
-        Rebuilt whenever a projection's parameter object or in-place version changes, so
+        The projections' parameters become views of it (`_fuse_rows`: no second copy).
+        Rebuilt whenever a parameter object, its storage or its in-place version changes, so
         weights loaded or edited after construction are always the ones used.
         """
-        ps = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
-              self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)
-        key = tuple((id(p), p._version, p.data_ptr()) for p in ps if p is not None)
-        if self._fused_key != key:
-            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
-            b = None
-            if self.q_proj.bias is not None:
-                b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
+        weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        biases = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
+        if self._fused_key != _fuse_key(weights + biases):
+            w = _fuse_rows(weights)
+            b = _fuse_rows(biases) if biases[0] is not None else None
             self._fused = (w, b)
-            self._fused_key = key
+            self._fused_key = _fuse_key(weights + biases)
         return self._fused
 
     def forward(
