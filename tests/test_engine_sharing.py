@@ -132,3 +132,27 @@ def test_scheduler_rejects_bad_limits(engine):
         Scheduler(engine.cache, long_prefill_token_threshold=-1)
     with pytest.raises(ValueError, match="max_num_partial_prefills"):
         Scheduler(engine.cache, max_num_partial_prefills=0)
+
+
+def test_worker_flags_parse_and_name_themselves(capsys):
+    from kvmesh.services.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["worker", "--port", "1", "--long-prefill-token-threshold", "128",
+                              "--max-num-partial-prefills", "3"])
+    assert (args.long_prefill_token_threshold, args.max_num_partial_prefills) == (128, 3)
+    defaults = parser.parse_args(["worker", "--port", "1"])
+    assert defaults.long_prefill_token_threshold is None and defaults.max_num_partial_prefills == 2
+    threshold = "--long-prefill-token-threshold"
+    for argv, flag in ((["worker", "--port", "1", threshold, "-1"], threshold),
+                       (["worker", "--port", "1", "--max-num-partial-prefills", "0"], "--max-num-partial-prefills"),
+                       (["worker", "--port", "1", "--max-num-partial-prefills", "two"], "--max-num-partial-prefills")):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(argv)
+        assert exc.value.code == 2
+        assert flag in capsys.readouterr().err
+
+
+def test_default_threshold_is_a_quarter_of_the_budget(engine):
+    assert Scheduler(engine.cache, max_num_batched_tokens=2048).long_prefill_token_threshold == 512
+    assert Scheduler(engine.cache, long_prefill_token_threshold=0).long_prefill_token_threshold == 0
