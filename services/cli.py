@@ -19,6 +19,19 @@ from kvmesh.services.security import add_client_args, add_server_args, client_ch
 from kvmesh.services.cli_checks import port_number
 
 
+def _int_at_least(low: int, flag: str):
+    """argparse type: an integer >= ``low``; the error names ``flag``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {low}, got {value}")
+        return value
+    return parse
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF model directory (config.json + *.safetensors); "
                    "default: the built-in tiny Llama with seeded random weights")
@@ -31,6 +44,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=_positive_int("--max-waiting"), default=512,
                    help="most queued requests before new ones get RESOURCE_EXHAUSTED (default 512)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--long-prefill-token-threshold", type=_int_at_least(0, "--long-prefill-token-threshold"),
+                   default=None, help="most prompt tokens one request prefills per step while other requests "
+                   "run or wait, so short requests are not queued behind a long prompt (0 = no cap; default: a "
+                   "quarter of --max-batched-tokens)")
+    p.add_argument("--max-num-partial-prefills", type=_int_at_least(1, "--max-num-partial-prefills"),
+                   default=2, help="most requests with a partly computed prompt at once (default 2)")
     # names only: the codec registry imports torch, which the CLI loads only when a worker
     # starts; TierConfig.validate checks them against the registry then
     codecs = ("none", "fp8", "int4")
@@ -119,8 +138,9 @@ def make_engine(args: argparse.Namespace, event_sink=None):
     return Engine(model_dir=args.model, device=args.device, block_size=args.block_size,
                   num_blocks=args.num_blocks, max_num_batched_tokens=args.max_batched_tokens,
                   max_num_seqs=args.max_seqs, max_model_len=args.max_model_len, event_sink=event_sink,
-                  max_waiting=getattr(args, "max_waiting", 512),
-                  tiers=tier_config(args))
+                  max_waiting=getattr(args, "max_waiting", 512), tiers=tier_config(args),
+                  long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", None),
+                  max_num_partial_prefills=getattr(args, "max_num_partial_prefills", 2))
 
 
 def advertised_address(host: str, port: int, advertise: str | None) -> str:

@@ -37,7 +37,7 @@ from kvmesh.workers.request import (
     RequestOutput,
     SamplingParams,
 )
-from kvmesh.workers.scheduler import ScheduledBatch, Scheduler
+from kvmesh.workers.scheduler import DEFAULT_MAX_NUM_PARTIAL_PREFILLS, ScheduledBatch, Scheduler
 from kvmesh.workers.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,8 @@ class Engine:
         seed: seed of the built-in model's random weights.
         tiers: host / disk / peer-staging tiers below the device pool
             (`cache_store.tier_store.TierConfig`); None for the device pool only.
+        long_prefill_token_threshold, max_num_partial_prefills: fair scheduling of long
+            prefills (`workers.scheduler.Scheduler`; threshold None = a quarter of the budget).
 
     Raises:
         ValueError: bad sizes or tier configuration.
@@ -80,6 +82,8 @@ class Engine:
         event_sink: Callable[[object], None] | None = None,
         seed: int = 0,
         tiers: TierConfig | None = None,
+        long_prefill_token_threshold: int | None = None,
+        max_num_partial_prefills: int = DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
     ):
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
@@ -103,7 +107,9 @@ class Engine:
         self.tiers = TierStore(self.kv_cache, tiers, event_sink) if tiers is not None and tiers.enabled else None
         offload = self.tiers.offload if self.tiers is not None and self.tiers.can_offload else None
         self.cache = PrefixCache(num_blocks, block_size, event_sink=event_sink, on_offload=offload)
-        self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, tiers=self.tiers)
+        self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, tiers=self.tiers,
+                                   long_prefill_token_threshold=long_prefill_token_threshold,
+                                   max_num_partial_prefills=max_num_partial_prefills)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or ())
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}

@@ -127,7 +127,7 @@ class AttentionMetadata:
                 "query_lens, context_lens and block_tables must have one entry per sequence; got "
                 f"{len(query_lens)}, {len(context_lens)}, {len(block_tables)}"
             )
-        pieces: list[torch.Tensor] = []
+        slot_list: list[int] = []  # built in Python: one tensor per step, not several per sequence
         for i, (q, c, table) in enumerate(zip(query_lens, context_lens, block_tables)):
             if q < 1:
                 raise ValueError(f"sequence {i}: query_len must be >= 1, got {q}")
@@ -138,12 +138,13 @@ class AttentionMetadata:
                 raise ValueError(
                     f"sequence {i}: block table has {len(table)} blocks but {c + q} tokens need {needed}"
                 )
-            bt = torch.tensor(list(table[:needed]), dtype=torch.int64)
-            if bool((bt < 0).any()):
+            if needed and min(table[:needed]) < 0:
                 raise ValueError(f"sequence {i}: negative block id in block table")
-            pos = torch.arange(c, c + q, dtype=torch.int64)
-            pieces.append(bt[pos // block_size] * block_size + pos % block_size)
-        slots = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+            if q == 1:
+                slot_list.append(table[c // block_size] * block_size + c % block_size)
+            else:
+                slot_list.extend(table[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+        slots = torch.tensor(slot_list, dtype=torch.int64)
         return AttentionMetadata(
             query_lens=[int(q) for q in query_lens],
             context_lens=[int(c) for c in context_lens],
@@ -180,8 +181,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # torch's fused kernel on the float32 copy, then HF's cast-then-scale order
+        xf = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * xf.to(x.dtype)
 
 
@@ -212,15 +213,37 @@ def rope_inv_freq(config: ModelConfig, device: str | torch.device = "cpu") -> to
     return torch.where(mid, blended, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` over the last dim (rotate-half convention, HF Llama)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (Su et al. 2021) on ``x [T, heads, D]`` with ``cos, sin [T, 1, D]``."""
-    return x * cos + _rotate_half(x) * sin
+    """RoPE (Su et al. 2021) on ``x [T, heads, D]`` with ``cos, sin [T, 1, D]``.
+
+    Rotate-half convention (HF Llama): ``x * cos + [-x2, x1] * sin`` where ``x1, x2`` are
+    the two halves of each head.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, rotated, sin)
+
+
+def _fuse_rows(params: list[torch.Tensor]) -> torch.Tensor:
+    """Stack ``params`` along dim 0 into one tensor and re-point each parameter at its rows.
+
+    The projections then share the stacked storage (no second copy of the weights), and one
+    matmul computes all of them. Built outside inference mode so the parameters stay
+    editable in place afterwards.
+    """
+    with torch.inference_mode(False), torch.no_grad():
+        fused = torch.cat([p.detach() for p in params])
+        row = 0
+        for p in params:
+            n = p.shape[0]
+            p.data = fused[row : row + n]
+            row += n
+    return fused
+
+
+def _fuse_key(params: list[torch.Tensor | None]) -> tuple:
+    """Identity, in-place version and storage of each parameter: changes when weights do."""
+    return tuple((id(p), p._version, p.data_ptr()) for p in params if p is not None)
 
 
 class SwiGLU(nn.Module):
@@ -233,20 +256,66 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
 
+        self._fused_key: tuple | None = None
+        self._fused = torch.empty(0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        params = [self.gate_proj.weight, self.up_proj.weight]
+        if self._fused_key != _fuse_key(params):  # gate and up as one [2 * I, H] matmul
+            self._fused = _fuse_rows(params)
+            self._fused_key = _fuse_key(params)
+        gu = F.linear(x, self._fused)
+        i = self.gate_proj.weight.shape[0]
+        return self.down_proj(F.silu(gu[:, :i]) * gu[:, i:])
 
 
 @dataclass
 class _SeqPlan:
-    """Per-sequence attention work shared by all layers of one forward step."""
+    """One sequence with several new tokens (a prefill chunk), attended on its own."""
 
     start: int  # first row in the flattened batch
     end: int  # one past the last row
     total: int  # context_len + query_len: keys attended to
-    blocks: torch.Tensor  # [ceil(total / block_size)] int64 block ids on the model device
-    mask: torch.Tensor | None  # [query_len, total] bool (True = attend), or None
+    blocks: torch.Tensor | None  # [ceil(total / block_size)] int64 block ids, None when self_only
+    mask: torch.Tensor | None  # [query_len, total] additive float mask, or None
     is_causal: bool  # plain top-left causal mask (context_len == 0, no window)
+    self_only: bool  # context_len == 0: the keys are this step's own K/V, no read from the pool
+
+
+@dataclass
+class _DecodeGroup:
+    """All one-token sequences of a step, attended in one batched call per layer.
+
+    Block tables are padded to the longest one (padding reads block 0 and is masked out),
+    so one gather per layer reads every sequence's K/V straight into the
+    ``[B, kv_heads, max_blocks * block_size, D]`` layout attention takes.
+    """
+
+    rows: torch.Tensor | None  # [B] int64 rows in the flattened batch; None when they are 0..B-1
+    blocks: torch.Tensor  # [B * max_blocks] int64 block ids, padded per sequence
+    num_seqs: int
+    max_blocks: int
+    mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] additive float mask, or None
+
+
+@dataclass
+class _StepPlan:
+    """Attention work of one forward step, built once and shared by all layers."""
+
+    decode: _DecodeGroup | None
+    seqs: list[_SeqPlan]
+
+
+def _gather_kv(kv_cache: torch.Tensor, layer_idx: int, blocks: torch.Tensor) -> torch.Tensor:
+    """K and V of ``blocks`` for one layer as ``[2, kv_heads, n * block_size, D]`` (one copy).
+
+    The pool is ``[num_blocks, layers, 2, kv_heads, block_size, D]``; selecting along the
+    block dimension of the ``[2, kv_heads, num_blocks, block_size, D]`` view lands each
+    head's keys contiguous, in block-table order, with no second reshape copy.
+    """
+    layer = kv_cache[:, layer_idx].permute(1, 2, 0, 3, 4)
+    g = layer.index_select(2, blocks)
+    return g.view(g.shape[0], g.shape[1], -1, g.shape[-1])
 
 
 class PagedAttention(nn.Module):
@@ -268,6 +337,24 @@ class PagedAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False, dtype=dtype)
+        self._fused_key: tuple | None = None
+        self._fused: tuple[torch.Tensor, torch.Tensor | None] = (torch.empty(0), None)
+
+    def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The q/k/v weights (and biases) stacked into one ``[(H + 2 * kv_heads) * D, hidden]`` matrix.
+
+        The projections' parameters become views of it (`_fuse_rows`: no second copy).
+        Rebuilt whenever a parameter object, its storage or its in-place version changes, so
+        weights loaded or edited after construction are always the ones used.
+        """
+        weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        biases = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
+        if self._fused_key != _fuse_key(weights + biases):
+            w = _fuse_rows(weights)
+            b = _fuse_rows(biases) if biases[0] is not None else None
+            self._fused = (w, b)
+            self._fused_key = _fuse_key(weights + biases)
+        return self._fused
 
     def forward(
         self,
@@ -278,40 +365,78 @@ class PagedAttention(nn.Module):
         layer_idx: int,
         slot_blocks: torch.Tensor,
         slot_offsets: torch.Tensor,
-        plans: list[_SeqPlan],
+        plan: _StepPlan,
         block_size: int,
     ) -> torch.Tensor:
-        """``x [T, H]`` -> ``[T, H]``; writes this layer's K/V for the T tokens into ``kv_cache``."""
+        """``x [T, H]`` -> ``[T, H]``; writes this layer's K/V for the T tokens into ``kv_cache``.
+
+        Decoding sequences (one new token each) share one batched attention call that reads
+        their K/V through the padded block tables; each prefill chunk gets one call, over
+        its own fresh K/V when it has no cached context (no read from the pool) or over its
+        blocks otherwise.
+        """
         t = x.shape[0]
         d = self.head_dim
-        q = _apply_rope(self.q_proj(x).view(t, self.num_heads, d), cos, sin)
-        k = _apply_rope(self.k_proj(x).view(t, self.num_kv_heads, d), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        nh, nkv = self.num_heads, self.num_kv_heads
+        w, b = self._fused_qkv()
+        qkv = F.linear(x, w, b).view(t, nh + 2 * nkv, d)
+        qk = _apply_rope(qkv[:, : nh + nkv], cos, sin)  # RoPE on q and k in one pass
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, nh + nkv:]
 
         # Scatter the new K/V into their slots: [T, kv_heads, D] each.
         kv_cache[slot_blocks, layer_idx, 0, :, slot_offsets] = k.to(kv_cache.dtype)
         kv_cache[slot_blocks, layer_idx, 1, :, slot_offsets] = v.to(kv_cache.dtype)
 
-        out = torch.empty(t, self.num_heads, d, dtype=x.dtype, device=x.device)
-        for p in plans:
-            # [n_blocks, 2, kv_heads, block_size, D] -> [2, kv_heads, n_blocks * block_size, D]
-            kv = kv_cache[p.blocks, layer_idx]
-            n = kv.shape[0]
-            kv = kv.permute(1, 2, 0, 3, 4).reshape(2, self.num_kv_heads, n * block_size, d)
-            # 4-D [1, heads, len, D] inputs let CPU SDPA pick its fused kernel (3-D falls back to math).
-            keys = kv[0:1, :, : p.total].to(x.dtype)
-            values = kv[1:2, :, : p.total].to(x.dtype)
-            qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qs,
-                keys,
-                values,
-                attn_mask=p.mask,
-                is_causal=p.is_causal,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )
-            out[p.start : p.end] = o[0].transpose(0, 1)
-        return self.o_proj(out.view(t, self.num_heads * d))
+        dec = plan.decode
+        if dec is not None and dec.rows is None and not plan.seqs:
+            out = self._decode(q, kv_cache, layer_idx, dec, x.dtype)  # pure decode step
+            return self.o_proj(out.view(t, nh * d))
+        if dec is None and len(plan.seqs) == 1 and plan.seqs[0].self_only:  # one cold prefill
+            return self.o_proj(self._prefill(plan.seqs[0], q, k, v, kv_cache, layer_idx).reshape(t, nh * d))
+        out = torch.empty(t, nh, d, dtype=x.dtype, device=x.device)
+        if dec is not None:
+            out.index_copy_(0, dec.rows, self._decode(q.index_select(0, dec.rows), kv_cache, layer_idx, dec, x.dtype))
+        for p in plan.seqs:
+            out[p.start : p.end] = self._prefill(p, q, k, v, kv_cache, layer_idx)
+        return self.o_proj(out.view(t, nh * d))
+
+    def _prefill(self, p: _SeqPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 layer_idx: int) -> torch.Tensor:
+        """Attention of one prefill chunk: rows ``[p.start, p.end)`` of ``q [T, H, D]`` -> ``[q_len, H, D]``.
+
+        Without cached context the keys are the chunk's own fresh ``k``/``v`` (no pool read);
+        otherwise its blocks are gathered once from the pool.
+        """
+        qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D], strided view
+        if p.self_only:  # contiguous per head: the CPU flash kernel reads strided K/V slower
+            keys = k[p.start : p.end].transpose(0, 1).unsqueeze(0).contiguous()
+            values = v[p.start : p.end].transpose(0, 1).unsqueeze(0).contiguous()
+        else:
+            kv = _gather_kv(kv_cache, layer_idx, p.blocks)[:, :, : p.total]
+            if kv.dtype != q.dtype:
+                kv = kv.to(q.dtype)
+            keys, values = kv[0:1], kv[1:2]
+        o = F.scaled_dot_product_attention(
+            qs, keys, values, attn_mask=p.mask, is_causal=p.is_causal, enable_gqa=self.num_kv_heads != self.num_heads)
+        return o[0].transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, layer_idx: int, dec: _DecodeGroup,
+                dtype: torch.dtype) -> torch.Tensor:
+        """Batched paged attention for one new token per sequence: ``q [B, H, D]`` -> ``[B, H, D]``.
+
+        GQA without copying K/V per query head: with one query token, the ``H / kv_heads``
+        query heads of a group are laid out as that group's query rows
+        (``[B, kv_heads, H / kv_heads, D]``), which attend to the same keys under the same mask.
+        """
+        b, nh, d = q.shape
+        kv = _gather_kv(kv_cache, layer_idx, dec.blocks)  # [2, kv_heads, B * L, D]
+        kv = kv.view(2, self.num_kv_heads, b, -1, d).transpose(1, 2)  # [2, B, kv_heads, L, D]
+        if kv.dtype != dtype:
+            kv = kv.to(dtype)
+        qg = q.reshape(b, self.num_kv_heads, nh // self.num_kv_heads, d)
+        o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=dec.mask)
+        return o.reshape(b, nh, d)
 
 
 class DecoderLayer(nn.Module):
@@ -366,20 +491,31 @@ class DecoderModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def _plans(self, meta: AttentionMetadata, device: torch.device) -> list[_SeqPlan]:
+    def _plan(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
+        """Group the step's sequences: one-token decodes into one `_DecodeGroup`, prefill
+        chunks into one `_SeqPlan` each; masks are built here once, not per layer."""
         window = self.config.sliding_window
         bs = meta.block_size
-        plans: list[_SeqPlan] = []
+        dtype = self.embed_tokens.weight.dtype
+        seqs: list[_SeqPlan] = []
+        dec_rows: list[int] = []
+        dec_totals: list[int] = []
+        dec_tables: list[list[int]] = []
         start = 0
         for q_len, ctx, table in zip(meta.query_lens, meta.context_lens, meta.block_tables):
             total = ctx + q_len
-            blocks = torch.tensor(table[: -(-total // bs)], dtype=torch.int64, device=device)
+            if q_len == 1:
+                dec_rows.append(start)
+                dec_totals.append(total)
+                dec_tables.append(table[: -(-total // bs)])
+                start += 1
+                continue
             mask: torch.Tensor | None = None
             is_causal = False
             windowed = window is not None and total > window
             if ctx == 0 and not windowed:
-                is_causal = q_len > 1
-            elif q_len > 1 or windowed:
+                is_causal = True
+            else:
                 q_pos = torch.arange(ctx, total, device=device)[:, None]
                 k_pos = torch.arange(total, device=device)[None, :]
                 visible = k_pos <= q_pos
@@ -387,11 +523,32 @@ class DecoderModel(nn.Module):
                     visible = visible & (k_pos > q_pos - window)
                 # additive float mask, built once per step: a bool mask would be converted
                 # inside every layer's attention call
-                dtype = self.embed_tokens.weight.dtype
                 mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-            plans.append(_SeqPlan(start, start + q_len, total, blocks, mask, is_causal))
+            blocks = None
+            if ctx > 0:
+                blocks = torch.tensor(table[: -(-total // bs)], dtype=torch.int64, device=device)
+            seqs.append(_SeqPlan(start, start + q_len, total, blocks, mask, is_causal, ctx == 0))
             start += q_len
-        return plans
+        decode = None
+        if dec_rows:
+            n = len(dec_rows)
+            max_blocks = max(len(t) for t in dec_tables)
+            padded = [t + [t[0]] * (max_blocks - len(t)) for t in dec_tables]
+            blocks = torch.tensor(padded, dtype=torch.int64).view(-1).to(device)
+            totals = torch.tensor(dec_totals, dtype=torch.int64)
+            k_pos = torch.arange(max_blocks * bs, dtype=torch.int64)[None, :]
+            visible = k_pos < totals[:, None]
+            if window is not None:
+                visible &= k_pos >= (totals - window)[:, None]
+            mask = None
+            if not bool(visible.all()):
+                mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+                mask = mask.view(n, 1, 1, -1).to(device)
+            rows = None
+            if seqs or dec_rows[-1] != n - 1:
+                rows = torch.tensor(dec_rows, dtype=torch.int64, device=device)
+            decode = _DecodeGroup(rows, blocks, n, max_blocks, mask)
+        return _StepPlan(decode, seqs)
 
     def _check(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         t = input_ids.shape[0]
@@ -448,12 +605,12 @@ class DecoderModel(nn.Module):
         slots = meta.slot_mapping.to(device)
         slot_blocks = torch.div(slots, bs, rounding_mode="floor")
         slot_offsets = slots - slot_blocks * bs
-        plans = self._plans(meta, device)
+        plan = self._plan(meta, device)
 
         h = self.embed_tokens(input_ids)
         cos, sin = self._rope(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache, i, slot_blocks, slot_offsets, plans, bs)
+            h = layer(h, cos, sin, kv_cache, i, slot_blocks, slot_offsets, plan, bs)
 
         if logits_indices is None:
             logits_indices = meta.last_token_indices(device)

@@ -54,6 +54,12 @@ class ScheduledBatch:
         return bool(self.requests)
 
 
+#: Default ``--long-prefill-token-threshold``: this fraction (1/N) of the step's token budget.
+LONG_PREFILL_BUDGET_SHARE = 4
+#: Default most requests in a partial prefill at once (``--max-num-partial-prefills``).
+DEFAULT_MAX_NUM_PARTIAL_PREFILLS = 2
+
+
 class Scheduler:
     """Decides which requests run each step and owns their block tables.
 
@@ -62,15 +68,43 @@ class Scheduler:
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_num_seqs: most requests running at once.
         tiers: the lower cache tiers, or None.
+        long_prefill_token_threshold: most prompt tokens one request computes per step
+            while other requests are running or waiting (tokens); 0 = no cap; None (default)
+            = a quarter of ``max_num_batched_tokens``. A prompt alone on the worker still
+            takes the whole budget; with company, a long prefill first leaves budget to the
+            decodes and short prompts of the step, then takes back what they left unused.
+        max_num_partial_prefills: most requests whose prompt is partly computed at once
+            (>= 1). A waiting request that would become one more is passed over (a later
+            request that finishes its prompt in this step can still start), so short
+            prompts are not queued behind several long ones.
+
+    Fair scheduling of long prefills follows vLLM's ``long_prefill_token_threshold`` and
+    ``max_num_partial_prefills`` (vLLM engine arguments, v0.8+).
+
+    In-flight prefix sharing: a waiting request whose next uncached block is being
+    computed right now by a running request (same block hash, not yet committed) is not
+    scheduled this step; once that block is committed, the request finds it in the prefix
+    cache instead of computing it again (and ``cached_tokens`` counts it).
     """
 
     def __init__(self, cache: PrefixCache, max_num_batched_tokens: int = 1024, max_num_seqs: int = 32,
-                 tiers: TierStore | None = None):
+                 tiers: TierStore | None = None,
+                 long_prefill_token_threshold: int | None = None,
+                 max_num_partial_prefills: int = DEFAULT_MAX_NUM_PARTIAL_PREFILLS):
+        if long_prefill_token_threshold is None:
+            long_prefill_token_threshold = max(1, max_num_batched_tokens // LONG_PREFILL_BUDGET_SHARE)
+        if long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (got {long_prefill_token_threshold})")
+        if max_num_partial_prefills < 1:
+            raise ValueError(f"max_num_partial_prefills must be >= 1 (got {max_num_partial_prefills})")
         self.cache = cache
         self.tiers = tiers
         self.block_size = cache.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_num_partial_prefills = max_num_partial_prefills
+        self._contended = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -109,11 +143,13 @@ class Scheduler:
         """
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
+        # a prompt alone on the worker takes the whole budget; with company it is capped
+        self._contended = len(self.running) + len(self.waiting) > 1
         # 1. running requests, oldest first; preempt from the newest when out of blocks
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(self._chunk(req), budget)
             if not self._grow(req, req.num_computed + n):
                 # free space by preempting the newest request (possibly this one)
                 while not self._grow(req, req.num_computed + n):
@@ -127,15 +163,27 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
             i += 1
-        # 2. waiting requests in arrival order
+        # 2. waiting requests in arrival order; a request waiting on an in-flight prefix, or
+        # that would exceed the partial-prefill limit, is passed over for this step
+        partial = sum(1 for r, n in zip(batch.requests, batch.num_new_tokens)
+                      if r.num_computed + n < r.num_prompt_tokens)
+        inflight = self._inflight_blocks()
+        passed: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            self._lock_cached_prefix(req)  # a waiting request holds no blocks
-            n = min(req.num_tokens - req.num_computed, budget)
+            req = self.waiting.popleft()
+            if not self._lock_cached_prefix(req, inflight):
+                passed.append(req)  # its prefix is being computed: attach once committed
+                continue
+            n = min(self._chunk(req), budget)
+            unfinished = req.num_computed + n < req.num_prompt_tokens
+            if unfinished and partial >= self.max_num_partial_prefills:
+                self._release(req)
+                passed.append(req)
+                continue
             if not self._grow(req, req.num_computed + n):
                 self._release(req)  # keep it waiting without holding blocks
+                self.waiting.appendleft(req)
                 break
-            self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled is None:
                 req.first_scheduled = time.monotonic()
@@ -143,7 +191,39 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
+            partial += unfinished
+            for j in range(req.num_committed_blocks, len(req.block_hashes)):
+                inflight.add(req.block_hashes[j])
+        self.waiting.extendleft(reversed(passed))
+        # 3. budget nobody else wanted goes back to prefills the threshold capped
+        for k, req in enumerate(batch.requests):
+            if budget <= 0:
+                break
+            want = req.num_tokens - req.num_computed - batch.num_new_tokens[k]
+            if want > 0 and req.status is RequestStatus.RUNNING:
+                extra = min(want, budget)
+                if self._grow(req, req.num_computed + batch.num_new_tokens[k] + extra):
+                    batch.num_new_tokens[k] += extra
+                    budget -= extra
         return batch
+
+    def _chunk(self, req: Request) -> int:
+        """Tokens ``req`` may compute this step before the budget: its remaining tokens,
+        capped at the long-prefill threshold while it is in prefill and other requests
+        are running or waiting."""
+        n = req.num_tokens - req.num_computed
+        cap = self.long_prefill_token_threshold
+        if cap and self._contended and req.num_computed < req.num_prompt_tokens and n > cap:
+            return cap
+        return n
+
+    def _inflight_blocks(self) -> set[bytes]:
+        """Hashes of prompt blocks that running requests will compute but have not committed."""
+        out: set[bytes] = set()
+        for r in self.running:
+            if r.num_computed < r.num_prompt_tokens:
+                out.update(r.block_hashes[r.num_committed_blocks:r.num_prompt_tokens // self.block_size])
+        return out
 
     def update_after_step(self, batch: ScheduledBatch) -> None:
         """Advance ``num_computed`` and commit newly full blocks to the prefix cache."""
@@ -152,10 +232,17 @@ class Scheduler:
             self._commit_full_blocks(req)
 
     # ---------------------------------------------------------------- internals
-    def _lock_cached_prefix(self, req: Request) -> None:
+    def _lock_cached_prefix(self, req: Request, inflight: set[bytes] | None = None) -> bool:
+        """Lock the longest cached prefix of ``req`` (device, then lower tiers).
+
+        Returns False, locking nothing, when the first block past the device match is in
+        ``inflight`` (another request is computing it this moment): the caller retries later.
+        """
         max_blocks = (req.num_tokens - 1) // self.block_size
         match = self.cache.index.match(req.block_hashes[:max_blocks], req.block_token_bytes)
         block_ids = list(match.values[:max_blocks])
+        if inflight and len(block_ids) < max_blocks and req.block_hashes[len(block_ids)] in inflight:
+            return False
         self.cache.lock(block_ids)
         num_device = len(block_ids)
         media: list[str] = []
@@ -170,6 +257,7 @@ class Scheduler:
             for m in media:
                 by_tier[m] = by_tier.get(m, 0) + self.block_size
             req.cached_by_tier = by_tier
+        return True
 
     def _load_from_tiers(self, req: Request, block_ids: list[int], max_blocks: int) -> list[str]:
         """Extend ``block_ids`` (the locked device prefix) with blocks loaded from lower tiers.

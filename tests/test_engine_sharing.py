@@ -1,0 +1,158 @@
+"""In-flight prefix sharing and fair scheduling of long prefills (workers.scheduler), on a real engine."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.request import RequestOutput, SamplingParams
+from kvmesh.workers.scheduler import Scheduler
+
+BLOCK = 32
+PREFIX = 384
+SUFFIX = 128
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def _toks(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(256) for _ in range(n)]
+
+
+class _Collector:
+    """Collects one request's outputs and the monotonic time of its first token and finish."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.first: float | None = None
+        self.usage: dict | None = None
+        self.timing: dict | None = None
+        self.done = threading.Event()
+
+    def __call__(self, out: RequestOutput) -> None:
+        if out.new_token_ids and self.first is None:
+            self.first = time.monotonic()
+        self.tokens.extend(out.new_token_ids)
+        if out.finished:
+            assert not out.error, out.error
+            self.usage, self.timing = out.usage, out.timing
+            self.done.set()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = Engine(block_size=BLOCK, num_blocks=512, max_num_batched_tokens=1024)
+    yield eng
+    eng.stop()
+
+
+def test_concurrent_same_prefix_computes_prefix_once(engine):
+    rng = random.Random(12)
+    prefix = _toks(rng, PREFIX)
+    prompts = [prefix + _toks(rng, SUFFIX) for _ in range(8)]
+    engine.stop()
+    engine.clear_cache()
+    outs = [_Collector() for _ in prompts]
+    for p, c in zip(prompts, outs):  # all queued before the step loop runs: admitted together
+        engine.submit(p, GREEDY, c)
+    engine.start()
+    for c in outs:
+        assert c.done.wait(120)
+    cached = sorted(c.usage["cached_tokens"] for c in outs)
+    assert cached == [0] + [PREFIX] * 7, cached
+    assert sum(c.usage["computed_prefill_tokens"] for c in outs) == 8 * (PREFIX + SUFFIX) - 7 * PREFIX
+
+    # every output equals its cold run (empty cache, request alone)
+    for p, c in zip(prompts, outs):
+        engine.clear_cache()
+        cold = engine.generate(p, GREEDY)
+        assert cold["usage"]["cached_tokens"] == 0
+        assert cold["token_ids"] == c.tokens
+    engine.check_integrity()
+
+
+def test_different_prefixes_do_not_wait(engine):
+    """Negative control: requests that share no block are all computed in the first step."""
+    rng = random.Random(13)
+    engine.stop()
+    engine.clear_cache()
+    outs = [_Collector() for _ in range(3)]
+    for c in outs:
+        engine.submit(_toks(rng, 200), GREEDY, c)
+    steps0 = engine.steps
+    engine.step()
+    assert all(c.first is not None for c in outs)  # one step prefilled all three
+    assert engine.steps == steps0 + 1
+    engine.start()
+    for c in outs:
+        assert c.done.wait(60)
+        assert c.usage["cached_tokens"] == 0
+
+
+def _long_and_short(threshold: int) -> tuple[_Collector, _Collector, float]:
+    """A 4,096-token prompt, then a 4-token one sent once the long prefill has started.
+
+    Returns the two collectors and the time the short request was sent.
+    """
+    eng = Engine(block_size=BLOCK, num_blocks=256, max_num_batched_tokens=512,
+                 long_prefill_token_threshold=threshold)
+    try:
+        rng = random.Random(14)
+        long_c, short_c = _Collector(), _Collector()
+        eng.submit(_toks(rng, 4096), SamplingParams(max_tokens=1), long_c)
+        eng.step()  # the long prefill's first chunk (alone: the whole budget)
+        eng.start()
+        sent = time.monotonic()
+        eng.submit(_toks(rng, 4), SamplingParams(max_tokens=1), short_c)
+        assert long_c.done.wait(120) and short_c.done.wait(120)
+        return long_c, short_c, sent
+    finally:
+        eng.stop()
+
+
+def test_short_request_not_queued_behind_long_prefill():
+    long_c, short_c, sent = _long_and_short(threshold=64)
+    assert long_c.usage["prompt_tokens"] == 4096
+    assert short_c.first < long_c.first  # answered while the long prompt is still in prefill
+    short_wait = short_c.first - sent
+    long_rest = long_c.first - sent
+    assert short_wait < 0.3 * long_rest, (short_wait, long_rest)
+
+
+def test_without_threshold_short_request_waits_for_long_prefill():
+    """Control: with the cap off, the long prompt takes every step's whole budget."""
+    long_c, short_c, _ = _long_and_short(threshold=0)
+    assert short_c.first >= long_c.first
+
+
+def test_scheduler_rejects_bad_limits(engine):
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        Scheduler(engine.cache, long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="max_num_partial_prefills"):
+        Scheduler(engine.cache, max_num_partial_prefills=0)
+
+
+def test_worker_flags_parse_and_name_themselves(capsys):
+    from kvmesh.services.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["worker", "--port", "1", "--long-prefill-token-threshold", "128",
+                              "--max-num-partial-prefills", "3"])
+    assert (args.long_prefill_token_threshold, args.max_num_partial_prefills) == (128, 3)
+    defaults = parser.parse_args(["worker", "--port", "1"])
+    assert defaults.long_prefill_token_threshold is None and defaults.max_num_partial_prefills == 2
+    threshold = "--long-prefill-token-threshold"
+    for argv, flag in ((["worker", "--port", "1", threshold, "-1"], threshold),
+                       (["worker", "--port", "1", "--max-num-partial-prefills", "0"], "--max-num-partial-prefills"),
+                       (["worker", "--port", "1", "--max-num-partial-prefills", "two"], "--max-num-partial-prefills")):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(argv)
+        assert exc.value.code == 2
+        assert flag in capsys.readouterr().err
+
+
+def test_default_threshold_is_a_quarter_of_the_budget(engine):
+    assert Scheduler(engine.cache, max_num_batched_tokens=2048).long_prefill_token_threshold == 512
+    assert Scheduler(engine.cache, long_prefill_token_threshold=0).long_prefill_token_threshold == 0
