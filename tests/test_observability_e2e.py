@@ -281,7 +281,9 @@ def test_sync_and_async_clients_agree(up):
     aout, achunks = asyncio.run(run())
     assert aout.token_ids == whole.token_ids
     assert [t for ch in achunks for t in ch.token_ids] == whole.token_ids
-    assert aout.usage.cached_tokens >= 32  # the same prompt again: its full blocks are cached
+    # the same prompt again: on the worker that served it, its full blocks are cached (kv_aware may
+    # also send a 40-token prompt to the less loaded worker, which computes it)
+    assert aout.usage.cached_tokens >= 32 or aout.worker_id != whole.worker_id
 
 
 # ------------------------------------------------------------ a single worker's front
