@@ -77,6 +77,11 @@ class LocalCluster:
         """A Redis URL with a password goes in the environment, not on the command line."""
         return {"KVMESH_REDIS_URL": self.redis_url}
 
+    def child_env(self) -> dict:
+        """Extra environment a process started from `worker_cmd` needs: a Redis URL with a
+        password is not on that command line, so a worker spawned without this runs alone."""
+        return self._env()
+
     def client_options(self) -> dict:
         """``tls_ca``, ``api_key`` and client certificate a client of this cluster needs ({} when not secure);
         keyword arguments of `kvmesh.services.cli.generate` and `security.client_channel`."""

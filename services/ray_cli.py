@@ -13,6 +13,7 @@ STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
 
 def register(sub) -> argparse.ArgumentParser:
     from kvmesh.services.cli import _add_engine_args
+    from kvmesh.services.cli_checks import policy_names
     from kvmesh.services.cluster_cli import redis_url
 
     p = sub.add_parser(
@@ -38,7 +39,8 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=None, type=redis_url,
                    help="Redis of the cluster (default: start redis-server on the head node)")
     p.add_argument("--cluster", default="default", help="Redis key namespace of the kvmesh cluster (default 'default')")
-    p.add_argument("--policy", default="kv_aware", help="routing policy of the router (default kv_aware; names as in kvmesh up --help)")
+    p.add_argument("--policy", default="kv_aware", metavar="NAME",
+                   help=f"routing policy of the router, one of: {', '.join(policy_names())} (default kv_aware)")
     p.add_argument("--max-restarts", type=int, default=-1,
                    help="times Ray restarts a failed router or worker actor (default -1: always)")
     p.add_argument("--status-interval", type=float, default=10.0,
@@ -58,7 +60,7 @@ def register(sub) -> argparse.ArgumentParser:
                         "certificates, api-keys, client.env); default a new temporary folder, removed at stop")
     p.add_argument("--cert-dns", action="append", default=[], metavar="NAME",
                    help="another DNS name clients reach the router by, added to its certificate (repeatable; "
-                        "e.g. the Kubernetes Service kvmesh-router; default: none)")
+                        "e.g. the Kubernetes Service kvmesh-router; default none)")
     _add_engine_args(p)
     p.set_defaults(func=cmd_ray)
     return p

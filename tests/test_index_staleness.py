@@ -206,7 +206,7 @@ def test_redis_restart_keeps_membership_and_resyncs():
                     await asyncio.sleep(0.05)
 
             await watch(1.0)
-            server = RedisServer(port=port)  # empty
+            server = RedisServer(port=port, password=server.password)  # empty, same credentials
             await watch(1.5)  # the router reconnects before the workers re-register
             for w in workers.values():
                 w.restart_lease()

@@ -279,9 +279,10 @@ def test_worker_with_another_block_size_is_routed_around(cluster):
     port = free_port()
     cmd = cluster.worker_cmd("odd", port)
     cmd[cmd.index("--block-size") + 1] = "32"
-    proc = spawn(cmd, os.path.join(cluster.log_dir, "odd.log"))
+    # the cluster's Redis URL carries a password, so it is in the environment, not in cmd
+    proc = spawn(cmd, os.path.join(cluster.log_dir, "odd.log"), env=cluster.child_env())
     try:
-        wait_healthy(f"127.0.0.1:{port}", proc=proc)
+        wait_healthy(f"127.0.0.1:{port}", proc=proc, tls=cluster.tls)
         deadline = time.monotonic() + 30
         while not any(w.worker_id == "odd" for w in status(cluster.router_address).workers):
             assert time.monotonic() < deadline, "the odd worker never registered"
