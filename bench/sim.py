@@ -741,7 +741,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     try:
         reqs = load_mooncake(args.trace, args.max_requests)
     except (OSError, ValueError) as exc:
-        print(f"error: --trace {args.trace}: {exc}", file=sys.stderr)
+        print(f"error: --trace {args.trace}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 2
     work = reqs
     if args.backend == "vllm":  # blocks named by vLLM's published keys (bench.vllm_sim)
@@ -759,7 +759,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     try:
-        with _SimProgress(not args.no_progress, len(policies) * len(work)) as bar:
+        with _SimProgress(not args.no_progress, len(policies) * len(reqs)) as bar:
             results = run_policies(work, policies, num_workers=args.workers, capacity_tokens=args.capacity_tokens,
                                    num_blocks=args.num_blocks, block_tokens=args.block_tokens,
                                    block_size=args.block_size, concurrency=args.concurrency,

@@ -39,16 +39,14 @@ def cmd_router(args: argparse.Namespace) -> int:
         from kvmesh.services import vllm_cli
 
         return vllm_cli.run(args, args.router_parser)
-    if args.port is None:
-        args.router_parser.error("the router needs --port (or --backend vllm)")
+    if args.port is None or not args.redis_url:
+        args.router_parser.error("the router needs --port and --redis-url (or env KVMESH_REDIS_URL), "
+                                 "or --backend vllm")
     from kvmesh.services.cli_checks import model_problem, policy_problem
     from kvmesh.services.observability import server_ports
     from kvmesh.services.router import serve_router
     from kvmesh.services.security import server_gate
 
-    if not args.redis_url:
-        print("error: the router needs --redis-url or KVMESH_REDIS_URL", file=sys.stderr)
-        return 2
     problem = policy_problem(args.policy) or model_problem(args.model)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

@@ -21,7 +21,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "servers from their own ZMQ KV events, serving OpenAI HTTP on --http-port (or --port)")
     g.add_argument("--vllm-server", action="append", default=[], metavar="[NAME=]URL,EVENTS[,REPLAY]",
                    help="a vLLM server: its base URL (http://HOST:8000), its --kv-events-config endpoint "
-                        "(tcp://HOST:5557) and optionally its replay endpoint; repeat per server")
+                        "(tcp://HOST:5557) and optionally its replay endpoint; repeat per server (default: none)")
     g.add_argument("--vllm-block-size", type=int, default=None, metavar="TOKENS",
                    help="the servers' --block-size (required: 16 is vLLM's CUDA default, 32 on its CPU backend)")
     g.add_argument("--vllm-hash-algo", default="sha256", choices=HASH_ALGOS,
@@ -33,7 +33,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="the servers run with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (events carry whole digests)")
     g.add_argument("--vllm-version", default=SUPPORTED_VERSIONS[-1],
                    help=f"vLLM version whose hashing to use; each server's /version must match one of "
-                        f"{', '.join(SUPPORTED_VERSIONS)}")
+                        f"{', '.join(SUPPORTED_VERSIONS)} (default {SUPPORTED_VERSIONS[-1]})")
     g.add_argument("--served-model-name", default=None,
                    help="the servers' --served-model-name; requests naming another model (a LoRA adapter) are "
                         "routed by load only")
