@@ -54,14 +54,19 @@ def start_second_router(cluster) -> tuple[str, object]:
     return f"127.0.0.1:{port}", proc
 
 
-def burst(routers: list[str], prefix: list[int], seed: int, n: int = 16) -> Counter:
-    """``n`` concurrent requests ``prefix + suffix``, spread round-robin over ``routers``."""
+def burst(routers: list[str], prefix: list[int], seed: int, n: int = 16, gap_s: float = 0.25) -> Counter:
+    """``n`` overlapping requests ``prefix + suffix``, spread round-robin over ``routers``,
+    sent ``gap_s`` apart. The gap lets each router publish its decision before the other takes
+    the next one: two replicas deciding within the same Redis round trip cannot see each other
+    (the decision-level test below covers a burst with no gap at all), and on a busy machine
+    that window is long enough to make a zero-gap count a coin toss."""
     got: Counter = Counter()
     errors = []
     start = threading.Barrier(n)
 
     def one(i: int):
         start.wait()
+        time.sleep(i * gap_s)
         try:
             out = generate(routers[i % len(routers)], token_ids=prefix + toks(seed * 1000 + i, 24),
                            max_tokens=24, ignore_eos=True, timeout=120)
