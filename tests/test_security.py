@@ -325,3 +325,28 @@ def test_kvmesh_up_insecure_says_so_first():
         assert "security is OFF" in lines[0]
     finally:
         stop_process(proc)
+
+
+def test_status_reads_the_client_env_that_up_prints(cluster, monkeypatch, capsys):
+    """`kvmesh status` after sourcing client.env (KVMESH_TLS_CA/CERT/KEY, KVMESH_API_KEY)
+    reaches the mTLS router, as `generate` does; a peer certificate sees the workers."""
+    from kvmesh.services.cli import main
+
+    creds = cluster.credentials
+    monkeypatch.setenv("KVMESH_API_KEY", creds.api_key)
+    monkeypatch.setenv("KVMESH_TLS_CA", creds.ca)
+    monkeypatch.setenv("KVMESH_TLS_CERT", creds.client_cert)
+    monkeypatch.setenv("KVMESH_TLS_KEY", creds.client_key)
+    capsys.readouterr()
+    assert main(["status", "--target", cluster.router_address, "--json", "--timeout", "30"]) == 0, \
+        capsys.readouterr().err
+    assert '"policy": "kv_aware"' in capsys.readouterr().out
+    assert main(["status", "--target", cluster.router_address, "--json", "--timeout", "30",
+                 "--tls-cert", creds.cert, "--tls-key", creds.key]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(w["worker_id"] for w in out["workers"]) == ["worker-0", "worker-1"]
+    monkeypatch.delenv("KVMESH_TLS_CA")
+    assert main(["status", "--target", cluster.router_address, "--timeout", "30"]) == 2
+    assert "--tls-ca" in capsys.readouterr().err
