@@ -89,6 +89,7 @@ def _cuda_flag() -> str:
     (["--port", "70001"], "--port"),
     (["--port", "-5"], "--port"),
     (["--disk-dir", "/tmp/kvmesh-nowhere"], "--disk-bytes"),
+    (["--host-bytes", "64M", "--disk-bytes", "1G"], "--disk-dir"),  # no disk tier would be set up
     (["--redis-url", "redis://127.0.0.1:1/0"], "--redis-url"),
 ])
 def test_up_rejects_bad_arguments_before_starting_anything(tmp_path, argv, flag):
