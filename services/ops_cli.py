@@ -29,7 +29,9 @@ def router_status(target: str, timeout: float = 10.0, api_key: str | None = None
 
     Returns ``{"policy", "indexed_blocks", "workers": [{"worker_id", "address",
     "cached_blocks", "running_requests", "waiting_requests", "queued_prefill_tokens",
-    "free_blocks", "total_blocks"}]}`` (blocks are KV blocks, the router's index counts).
+    "free_blocks", "total_blocks"}]}`` (blocks are KV blocks, the router's index counts), plus
+    ``"details_withheld": True`` when the router showed only its policy to a caller that is
+    not a cluster peer.
     ``api_key`` goes in the ``authorization: Bearer KEY`` metadata; ``tls_ca`` makes the channel TLS,
     verifying the router against that CA; ``tls_cert``/``tls_key`` add the client certificate a
     secure router (``kvmesh up`` without ``--insecure``) requires.
@@ -57,12 +59,19 @@ def router_status(target: str, timeout: float = 10.0, api_key: str | None = None
                         "waiting_requests": int(w.load.waiting_requests),
                         "queued_prefill_tokens": int(w.load.queued_prefill_tokens),
                         "free_blocks": int(w.load.free_blocks), "total_blocks": int(w.load.total_blocks)})
-    return {"policy": st.policy, "indexed_blocks": int(st.indexed_blocks), "workers": workers}
+    out = {"policy": st.policy, "indexed_blocks": int(st.indexed_blocks), "workers": workers}
+    if st.details_withheld:
+        out["details_withheld"] = True
+    return out
 
 
 def status_table(status: dict) -> str:
     """A plain-text table of `router_status` for a terminal."""
     workers = status["workers"]
+    if status.get("details_withheld"):
+        return (f"router policy {status['policy']}; workers, loads and cached blocks are shown to cluster peers "
+                "only: pass --tls-cert/--tls-key of a certificate the cluster CA signed (kvmesh up: "
+                "RUN_DIR/credentials/peer.pem and peer.key)\n")
     lines = [f"router policy {status['policy']}, {len(workers)} live workers, "
              f"{status['indexed_blocks']:,} KV blocks indexed"]
     header = ("worker", "address", "running", "waiting", "queued prefill tokens", "free / total blocks",

@@ -340,12 +340,17 @@ def test_status_reads_the_client_env_that_up_prints(cluster, monkeypatch, capsys
     capsys.readouterr()
     assert main(["status", "--target", cluster.router_address, "--json", "--timeout", "30"]) == 0, \
         capsys.readouterr().err
-    assert '"policy": "kv_aware"' in capsys.readouterr().out
+    client_view = capsys.readouterr().out
+    assert '"policy": "kv_aware"' in client_view and '"details_withheld": true' in client_view
+    assert main(["status", "--target", cluster.router_address, "--timeout", "30"]) == 0
+    table = capsys.readouterr().out
+    assert "cluster peers only" in table and "--tls-cert" in table and "no live workers" not in table
     assert main(["status", "--target", cluster.router_address, "--json", "--timeout", "30",
                  "--tls-cert", creds.cert, "--tls-key", creds.key]) == 0
     import json
 
     out = json.loads(capsys.readouterr().out)
+    assert "details_withheld" not in out
     assert sorted(w["worker_id"] for w in out["workers"]) == ["worker-0", "worker-1"]
     monkeypatch.delenv("KVMESH_TLS_CA")
     assert main(["status", "--target", cluster.router_address, "--timeout", "30"]) == 2
