@@ -456,6 +456,15 @@ def test_readme_first_generate_example_shows_reuse():
     assert len(re.findall(r'kvmesh generate --target \S+ --prompt "\$P"', readme)) >= 2
 
 
+def test_readme_shows_how_to_call_the_https_front_of_a_secure_cluster():
+    """`kvmesh up` is secure by default: its HTTP front is HTTPS under the cluster CA and needs
+    the API key, so the README must show a newcomer both, not only the plain-HTTP snippet."""
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md"), encoding="utf-8").read()
+    curls = [line for line in readme.splitlines() if line.startswith("curl ") and "https://" in line]
+    assert any('--cacert "$KVMESH_TLS_CA"' in c and "Bearer $KVMESH_API_KEY" in c for c in curls), curls
+    assert 'SSL_CERT_FILE="$KVMESH_TLS_CA"' in readme
+
+
 def test_offline_benchmarks_show_progress_on_stderr():
     res = subprocess.run([sys.executable, "-m", "kvmesh.bench.codec_error", "--lengths", "20", "--seeds", "1",
                           "--json"], capture_output=True, text=True, timeout=300)
