@@ -20,6 +20,23 @@ def version() -> str:
         return "unknown"
 
 
+# ---------------------------------------------------------------------------- connection hints
+
+
+def connect_hint(code: str, message: str) -> str:
+    """What to fix when a connection was dropped before any RPC ran, or "".
+
+    A TLS server (``kvmesh up`` without ``--insecure``) closes a plaintext connection, and a
+    router with ``--client-ca`` closes one without a client certificate; gRPC then reports only
+    ``UNAVAILABLE ... Socket closed`` or a failed handshake, which names no flag.
+    """
+    text = message.lower()
+    if code != "UNAVAILABLE" or not any(s in text for s in ("socket closed", "handshake", "ssl", "tls")):
+        return ""
+    return (" (the server closed the connection: it may require TLS and a client certificate; pass --tls-ca, "
+            "--tls-cert and --tls-key, or source the client.env that kvmesh up printed)")
+
+
 # ---------------------------------------------------------------------------- status
 
 
@@ -98,7 +115,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         detail = exc.details() if hasattr(exc, "details") else str(exc)
         if code == "UNIMPLEMENTED":
             detail = f"{args.target} is not a kvmesh router (kvmesh status asks Router/Status)"
-        print(f"error: {code}: {detail}", file=sys.stderr)
+        print(f"error: {code}: {detail}{connect_hint(code, detail)}", file=sys.stderr)
         return 1
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -355,3 +355,19 @@ def test_status_reads_the_client_env_that_up_prints(cluster, monkeypatch, capsys
     monkeypatch.delenv("KVMESH_TLS_CA")
     assert main(["status", "--target", cluster.router_address, "--timeout", "30"]) == 2
     assert "--tls-ca" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "status"])
+def test_a_client_without_tls_is_told_which_flags_to_pass(cluster, monkeypatch, capsys, command):
+    """The mTLS router closes a plaintext connection; the CLI must name the flags, not only
+    gRPC's `Socket closed`."""
+    from kvmesh.services.cli import main
+
+    for name in ("KVMESH_TLS_CA", "KVMESH_TLS_CERT", "KVMESH_TLS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KVMESH_API_KEY", cluster.credentials.api_key)
+    extra = ["--prompt", "hello", "--max-tokens", "1"] if command == "generate" else []
+    capsys.readouterr()
+    assert main([command, "--target", cluster.router_address, "--timeout", "30", *extra]) == 1
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err and "--tls-ca" in err and "--tls-cert" in err and "client.env" in err, err
