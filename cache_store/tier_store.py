@@ -145,6 +145,9 @@ class TierConfig:
                 raise ValueError("a disk tier (disk_dir) needs disk_bytes > 0")
             if self.host_bytes <= 0:
                 raise ValueError("a disk tier needs a host tier (host_bytes > 0): blocks reach disk through it")
+        elif self.disk_bytes:
+            raise ValueError("disk_bytes without disk_dir sets up no disk tier: add disk_dir (the tier's directory) "
+                             "or drop disk_bytes")
         if self.remote_bytes:
             if not self.remote_url:
                 raise ValueError("a remote tier (remote_bytes > 0) needs remote_url, the cluster's Redis")

@@ -246,11 +246,13 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("policy", "workers", "indexed_blocks")
+    __slots__ = ("policy", "workers", "indexed_blocks", "details_withheld")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_WITHHELD_FIELD_NUMBER: _ClassVar[int]
     policy: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     indexed_blocks: int
-    def __init__(self, policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., indexed_blocks: _Optional[int] = ...) -> None: ...
+    details_withheld: bool
+    def __init__(self, policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., indexed_blocks: _Optional[int] = ..., details_withheld: _Optional[bool] = ...) -> None: ...

@@ -308,6 +308,9 @@ def _check_generate_args(args: argparse.Namespace, ids: list[int] | None) -> Non
 
 
 def _print_error(args: argparse.Namespace, code: str, message: str) -> None:
+    from kvmesh.services.ops_cli import connect_hint
+
+    message += connect_hint(code, message)
     if args.json:
         print(json.dumps({"error": {"code": code, "message": message}}))
     print(f"error: {code}: {message}", file=sys.stderr)

@@ -20,33 +20,52 @@ def version() -> str:
         return "unknown"
 
 
+# ---------------------------------------------------------------------------- connection hints
+
+
+def connect_hint(code: str, message: str) -> str:
+    """What to fix when a connection was dropped before any RPC ran, or "".
+
+    A TLS server (``kvmesh up`` without ``--insecure``) closes a plaintext connection, and a
+    router with ``--client-ca`` closes one without a client certificate; gRPC then reports only
+    ``UNAVAILABLE ... Socket closed`` or a failed handshake, which names no flag.
+    """
+    text = message.lower()
+    if code != "UNAVAILABLE" or not any(s in text for s in ("socket closed", "handshake", "ssl", "tls")):
+        return ""
+    return (" (the server closed the connection: it may require TLS and a client certificate; pass --tls-ca, "
+            "--tls-cert and --tls-key, or source the client.env that kvmesh up printed)")
+
+
 # ---------------------------------------------------------------------------- status
 
 
 def router_status(target: str, timeout: float = 10.0, api_key: str | None = None,
-                  tls_ca: str | None = None) -> dict:
+                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> dict:
     """Ask a router's ``Router/Status`` and return it as a dict.
 
     Returns ``{"policy", "indexed_blocks", "workers": [{"worker_id", "address",
     "cached_blocks", "running_requests", "waiting_requests", "queued_prefill_tokens",
-    "free_blocks", "total_blocks"}]}`` (blocks are KV blocks, the router's index counts).
+    "free_blocks", "total_blocks"}]}`` (blocks are KV blocks, the router's index counts), plus
+    ``"details_withheld": True`` when the router showed only its policy to a caller that is
+    not a cluster peer.
     ``api_key`` goes in the ``authorization: Bearer KEY`` metadata; ``tls_ca`` makes the channel TLS,
-    verifying the router against that CA.
+    verifying the router against that CA; ``tls_cert``/``tls_key`` add the client certificate a
+    secure router (``kvmesh up`` without ``--insecure``) requires.
 
     Raises:
         grpc.RpcError: the router answered with an error (UNIMPLEMENTED: not a router).
-        OSError: ``tls_ca`` cannot be read.
+        ValueError: a TLS file cannot be read, or a client certificate without its key or CA.
     """
     import grpc
 
     from kvmesh.proto import kvmesh_pb2 as pb
     from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 
-    if tls_ca:
-        with open(tls_ca, "rb") as fh:
-            channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=fh.read()))
-    else:
-        channel = grpc.insecure_channel(target)
+    from kvmesh.services.client import _credentials
+
+    creds = _credentials(tls_ca or None, tls_cert or None, tls_key or None)
+    channel = grpc.secure_channel(target, creds) if creds is not None else grpc.insecure_channel(target)
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
     with channel:
         st = pb_grpc.RouterStub(channel).Status(pb.RouterStatusRequest(), timeout=timeout, metadata=metadata)
@@ -57,12 +76,19 @@ def router_status(target: str, timeout: float = 10.0, api_key: str | None = None
                         "waiting_requests": int(w.load.waiting_requests),
                         "queued_prefill_tokens": int(w.load.queued_prefill_tokens),
                         "free_blocks": int(w.load.free_blocks), "total_blocks": int(w.load.total_blocks)})
-    return {"policy": st.policy, "indexed_blocks": int(st.indexed_blocks), "workers": workers}
+    out = {"policy": st.policy, "indexed_blocks": int(st.indexed_blocks), "workers": workers}
+    if st.details_withheld:
+        out["details_withheld"] = True
+    return out
 
 
 def status_table(status: dict) -> str:
     """A plain-text table of `router_status` for a terminal."""
     workers = status["workers"]
+    if status.get("details_withheld"):
+        return (f"router policy {status['policy']}; workers, loads and cached blocks are shown to cluster peers "
+                "only: pass --tls-cert/--tls-key of a certificate the cluster CA signed (kvmesh up: "
+                "RUN_DIR/credentials/peer.pem and peer.key)\n")
     lines = [f"router policy {status['policy']}, {len(workers)} live workers, "
              f"{status['indexed_blocks']:,} KV blocks indexed"]
     header = ("worker", "address", "running", "waiting", "queued prefill tokens", "free / total blocks",
@@ -82,16 +108,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     import grpc
 
     try:
-        status = router_status(args.target, timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca)
+        status = router_status(args.target, timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca,
+                               tls_cert=args.tls_cert, tls_key=args.tls_key)
     except grpc.RpcError as exc:
         code = exc.code().name if hasattr(exc, "code") and exc.code() else "UNKNOWN"
         detail = exc.details() if hasattr(exc, "details") else str(exc)
         if code == "UNIMPLEMENTED":
             detail = f"{args.target} is not a kvmesh router (kvmesh status asks Router/Status)"
-        print(f"error: {code}: {detail}", file=sys.stderr)
+        print(f"error: {code}: {detail}{connect_hint(code, detail)}", file=sys.stderr)
         return 1
-    except OSError as exc:
-        print(f"error: --tls-ca: {exc}", file=sys.stderr)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(status) if args.json else status_table(status), end="\n" if args.json else "")
     return 0
@@ -104,7 +131,12 @@ def register_status(sub) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="RPC deadline, seconds (default 10)")
     p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
                    help="API key, sent as `authorization: Bearer KEY` (default: $KVMESH_API_KEY; none)")
-    p.add_argument("--tls-ca", default=None, help="CA certificate (PEM) to verify a TLS router (default: plaintext)")
+    p.add_argument("--tls-ca", default=os.environ.get("KVMESH_TLS_CA"),
+                   help="CA certificate (PEM) to verify a TLS router (default: $KVMESH_TLS_CA; none: plaintext)")
+    p.add_argument("--tls-cert", default=os.environ.get("KVMESH_TLS_CERT"),
+                   help="client certificate (PEM) for a router that requires one (default: $KVMESH_TLS_CERT; none)")
+    p.add_argument("--tls-key", default=os.environ.get("KVMESH_TLS_KEY"),
+                   help="key of --tls-cert (PEM) (default: $KVMESH_TLS_KEY; none)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_status)
 

@@ -253,7 +253,7 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def Status(self, request, context):
         if not self.gate.caller(context).is_peer:  # addresses and loads are for operators
-            return pb.RouterStatus(policy=self.policy_name)
+            return pb.RouterStatus(policy=self.policy_name, details_withheld=True)
         live = self.subscriber.live_workers()
         out = pb.RouterStatus(policy=self.policy_name, indexed_blocks=self.index.num_blocks())
         for wid, info in sorted(live.items()):

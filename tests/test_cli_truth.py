@@ -89,6 +89,7 @@ def _cuda_flag() -> str:
     (["--port", "70001"], "--port"),
     (["--port", "-5"], "--port"),
     (["--disk-dir", "/tmp/kvmesh-nowhere"], "--disk-bytes"),
+    (["--host-bytes", "64M", "--disk-bytes", "1G"], "--disk-dir"),  # no disk tier would be set up
     (["--redis-url", "redis://127.0.0.1:1/0"], "--redis-url"),
 ])
 def test_up_rejects_bad_arguments_before_starting_anything(tmp_path, argv, flag):
@@ -453,6 +454,15 @@ def test_readme_first_generate_example_shows_reuse():
     m = re.search(r'^P="([^"]+)"', readme, re.M)
     assert m and len(m.group(1).encode()) + 1 > 2 * 16
     assert len(re.findall(r'kvmesh generate --target \S+ --prompt "\$P"', readme)) >= 2
+
+
+def test_readme_shows_how_to_call_the_https_front_of_a_secure_cluster():
+    """`kvmesh up` is secure by default: its HTTP front is HTTPS under the cluster CA and needs
+    the API key, so the README must show a newcomer both, not only the plain-HTTP snippet."""
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md"), encoding="utf-8").read()
+    curls = [line for line in readme.splitlines() if line.startswith("curl ") and "https://" in line]
+    assert any('--cacert "$KVMESH_TLS_CA"' in c and "Bearer $KVMESH_API_KEY" in c for c in curls), curls
+    assert 'SSL_CERT_FILE="$KVMESH_TLS_CA"' in readme
 
 
 def test_offline_benchmarks_show_progress_on_stderr():

@@ -325,3 +325,49 @@ def test_kvmesh_up_insecure_says_so_first():
         assert "security is OFF" in lines[0]
     finally:
         stop_process(proc)
+
+
+def test_status_reads_the_client_env_that_up_prints(cluster, monkeypatch, capsys):
+    """`kvmesh status` after sourcing client.env (KVMESH_TLS_CA/CERT/KEY, KVMESH_API_KEY)
+    reaches the mTLS router, as `generate` does; a peer certificate sees the workers."""
+    from kvmesh.services.cli import main
+
+    creds = cluster.credentials
+    monkeypatch.setenv("KVMESH_API_KEY", creds.api_key)
+    monkeypatch.setenv("KVMESH_TLS_CA", creds.ca)
+    monkeypatch.setenv("KVMESH_TLS_CERT", creds.client_cert)
+    monkeypatch.setenv("KVMESH_TLS_KEY", creds.client_key)
+    capsys.readouterr()
+    assert main(["status", "--target", cluster.router_address, "--json", "--timeout", "30"]) == 0, \
+        capsys.readouterr().err
+    client_view = capsys.readouterr().out
+    assert '"policy": "kv_aware"' in client_view and '"details_withheld": true' in client_view
+    assert main(["status", "--target", cluster.router_address, "--timeout", "30"]) == 0
+    table = capsys.readouterr().out
+    assert "cluster peers only" in table and "--tls-cert" in table and "no live workers" not in table
+    assert main(["status", "--target", cluster.router_address, "--json", "--timeout", "30",
+                 "--tls-cert", creds.cert, "--tls-key", creds.key]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert "details_withheld" not in out
+    assert sorted(w["worker_id"] for w in out["workers"]) == ["worker-0", "worker-1"]
+    monkeypatch.delenv("KVMESH_TLS_CA")
+    assert main(["status", "--target", cluster.router_address, "--timeout", "30"]) == 2
+    assert "--tls-ca" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "status"])
+def test_a_client_without_tls_is_told_which_flags_to_pass(cluster, monkeypatch, capsys, command):
+    """The mTLS router closes a plaintext connection; the CLI must name the flags, not only
+    gRPC's `Socket closed`."""
+    from kvmesh.services.cli import main
+
+    for name in ("KVMESH_TLS_CA", "KVMESH_TLS_CERT", "KVMESH_TLS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KVMESH_API_KEY", cluster.credentials.api_key)
+    extra = ["--prompt", "hello", "--max-tokens", "1"] if command == "generate" else []
+    capsys.readouterr()
+    assert main([command, "--target", cluster.router_address, "--timeout", "30", *extra]) == 1
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err and "--tls-ca" in err and "--tls-cert" in err and "client.env" in err, err
