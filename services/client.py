@@ -138,22 +138,14 @@ def make_request(prompt: str | None = None, token_ids=None, max_tokens: int = 16
 
 
 def _credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str | None):
-    if tls_ca is None:
-        if tls_cert or tls_key:
-            raise ValueError("a client certificate (--tls-cert/--tls-key) needs --tls-ca to verify the server")
-        return None
-    if bool(tls_cert) != bool(tls_key):
-        raise ValueError("give both --tls-cert and --tls-key, or neither")
+    """TLS channel credentials (None without ``tls_ca``); the API key travels as metadata.
 
-    def read(path):
-        try:
-            with open(path, "rb") as fh:
-                return fh.read()
-        except OSError as exc:
-            raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    Raises:
+        ValueError: a certificate without ``tls_ca``, half a key pair, or an unreadable file.
+    """
+    from kvmesh.services.security import channel_credentials
 
-    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key) if tls_key else None,
-                                        read(tls_cert) if tls_cert else None)
+    return channel_credentials(tls_ca, None, tls_cert, tls_key)
 
 
 class _Base:

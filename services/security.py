@@ -100,22 +100,28 @@ def client_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k, None) for k in ("tls_ca", "api_key", "tls_cert", "tls_key")}
 
 
-def _client_credentials(tls_ca: str | None, api_key: str | None, tls_cert: str | None,
+def channel_credentials(tls_ca: str | None, api_key: str | None, tls_cert: str | None,
                         tls_key: str | None) -> grpc.ChannelCredentials | None:
+    """gRPC channel credentials: TLS verified with ``tls_ca`` (PEM file), an optional client
+    certificate, and the API key as bearer call credentials; None without ``tls_ca``.
+
+    Raises:
+        ValueError: a key or certificate without ``tls_ca``, half a key pair, an unreadable file.
+    """
     if not tls_ca:
         if api_key:
             raise ValueError("--api-key needs --tls-ca (or KVMESH_TLS_CA): gRPC sends keys only over TLS")
         if tls_cert or tls_key:
             raise ValueError("--tls-cert/--tls-key need --tls-ca")
         return None
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
     read = lambda path, flag: open(path, "rb").read() if path else None  # noqa: E731
     try:
         ca = read(tls_ca, "--tls-ca")
         cert, key = read(tls_cert, "--tls-cert"), read(tls_key, "--tls-key")
     except OSError as exc:
         raise ValueError(f"cannot read {exc.filename}: {exc.strerror} (--tls-ca / --tls-cert / --tls-key)") from None
-    if bool(cert) != bool(key):
-        raise ValueError("--tls-cert and --tls-key go together")
     creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
     if api_key:
         creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(api_key))
@@ -131,7 +137,7 @@ def client_channel(target: str, tls_ca: str | None = None, api_key: str | None =
     Raises:
         ValueError: an API key or client certificate without ``tls_ca``, or an unreadable file.
     """
-    creds = _client_credentials(tls_ca, api_key, tls_cert, tls_key)
+    creds = channel_credentials(tls_ca, api_key, tls_cert, tls_key)
     mod = grpc.aio if aio else grpc
     if creds is None:
         return mod.insecure_channel(target, options=list(options))
