@@ -301,20 +301,7 @@ class ClusterIndex:
         alive: set[str] = set()
         i = 0
         for h in block_hashes:
-            real = blocks.get(h)
-            sp = spec.get(h)
-            if real is None and sp is None:
-                break
-            if i == 0:
-                nxt = set(real) if real is not None else set()
-                if sp is not None:
-                    nxt.update(sp)
-            elif real is None:
-                nxt = alive.intersection(sp)
-            else:
-                nxt = alive.intersection(real)
-                if sp is not None and len(nxt) != len(alive):
-                    nxt.update(alive.intersection(sp))
+            nxt = _still_holding(blocks.get(h), spec.get(h), alive, i == 0)
             if not nxt:
                 break
             if i and len(nxt) != len(alive):
@@ -392,20 +379,7 @@ class ClusterIndex:
         alive: set[str] = set()
         i = 0
         for h in block_hashes:
-            real = blocks.get(h)
-            sp = spec.get(h)
-            if real is None and sp is None:
-                break
-            if i == 0:
-                nxt = set(real) if real is not None else set()
-                if sp is not None:
-                    nxt.update(sp)
-            elif real is None:
-                nxt = alive.intersection(sp)
-            else:
-                nxt = alive.intersection(real)
-                if sp is not None and len(nxt) != len(alive):
-                    nxt.update(alive.intersection(sp))
+            nxt = _still_holding(blocks.get(h), spec.get(h), alive, i == 0)
             if not nxt:
                 break
             if i and len(nxt) != len(alive):
@@ -516,3 +490,21 @@ class ClusterIndex:
                 if not od:
                     del offdev[h]
         state.hashes = set()
+
+
+def _still_holding(real, sp, alive: set[str], first: bool) -> set[str]:
+    """Workers holding one more block of a chain: those of ``alive`` (every worker, for the
+    first block) that hold it for real (``real``) or speculatively (``sp``); empty when none."""
+    if real is None and sp is None:
+        return set()
+    if first:
+        nxt = set(real) if real is not None else set()
+        if sp is not None:
+            nxt.update(sp)
+        return nxt
+    if real is None:
+        return alive.intersection(sp)
+    nxt = alive.intersection(real)
+    if sp is not None and len(nxt) != len(alive):
+        nxt.update(alive.intersection(sp))
+    return nxt
