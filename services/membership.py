@@ -8,12 +8,17 @@ another ``block_size`` hashes prompts into different blocks. Neither may be mixe
 
 The cluster's block size is the one most live (model-compatible) workers use; on a tie,
 the smallest. A router started without ``--model`` takes the model most workers serve.
+Workers may tag the model id with the dtype they compute in (``M+compute=float32``,
+`workers.model_identity.kv_model_id`); the router hashes under the tagged id most of the
+model's workers advertise and routes around the others.
 """
 from __future__ import annotations
 
 import collections
 import logging
 from typing import NamedTuple
+
+from kvmesh.workers.model_identity import base_model_id
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +29,7 @@ class Selection(NamedTuple):
     Attributes:
         workers: ``{worker_id: lease}`` of the usable workers (may be empty).
         block_size: their block size (tokens), or 0 when none is usable.
-        model_id: the model they serve ("" when none is usable).
+        model_id: the id they hash KV under, compute tag included ("" when none is usable).
         reason: why no worker is usable (empty when some are).
     """
 
@@ -56,15 +61,22 @@ class Compatibility:
         if not live:
             return Selection({}, 0, "", "no live workers registered: start workers or retry")
         models = collections.Counter(str(info.get("model_id", "")) for info in live.values())
-        model = self.router_model_id or max(sorted(models), key=lambda m: models[m])
+        if self.router_model_id:  # the router's checkpoint; workers may tag it with their compute dtype
+            tagged = collections.Counter({m: n for m, n in models.items() if base_model_id(m) == self.router_model_id})
+            model = max(sorted(tagged), key=lambda m: tagged[m]) if tagged else self.router_model_id
+        else:
+            model = max(sorted(models), key=lambda m: models[m])
         same = {}
         for wid, info in live.items():
             theirs = str(info.get("model_id", ""))
-            if theirs != model:
+            if theirs == model:
+                same[wid] = info
+            elif base_model_id(theirs) == base_model_id(model):
+                self._note(wid, f"it computes in another dtype ({theirs!r}) than most workers of the model "
+                                f"({model!r}), so its KV differs: start all workers with the same --compute-dtype")
+            else:
                 self._note(wid, f"it serves model {theirs!r} but the router hashes and tokenizes for {model!r} "
                                 f"(weights, dtype, config or tokenizer differ): start both with the same --model")
-            else:
-                same[wid] = info
         if not same:
             return Selection({}, 0, "", f"no live worker serves the router's model {model!r} (workers serve "
                                         f"{sorted(models)}): start the router with the workers' --model")

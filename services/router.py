@@ -44,6 +44,7 @@ from kvmesh.services.membership import Compatibility
 from kvmesh.services.shared_load import SharedLoad, matched_prefix
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
 from kvmesh.workers.config import ModelConfig
+from kvmesh.workers.model_identity import base_model_id
 from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, ChannelPool, GrpcHost
 from kvmesh.workers import limits
 from kvmesh.workers.request import InvalidRequest
@@ -179,7 +180,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         live, block_size, model_id, why = self.compat.select(live)
         if not live:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
-        if request.WhichOneof("prompt") == "text" and model_id != self.config.model_id:
+        if request.WhichOneof("prompt") == "text" and base_model_id(model_id) != self.config.model_id:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the router tokenizes for model {self.config.model_id!r} but workers serve {model_id!r}: start the "

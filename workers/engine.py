@@ -28,6 +28,7 @@ from kvmesh.cache_store.events import MEDIUMS
 from kvmesh.cache_store.hashing import Namespace, hash_blocks
 from kvmesh.cache_store.prefix_cache import PrefixCache
 from kvmesh.cache_store.tier_store import TierConfig, TierStore
+from kvmesh.workers import model_identity
 from kvmesh.workers.loader import load_model
 from kvmesh.workers.model import AttentionMetadata, allocate_kv_cache
 from kvmesh.workers.request import (
@@ -84,6 +85,7 @@ class Engine:
         tiers: TierConfig | None = None,
         long_prefill_token_threshold: int | None = None,
         max_num_partial_prefills: int = DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
+        compute_dtype: str = "auto",
     ):
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
@@ -95,15 +97,19 @@ class Engine:
         self.device = torch.device(device)
         self.model_dir = model_dir
         self.config, self.model = load_model(model_dir, device=device, seed=seed)
+        self.compute_dtype = model_identity.resolve_compute_dtype(compute_dtype, self.config.dtype, str(self.device))
+        if self.compute_dtype != self.config.dtype:  # weights upcast once; the KV pool keeps config.dtype
+            self.model.to(getattr(torch, self.compute_dtype))
         self.model.eval()
+        #: The id this worker's KV is hashed and advertised under (`model_identity.kv_model_id`).
+        self.kv_model_id = model_identity.kv_model_id(self.config.model_id, self.config.dtype, self.compute_dtype)
         self.tokenizer = load_tokenizer(model_dir, self.config)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.max_waiting = max_waiting
-        self.kv_cache = allocate_kv_cache(self.config, num_blocks, block_size, self.device,
-                                          next(self.model.parameters()).dtype)
+        self.kv_cache = allocate_kv_cache(self.config, num_blocks, block_size, self.device)
         self.tiers = TierStore(self.kv_cache, tiers, event_sink) if tiers is not None and tiers.enabled else None
         offload = self.tiers.offload if self.tiers is not None and self.tiers.can_offload else None
         self.cache = PrefixCache(num_blocks, block_size, event_sink=event_sink, on_offload=offload)
@@ -135,7 +141,7 @@ class Engine:
     # ------------------------------------------------------------------ edge
     def namespace(self, cache_salt: str = "", adapter_id: str = "", tenant: str = "") -> Namespace:
         """The hash namespace of requests under this model, tenant, cache salt and adapter."""
-        return Namespace(model_id=self.config.model_id, cache_salt=cache_salt, adapter_id=adapter_id, tenant=tenant)
+        return Namespace(model_id=self.kv_model_id, cache_salt=cache_salt, adapter_id=adapter_id, tenant=tenant)
 
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Check a request before queueing it.

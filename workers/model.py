@@ -410,8 +410,11 @@ class PagedAttention(nn.Module):
         """
         qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D], strided view
         if p.self_only:  # contiguous per head: the CPU flash kernel reads strided K/V slower
-            keys = k[p.start : p.end].transpose(0, 1).unsqueeze(0).contiguous()
-            values = v[p.start : p.end].transpose(0, 1).unsqueeze(0).contiguous()
+            keys = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            values = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            if kv_cache.dtype != q.dtype:  # the values a later step reads back from the pool
+                keys, values = keys.to(kv_cache.dtype), values.to(kv_cache.dtype)
+            keys, values = keys.to(q.dtype).contiguous(), values.to(q.dtype).contiguous()
         else:
             kv = _gather_kv(kv_cache, layer_idx, p.blocks)[:, :, : p.total]
             if kv.dtype != q.dtype:
@@ -473,6 +476,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -481,15 +485,29 @@ class DecoderModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[T, 1, D]`` for the given positions, computed in float32 then cast to ``dtype``."""
+        """cos/sin ``[T, 1, D]`` for the given positions, computed in float32 then cast to ``dtype``.
+
+        Rows come from a per-(device, dtype) table of every position seen so far (grown to the
+        next power of two, at most ``max_position_embeddings``), so a step gathers ``T`` rows
+        instead of evaluating ``2 * T * D`` transcendental functions; the table's rows are the
+        same float32 formula, so values are bit-identical to computing them per step.
+        """
         dev = positions.device
-        inv = self._inv_freq.get(dev)
-        if inv is None:
-            inv = rope_inv_freq(self.config, dev)
-            self._inv_freq[dev] = inv
-        freqs = positions.to(torch.float32)[:, None] * inv[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        key = (dev, dtype)
+        table = self._rope_tables.get(key)
+        if table is None or table[0].shape[0] < need:
+            size = min(max(1 << (need - 1).bit_length(), 1024), max(need, self.config.max_position_embeddings))
+            inv = self._inv_freq.get(dev)
+            if inv is None:
+                inv = rope_inv_freq(self.config, dev)
+                self._inv_freq[dev] = inv
+            pos = torch.arange(size, dtype=torch.int64, device=dev).to(torch.float32)
+            freqs = pos[:, None] * inv[None, :]  # [size, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+            table = (emb.cos().to(dtype), emb.sin().to(dtype))
+            self._rope_tables[key] = table
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     def _plan(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
         """Group the step's sequences: one-token decodes into one `_DecodeGroup`, prefill

@@ -122,3 +122,65 @@ def checkpoint_fingerprint(model_dir: str) -> str:
     if cache != before:
         _save_cache(cache)
     return h.hexdigest()[:12]
+
+
+#: Separator of the compute-dtype tag in a worker's KV model id (see `kv_model_id`).
+COMPUTE_TAG = "+compute="
+
+
+def kv_model_id(model_id: str, storage_dtype: str, compute_dtype: str) -> str:
+    """The id a worker hashes its KV under: ``model_id``, tagged when it computes in another dtype.
+
+    Activations computed in float32 from bfloat16 weights give K/V (even once rounded to the
+    bfloat16 pool) that differ in low bits from a bfloat16 forward, so workers of the two
+    kinds must not share blocks: ``"M+compute=float32"`` for a bfloat16 checkpoint computed
+    in float32, ``"M"`` when compute and storage dtypes agree.
+    """
+    return model_id if compute_dtype == storage_dtype else f"{model_id}{COMPUTE_TAG}{compute_dtype}"
+
+
+def base_model_id(kv_id: str) -> str:
+    """`kv_model_id` without its compute tag: the checkpoint's own id."""
+    return kv_id.split(COMPUTE_TAG, 1)[0]
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX bf16 tiles (Linux ``/proc/cpuinfo`` flag ``amx_bf16``); False elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def resolve_compute_dtype(requested: str, storage_dtype: str, device: str) -> str:
+    """The dtype a worker's forward runs in, as a torch dtype name.
+
+    ``"model"`` keeps the checkpoint's dtype; a dtype name is taken as is; ``"auto"`` picks
+    float32 for a bfloat16/float16 checkpoint on a CPU without AMX, the checkpoint's dtype
+    otherwise. Without AMX, torch's bfloat16 GEMM (oneDNN) ran at ~160 GFLOP/s on this
+    project's 2-core AVX-512 test machine against ~250 for float32 (MKL), and its CPU flash
+    attention ~1.4x slower in bfloat16, so a prompt prefills ~1.4x faster in float32
+    (``bench/micro.py`` measures both); the KV pool stays in the checkpoint's dtype.
+
+    Raises:
+        ValueError: ``requested`` is none of auto, model, float32, bfloat16, float16.
+    """
+    from kvmesh.workers.config import normalize_dtype_name
+
+    if requested == "model":
+        return storage_dtype
+    if requested == "auto":
+        if str(device).startswith("cpu") and storage_dtype in ("bfloat16", "float16") and not cpu_has_amx():
+            return "float32"
+        return storage_dtype
+    try:
+        name = normalize_dtype_name(requested)
+    except ValueError:
+        raise ValueError(f"compute dtype must be auto, model, float32, bfloat16 or float16, got {requested!r}") from None
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"compute dtype must be auto, model, float32, bfloat16 or float16, got {requested!r}")
+    return name

@@ -119,7 +119,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         arrival = time.monotonic()
         tenant, salt = (await self.gate.tenant(context, request) if self.gate is not None
                         else (request.tenant, request.cache_salt))
-        if request.model_id and request.model_id != self.engine.config.model_id:
+        if request.model_id and request.model_id != self.engine.kv_model_id:
             await self._refuse_foreign_model(request.model_id, context)
         try:
             prompt_ids = self._prompt_ids(request)
@@ -173,7 +173,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def _refuse_foreign_model(self, model_id: str, context) -> None:
         """FAILED_PRECONDITION for a request tokenized and hashed for another model; logged
         once per foreign model id."""
-        mine = self.engine.config.model_id
+        mine = self.engine.kv_model_id
         if model_id not in self._foreign_models and len(self._foreign_models) < 64:  # bounded: ids are input
             self._foreign_models.add(model_id)
             log.error("refusing requests for model %r from %s: this worker serves %r (weights, dtype, config or "
@@ -228,7 +228,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def GetInfo(self, request, context):
         e = self.engine
-        return pb.WorkerInfo(worker_id=self.worker_id, model_id=e.config.model_id, block_size=e.block_size,
+        return pb.WorkerInfo(worker_id=self.worker_id, model_id=e.kv_model_id, block_size=e.block_size,
                              num_blocks=e.num_blocks, vocab_size=e.config.vocab_size,
                              max_model_len=e.max_model_len, device=str(e.device))
 

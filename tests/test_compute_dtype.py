@@ -1,0 +1,106 @@
+"""Forward passes in another dtype than the checkpoint's: float32 compute over a bf16 pool.
+
+A bfloat16 checkpoint on a CPU without AMX runs its forward in float32 (faster there, see
+`workers.model_identity.resolve_compute_dtype`) while the KV pool stays bfloat16. Checked:
+the choice itself, that cached prefixes give the cold run's tokens and logits, that the pool
+and the namespace follow, and that a router matches tagged workers to its checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from kvmesh.services.membership import Compatibility
+from kvmesh.workers import model_identity
+from kvmesh.workers.config import ModelConfig
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.loader import save_tiny_checkpoint
+from kvmesh.workers.model_identity import base_model_id, kv_model_id, resolve_compute_dtype
+from kvmesh.workers.request import SamplingParams
+
+
+def test_resolve_compute_dtype(monkeypatch):
+    monkeypatch.setattr(model_identity, "cpu_has_amx", lambda: False)
+    assert resolve_compute_dtype("auto", "bfloat16", "cpu") == "float32"
+    assert resolve_compute_dtype("auto", "float16", "cpu") == "float32"
+    assert resolve_compute_dtype("auto", "float32", "cpu") == "float32"
+    assert resolve_compute_dtype("auto", "bfloat16", "cuda:0") == "bfloat16"
+    assert resolve_compute_dtype("model", "bfloat16", "cpu") == "bfloat16"
+    assert resolve_compute_dtype("bf16", "float32", "cpu") == "bfloat16"
+    monkeypatch.setattr(model_identity, "cpu_has_amx", lambda: True)
+    assert resolve_compute_dtype("auto", "bfloat16", "cpu") == "bfloat16"
+    for bad in ("int8", "fp8", "", "float64"):
+        with pytest.raises(ValueError, match="compute dtype"):
+            resolve_compute_dtype(bad, "bfloat16", "cpu")
+
+
+def test_kv_model_id_tags_only_a_different_compute_dtype():
+    assert kv_model_id("m@1", "bfloat16", "bfloat16") == "m@1"
+    tagged = kv_model_id("m@1", "bfloat16", "float32")
+    assert tagged != "m@1" and "float32" in tagged and base_model_id(tagged) == "m@1"
+    assert base_model_id("m@1") == "m@1"
+
+
+@pytest.fixture(scope="module")
+def bf16_ckpt(tmp_path_factory):
+    cfg = dataclasses.replace(ModelConfig.tiny(), dtype="bfloat16", num_hidden_layers=2)
+    return save_tiny_checkpoint(str(tmp_path_factory.mktemp("bf16")), cfg, seed=3)
+
+
+def _engine(ckpt: str, compute: str) -> Engine:
+    return Engine(model_dir=ckpt, block_size=16, num_blocks=256, max_num_batched_tokens=512,
+                  compute_dtype=compute).start()
+
+
+@pytest.mark.parametrize("compute", ["float32", "model"])
+def test_cached_prefix_equals_cold_run(bf16_ckpt, compute):
+    """Same prompt cold, then after a prefix hit (same engine), then on a fresh engine:
+    identical tokens and logits rows within float rounding of the last step's chunking."""
+    eng = _engine(bf16_ckpt, compute)
+    cold_eng = _engine(bf16_ckpt, compute)
+    try:
+        assert eng.kv_cache.dtype == torch.bfloat16  # the pool keeps the checkpoint's dtype
+        want = torch.float32 if compute == "float32" else torch.bfloat16
+        assert eng.model.lm_head.weight.dtype == want
+        assert (eng.kv_model_id != eng.config.model_id) == (compute == "float32")
+        rows: dict[int, list[torch.Tensor]] = {id(eng): [], id(cold_eng): []}
+        for e in (eng, cold_eng):
+            e.logits_hook = lambda rid, row, e=e: rows[id(e)].append(row.clone())
+        g = torch.Generator().manual_seed(5)
+        prefix = torch.randint(0, 256, (80,), generator=g).tolist()
+        sp = SamplingParams(max_tokens=6, temperature=0.0)
+        eng.generate(prefix + [1, 2, 3], sp)  # fills the cache with the prefix's blocks
+        hit = eng.generate(prefix + [7, 8, 9, 10], sp)
+        cold = cold_eng.generate(prefix + [7, 8, 9, 10], sp)
+        assert hit["usage"]["cached_tokens"] == 80 and cold["usage"]["cached_tokens"] == 0
+        assert hit["token_ids"] == cold["token_ids"]
+        # the hit's rows against the cold run's: K/V of the cold prefill were rounded to the pool's
+        # dtype exactly as the hit reads them back, so only summation order differs
+        diff = (torch.stack(rows[id(eng)][-6:]) - torch.stack(rows[id(cold_eng)])).abs().max().item()
+        print("max |logit diff|", diff)
+        assert diff < (1e-4 if compute == "float32" else 0.1)
+    finally:
+        eng.stop()
+        cold_eng.stop()
+
+
+def test_router_matches_tagged_workers_to_its_checkpoint(caplog):
+    tagged = kv_model_id("m", "bfloat16", "float32")
+
+    def lease(model):
+        return {"model_id": model, "block_size": 16}
+
+    sel = Compatibility("m").select({"a": lease(tagged), "b": lease(tagged)})
+    assert set(sel.workers) == {"a", "b"} and sel.model_id == tagged  # hashes under the tagged id
+    with caplog.at_level(logging.ERROR, logger="kvmesh.services.membership"):
+        sel = Compatibility("m").select({"a": lease(tagged), "b": lease(tagged), "c": lease("m"),
+                                         "d": lease("other")})
+    assert set(sel.workers) == {"a", "b"} and sel.model_id == tagged
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("worker c" in m and "--compute-dtype" in m for m in lines)
+    assert any("worker d" in m and "--model" in m for m in lines)
+    sel = Compatibility(None).select({"a": lease(tagged), "c": lease("m"), "e": lease("m")})
+    assert set(sel.workers) == {"c", "e"} and sel.model_id == "m"
