@@ -181,6 +181,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
         # torch's fused kernel on the float32 copy, then HF's cast-then-scale order
         xf = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * xf.to(x.dtype)
@@ -266,7 +268,8 @@ class SwiGLU(nn.Module):
             self._fused_key = _fuse_key(params)
         gu = F.linear(x, self._fused)
         i = self.gate_proj.weight.shape[0]
-        return self.down_proj(F.silu(gu[:, :i]) * gu[:, i:])
+        act = F.silu(gu[:, :i], inplace=True)  # in place over the fresh [T, 2I] product: no new buffers
+        return self.down_proj(act.mul_(gu[:, i:]))
 
 
 @dataclass
@@ -454,7 +457,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), *attn_args)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))  # x is this layer's own sum
 
 
 class DecoderModel(nn.Module):
