@@ -23,7 +23,8 @@ for arg in "$@"; do
 done
 PY=${PYTHON:-python3}
 
-# redis-server for the cluster; libxxhash-dev (+ a C compiler) for the C hashing loop;
+# redis-server for the cluster; libxxhash-dev (+ a C compiler) for the C hashing loop; g++
+# for the attention kernel;
 # Debian's kubectl (package kubernetes-client) renders the k8s/ manifests in the tests
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
@@ -33,6 +34,7 @@ if [ $runtime = 1 ] && [ $apt_only = 1 ]; then
 else
   [ -f /usr/include/xxhash.h ] || need+=(libxxhash-dev)
   command -v cc >/dev/null 2>&1 || need+=(gcc)
+  command -v c++ >/dev/null 2>&1 || need+=(g++)  # the optional C++ attention kernel
   [ -f /usr/include/stdio.h ] || need+=(libc6-dev)
   command -v openssl >/dev/null 2>&1 || need+=(openssl)  # test certificates (HTTPS front)
   "$PY" -c "import ensurepip" >/dev/null 2>&1 || need+=(python3-venv)
@@ -75,6 +77,23 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
     fi
   done
   touch "$stamp"
+fi
+
+# The C++ CPU attention kernel (workers/paged_attention.cpp, docs/ENGINE.md), compiled for
+# this CPU into .venv/kvmesh-ext with torch.utils.cpp_extension (ninja from PyPI). Optional:
+# without a compiler, or if the build fails, the worker uses torch's attention (one line here
+# says so). Rebuilt when the source or torch changes (the loader checks a stamp, too).
+ext_stamp=.venv/kvmesh-ext/paged_attention/stamp.json
+if [ ! -f "$ext_stamp" ] || [ workers/paged_attention.cpp -nt "$ext_stamp" ] || [ "$stamp" -nt "$ext_stamp" ]; then
+  if ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1; then
+    echo "[setup] no C++ compiler: attention kernel not built, torch's attention is used" >&2
+  elif ! .venv/bin/python -m pip install -q ninja >>.venv/setup.log 2>&1; then
+    echo "[setup] pip install ninja failed: attention kernel not built, torch's attention is used" >&2
+  else
+    echo "[setup] building the attention kernel (about a minute)" >&2
+    .venv/bin/python -m kvmesh.workers.attn_kernel --build 2>>.venv/setup.log \
+      || echo "[setup] attention kernel build failed (log in .venv/setup.log); torch's attention is used" >&2
+  fi
 fi
 
 # vLLM's CPU build in a virtualenv of its own (it pins its own torch), for the tests of

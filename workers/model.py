@@ -31,6 +31,7 @@ from torch import nn
 
 from kvmesh.cache_store.block_pool import allocate_kv_cache as _allocate_pool_tensor
 
+from kvmesh.workers import attn_kernel
 from kvmesh.workers.config import ModelConfig
 
 __all__ = [
@@ -302,11 +303,27 @@ class _DecodeGroup:
 
 
 @dataclass
+class _KernelPlan:
+    """Per-sequence metadata of the C++ kernel (`workers.attn_kernel`), one call per layer."""
+
+    op: object  # torch.ops.kvmesh.paged_attention
+    query_start: torch.Tensor  # [S + 1] int64 offsets of each sequence's rows in the flattened batch
+    context_lens: torch.Tensor  # [S] int64
+    block_tables: torch.Tensor  # [S, max_blocks] int64, padded with block 0 (never read)
+    window: int  # sliding window, or -1
+
+
+@dataclass
 class _StepPlan:
-    """Attention work of one forward step, built once and shared by all layers."""
+    """Attention work of one forward step, built once and shared by all layers.
+
+    With ``kernel`` set, every sequence goes through the C++ kernel and ``decode``/``seqs``
+    are empty; otherwise torch's SDPA runs per `_DecodeGroup` / `_SeqPlan`.
+    """
 
     decode: _DecodeGroup | None
     seqs: list[_SeqPlan]
+    kernel: _KernelPlan | None = None
 
 
 def _gather_kv(kv_cache: torch.Tensor, layer_idx: int, blocks: torch.Tensor) -> torch.Tensor:
@@ -373,10 +390,12 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``; writes this layer's K/V for the T tokens into ``kv_cache``.
 
-        Decoding sequences (one new token each) share one batched attention call that reads
-        their K/V through the padded block tables; each prefill chunk gets one call, over
-        its own fresh K/V when it has no cached context (no read from the pool) or over its
-        blocks otherwise.
+        With the C++ kernel (``plan.kernel``, see `workers.attn_kernel`) all sequences of the
+        step are attended in one call that reads K/V from the pool through the block tables.
+        Otherwise (torch's SDPA): decoding sequences (one new token each) share one batched
+        call that reads their K/V through the padded block tables; each prefill chunk gets one
+        call, over its own fresh K/V when it has no cached context (no read from the pool) or
+        over its blocks otherwise.
         """
         t = x.shape[0]
         d = self.head_dim
@@ -391,6 +410,11 @@ class PagedAttention(nn.Module):
         kv_cache[slot_blocks, layer_idx, 0, :, slot_offsets] = k.to(kv_cache.dtype)
         kv_cache[slot_blocks, layer_idx, 1, :, slot_offsets] = v.to(kv_cache.dtype)
 
+        if plan.kernel is not None:  # every sequence in one kernel call, K/V read from the pool
+            kp = plan.kernel
+            out = kp.op(q, kv_cache, layer_idx, kp.query_start, kp.context_lens, kp.block_tables, block_size,
+                        kp.window, d ** -0.5)
+            return self.o_proj(out.view(t, nh * d))
         dec = plan.decode
         if dec is not None and dec.rows is None and not plan.seqs:
             out = self._decode(q, kv_cache, layer_idx, dec, x.dtype)  # pure decode step
@@ -480,6 +504,9 @@ class DecoderModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: "auto" (the C++ kernel of `workers.attn_kernel` where it is loaded and supports
+        #: the step, else torch's SDPA), "kernel" or "torch"; see `_plan`
+        self.attention_backend = "auto"
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -512,11 +539,25 @@ class DecoderModel(nn.Module):
             self._rope_tables[key] = table
         return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
-    def _plan(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
-        """Group the step's sequences: one-token decodes into one `_DecodeGroup`, prefill
-        chunks into one `_SeqPlan` each; masks are built here once, not per layer."""
+    def _plan(self, meta: AttentionMetadata, device: torch.device, kv_dtype: torch.dtype | None = None,
+              backend: str = "auto") -> _StepPlan:
+        """The step's attention plan, built once and shared by all layers.
+
+        ``backend``: "kernel" (the C++ kernel, `workers.attn_kernel`; raises RuntimeError if it
+        is unavailable), "torch" (SDPA), or "auto" (the kernel when it is loaded and supports
+        the device and the model/pool dtypes ``kv_dtype``, default the model dtype).
+
+        For SDPA: one-token decodes go into one `_DecodeGroup`, prefill chunks into one
+        `_SeqPlan` each; masks are built here once, not per layer.
+        """
         window = self.config.sliding_window
         bs = meta.block_size
+        if backend != "torch" and meta.num_seqs:
+            dtype = self.embed_tokens.weight.dtype
+            if attn_kernel.supports(torch.device(device), dtype, kv_dtype if kv_dtype is not None else dtype):
+                return _StepPlan(None, [], self._kernel_plan(meta, device))
+            if backend == "kernel":
+                raise RuntimeError(f"attention kernel unavailable: {attn_kernel.status()}")
         dtype = self.embed_tokens.weight.dtype
         seqs: list[_SeqPlan] = []
         dec_rows: list[int] = []
@@ -570,6 +611,17 @@ class DecoderModel(nn.Module):
                 rows = torch.tensor(dec_rows, dtype=torch.int64, device=device)
             decode = _DecodeGroup(rows, blocks, n, max_blocks, mask)
         return _StepPlan(decode, seqs)
+
+    def _kernel_plan(self, meta: AttentionMetadata, device: torch.device) -> _KernelPlan:
+        """Offsets, context lengths and block tables (padded with block 0) as int64 tensors."""
+        bs = meta.block_size
+        needed = [table[: -(-(c + q) // bs)] for q, c, table in zip(meta.query_lens, meta.context_lens, meta.block_tables)]
+        width = max(len(t) for t in needed)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in needed], dtype=torch.int64, device=device)
+        starts = torch.tensor([0] + meta.query_lens, dtype=torch.int64).cumsum(0).to(device)
+        ctx = torch.tensor(meta.context_lens, dtype=torch.int64, device=device)
+        window = self.config.sliding_window
+        return _KernelPlan(attn_kernel.get(), starts, ctx, tables, -1 if window is None else int(window))
 
     def _check(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         t = input_ids.shape[0]
@@ -626,7 +678,7 @@ class DecoderModel(nn.Module):
         slots = meta.slot_mapping.to(device)
         slot_blocks = torch.div(slots, bs, rounding_mode="floor")
         slot_offsets = slots - slot_blocks * bs
-        plan = self._plan(meta, device)
+        plan = self._plan(meta, device, kv_cache.dtype, self.attention_backend)
 
         h = self.embed_tokens(input_ids)
         cos, sin = self._rope(positions, h.dtype)

@@ -1,0 +1,155 @@
+"""The C++ attention kernel against torch's SDPA path, side by side in one process.
+
+``python -m kvmesh.bench.attn_kernel [--rounds N] [--threads N] [--json]``
+
+Model: the issue-12 shape (`bench.peer_engine.model_config`: 8 layers, hidden 512, 8 query
+heads / 2 KV heads, head_dim 64) in bfloat16 with a bfloat16 pool, block size 32, random
+weights and random cached K/V. Scenarios:
+
+* per layer, layer 0's whole attention sub-layer (`PagedAttention.forward`: q/k/v
+  projection, RoPE, K/V write, attention, output projection), which is what a step runs per
+  layer: cold prefill of 512 / 2,048 / 8,191 tokens; decode of 16 sequences with 530-560
+  tokens of context; mixed = 15 such decodes + a 256-token chunk after 256 cached tokens;
+* the whole model's forward step: cold prefill of 512 and 2,048 tokens.
+
+Each round runs the kernel and the torch path back to back (alternating which goes first),
+so machine noise hits both alike. Reported per scenario: median wall-clock ms of each
+(``kernel_ms``, ``torch_ms``) and ``ratio`` = median over rounds of kernel / torch (below 1:
+the kernel is faster); the same for CPU time of the process, all threads
+(``kernel_cpu_ms``, ``torch_cpu_ms``, ``cpu_ratio``), which a shared machine disturbs less.
+Exits with status 2 if the kernel is not available.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _meta(query_lens, context_lens, block_size, rng):
+    from kvmesh.workers.model import AttentionMetadata
+
+    free = list(range(1, 4096))
+    rng.shuffle(free)
+    tables = []
+    for q, c in zip(query_lens, context_lens):
+        tables.append([free.pop() for _ in range(-(-(q + c) // block_size))])
+    return AttentionMetadata.build(query_lens, context_lens, tables, block_size)
+
+
+def _scenarios(rng):
+    dec_ctx = [rng.randrange(530, 561) for _ in range(16)]
+    return {
+        "prefill_512": ([512], [0]),
+        "prefill_2048": ([2048], [0]),
+        "prefill_8191": ([8191], [0]),
+        "decode_16x544": ([1] * 16, dec_ctx),
+        "mixed_15dec_256after256": ([1] * 15 + [256], dec_ctx[:15] + [256]),
+    }
+
+
+def _paired(fns: dict, rounds: int) -> dict:
+    """Run ``fns["kernel"]`` and ``fns["torch"]`` alternately; medians and the paired ratio."""
+    wall = {"kernel": [], "torch": []}
+    cpu = {"kernel": [], "torch": []}
+    for fn in fns.values():
+        fn()  # warm-up
+    for r in range(rounds):
+        order = ("kernel", "torch") if r % 2 == 0 else ("torch", "kernel")
+        for name in order:
+            c0, t0 = time.process_time(), time.perf_counter()
+            fns[name]()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+
+    def ratio(d):
+        return round(statistics.median(k / t for k, t in zip(d["kernel"], d["torch"])), 3)
+
+    return {
+        "kernel_ms": round(statistics.median(wall["kernel"]) * 1e3, 2),
+        "torch_ms": round(statistics.median(wall["torch"]) * 1e3, 2),
+        "ratio": ratio(wall),
+        "kernel_cpu_ms": round(statistics.median(cpu["kernel"]) * 1e3, 2),
+        "torch_cpu_ms": round(statistics.median(cpu["torch"]) * 1e3, 2),
+        "cpu_ratio": ratio(cpu),
+    }
+
+
+def run(rounds: int = 5, block_size: int = 32, seed: int = 0) -> dict:
+    from kvmesh.bench.peer_engine import model_config
+    from kvmesh.workers import attn_kernel
+    from kvmesh.workers.loader import init_random_weights
+    from kvmesh.workers.model import DecoderModel, allocate_kv_cache
+
+    if attn_kernel.get() is None:
+        raise RuntimeError(f"attention kernel unavailable: {attn_kernel.status()}")
+    cfg = model_config("bfloat16")
+    model = DecoderModel(cfg)
+    init_random_weights(model, seed=seed)
+    model.eval()
+    kv = allocate_kv_cache(cfg, 4096, block_size)
+    kv.normal_(generator=torch.Generator().manual_seed(seed))
+    rng = random.Random(seed)
+    attn = model.layers[0].self_attn
+    out: dict = {"threads": torch.get_num_threads(), "rounds": rounds, "block_size": block_size,
+                 "dtype": "bfloat16", "layer": {}, "model_step": {}}
+    with torch.inference_mode():
+        for name, (q_lens, ctx) in _scenarios(rng).items():
+            meta = _meta(q_lens, ctx, block_size, rng)
+            x = torch.randn(meta.num_tokens, cfg.hidden_size, dtype=torch.bfloat16)
+            cos, sin = model._rope(meta.positions(), x.dtype)
+            slots = meta.slot_mapping
+            blocks, offsets = slots // block_size, slots % block_size
+            plans = {b: model._plan(meta, x.device, kv.dtype, backend=b) for b in ("kernel", "torch")}
+            fns = {b: (lambda p=p: attn(x, cos, sin, kv, 0, blocks, offsets, p, block_size)) for b, p in plans.items()}
+            out["layer"][name] = _paired(fns, rounds if "8191" not in name else max(3, rounds // 2))
+            print(f"layer {name}: {out['layer'][name]}", file=sys.stderr)
+        for n in (512, 2048):
+            meta = _meta([n], [0], block_size, rng)
+            ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+            pos = meta.positions()
+
+            def step(backend, meta=meta, ids=ids, pos=pos):
+                model.attention_backend = backend
+                try:
+                    return model(ids, pos, meta, kv)
+                finally:
+                    model.attention_backend = "auto"
+
+            out["model_step"][f"prefill_{n}"] = _paired({b: (lambda b=b: step(b)) for b in ("kernel", "torch")}, rounds)
+            print(f"model step prefill_{n}: {out['model_step'][f'prefill_{n}']}", file=sys.stderr)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        res = run(args.rounds, args.block_size)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(res))
+    else:
+        for group in ("layer", "model_step"):
+            for name, r in res[group].items():
+                print(f"{group:10s} {name:24s} wall: kernel {r['kernel_ms']:8.2f} ms  torch {r['torch_ms']:8.2f} ms  "
+                      f"ratio {r['ratio']:.3f} | CPU: kernel {r['kernel_cpu_ms']:8.2f} ms  torch "
+                      f"{r['torch_cpu_ms']:8.2f} ms  ratio {r['cpu_ratio']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

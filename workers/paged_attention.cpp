@@ -1,0 +1,426 @@
+// Paged attention for CPU: one call per layer for every sequence of a step.
+//
+// Algorithm: flash attention (Dao et al. 2022): keys are visited in tiles of 16 positions,
+// each query row keeps a running max m, a running sum l and an unnormalised fp32 output O,
+// rescaled by exp(m_old - m_new) when the max grows (online softmax, Milakov & Gimelshein
+// 2018). K/V are read straight from the paged pool (PagedAttention, Kwon et al. 2023)
+// through the block table; GQA (Ainslie et al. 2023): the heads/kv_heads query heads of one
+// KV head are rows of the same tile, so every K/V tile is loaded once for all of them.
+//
+// Layout of the work, all in "transposed" form so that softmax needs no horizontal ops:
+//   * a micro-tile is 16 query rows, a row being (query position, query head of the group);
+//     Q^T [D][16] holds q * scale * log2(e) (scores are then in base 2);
+//   * a key tile is 16 key positions gathered into fp32 K [16][D] and V [16][D];
+//   * S^T[j] (one 16-lane vector per key j) = sum_d Q^T[d] * K[j][d]: 16 accumulators;
+//   * the running max/sum are lane-wise vector ops over S^T[0..15];
+//   * O^T [D][16] += P^T[j] * V[j][d], 16 output dims at a time.
+// Tiles that the causal / sliding-window mask hides completely are skipped; the mask is
+// applied only to tiles that straddle it. Every row sees the same key tiles in the same
+// order whatever the step looked like (tiles are aligned to absolute key positions, masked
+// keys contribute exact zeros), so a prompt computed cold and the same prompt's suffix after
+// a prefix-cache hit give bit-identical attention outputs.
+//
+// Entry point (registered as torch.ops.kvmesh.paged_attention):
+//   q            [T, H, D] float32 or bfloat16 (last dim contiguous)
+//   kv_cache     [num_blocks, layers, 2, kv_heads, block_size, D], float32 or bfloat16
+//   layer_idx    layer of the pool to read
+//   query_start  [S + 1] int64: sequence s owns rows query_start[s] .. query_start[s+1]-1 of q
+//   context_lens [S] int64: tokens cached before this step (position of the first new token)
+//   block_tables [S, max_blocks] int64, padded; entries past a sequence's blocks are not read
+//   block_size   tokens per block (must equal kv_cache.size(4))
+//   window       sliding window (a key at p is visible to a query at t iff t - window < p <= t), or -1
+//   scale        score scale, usually 1/sqrt(D)
+// returns out [T, H, D] in q's dtype. Accumulation is fp32 throughout.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace kvmesh_attn {
+
+constexpr int L = 16;  // rows per micro-tile = keys per key tile = lanes per vector
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#ifdef __AVX512F__
+struct V { __m512 v; };
+using M = __mmask16;
+static inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+static inline V vset1(float x) { return {_mm512_set1_ps(x)}; }
+static inline V vzero() { return {_mm512_setzero_ps()}; }
+static inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+static inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
+static inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+static inline V vsub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
+static inline V vmax(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
+static inline V vdiv(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
+static inline M vle(V a, V b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ); }
+static inline M vgt(V a, V b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
+static inline M veq(V a, V b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ); }
+static inline M mand(M a, M b) { return static_cast<M>(a & b); }
+static inline V vkeep(M m, V a) { return {_mm512_maskz_mov_ps(m, a.v)}; }                      // a where m, else 0
+static inline V vfill(V a, M m, float x) { return {_mm512_mask_mov_ps(a.v, m, _mm512_set1_ps(x))}; }  // x where m
+static inline V vfill_not(V a, M m, float x) { return vfill(a, static_cast<M>(~m), x); }
+static inline V vround(V a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+static inline V vscalef(V a, V e) { return {_mm512_scalef_ps(a.v, e.v)}; }
+static inline void bf16_to_f32_16(const c10::BFloat16* src, float* dst) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+}
+#else
+struct V { float v[L]; };
+using M = uint32_t;
+static inline V vload(const float* p) { V r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
+static inline void vstore(float* p, V a) { std::memcpy(p, a.v, sizeof(a.v)); }
+static inline V vset1(float x) { V r; for (int i = 0; i < L; ++i) r.v[i] = x; return r; }
+static inline V vzero() { return vset1(0.f); }
+static inline V vfma(V a, V b, V c) { V r; for (int i = 0; i < L; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return r; }
+static inline V vmul(V a, V b) { V r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] * b.v[i]; return r; }
+static inline V vadd(V a, V b) { V r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] + b.v[i]; return r; }
+static inline V vsub(V a, V b) { V r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] - b.v[i]; return r; }
+static inline V vmax(V a, V b) { V r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
+static inline V vdiv(V a, V b) { V r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] / b.v[i]; return r; }
+static inline M vle(V a, V b) { M m = 0; for (int i = 0; i < L; ++i) m |= (a.v[i] <= b.v[i] ? 1u : 0u) << i; return m; }
+static inline M vgt(V a, V b) { M m = 0; for (int i = 0; i < L; ++i) m |= (a.v[i] > b.v[i] ? 1u : 0u) << i; return m; }
+static inline M veq(V a, V b) { M m = 0; for (int i = 0; i < L; ++i) m |= (a.v[i] == b.v[i] ? 1u : 0u) << i; return m; }
+static inline M mand(M a, M b) { return a & b; }
+static inline V vkeep(M m, V a) { V r; for (int i = 0; i < L; ++i) r.v[i] = (m >> i) & 1u ? a.v[i] : 0.f; return r; }
+static inline V vfill(V a, M m, float x) { V r; for (int i = 0; i < L; ++i) r.v[i] = (m >> i) & 1u ? x : a.v[i]; return r; }
+static inline V vfill_not(V a, M m, float x) { return vfill(a, ~m, x); }
+static inline V vround(V a) { V r; for (int i = 0; i < L; ++i) r.v[i] = std::nearbyint(a.v[i]); return r; }
+static inline V vscalef(V a, V e) { V r; for (int i = 0; i < L; ++i) r.v[i] = std::ldexp(a.v[i], static_cast<int>(e.v[i])); return r; }
+static inline void bf16_to_f32_16(const c10::BFloat16* src, float* dst) {
+  for (int i = 0; i < L; ++i) dst[i] = static_cast<float>(src[i]);
+}
+#endif
+
+// 2^x for x <= 0 (scores minus the running max): x = n + f with n = round(x), |f| <= 1/2,
+// 2^f by its Taylor series to degree 7 (truncation error < 1e-8, below fp32 rounding), then
+// scaled by 2^n. Inputs below -127 are clamped (the result, < 6e-39, only ever multiplies
+// zeros or is masked out). 2^0 is exactly 1.
+static inline V vexp2(V x) {
+  x = vmax(x, vset1(-127.f));
+  V n = vround(x);
+  V f = vsub(x, n);
+  V p = vset1(1.525273380405984e-05f);
+  p = vfma(p, f, vset1(1.5403530393381606e-04f));
+  p = vfma(p, f, vset1(1.3333558146428443e-03f));
+  p = vfma(p, f, vset1(9.618129107628477e-03f));
+  p = vfma(p, f, vset1(5.550410866482158e-02f));
+  p = vfma(p, f, vset1(2.402265069591007e-01f));
+  p = vfma(p, f, vset1(6.931471805599453e-01f));
+  p = vfma(p, f, vset1(1.0f));
+  return vscalef(p, n);
+}
+
+template <typename T> static inline float to_f(T x) { return static_cast<float>(x); }
+
+template <typename T>
+static inline void row_to_f32(const T* src, float* dst, int64_t d) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (; i + L <= d; i += L) bf16_to_f32_16(src + i, dst + i);
+  }
+  for (; i < d; ++i) dst[i] = to_f(src[i]);
+}
+
+// S^T[j][0..16) = sum_d Q^T[d][0..16) * K^T[d][j] for the 16 keys j of a tile: 16 accumulators.
+__attribute__((noinline)) static void qk_tile(const float* qt, const float* kt, int64_t D, float* s) {
+  V acc[L];
+  for (int j = 0; j < L; ++j) acc[j] = vzero();
+  for (int64_t d = 0; d < D; ++d) {
+    const V qv = vload(qt + d * L);
+    const float* k = kt + d * L;
+    for (int j = 0; j < L; ++j) acc[j] = vfma(qv, vset1(k[j]), acc[j]);
+  }
+  for (int j = 0; j < L; ++j) vstore(s + j * L, acc[j]);
+}
+
+// O^T[d] = alpha * O^T[d] + sum_j P^T[j] * V[j][d], 16 output dims at a time (V is [16][D]).
+__attribute__((noinline)) static void pv_tile(float* ot, const float* pt, const float* vb, V alpha, int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + L <= D; d0 += L) {
+    V o[L];
+    for (int dd = 0; dd < L; ++dd) o[dd] = vmul(vload(ot + (d0 + dd) * L), alpha);
+    for (int j = 0; j < L; ++j) {
+      const V pj = vload(pt + j * L);
+      const float* vr = vb + j * D + d0;
+      for (int dd = 0; dd < L; ++dd) o[dd] = vfma(pj, vset1(vr[dd]), o[dd]);
+    }
+    for (int dd = 0; dd < L; ++dd) vstore(ot + (d0 + dd) * L, o[dd]);
+  }
+  for (; d0 < D; ++d0) {
+    V o = vmul(vload(ot + d0 * L), alpha);
+    for (int j = 0; j < L; ++j) o = vfma(vload(pt + j * L), vset1(vb[j * D + d0]), o);
+    vstore(ot + d0 * L, o);
+  }
+}
+
+struct Item {
+  int64_t seq, kvh, r0, r1;  // rows [r0, r1) of the sequence's (position, head-in-group) rows
+  double cost;
+};
+
+struct Args {
+  int64_t D, H, KVH, G, BS, window;
+  float qmul;  // scale * log2(e)
+  const int64_t *qstart, *ctx, *tables;
+  int64_t table_stride;
+  int64_t q_s0, q_s1;      // q strides (elements) of dims 0 and 1
+  int64_t p_sb, p_skv, p_sh, p_st;  // pool strides: block, K/V, kv head, token (layer folded into base)
+  int64_t o_s0, o_s1;
+};
+
+// Per-thread scratch, reused across items.
+struct Scratch {
+  std::vector<float> qt, ot, m, l, pos, lo, kb, vb, p, tmp, tmpk;
+  std::vector<int64_t> tmin, tmax;
+};
+
+template <typename QT, typename KT>
+static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool, QT* out, Scratch& s) {
+  const int64_t D = a.D, G = a.G, BS = a.BS, W = a.window;
+  const int64_t qs = a.qstart[it.seq];
+  const int64_t c = a.ctx[it.seq];
+  const int64_t qlen = a.qstart[it.seq + 1] - qs;
+  const int64_t total = c + qlen;
+  const int64_t* table = a.tables + it.seq * a.table_stride;
+  const int64_t nrows = it.r1 - it.r0;
+  const int64_t ntiles = (nrows + L - 1) / L;
+
+  s.qt.assign(ntiles * D * L, 0.f);
+  s.ot.assign(ntiles * D * L, 0.f);
+  s.m.assign(ntiles * L, kNegInf);
+  s.l.assign(ntiles * L, 0.f);
+  s.pos.resize(ntiles * L);
+  s.lo.resize(ntiles * L);
+  s.tmin.resize(ntiles);
+  s.tmax.resize(ntiles);
+  s.kb.resize(L * D);
+  s.vb.resize(L * D);
+  s.p.resize(L * L);
+  s.tmp.resize(L);
+
+  // Q^T per micro-tile, pre-multiplied by scale * log2(e); padded lanes repeat the last row's position.
+  for (int64_t r = 0; r < ntiles * L; ++r) {
+    const int64_t rr = std::min(it.r0 + r, it.r1 - 1);
+    const int64_t i = rr / G;
+    const int64_t pos = c + i;
+    const int64_t t = r / L, lane = r % L;
+    s.pos[r] = static_cast<float>(pos);
+    s.lo[r] = W > 0 ? static_cast<float>(pos - W) : -1.f;
+    if (r % L == 0) { s.tmin[t] = pos; }
+    s.tmax[t] = pos;
+    if (it.r0 + r < it.r1) {
+      const QT* qr = q + (qs + i) * a.q_s0 + (it.kvh * G + rr % G) * a.q_s1;
+      float* dst = s.qt.data() + t * D * L + lane;
+      for (int64_t d = 0; d < D; ++d) dst[d * L] = to_f(qr[d]) * a.qmul;
+    }
+  }
+  const int64_t first = s.tmin[0], last = s.tmax[ntiles - 1];
+  const int64_t k_lo = W > 0 ? std::max<int64_t>(0, first - W + 1) : 0;
+  const int64_t kt_lo = k_lo / L, kt_hi = last / L;
+  float* kb = s.kb.data();
+  float* vb = s.vb.data();
+  float* pb = s.p.data();
+  s.tmpk.resize(D);
+  float* tmpk = s.tmpk.data();
+
+  for (int64_t kt = kt_lo; kt <= kt_hi; ++kt) {
+    const int64_t kbase = kt * L;
+    // gather 16 keys/values into fp32 rows; positions past the sequence read nothing
+    for (int j = 0; j < L; ++j) {
+      const int64_t p = kbase + j;
+      if (p >= total) {
+        for (int64_t d = 0; d < D; ++d) kb[d * L + j] = 0.f;
+        std::fill(vb + j * D, vb + (j + 1) * D, 0.f);
+        continue;
+      }
+      const KT* src = pool + table[p / BS] * a.p_sb + it.kvh * a.p_sh + (p % BS) * a.p_st;
+      row_to_f32(src, tmpk, D);
+      for (int64_t d = 0; d < D; ++d) kb[d * L + j] = tmpk[d];  // K^T [D][16]
+      row_to_f32(src + a.p_skv, vb + j * D, D);
+    }
+    const int64_t kend = kbase + L - 1;
+    for (int64_t t = 0; t < ntiles; ++t) {
+      const int64_t tmin = s.tmin[t], tmax = s.tmax[t];
+      if (kbase > tmax) continue;                   // all keys in every row's future
+      if (W > 0 && kend <= tmin - W) continue;      // all keys before every row's window
+      const bool masked = kend > tmin || (W > 0 && kbase <= tmax - W);
+
+      // S^T: one vector (16 rows) per key
+      qk_tile(s.qt.data() + t * D * L, kb, D, pb);
+      V acc[L];
+      for (int j = 0; j < L; ++j) acc[j] = vload(pb + j * L);
+      M valid[L];
+      if (masked) {
+        const V rp = vload(s.pos.data() + t * L);
+        const V rl = vload(s.lo.data() + t * L);
+        for (int j = 0; j < L; ++j) {
+          const V kp = vset1(static_cast<float>(kbase + j));
+          valid[j] = mand(vle(kp, rp), vgt(kp, rl));
+          acc[j] = vfill_not(acc[j], valid[j], kNegInf);
+        }
+      }
+      const V m_old = vload(s.m.data() + t * L);
+      V m_new = m_old;
+      for (int j = 0; j < L; ++j) m_new = vmax(m_new, acc[j]);
+      const V m_safe = vfill(m_new, veq(m_new, vset1(kNegInf)), 0.f);
+      const V alpha = vexp2(vsub(m_old, m_safe));
+      V sum = vzero();
+      for (int j = 0; j < L; ++j) {
+        V p = vexp2(vsub(acc[j], m_safe));
+        if (masked) p = vkeep(valid[j], p);
+        vstore(pb + j * L, p);
+        sum = vadd(sum, p);
+      }
+      vstore(s.m.data() + t * L, m_new);
+      vstore(s.l.data() + t * L, vfma(vload(s.l.data() + t * L), alpha, sum));
+
+      // O^T = alpha * O^T + P^T V, 16 output dims at a time
+      pv_tile(s.ot.data() + t * D * L, pb, vb, alpha, D);
+    }
+  }
+
+  // out = O / l
+  float* tmp = s.tmp.data();
+  for (int64_t t = 0; t < ntiles; ++t) {
+    vstore(tmp, vdiv(vset1(1.f), vload(s.l.data() + t * L)));
+    const float* ot = s.ot.data() + t * D * L;
+    const int64_t lanes = std::min<int64_t>(L, nrows - t * L);
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      const int64_t rr = it.r0 + t * L + lane;
+      QT* dst = out + (qs + rr / G) * a.o_s0 + (it.kvh * G + rr % G) * a.o_s1;
+      const float inv = tmp[lane];
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<QT>(ot[d * L + lane] * inv);
+    }
+  }
+}
+
+template <typename QT, typename KT>
+static void run_all(const Args& a, const std::vector<std::vector<Item>>& lists, const QT* q, const KT* pool, QT* out) {
+  at::parallel_for(0, static_cast<int64_t>(lists.size()), 1, [&](int64_t b, int64_t e) {
+    Scratch s;
+    for (int64_t w = b; w < e; ++w)
+      for (const Item& it : lists[w]) run_item<QT, KT>(a, it, q, pool, out, s);
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, int64_t layer_idx,
+                           const at::Tensor& query_start_in, const at::Tensor& context_lens_in,
+                           const at::Tensor& block_tables_in, int64_t block_size, int64_t window, double scale) {
+  TORCH_CHECK(q_in.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(q_in.dim() == 3, "paged_attention: q must be [T, H, D]");
+  TORCH_CHECK(kv_cache.dim() == 6, "paged_attention: kv_cache must be [blocks, layers, 2, kv_heads, block_size, D]");
+  const auto qdt = q_in.scalar_type(), kdt = kv_cache.scalar_type();
+  TORCH_CHECK(qdt == at::kFloat || qdt == at::kBFloat16, "paged_attention: q must be float32 or bfloat16");
+  TORCH_CHECK(kdt == at::kFloat || kdt == at::kBFloat16, "paged_attention: kv_cache must be float32 or bfloat16");
+  const int64_t T = q_in.size(0), H = q_in.size(1), D = q_in.size(2);
+  const int64_t KVH = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == block_size, "paged_attention: block_size differs from kv_cache.size(4)");
+  TORCH_CHECK(kv_cache.size(5) == D, "paged_attention: head_dim of q and kv_cache differ");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "paged_attention: heads must be a multiple of kv_heads");
+  TORCH_CHECK(layer_idx >= 0 && layer_idx < kv_cache.size(1), "paged_attention: layer_idx out of range");
+  TORCH_CHECK(kv_cache.stride(5) == 1, "paged_attention: kv_cache must be contiguous in head_dim");
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  const at::Tensor qstart = query_start_in.to(at::kLong).contiguous();
+  const at::Tensor ctx = context_lens_in.to(at::kLong).contiguous();
+  const at::Tensor tables = block_tables_in.to(at::kLong).contiguous();
+  const int64_t S = ctx.numel();
+  TORCH_CHECK(qstart.numel() == S + 1, "paged_attention: query_start must have one entry per sequence plus one");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == S, "paged_attention: block_tables must be [S, max_blocks]");
+  at::Tensor out = at::empty({T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (T == 0 || S == 0) return out;
+
+  Args a;
+  a.D = D; a.H = H; a.KVH = KVH; a.G = H / KVH; a.BS = block_size; a.window = window;
+  a.qmul = static_cast<float>(scale * 1.4426950408889634);
+  a.qstart = qstart.data_ptr<int64_t>();
+  a.ctx = ctx.data_ptr<int64_t>();
+  a.tables = tables.data_ptr<int64_t>();
+  a.table_stride = tables.size(1);
+  a.q_s0 = q.stride(0); a.q_s1 = q.stride(1);
+  a.p_sb = kv_cache.stride(0); a.p_skv = kv_cache.stride(2); a.p_sh = kv_cache.stride(3); a.p_st = kv_cache.stride(4);
+  a.o_s0 = out.stride(0); a.o_s1 = out.stride(1);
+  TORCH_CHECK(a.qstart[0] == 0 && a.qstart[S] == T, "paged_attention: query_start must run from 0 to T");
+  const int64_t num_blocks = kv_cache.size(0);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t ql = a.qstart[s + 1] - a.qstart[s];
+    TORCH_CHECK(ql >= 1 && a.ctx[s] >= 0, "paged_attention: bad query/context length");
+    const int64_t need = (a.ctx[s] + ql + block_size - 1) / block_size;
+    TORCH_CHECK(need <= a.table_stride, "paged_attention: block table too short");
+    for (int64_t b = 0; b < need; ++b) {
+      const int64_t id = a.tables[s * a.table_stride + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention: block id out of range");
+    }
+  }
+
+  // Work items: (sequence, kv head, chunk of rows); cost ~ rows x keys visited.
+  constexpr int64_t kChunkRows = 16 * L;
+  std::vector<Item> items;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t ql = a.qstart[s + 1] - a.qstart[s], c = a.ctx[s];
+    const int64_t rows = ql * a.G;
+    for (int64_t r0 = 0; r0 < rows; r0 += kChunkRows) {
+      const int64_t r1 = std::min(rows, r0 + kChunkRows);
+      const double pos_mid = static_cast<double>(c) + 0.5 * static_cast<double>(r0 + r1 - 1) / a.G;
+      const double keys = window > 0 ? std::min<double>(pos_mid + 1, window + L) : pos_mid + 1;
+      for (int64_t g = 0; g < KVH; ++g)
+        items.push_back({s, g, r0, r1, (static_cast<double>((r1 - r0 + L - 1) / L) * L) * (keys + L)});
+    }
+  }
+  // Longest-processing-time-first assignment, one list per thread.
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size())));
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  std::vector<std::vector<Item>> lists(nt);
+  std::vector<double> load(nt, 0.0);
+  for (const Item& it : items) {
+    const int64_t w = std::min_element(load.begin(), load.end()) - load.begin();
+    lists[w].push_back(it);
+    load[w] += it.cost;
+  }
+
+  const at::Tensor layer = kv_cache.select(1, layer_idx);  // [blocks, 2, kv_heads, block_size, D]
+  if (qdt == at::kFloat && kdt == at::kFloat)
+    run_all<float, float>(a, lists, q.data_ptr<float>(), layer.data_ptr<float>(), out.data_ptr<float>());
+  else if (qdt == at::kFloat && kdt == at::kBFloat16)
+    run_all<float, c10::BFloat16>(a, lists, q.data_ptr<float>(), layer.data_ptr<c10::BFloat16>(), out.data_ptr<float>());
+  else if (qdt == at::kBFloat16 && kdt == at::kFloat)
+    run_all<c10::BFloat16, float>(a, lists, q.data_ptr<c10::BFloat16>(), layer.data_ptr<float>(), out.data_ptr<c10::BFloat16>());
+  else
+    run_all<c10::BFloat16, c10::BFloat16>(a, lists, q.data_ptr<c10::BFloat16>(), layer.data_ptr<c10::BFloat16>(),
+                                          out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
+bool built_with_avx512() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace kvmesh_attn
+
+TORCH_LIBRARY(kvmesh, m) {
+  m.def("paged_attention(Tensor q, Tensor kv_cache, int layer_idx, Tensor query_start, Tensor context_lens, "
+        "Tensor block_tables, int block_size, int window, float scale) -> Tensor");
+  m.def("built_with_avx512", &kvmesh_attn::built_with_avx512);
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
+  m.impl("paged_attention", &kvmesh_attn::paged_attention);
+}
