@@ -6,7 +6,7 @@ layer, reading K/V straight from the paged pool (see the source's header and doc
 
 It is built once at set-up time (``python -m kvmesh.workers.attn_kernel --build``, run by
 scripts/setup.sh) into ``<sys.prefix>/kvmesh-ext/paged_attention`` with
-``torch.utils.cpp_extension`` (``-O3 -march=native``), and loaded lazily by `get` on first
+``torch.utils.cpp_extension`` (``-O3 -march=native -fopenmp``), and loaded lazily by `get` on first
 use. Nothing is compiled at run time. `get` returns ``None`` (and `status` says why) when:
 
 * ``KVMESH_ATTN=torch`` is set (forces torch's SDPA path);
@@ -31,7 +31,10 @@ __all__ = ["build", "build_dir", "get", "status", "supports"]
 
 _NAME = "kvmesh_paged_attention"
 _SOURCE = Path(__file__).with_name("paged_attention.cpp")
-_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+# -fopenmp: at::parallel_for is inline OpenMP code, serial without it; the library then uses
+# the libgomp.so.1 torch has already loaded (same soname), so there is one thread pool
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 
 _loaded = False
 _op = None
@@ -77,7 +80,7 @@ def build(verbose: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     bindir = os.path.dirname(sys.executable)  # the virtualenv's ninja, when PATH lacks it
     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, build_directory=str(out),
+    cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, build_directory=str(out),
                        is_python_module=False, verbose=verbose)
     lib = out / f"{_NAME}.so"
     stamp = dict(_stamp(), cpu_flags=_cpu_flags())
