@@ -1,0 +1,97 @@
+"""The C++ attention kernel (workers/paged_attention.cpp) on its own, and its loader.
+
+Its agreement with a float64 reference over ragged batches is in tests/test_paged_attention.py
+(both backends); here: cold prefill vs the same positions computed as a chunk after cached
+context (and as decodes) must give bit-identical outputs, the argument checks, and the
+loader's fallbacks (KVMESH_ATTN=torch, a library built from another source).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvmesh.workers import attn_kernel
+
+needs_kernel = pytest.mark.skipif(attn_kernel.get() is None, reason=attn_kernel.status())
+
+
+def _pool(num_blocks: int, kv_heads: int, block_size: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_blocks, 2, 2, kv_heads, block_size, d, generator=g).to(dtype)
+
+
+def _call(q, kv, q_lens, ctx, tables, block_size, window):
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    starts = torch.tensor([0] + q_lens, dtype=torch.int64).cumsum(0)
+    return attn_kernel.get()(q, kv, 1, starts, torch.tensor(ctx, dtype=torch.int64), bt, block_size, window,
+                             1 / math.sqrt(q.shape[-1]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,window,heads,kv_heads", [(16, -1, 8, 2), (32, 40, 8, 1), (4, -1, 4, 4)])
+def test_cold_and_cached_positions_are_bit_identical(dtype, block_size, window, heads, kv_heads):
+    """A prompt's rows from a cold prefill equal, bit for bit, the same rows computed as a
+    chunk after the prefix was cached, and as one-token decodes, in batches of other work."""
+    n, cached, d = 150, 67, 64
+    kv = _pool(128, kv_heads, block_size, d, dtype, seed=1)
+    table = list(range(40, 40 + -(-n // block_size)))
+    other = list(range(1, 1 + -(-90 // block_size)))  # another sequence, decoding at position 89
+    q = torch.randn(n, heads, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    q_other = torch.randn(1, heads, d, generator=torch.Generator().manual_seed(3)).to(dtype)
+
+    cold = _call(q, kv, [n], [0], [table], block_size, window)
+    chunk = _call(torch.cat([q_other, q[cached:]]), kv, [1, n - cached], [89, cached], [other, table],
+                  block_size, window)
+    assert torch.equal(chunk[1:], cold[cached:])
+    last = _call(torch.cat([q[n - 1 :], q_other]), kv, [1, 1], [n - 1, 89], [table, other], block_size, window)
+    assert torch.equal(last[0], cold[n - 1])
+    assert torch.equal(last[1], chunk[0])  # the other sequence's decode, in a different batch
+
+
+@needs_kernel
+def test_rejects_inconsistent_arguments():
+    kv = _pool(8, 2, 16, 64, torch.float32, seed=0)
+    q = torch.randn(5, 8, 64)
+    with pytest.raises(RuntimeError, match="block table too short"):
+        _call(q, kv, [5], [20], [[1]], 16, -1)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        _call(q, kv, [5], [0], [[8]], 16, -1)
+    with pytest.raises(RuntimeError, match="block_size"):
+        _call(q, kv, [5], [0], [[1]], 32, -1)
+    with pytest.raises(RuntimeError, match="query_start"):
+        _call(q, kv, [4], [0], [[1]], 16, -1)
+
+
+def _status_in_subprocess(env: dict) -> str:
+    code = "from kvmesh.workers import attn_kernel; print(attn_kernel.status())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         check=True, timeout=120)
+    return out.stdout.strip()
+
+
+def test_env_var_forces_torch_attention():
+    assert _status_in_subprocess({"KVMESH_ATTN": "torch"}) == "disabled by KVMESH_ATTN=torch"
+
+
+def test_library_from_another_source_is_not_loaded(tmp_path):
+    (tmp_path / "stamp.json").write_text(json.dumps({"source_sha256": "0" * 64, "torch": torch.__version__}))
+    (tmp_path / "kvmesh_paged_attention.so").write_bytes(b"not a library")
+    status = _status_in_subprocess({"KVMESH_EXT_DIR": str(tmp_path), "KVMESH_ATTN": ""})
+    assert status.startswith("built for another source_sha256"), status
+
+
+def test_broken_library_falls_back(tmp_path):
+    """A library whose stamp matches but that cannot be loaded leaves the kernel off."""
+    stamp = dict(attn_kernel._stamp(), cpu_flags=[])
+    (tmp_path / "stamp.json").write_text(json.dumps(stamp))
+    (tmp_path / "kvmesh_paged_attention.so").write_bytes(b"not a library")
+    status = _status_in_subprocess({"KVMESH_EXT_DIR": str(tmp_path), "KVMESH_ATTN": ""})
+    assert status.startswith("load failed"), status
