@@ -3,8 +3,8 @@
 ``python -m kvmesh.bench.attn_kernel [--rounds N] [--threads N] [--json]``
 
 Model: the issue-12 shape (`bench.peer_engine.model_config`: 8 layers, hidden 512, 8 query
-heads / 2 KV heads, head_dim 64) in bfloat16 with a bfloat16 pool, block size 32, random
-weights and random cached K/V. Scenarios:
+heads / 2 KV heads, head_dim 64) computing in float32 and in bfloat16 (``--compute-dtypes``)
+over a bfloat16 pool, block size 32, random weights and random cached K/V. Scenarios:
 
 * per layer, layer 0's whole attention sub-layer (`PagedAttention.forward`: q/k/v
   projection, RoPE, K/V write, attention, output projection), which is what a step runs per
@@ -80,7 +80,8 @@ def _paired(fns: dict, rounds: int) -> dict:
     }
 
 
-def run(rounds: int = 5, block_size: int = 32, seed: int = 0) -> dict:
+def run(rounds: int = 5, block_size: int = 32, seed: int = 0, compute_dtype: str = "bfloat16") -> dict:
+    """All scenarios with the model in ``compute_dtype`` over a bfloat16 pool; see the module doc."""
     from kvmesh.bench.peer_engine import model_config
     from kvmesh.workers import attn_kernel
     from kvmesh.workers.loader import init_random_weights
@@ -91,24 +92,25 @@ def run(rounds: int = 5, block_size: int = 32, seed: int = 0) -> dict:
     cfg = model_config("bfloat16")
     model = DecoderModel(cfg)
     init_random_weights(model, seed=seed)
-    model.eval()
-    kv = allocate_kv_cache(cfg, 4096, block_size)
+    model.to(getattr(torch, compute_dtype)).eval()
+    act = getattr(torch, compute_dtype)
+    kv = allocate_kv_cache(cfg, 4096, block_size, dtype=torch.bfloat16)
     kv.normal_(generator=torch.Generator().manual_seed(seed))
     rng = random.Random(seed)
     attn = model.layers[0].self_attn
     out: dict = {"threads": torch.get_num_threads(), "rounds": rounds, "block_size": block_size,
-                 "dtype": "bfloat16", "layer": {}, "model_step": {}}
+                 "compute_dtype": compute_dtype, "pool_dtype": "bfloat16", "layer": {}, "model_step": {}}
     with torch.inference_mode():
         for name, (q_lens, ctx) in _scenarios(rng).items():
             meta = _meta(q_lens, ctx, block_size, rng)
-            x = torch.randn(meta.num_tokens, cfg.hidden_size, dtype=torch.bfloat16)
+            x = torch.randn(meta.num_tokens, cfg.hidden_size, dtype=act)
             cos, sin = model._rope(meta.positions(), x.dtype)
             slots = meta.slot_mapping
             blocks, offsets = slots // block_size, slots % block_size
             plans = {b: model._plan(meta, x.device, kv.dtype, backend=b) for b in ("kernel", "torch")}
             fns = {b: (lambda p=p: attn(x, cos, sin, kv, 0, blocks, offsets, p, block_size)) for b, p in plans.items()}
             out["layer"][name] = _paired(fns, rounds if "8191" not in name else max(3, rounds // 2))
-            print(f"layer {name}: {out['layer'][name]}", file=sys.stderr)
+            print(f"{compute_dtype} layer {name}: {out['layer'][name]}", file=sys.stderr)
         for n in (512, 2048):
             meta = _meta([n], [0], block_size, rng)
             ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
@@ -122,7 +124,7 @@ def run(rounds: int = 5, block_size: int = 32, seed: int = 0) -> dict:
                     model.attention_backend = "auto"
 
             out["model_step"][f"prefill_{n}"] = _paired({b: (lambda b=b: step(b)) for b in ("kernel", "torch")}, rounds)
-            print(f"model step prefill_{n}: {out['model_step'][f'prefill_{n}']}", file=sys.stderr)
+            print(f"{compute_dtype} model step prefill_{n}: {out['model_step'][f'prefill_{n}']}", file=sys.stderr)
     return out
 
 
@@ -131,23 +133,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ap.add_argument("--compute-dtypes", default="float32,bfloat16",
+                    help="model dtypes to run, comma-separated (the pool is bfloat16; float32 over a bf16 pool "
+                         "is what a worker runs on CPUs without AMX)")
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout, keyed by compute dtype")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    res = {}
     try:
-        res = run(args.rounds, args.block_size)
+        for dt in args.compute_dtypes.split(","):
+            res[dt] = run(args.rounds, args.block_size, compute_dtype=dt)
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(res))
-    else:
+        return 0
+    for dt, one in res.items():
         for group in ("layer", "model_step"):
-            for name, r in res[group].items():
-                print(f"{group:10s} {name:24s} wall: kernel {r['kernel_ms']:8.2f} ms  torch {r['torch_ms']:8.2f} ms  "
-                      f"ratio {r['ratio']:.3f} | CPU: kernel {r['kernel_cpu_ms']:8.2f} ms  torch "
-                      f"{r['torch_cpu_ms']:8.2f} ms  ratio {r['cpu_ratio']:.3f}")
+            for name, r in one[group].items():
+                print(f"{dt:8s} {group:10s} {name:24s} wall: kernel {r['kernel_ms']:8.2f} ms  torch "
+                      f"{r['torch_ms']:8.2f} ms  ratio {r['ratio']:.3f} | CPU: kernel {r['kernel_cpu_ms']:8.2f} ms  "
+                      f"torch {r['torch_cpu_ms']:8.2f} ms  ratio {r['cpu_ratio']:.3f}")
     return 0
 
 
