@@ -289,6 +289,32 @@ def test_kv_aware_share_term_pulls_new_work_to_under_share_workers():
     assert set(picks(p, request(40), ws)) == {"warm"}
 
 
+def test_kv_aware_a_prefix_most_workers_hold_is_charged_its_prefill_time_only():
+    # A 32-block system prompt held by 6 of 8 workers; the request adds 8 blocks of its own.
+    p = make_policy("kv_aware")
+    req = request(40)  # 640 tokens
+    ws = [view(f"warm{i}", matched_blocks=32, routed_recent=10.0) for i in range(6)]
+    ws += [view("cold", routed_recent=0.0), view("cold2", routed_recent=10.0)]
+    # mean 8.75; more than half hold 32 blocks: only the 8 own blocks are charged the recompute
+    mean = 8.75
+    warm = 128 + 12 * 128 + 3 / mean * 128 * (10 - mean)
+    cold = 640 + 12 * 128 + 3 / mean * 640 * (0 - mean)
+    assert p.costs(req, ws)[0] == pytest.approx(warm) and p.costs(req, ws)[6] == pytest.approx(cold)
+    # so the cold worker with no share gets the new conversation...
+    assert set(picks(p, req, ws)) == {"cold"}
+    # ...which it would not if the prompt were charged as a recompute (held by only half)
+    for w in ws[3:6]:
+        w.matched_blocks = w.weighted_blocks = 0
+    assert p.costs(req, ws)[6] == pytest.approx(13 * 640 - 3 * 640)
+    assert set(picks(p, req, ws)) <= {"warm0", "warm1", "warm2"}
+    # widely_held = 1: nothing is common, every computed token is charged
+    q = make_policy("kv_aware", widely_held=1.0)
+    ws[3].matched_blocks = ws[3].weighted_blocks = 32
+    assert q.costs(req, ws)[6] == pytest.approx(13 * 640 - 3 * 640)
+    with pytest.raises(ValueError):
+        make_policy("kv_aware", widely_held=1.5)
+
+
 def test_routed_share_window_grows_with_the_fleet():
     default = RoutedShare()
     default.set_fleet(10)
