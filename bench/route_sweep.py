@@ -25,6 +25,13 @@ block of ``block_tokens`` tokens):
   conversations; ``docs``: long documents with few reuses; ``zipf``: shared prefixes of
   Zipf popularity; ``bursty``: bursts of requests sharing a new prefix within a second.
 
+Two sets: ``TUNING`` (the workloads above; ``--workloads tuning``), on which kv_aware's
+defaults were chosen, and ``HELD_OUT`` (``ho-*``; ``--workloads held-out``): the same
+generators with other seeds, group counts and sizes, lengths, Zipf exponents, follow-up
+rates and burst sizes, plus ``ho-tree`` (Zipf-popular root prompts, each with six branches,
+then a unique tail), a reuse structure the tuning set lacks. They check that the defaults
+hold on workloads they were not tuned on.
+
 The generated workloads grow with the fleet (``workers // 10`` times as many groups,
 conversations, tenants, documents, prefixes and requests, at least once), arrive as a Poisson process (bursty: ON/OFF) at a rate that keeps
 the fleet's cold prefill load at ``--load`` of its capacity at every fleet size, and each
