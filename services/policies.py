@@ -368,9 +368,8 @@ class KVAwarePolicy(RoutingPolicy):
       requests above the mean takes nothing until the others catch up. Without it,
       sticky conversations and a prefix that every request shares (Mooncake's
       conversation trace) pile onto whichever worker cached them first. The window is
-      long (300 requests per worker) so that the cap is about the long-run share: a
-      burst of a few dozen requests with a new prefix fits on one worker, and short-term
-      load is the queue's business.
+      long (300 requests per worker) so that the cap is about the long-run share (the
+      imbalance of a whole run) and short-term load is the queue's business.
     * ``share_weight = 3``: each request of recent share above (below) the mean costs
       (saves) ``3 / mean`` of the request's *uncached* tokens. It places new work (all
       of it uncached) on workers with less share, and hardly moves a request with a
@@ -401,7 +400,7 @@ class KVAwarePolicy(RoutingPolicy):
             is charged its prefill time only, in [0, 1].
 
     Raises:
-        ValueError: a negative parameter.
+        ValueError: a negative parameter, or ``widely_held`` outside [0, 1].
     """
 
     name = "kv_aware"
