@@ -231,7 +231,7 @@ class RoutedShare:
     __slots__ = ("window", "base_window", "per_worker", "fleet", "_decay", "_scale", "_counts", "_total",
                  "_heap", "_tick")
 
-    def __init__(self, window: float = 400.0, per_worker: float = 40.0):
+    def __init__(self, window: float = 400.0, per_worker: float = 300.0):
         if window < 1:
             raise ValueError(f"window must be >= 1 decision, got {window}")
         if per_worker < 0:
@@ -325,94 +325,106 @@ class RoutedShare:
 
 @register
 class KVAwarePolicy(RoutingPolicy):
-    """Lowest estimated prefill cost among workers within their share cap. The default.
+    """Lowest predicted time-to-first-token, with recompute charged to the fleet, among
+    workers within their share cap. The default.
 
-    For worker ``i`` and a request of ``N`` tokens in blocks of ``B`` tokens::
+    For worker ``i`` and a request of ``N`` tokens in blocks of ``B`` tokens, with
+    ``u_i = N - B * weighted_i`` the prefill tokens it would compute there and ``r_i`` the
+    part of them beyond the leading blocks that more than ``widely_held`` of the workers in
+    view hold (``r_i = N - B * max(weighted_i, common)``)::
 
-        cost_i = (N - B * weighted_i)                      # prefill left to compute there
-                 + queue_weight * queued_prefill_tokens_i  # prefill work ahead of it
-                 + decode_weight * running_requests_i      # decode steps sharing its steps
-                 + share_weight * N * (routed_i - mean(routed)) / max(mean(routed), 1)
+        cost_i = queued_prefill_tokens_i + u_i                  # predicted TTFT, in prefill tokens
+                 + recompute_weight * r_i                        # what recomputing r_i costs everyone else
+                 + decode_weight * running_requests_i
+                 + share_weight * u_i * (routed_i - mean(routed)) / max(mean(routed), 1)
         eligible_i: routed_i <= (1 + share_cap) * mean(routed) + share_slack
                     or (i is idle and B * matched_i >= idle_exempt_hit * N)
 
     The cheapest eligible worker wins, ties at random (when none is eligible, all are).
 
-    * ``weighted_i`` credits each cached leading block by its tier
-      (``services.cluster_index.TIER_WEIGHTS``): a device hit saves a whole block of
-      prefill, a disk hit less. Blocks every worker holds (a system prompt all requests
-      share) lower every cost alike and so give no preference.
-    * ``queue_weight = 0.05``: a cached prefix is worth more than the wait it saves once.
-      A turn sent away from its holder recomputes the whole prefix and leaves a second copy
-      that crowds both caches, so the holder keeps a request until its queue exceeds
-      another worker's by twenty times the prefill the hit saves. On the full Mooncake conversation trace (10
-      workers x 3M tokens, `bench.sim`) 0.5 kept 94 % of the pooled hit rate, 0.05 keeps
-      99 %; at 0.03 conversations pile up on their holders (imbalance 1.12 at 16 workers).
-    * ``decode_weight = 128`` tokens per running request: requests in flight, which share
-      the worker's decode steps, are also where a worker's conversations live, so new
-      conversations go where fewer are in flight. At 16 tokens the same trace at 16
-      workers reached an imbalance of 1.14; at 128 it stays under 1.09.
+    * The first two terms are the request's predicted TTFT on ``i`` in units of one
+      prefill token: the prefill queued ahead of it plus its own uncached prefill (a
+      worker prefills in arrival order; decode runs beside it).
+    * ``recompute_weight = 12``: a token computed is charged 13 times, once for this
+      request's wait and 12 times for what it costs after: it occupies the worker that
+      later requests queue behind, and a prefix recomputed away from its holder leaves a
+      second copy that crowds both caches and splits the prefix's later requests. So a
+      holder keeps a request until its queue exceeds another worker's by 13 times the
+      prefill the hit saves; between workers without a hit (new work) the queue decides
+      at full weight. (Equivalently the queue is charged at 1/13 of a recomputed token.)
+    * ``widely_held = 0.5``: blocks that more than half of the workers in view hold are
+      charged their prefill time only. Copying a prefix most workers already have (a system
+      prompt every request starts with, Mooncake's shared first block) splits nothing and
+      crowds no cache that is not crowded already; without this a cold worker, which lacks
+      it, costs 12 times the shared prompt more than every warm one and gets no new work
+      until all warm workers reach the cap (a multi-turn workload with a 512-token system
+      prompt on 100 workers: imbalance 1.29, 17 workers never chosen; with it 1.13, none).
+    * ``decode_weight = 0`` tokens per running request: in the simulator's worker (and
+      roughly in an engine with chunked prefill) decodes do not delay a prefill; the
+      request-count balance the term used to buy is the share term's job.
     * The share cap bounds imbalance directly: ``routed_i`` is the worker's decayed count of
-      this router's recent requests (`RoutedShare`, a window of about 400 decisions); a
-      worker more than ``share_cap = 15 %`` plus ``share_slack = 4`` requests above the
-      mean takes nothing until the others catch up. Without it, sticky conversations and
-      a prefix that every request shares (Mooncake's conversation trace) pile onto
-      whichever worker cached them first. The cap applies to idle workers too: exempting
-      them let sequential traffic (one request at a time) follow the shared first block to
-      a single worker. The price: at very low traffic a lone conversation moves to another
-      worker after about ``share_slack`` turns, recomputing its prefix once.
-    * The cap scales with the fleet: the caller's `RoutedShare` keeps a window of
-      ``40 x workers`` decisions (`RoutedShare.set_fleet`), so the mean count stays near
-      40 requests and ``share_slack`` means the same at 10 and 1,000 workers.
-    * ``share_weight = 0.05``: each request of recent share above (below) the mean costs
-      (saves) ``0.05 * N / mean`` tokens. It draws new conversations to workers that have
-      had less: without it, workers that never served a request lack the prefix every
-      request shares (Mooncake's first block) and are never the cheapest, so at 100
-      workers a quarter of the fleet stayed empty while the rest sat at the cap and
-      bounced conversations (14.5 % hit rate against pooled 36.6 %). Equal costs go to
-      the worker with the smaller share.
+      this router's recent requests (`RoutedShare`, a window of ``300 x workers``
+      decisions); a worker more than ``share_cap = 5 %`` plus ``share_slack = 4``
+      requests above the mean takes nothing until the others catch up. Without it,
+      sticky conversations and a prefix that every request shares (Mooncake's
+      conversation trace) pile onto whichever worker cached them first. The window is
+      long (300 requests per worker) so that the cap is about the long-run share (the
+      imbalance of a whole run) and short-term load is the queue's business.
+    * ``share_weight = 3``: each request of recent share above (below) the mean costs
+      (saves) ``3 / mean`` of the request's *uncached* tokens. It places new work (all
+      of it uncached) on workers with less share, and hardly moves a request with a
+      large hit (little uncached). Without it, workers that never served a request lack
+      the prefix every request shares and are never the cheapest (at 100 workers on the
+      Mooncake trace a quarter of the fleet stayed empty).
     * ``idle_exempt_hit = 0.5``: a worker over the cap with nothing queued or running
       still takes a request whose cached prefix there covers at least half of the
       prompt; there is no queue to protect, and sending it away recomputes the prefix.
       In large fleets (1,000 workers, a dozen requests each over the trace's hour) a
       long conversation alone passes the cap; the exemption keeps it on its holder.
+    * ``weighted_i`` credits each cached leading block by its tier
+      (``services.cluster_index.TIER_WEIGHTS``): a device hit saves a whole block of
+      prefill, a disk hit less. Blocks every worker holds lower every cost alike.
 
-    The cost is an estimate of time-to-first-token in prefill-token units, in the spirit
-    of NVIDIA Dynamo's KV router (overlap credited against prefill and decode load) and
-    SGLang's cache-aware router (balance thresholds that override cache affinity); the
-    share cap on a per-decision decayed count is this project's. Defaults were chosen with
-    `bench.sim` on the bundled trace sample and the full conversation trace (see
-    docs/ROUTING.md).
+    Defaults were chosen with `bench.sim` and `bench.route_sweep` by the worst case over
+    the sweep's tuning workloads at 10 workers and the Mooncake conversation trace at 10,
+    100 and 1,000 workers, then checked on held-out workloads (docs/ROUTING.md).
 
     Args:
-        queue_weight: fraction of a worker's queued prefill tokens charged, >= 0.
+        recompute_weight: extra charge per computed prefill token, >= 0.
         decode_weight: tokens charged per running request, >= 0.
         share_cap: allowed relative excess over the mean share, >= 0.
         share_slack: allowed absolute excess (requests), >= 0.
-        share_weight: fraction of the prompt charged per mean share of excess, >= 0.
+        share_weight: fraction of the uncached tokens charged per mean share of excess, >= 0.
         idle_exempt_hit: fraction of the prompt an idle worker must hold to pass its cap, >= 0.
+        widely_held: a leading block held by more than this fraction of the workers in view
+            is charged its prefill time only, in [0, 1].
 
     Raises:
-        ValueError: a negative parameter.
+        ValueError: a negative parameter, or ``widely_held`` outside [0, 1].
     """
 
     name = "kv_aware"
     uses_shortlist = True
 
-    def __init__(self, queue_weight: float = 0.05, decode_weight: float = 128.0, share_cap: float = 0.15,
-                 share_slack: float = 4.0, share_weight: float = 0.05, idle_exempt_hit: float = 0.5):
-        if min(queue_weight, decode_weight, share_cap, share_slack, share_weight, idle_exempt_hit) < 0:
-            raise ValueError("queue_weight, decode_weight, share_cap, share_slack and share_weight must be >= 0")
-        self.share_weight = float(share_weight)
-        self.idle_exempt_hit = float(idle_exempt_hit)
-        self.queue_weight = float(queue_weight)
+    def __init__(self, recompute_weight: float = 12.0, decode_weight: float = 0.0, share_cap: float = 0.05,
+                 share_slack: float = 4.0, share_weight: float = 3.0, idle_exempt_hit: float = 0.5,
+                 widely_held: float = 0.5):
+        if min(recompute_weight, decode_weight, share_cap, share_slack, share_weight, idle_exempt_hit) < 0:
+            raise ValueError("recompute_weight, decode_weight, share_cap, share_slack, share_weight and "
+                             "idle_exempt_hit must be >= 0")
+        if not 0.0 <= widely_held <= 1.0:
+            raise ValueError(f"widely_held must be in [0, 1], got {widely_held}")
+        self.widely_held = float(widely_held)
+        self.recompute_weight = float(recompute_weight)
         self.decode_weight = float(decode_weight)
         self.share_cap = float(share_cap)
         self.share_slack = float(share_slack)
+        self.share_weight = float(share_weight)
+        self.idle_exempt_hit = float(idle_exempt_hit)
 
     def costs(self, req: RouteRequest, workers: Sequence[WorkerView]) -> list[float]:
-        """Estimated cost of ``req`` on each worker in prefill tokens (same order);
-        ``math.inf`` for a worker over its share cap while another is under it.
+        """Cost of ``req`` on each worker in prefill tokens (same order); ``math.inf`` for a
+        worker over its share cap while another is under it.
 
         Raises:
             ValueError: ``workers`` is empty.
@@ -422,22 +434,27 @@ class KVAwarePolicy(RoutingPolicy):
         mean = req.routed_mean if req.routed_mean is not None else \
             sum(w.routed_recent for w in workers) / len(workers)
         limit = (1.0 + self.share_cap) * mean + self.share_slack
-        per_share = self.share_weight * n_tok / max(mean, 1.0)
+        per_share = self.share_weight / max(mean, 1.0)
         exempt = self.idle_exempt_hit * n_tok
         capped = [w.routed_recent > limit and not (
             w.running_requests == 0 and w.queued_prefill_tokens == 0 and req.block_size * w.matched_blocks >= exempt)
             for w in workers]
         if all(capped):
             capped = [False] * len(workers)
+        # depth (blocks) that more than widely_held of the views hold: the k-th deepest match
+        k = int(self.widely_held * len(workers)) + 1
+        common = float(sorted((w.matched_blocks for w in workers), reverse=True)[k - 1]) if k <= len(workers) else 0.0
         out = []
         for w, over in zip(workers, capped):
             if over:
                 out.append(math.inf)
                 continue
-            out.append(n_tok - req.block_size * w.weighted_blocks
-                       + self.queue_weight * w.queued_prefill_tokens
+            uncached = max(0.0, n_tok - req.block_size * w.weighted_blocks)
+            rare = max(0.0, n_tok - req.block_size * max(w.weighted_blocks, common))
+            out.append(w.queued_prefill_tokens + uncached
+                       + self.recompute_weight * rare
                        + self.decode_weight * w.running_requests
-                       + per_share * (w.routed_recent - mean))
+                       + per_share * uncached * (w.routed_recent - mean))
         return out
 
     def choose(self, req, workers, rng):

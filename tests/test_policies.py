@@ -66,7 +66,7 @@ def test_make_policy_passes_kwargs_and_validates():
     with pytest.raises(ValueError):
         make_policy("kv_aware", share_cap=-1)
     with pytest.raises(ValueError):
-        make_policy("kv_aware", queue_weight=-0.1)
+        make_policy("kv_aware", recompute_weight=-0.1)
 
 
 def test_register_rejects_a_taken_name_and_accepts_a_new_one():
@@ -169,7 +169,7 @@ def test_kv_aware_a_host_tier_hit_is_worth_less_than_a_device_hit():
 
 
 def test_kv_aware_b_sustained_burst_spills_once_the_queue_costs_more_than_recompute():
-    p = make_policy("kv_aware", queue_weight=0.5, decode_weight=16.0)
+    p = make_policy("kv_aware", recompute_weight=1.0)
     req = request(64)  # 1024 tokens; 60 blocks (960 tokens) cached on the holder
     holder = view("holder", matched_blocks=60)
     others = [view("b"), view("c")]
@@ -184,8 +184,9 @@ def test_kv_aware_b_sustained_burst_spills_once_the_queue_costs_more_than_recomp
         w.queued_prefill_tokens += req.num_tokens - BS * w.matched_blocks
         if w is not holder:  # it computed the prefix, so it caches it from now on
             w.matched_blocks, w.weighted_blocks = 60, 60.0
-    # The holder keeps the burst while half its queue (64 tokens per request, charged at
-    # queue_weight 0.5) is below the 960 tokens a recompute costs: 30 requests; by the
+    # Each computed token costs 1 + recompute_weight = 2: the holder keeps the burst while
+    # its queue (64 tokens per request) plus 2 x 64 stays under 2 x 1024 elsewhere, i.e.
+    # while the queue is under twice the 960 tokens the hit saves: 30 requests; by the
     # 32nd it spills.
     assert seq[:30] == ["holder"] * 30
     assert {"b", "c"} & set(seq[30:32])
@@ -210,7 +211,7 @@ def test_kv_aware_blocks_every_worker_holds_give_no_preference():
 def test_kv_aware_share_cap_overrides_a_full_hit_well_above_mean():
     p = make_policy("kv_aware")
     req = request(20)
-    # mean 10, limit 1.15 * 10 + 4 = 15.5: "hot" at 16, busy, takes nothing despite a full hit.
+    # mean 10, limit 1.05 * 10 + 4 = 14.5: "hot" at 16, busy, takes nothing despite a full hit.
     ws = [view("hot", matched_blocks=20, routed_recent=16.0, running_requests=1), view("b", routed_recent=10.0),
           view("c", routed_recent=9.0), view("d", routed_recent=5.0)]
     assert "hot" not in picks(p, req, ws)
@@ -226,31 +227,35 @@ def test_kv_aware_share_cap_overrides_a_full_hit_well_above_mean():
     ws[0].running_requests = 1
     ws[0].queued_prefill_tokens = 0
     # Within the cap a large hit is kept.
-    ws[0].routed_recent, ws[3].routed_recent = 15.0, 6.0
+    ws[0].routed_recent, ws[3].routed_recent = 14.0, 7.0  # mean 10, limit 14.5
     assert set(picks(p, req, ws)) == {"hot"}
     # When every worker is over (impossible with a true mean, but views may be stale), none is excluded.
-    assert p.costs(req, [view("x", routed_recent=10.0)]) == [pytest.approx(20 * BS)]
+    assert p.costs(req, [view("x", routed_recent=10.0)]) == [pytest.approx(13 * 20 * BS)]
 
 
-def test_kv_aware_queue_is_charged_at_queue_weight():
+def test_kv_aware_a_holder_keeps_a_request_until_its_queue_passes_13_times_the_saved_prefill():
+    # cost = queued + 13 x uncached (recompute_weight 12): predicted TTFT plus the recompute
     p = make_policy("kv_aware")
     req = request(64)  # 1024 tokens, 60 blocks cached on the holder
-    ws = [view("holder", matched_blocks=60, queued_prefill_tokens=19000), view("b")]
-    assert set(picks(p, req, ws)) == {"holder"}  # 64 + 950 < 1024
-    ws[0].queued_prefill_tokens = 19500          # 64 + 975 > 1024
+    ws = [view("holder", matched_blocks=60, queued_prefill_tokens=12000), view("b")]
+    assert set(picks(p, req, ws)) == {"holder"}  # 12000 + 13 * 64 < 13 * 1024
+    ws[0].queued_prefill_tokens = 12500          # 12500 + 832 > 13312
+    assert set(picks(p, req, ws)) == {"b"}
+    # between workers without a hit the queue decides at full weight
+    ws = [view("a", queued_prefill_tokens=100), view("b", queued_prefill_tokens=99)]
     assert set(picks(p, req, ws)) == {"b"}
 
 
 def test_kv_aware_costs_follow_the_documented_formula():
-    p = KVAwarePolicy(queue_weight=0.25, decode_weight=10.0, share_cap=0.5, share_slack=1.0, share_weight=0.0)
+    p = KVAwarePolicy(recompute_weight=3.0, decode_weight=10.0, share_cap=0.5, share_slack=1.0, share_weight=0.0)
     req = request(10)  # 160 tokens
     ws = [view("a", matched_blocks=4, weighted_blocks=3.0, queued_prefill_tokens=50, running_requests=2,
                routed_recent=6.0),
           view("b", matched_blocks=2, weighted_blocks=2.0, queued_prefill_tokens=0, running_requests=1,
                routed_recent=2.0)]
     # mean 4, limit 1.5 * 4 + 1 = 7: both eligible
-    cost_a = 160 - BS * 3.0 + 0.25 * 50 + 10 * 2
-    cost_b = 160 - BS * 2.0 + 0 + 10 * 1
+    cost_a = 50 + 4 * (160 - BS * 3.0) + 10 * 2
+    cost_b = 0 + 4 * (160 - BS * 2.0) + 10 * 1
     assert p.costs(req, ws) == pytest.approx([cost_a, cost_b])
     ws[0].routed_recent = 9.0  # mean 5.5, limit 9.25: still eligible
     assert p.costs(req, ws)[0] == pytest.approx(cost_a)
@@ -258,26 +263,62 @@ def test_kv_aware_costs_follow_the_documented_formula():
     assert p.costs(req, ws)[0] == pytest.approx(cost_a)
     ws[0].routed_recent = 10.5  # mean 6.25, limit 10.375: over
     assert p.costs(req, ws)[0] == math.inf
+    # the share term: share_weight / mean of the uncached tokens per request of excess
+    p = KVAwarePolicy(recompute_weight=3.0, decode_weight=10.0, share_cap=0.5, share_slack=1.0, share_weight=2.0)
+    ws[0].routed_recent = 6.0  # mean 4
+    assert p.costs(req, ws) == pytest.approx([cost_a + 2.0 / 4 * 112 * 2, cost_b + 2.0 / 4 * 128 * -2])
 
 
 def test_kv_aware_share_term_pulls_new_work_to_under_share_workers():
     # A new conversation (only the shared first block in common) on a worker that holds the
     # block but has a large share, against a cold worker with none: the share term
-    # (0.05 * N / mean per request of difference from the mean) outweighs one block.
+    # (3 / mean of the uncached tokens per request of difference from the mean) outweighs one block.
     p = make_policy("kv_aware")
     req = request(40)  # 640 tokens
     ws = [view("warm", matched_blocks=1, routed_recent=9.0), view("cold", routed_recent=1.0)]
-    # mean 5 (cap 9.75): warm +0.05 * 640 / 5 * 4 = +25.6, cold -25.6; one block saves 16
+    # mean 5 (cap 9.25): warm 13 * 624 + 0.6 * 624 * 4 = 9609.6, cold 13 * 640 - 0.6 * 640 * 4 = 6784
     assert set(picks(p, req, ws)) == {"cold"}
-    assert p.costs(req, ws) == pytest.approx([640 - 16 + 25.6, 640 - 25.6])
+    assert p.costs(req, ws) == pytest.approx([9609.6, 6784])
     # routed_mean from the caller (a shortlist of a larger fleet) replaces the mean of the views
     req.routed_mean = 10.0
-    assert p.costs(req, ws) == pytest.approx([640 - 16 - 3.2, 640 - 28.8])
+    assert p.costs(req, ws) == pytest.approx([13 * 624 - 0.3 * 624, 13 * 640 - 0.3 * 640 * 9])
     # without the term the holder of the shared block wins
     assert set(picks(make_policy("kv_aware", share_weight=0.0), request(40), ws)) == {"warm"}
+    # a request with a large hit hardly feels it: the term scales with the uncached tokens
+    ws[0].matched_blocks = ws[0].weighted_blocks = 36
+    assert set(picks(p, request(40), ws)) == {"warm"}
+
+
+def test_kv_aware_a_prefix_most_workers_hold_is_charged_its_prefill_time_only():
+    # A 32-block system prompt held by 6 of 8 workers; the request adds 8 blocks of its own.
+    p = make_policy("kv_aware")
+    req = request(40)  # 640 tokens
+    ws = [view(f"warm{i}", matched_blocks=32, routed_recent=10.0) for i in range(6)]
+    ws += [view("cold", routed_recent=0.0), view("cold2", routed_recent=10.0)]
+    # mean 8.75; more than half hold 32 blocks: only the 8 own blocks are charged the recompute
+    mean = 8.75
+    warm = 128 + 12 * 128 + 3 / mean * 128 * (10 - mean)
+    cold = 640 + 12 * 128 + 3 / mean * 640 * (0 - mean)
+    assert p.costs(req, ws)[0] == pytest.approx(warm) and p.costs(req, ws)[6] == pytest.approx(cold)
+    # so the cold worker with no share gets the new conversation...
+    assert set(picks(p, req, ws)) == {"cold"}
+    # ...which it would not if the prompt were charged as a recompute (held by only half)
+    for w in ws[3:6]:
+        w.matched_blocks = w.weighted_blocks = 0
+    assert p.costs(req, ws)[6] == pytest.approx(13 * 640 - 3 * 640)
+    assert set(picks(p, req, ws)) <= {"warm0", "warm1", "warm2"}
+    # widely_held = 1: nothing is common, every computed token is charged
+    q = make_policy("kv_aware", widely_held=1.0)
+    ws[3].matched_blocks = ws[3].weighted_blocks = 32
+    assert q.costs(req, ws)[6] == pytest.approx(13 * 640 - 3 * 640)
+    with pytest.raises(ValueError):
+        make_policy("kv_aware", widely_held=1.5)
 
 
 def test_routed_share_window_grows_with_the_fleet():
+    default = RoutedShare()
+    default.set_fleet(10)
+    assert default.window == 3000       # 300 decisions per worker by default
     share = RoutedShare(window=400, per_worker=40)
     assert share.window == 400
     share.set_fleet(5)

@@ -28,11 +28,41 @@ def test_a_sweep_row_compares_kv_aware_with_the_field(capsys):
     assert rc == 0
     out = capsys.readouterr().out
     row = [line for line in out.splitlines() if line.startswith("| bursty | 4 |")]
-    assert len(row) == 1 and row[0].count("|") == 12
+    assert len(row) == 1 and row[0].count("|") == 14
     rows = route_sweep.run_sweep(["bursty"], [4], policies=["pooled", "kv_aware", "sglang_cache_aware"])
     r = rows[0]
     assert r["best_field"] == "sglang_cache_aware" and r["requests"] == 3000
     kv = r["results"]["kv_aware"]
     assert r["hit_ok"] == (kv["hit_rate_blocks"] >= r["results"]["sglang_cache_aware"]["hit_rate_blocks"])
     assert r["balance_ok"] == (kv["imbalance"] <= 1.10)
+    sg = r["results"]["sglang_cache_aware"]
+    if sg["imbalance"] <= 1.10:
+        assert r["best_balanced_field"] == "sglang_cache_aware"
+        assert r["hit_ok_balanced"] == r["hit_ok"]
+    else:
+        assert r["best_balanced_field"] is None and r["hit_ok_balanced"]
     assert route_sweep.main(["--workloads", "nope", "--quiet"]) == 2
+
+
+def test_the_balanced_comparison_skips_field_routers_over_the_balance_target():
+    def res(hit, imb):
+        return {"hit_rate_blocks": hit, "imbalance": imb, "ttft_p99_ms": 100.0}
+    row = route_sweep._judge({"workload": "w", "workers": 10, "results": {
+        "kv_aware": res(0.50, 1.05), "sglang_cache_aware": res(0.60, 2.0), "dynamo_kv": res(0.45, 1.08),
+        "llmd_precise": res(0.55, 1.11)}})
+    assert row["best_field"] == "sglang_cache_aware" and not row["hit_ok"]
+    assert row["best_balanced_field"] == "dynamo_kv" and row["hit_ok_balanced"]
+    assert row["balance_ok"] and row["p99_ok"]
+    md = route_sweep.sweep_markdown([row])
+    assert "dynamo_kv 45.00% @1.08" in md and "| ✗ | ✓ | ✓ | ✓ |" in md
+
+
+def test_held_out_workloads_are_named_apart_and_differ_from_the_tuning_ones():
+    assert set(route_sweep.TUNING).isdisjoint(route_sweep.HELD_OUT) and len(route_sweep.HELD_OUT) >= 6
+    table = {w.name: w for w, _ in route_sweep.workloads()}
+    a = table["gsp-64x16"].make(10, 0.7)
+    b = table["ho-gsp-32x32"].make(10, 0.7)
+    assert len(a) == len(b) == 1024 and [r.hash_ids for r in a[:5]] != [r.hash_ids for r in b[:5]]
+    # the workloads are deterministic: the same call gives the same requests
+    assert [r.hash_ids for r in table["ho-tree"].make(10, 0.7)[:50]] == \
+        [r.hash_ids for r in table["ho-tree"].make(10, 0.7)[:50]]

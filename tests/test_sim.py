@@ -71,6 +71,25 @@ def test_kv_aware_holds_at_100_workers_on_a_trace_slice():
     assert min(kv["worker_requests"]) > 0  # every worker takes part
 
 
+def test_kv_aware_at_100_workers_uses_every_worker_when_a_system_prompt_is_most_of_a_new_prompt():
+    # 400 chats of 6 turns on 100 workers (24 requests per worker); every first prompt is a
+    # 512-token system prompt and 128 tokens of its own. Charged as a recompute, the system
+    # prompt kept new chats off cold workers: 17 workers never chosen, imbalance 1.29.
+    from kvmesh.bench import route_sweep
+    reqs = route_sweep._multiturn(40, 6, 512, 128, 128, 32)(100, 0.7)
+    cap = route_sweep._pressure(0.3)(100, reqs, 32)
+    wl = prepare(reqs, block_tokens=32)
+    res = run_policies(wl, [POOLED, "kv_aware"], num_workers=100, capacity_tokens=cap)
+    kv, pooled = res["kv_aware"], res[POOLED]
+    assert len(kv["worker_requests"]) == 100 and min(kv["worker_requests"]) > 0
+    assert kv["imbalance"] <= 1.2
+    assert kv["hit_rate_blocks"] >= 0.98 * pooled["hit_rate_blocks"]
+    # charging every computed block (nothing counts as widely held) leaves workers idle
+    old = simulate(wl, "kv_aware", 100, cap, policy_kwargs={"widely_held": 1.0})
+    assert min(old["worker_requests"]) == 0 and old["imbalance"] > kv["imbalance"]
+    assert old["hit_rate_blocks"] < kv["hit_rate_blocks"]
+
+
 # ---------------------------------------------------------------- cache blocks
 def test_a_follow_up_hits_exactly_its_shared_prefix():
     r = simulate([req([1, 2, 3]), req([1, 2, 9, 10], ts_ms=10_000)], POOLED, 1, num_blocks=100)
