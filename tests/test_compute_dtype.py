@@ -104,3 +104,35 @@ def test_router_matches_tagged_workers_to_its_checkpoint(caplog):
     assert any("worker d" in m and "--model" in m for m in lines)
     sel = Compatibility(None).select({"a": lease(tagged), "c": lease("m"), "e": lease("m")})
     assert set(sel.workers) == {"c", "e"} and sel.model_id == "m"
+
+
+def test_router_with_the_checkpoint_serves_text_through_tagged_workers(bf16_ckpt, tmp_path):
+    """Real redis-server, worker and router processes on one bf16 checkpoint: the worker
+    computes in float32 and advertises the tagged id; a router started with the same
+    ``--model`` tokenizes text, hashes under the tagged id and routes to it (prefix hit on
+    the second request, same tokens as the first)."""
+    from kvmesh.services.client import KvmeshClient
+    from kvmesh.services.procs import RedisServer, free_port, python_cmd, spawn, stop_process, wait_healthy
+
+    redis = RedisServer()
+    procs = []
+    try:
+        waddr, raddr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        procs.append(spawn(python_cmd("worker", "--port", waddr.rsplit(":", 1)[1], "--worker-id", "w0", "--threads",
+                                      "1", "--model", bf16_ckpt, "--compute-dtype", "float32", "--num-blocks", "128",
+                                      "--redis-url", redis.url, "--cluster", "cd"), str(tmp_path / "w0.log")))
+        wait_healthy(waddr, proc=procs[-1])
+        procs.append(spawn(python_cmd("router", "--port", raddr.rsplit(":", 1)[1], "--model", bf16_ckpt,
+                                      "--redis-url", redis.url, "--cluster", "cd"), str(tmp_path / "router.log")))
+        wait_healthy(raddr, proc=procs[-1])
+        prompt = "A shared system prompt long enough for several sixteen-token blocks of bytes. Question: 1"
+        with KvmeshClient(raddr, backoff_s=0.2, retries=20) as c:
+            first = c.generate(prompt, max_tokens=4, temperature=0.0, timeout=60)
+            again = c.generate(prompt, max_tokens=4, temperature=0.0, timeout=60)
+        assert first.worker_id == again.worker_id == "w0"
+        assert again.usage.cached_tokens >= 16 * ((again.usage.prompt_tokens - 1) // 16) > 0
+        assert again.token_ids == first.token_ids
+    finally:
+        for p in procs:
+            stop_process(p)
+        redis.stop()
