@@ -357,11 +357,14 @@ class _Routed:
             self.routed.track(wid)
 
     def route(self, spec: _Spec, now: float, block: int, rng: random.Random) -> tuple[_Worker, int]:
-        routed_mean = None
+        routed_mean = common = None
         if self.policy.uses_shortlist:
             matches = shortlist(self.index, self.routed, spec.route_hashes, now, self.ids, rng)
             shown = [self.by_id[wid] for wid in matches]
             routed_mean = self.routed.total() / len(self.workers)
+            widely = getattr(self.policy, "widely_held", None)
+            if widely is not None:  # over the whole fleet, as a router that sees every worker counts it
+                common = self.index.common_depth(spec.route_hashes, int(widely * len(self.workers)) + 1)
         else:
             matches = self.index.match(spec.route_hashes, now)
             shown = self.workers
@@ -374,7 +377,8 @@ class _Routed:
                 waiting_requests=len(w.queue), queued_prefill_tokens=w.queued_prefill,
                 free_blocks=w.cache.pool.num_free_blocks, total_blocks=w.capacity,
                 routed_recent=self.routed.value(w.worker_id)))
-        chosen = self.policy.choose(RouteRequest(spec.num_tokens, spec.route_hashes, block, routed_mean), views, rng)
+        chosen = self.policy.choose(RouteRequest(spec.num_tokens, spec.route_hashes, block, routed_mean, common),
+                                    views, rng)
         w = self.by_id[chosen.worker_id]
         self.index.add_speculative(w.worker_id, spec.route_hashes, now, SPECULATIVE_TTL_S)
         self.routed.note(w.worker_id)

@@ -84,15 +84,19 @@ fi
 # without a compiler, or if the build fails, the worker uses torch's attention (one line here
 # says so). Rebuilt when the source or torch changes (the loader checks a stamp, too).
 ext_stamp=.venv/kvmesh-ext/paged_attention/stamp.json
-if [ ! -f "$ext_stamp" ] || [ workers/paged_attention.cpp -nt "$ext_stamp" ] || [ "$stamp" -nt "$ext_stamp" ]; then
+if [ ! -f "$ext_stamp" ] || [ workers/paged_attention.cpp -nt "$ext_stamp" ] || [ "$stamp" -nt "$ext_stamp" ] \
+   || ! .venv/bin/python -m kvmesh.workers.attn_kernel 2>/dev/null | grep -q '^loaded'; then
   if ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1; then
     echo "[setup] no C++ compiler: attention kernel not built, torch's attention is used" >&2
   elif ! .venv/bin/python -m pip install -q ninja >>.venv/setup.log 2>&1; then
     echo "[setup] pip install ninja failed: attention kernel not built, torch's attention is used" >&2
   else
-    echo "[setup] building the attention kernel (about a minute)" >&2
-    .venv/bin/python -m kvmesh.workers.attn_kernel --build 2>>.venv/setup.log \
-      || echo "[setup] attention kernel build failed (log in .venv/setup.log); torch's attention is used" >&2
+    echo "[setup] building the attention kernel (20-60 s)" >&2
+    if .venv/bin/python -m kvmesh.workers.attn_kernel --build >>.venv/setup.log 2>&1; then
+      echo "[setup] attention kernel built: $(.venv/bin/python -m kvmesh.workers.attn_kernel 2>&1 | head -1)" >&2
+    else
+      echo "[setup] attention kernel build failed (log in .venv/setup.log); torch's attention is used" >&2
+    fi
   fi
 fi
 

@@ -212,6 +212,28 @@ class ClusterIndex:
         """Workers holding ``block_hash`` (real events only) -> fastest medium."""
         return {w: MEDIUMS[_BEST[m]] for w, m in self._blocks.get(block_hash, {}).items()}
 
+    def common_depth(self, block_hashes: Sequence[bytes], min_holders: int) -> int:
+        """Leading blocks of ``block_hashes`` that at least ``min_holders`` workers each hold
+        from the first block on (real events only; any medium).
+
+        What `policies.KVAwarePolicy` reads off the views as its widely-held depth, for callers
+        that pass it only a shortlist of views (`RouteRequest.common_blocks`). Cost:
+        O(depth x holders), by set intersection block by block.
+        """
+        if min_holders < 1:
+            return len(block_hashes)
+        alive: set[str] | None = None
+        depth = 0
+        for h in block_hashes:
+            held = self._blocks.get(h)
+            if not held:
+                break
+            alive = set(held) if alive is None else alive.intersection(held)
+            if len(alive) < min_holders:
+                break
+            depth += 1
+        return depth
+
     def worker_blocks(self, worker_id: str) -> dict[bytes, frozenset[str]]:
         """Every block hash ``worker_id`` holds -> the set of media it is on."""
         state = self._workers.get(worker_id)

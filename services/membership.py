@@ -50,6 +50,7 @@ class Compatibility:
     def __init__(self, router_model_id: str | None):
         self.router_model_id = router_model_id
         self._logged: dict[str, str] = {}
+        self._in_use: str | None = None  # the tagged id chosen last time (see `select`)
 
     def _note(self, worker_id: str, reason: str) -> None:
         if self._logged.get(worker_id) != reason:
@@ -63,7 +64,13 @@ class Compatibility:
         models = collections.Counter(str(info.get("model_id", "")) for info in live.values())
         if self.router_model_id:  # the router's checkpoint; workers may tag it with their compute dtype
             tagged = collections.Counter({m: n for m, n in models.items() if base_model_id(m) == self.router_model_id})
-            model = max(sorted(tagged), key=lambda m: tagged[m]) if tagged else self.router_model_id
+            if not tagged:
+                model = self.router_model_id
+            else:  # the id most workers hash under; on a tie the one in use stays (no flip on a blip)
+                top = max(tagged.values())
+                tied = sorted(m for m, n in tagged.items() if n == top)
+                model = self._in_use if self._in_use in tied else tied[0]
+            self._in_use = model
         else:
             model = max(sorted(models), key=lambda m: models[m])
         same = {}
@@ -72,7 +79,8 @@ class Compatibility:
             if theirs == model:
                 same[wid] = info
             elif base_model_id(theirs) == base_model_id(model):
-                self._note(wid, f"it computes in another dtype ({theirs!r}) than most workers of the model "
+                self._note(wid, f"it computes in another dtype ({theirs!r}) than the workers of the model the router "
+                                f"uses "
                                 f"({model!r}), so its KV differs: start all workers with the same --compute-dtype")
             else:
                 self._note(wid, f"it serves model {theirs!r} but the router hashes and tokenizes for {model!r} "

@@ -75,12 +75,16 @@ class RouteRequest:
         block_size: tokens per block.
         routed_mean: mean `WorkerView.routed_recent` over every live worker (requests), for
             callers that pass a shortlist of views; None: the mean over the views given.
+        common_blocks: leading blocks held by more than kv_aware's ``widely_held`` fraction
+            of every live worker (`ClusterIndex.common_depth`), for callers that pass a
+            shortlist of views; None: read off the views given.
     """
 
     num_tokens: int
     block_hashes: list[bytes]
     block_size: int
     routed_mean: float | None = None
+    common_blocks: int | None = None
 
 
 class RoutingPolicy(ABC):
@@ -442,8 +446,12 @@ class KVAwarePolicy(RoutingPolicy):
         if all(capped):
             capped = [False] * len(workers)
         # depth (blocks) that more than widely_held of the views hold: the k-th deepest match
-        k = int(self.widely_held * len(workers)) + 1
-        common = float(sorted((w.matched_blocks for w in workers), reverse=True)[k - 1]) if k <= len(workers) else 0.0
+        if req.common_blocks is not None:  # a shortlist's caller counted over the whole fleet
+            common = float(req.common_blocks)
+        else:
+            k = int(self.widely_held * len(workers)) + 1
+            common = float(sorted((w.matched_blocks for w in workers), reverse=True)[k - 1]) \
+                if k <= len(workers) else 0.0
         out = []
         for w, over in zip(workers, capped):
             if over:

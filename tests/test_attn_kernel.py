@@ -127,7 +127,22 @@ def test_library_from_another_source_is_not_loaded(tmp_path):
     (tmp_path / "stamp.json").write_text(json.dumps({"source_sha256": "0" * 64, "torch": torch.__version__}))
     (tmp_path / "kvmesh_paged_attention.so").write_bytes(b"not a library")
     status = _status_in_subprocess({"KVMESH_EXT_DIR": str(tmp_path), "KVMESH_ATTN": ""})
-    assert status.startswith("built for another source_sha256"), status
+    assert status.startswith("built for another source") and "--build" in status, status
+
+
+def test_only_instruction_set_flags_decide_whether_a_build_runs_here(tmp_path):
+    """A build stamped on a CPU whose extra flags name no instructions (a VM's ``hypervisor``)
+    is still loaded; one from a CPU with an extension this one lacks is not."""
+    here = attn_kernel._cpu_flags()
+    stamp = dict(attn_kernel._stamp(), cpu_flags=here + ["hypervisor", "tsc_known_freq"])
+    (tmp_path / "stamp.json").write_text(json.dumps(stamp))
+    (tmp_path / "kvmesh_paged_attention.so").write_bytes(b"not a library")
+    status = _status_in_subprocess({"KVMESH_EXT_DIR": str(tmp_path), "KVMESH_ATTN": ""})
+    assert status.startswith("load failed"), status  # got past the flag check to the (bad) library
+    stamp["cpu_flags"] = here + ["avx512_not_on_this_cpu"]
+    (tmp_path / "stamp.json").write_text(json.dumps(stamp))
+    status = _status_in_subprocess({"KVMESH_EXT_DIR": str(tmp_path), "KVMESH_ATTN": ""})
+    assert "lacks" in status and "avx512_not_on_this_cpu" in status, status
 
 
 def test_broken_library_falls_back(tmp_path):

@@ -136,3 +136,17 @@ def test_router_with_the_checkpoint_serves_text_through_tagged_workers(bf16_ckpt
         for p in procs:
             stop_process(p)
         redis.stop()
+
+
+def test_router_keeps_the_tagged_id_in_use_on_a_tie():
+    """Two float32 workers serve; two bf16-computing workers join: the router keeps hashing
+    under the id in use (its workers' caches stay warm) instead of flipping on the tie."""
+    tagged = kv_model_id("m", "bfloat16", "float32")
+    compat = Compatibility("m")
+    lease = lambda model: {"model_id": model, "block_size": 16}  # noqa: E731
+    assert compat.select({"a": lease(tagged), "b": lease(tagged)}).model_id == tagged
+    sel = compat.select({"a": lease(tagged), "b": lease(tagged), "c": lease("m"), "d": lease("m")})
+    assert sel.model_id == tagged and set(sel.workers) == {"a", "b"}
+    # a majority still decides
+    sel = compat.select({"a": lease(tagged), "c": lease("m"), "d": lease("m")})
+    assert sel.model_id == "m" and set(sel.workers) == {"c", "d"}

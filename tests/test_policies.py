@@ -455,3 +455,41 @@ def test_c_simulation_short_common_prefix_only_stays_balanced():
         for service in (None, 10**9):
             sent, _, _ = simulate("kv_aware", workers=workers, follow_up=0.0, service_tokens=service, n=400)
             assert share_ratio(sent) <= 1.25, sent
+
+
+def test_kv_aware_on_a_shortlist_counts_widely_held_blocks_over_the_whole_fleet():
+    """A caller that shows kv_aware a shortlist passes `common_blocks` counted over every
+    worker; a cold worker's cost is then the one it has when kv_aware sees the whole fleet."""
+    p = make_policy("kv_aware")
+    n_blocks = 10
+    full = [view(f"w{i}", matched_blocks=8 if i < 60 else 0, weighted_blocks=8.0 if i < 60 else 0.0,
+                 routed_recent=5.0) for i in range(100)]
+    req = RouteRequest(n_blocks * 16, [H(i) for i in range(n_blocks)], 16)
+    full_costs = p.costs(req, full)
+    short = full[:8] + full[60:68]  # 8 holders, 8 workers without the prefix
+    shown = RouteRequest(n_blocks * 16, req.block_hashes, 16, routed_mean=5.0, common_blocks=8)
+    short_costs = p.costs(shown, short)
+    assert short_costs[0] == pytest.approx(full_costs[0])
+    assert short_costs[8] == pytest.approx(full_costs[60])
+    # read off the shortlist alone, 8 of 16 holders are not "more than half": the cold
+    # worker is charged the recompute of the whole prefix
+    alone = p.costs(RouteRequest(n_blocks * 16, req.block_hashes, 16, routed_mean=5.0), short)
+    assert alone[8] > short_costs[8] + 8 * 16
+
+
+def test_cluster_index_common_depth_counts_holders_of_the_whole_chain():
+    from kvmesh.cache_store.events import BlockStored, EventBatch
+    from kvmesh.services.cluster_index import ClusterIndex
+
+    idx = ClusterIndex()
+    chain = [H(i) for i in range(6)]
+    held = {"a": 6, "b": 6, "c": 3, "d": 1}
+    for wid, n in held.items():
+        events = [BlockStored(block_hashes=chain[:n], parent_block_hash=None, token_ids=[0] * (16 * n), block_size=16)]
+        idx.apply_batch(EventBatch(worker_id=wid, seq=1, ts=0.0, events=events))
+    assert idx.common_depth(chain, 1) == 6
+    assert idx.common_depth(chain, 2) == 6
+    assert idx.common_depth(chain, 3) == 3
+    assert idx.common_depth(chain, 4) == 1
+    assert idx.common_depth(chain, 5) == 0
+    assert idx.common_depth([b"x"] + chain, 1) == 0  # the first block unknown: nothing is common

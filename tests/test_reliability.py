@@ -61,20 +61,24 @@ def worker_pid(cluster) -> int:
 
 
 def test_long_prefill_keeps_worker_live(cluster):
-    """While one long prompt is prefilled (several seconds of back-to-back model steps),
-    a probe asking the router every 100 ms never gets UNAVAILABLE, and the router lists
-    the worker as busy all along."""
+    """While long prompts are prefilled back to back (seconds of model steps), a probe
+    asking the router every 100 ms never gets UNAVAILABLE, and the router lists the worker
+    all along and sees it busy."""
     router = cluster.router_address
     worker = worker_address(cluster)
     # 4K tokens: four chunked steps of 1024 back to back, several seconds on 2 busy
     # cores -- the lease heartbeat used to starve behind them on the engine lock
-    long_prompt = toks(100, 4_000)
-    done = threading.Event()
+    # Long prompts are sent back to back until the router has reported the worker busy a few
+    # times (a fast engine finishes one before the lease's load reaches the router).
+    done, stop = threading.Event(), threading.Event()
     result: dict = {}
 
     def run_long():
         try:
-            result["out"] = generate(router, token_ids=long_prompt, max_tokens=1, timeout=300)
+            i = 0
+            while not stop.is_set():
+                result["out"] = generate(router, token_ids=toks(100 + i, 4_000), max_tokens=1, timeout=300)
+                i += 1
         except grpc.RpcError as exc:
             result["code"] = exc.code()
         finally:
@@ -111,7 +115,11 @@ def test_long_prefill_keeps_worker_live(cluster):
             t = time.monotonic()
             load_stub.GetLoad(pb.LoadRequest(), timeout=2.0)
             assert time.monotonic() - t < 2.0
+            if busy_seen >= 3 and time.monotonic() - t0 > 2.0:
+                stop.set()
             time.sleep(0.1)
+    stop.set()
+    done.wait(300)
     elapsed = time.monotonic() - t0
     for th in probes:
         th.join(180)

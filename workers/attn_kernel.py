@@ -47,13 +47,25 @@ def build_dir() -> Path:
     return Path(base) if base else Path(sys.prefix) / "kvmesh-ext" / "paged_attention"
 
 
+#: /proc/cpuinfo flags that name instruction-set extensions ``-march=native`` may use; the
+#: others (``hypervisor``, ``tsc_known_freq``, ...) say nothing about what code can run.
+_ISA_PREFIXES = ("avx", "sse", "ssse", "fma", "f16c", "bmi", "amx", "popcnt", "abm", "lzcnt", "movbe", "adx",
+                 "gfni", "vaes", "vpclmulqdq", "pclmulqdq", "sha", "aes", "cx16", "xsave", "rdrand", "rdseed",
+                 "clflushopt", "clwb", "prefetchw", "serialize", "movdir", "waitpkg", "cldemote", "ptwrite")
+
+
+def _isa_flags(flags) -> list[str]:
+    """The instruction-set flags among ``flags`` (see `_ISA_PREFIXES`), sorted."""
+    return sorted({f for f in flags if f.startswith(_ISA_PREFIXES)})
+
+
 def _cpu_flags() -> list[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where it is not readable)."""
+    """The CPU's instruction-set flags from /proc/cpuinfo (empty where it is not readable)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return sorted(set(line.split(":", 1)[1].split()))
+                    return _isa_flags(line.split(":", 1)[1].split())
     except OSError:
         pass
     return []
@@ -100,8 +112,11 @@ def _load() -> tuple[object | None, str]:
     want = _stamp()
     for key in ("source_sha256", "torch", "cflags"):
         if stamp.get(key) != want[key]:
-            return None, f"built for another {key}; rerun scripts/setup.sh"
-    missing = set(stamp.get("cpu_flags", [])) - set(_cpu_flags())
+            what = {"source_sha256": "source (workers/paged_attention.cpp changed)", "torch": "torch version",
+                    "cflags": "set of compiler flags"}[key]
+            return None, (f"built for another {what}; rebuild with `python -m kvmesh.workers.attn_kernel --build` "
+                          f"(or rerun scripts/setup.sh)")
+    missing = set(_isa_flags(stamp.get("cpu_flags", []))) - set(_cpu_flags())
     if missing:
         return None, f"built on a CPU with extensions this one lacks: {' '.join(sorted(missing)[:5])}"
     try:

@@ -143,6 +143,18 @@ class Engine:
         """The hash namespace of requests under this model, tenant, cache salt and adapter."""
         return Namespace(model_id=self.kv_model_id, cache_salt=cache_salt, adapter_id=adapter_id, tenant=tenant)
 
+    def describe(self) -> str:
+        """One line on how this engine computes: KV id, weight/compute/pool dtypes, attention path."""
+        from kvmesh.workers import attn_kernel
+
+        if self.device.type == "cpu" and self.model.attention_backend != "torch":
+            attention = attn_kernel.status()
+            attention = "C++ kernel" if attention.startswith("loaded") else f"torch SDPA ({attention})"
+        else:
+            attention = "torch SDPA"
+        return (f"model {self.kv_model_id}, {self.config.dtype} checkpoint computed in {self.compute_dtype}, "
+                f"{str(self.kv_cache.dtype).replace('torch.', '')} KV pool, attention: {attention}")
+
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Check a request before queueing it.
 

@@ -289,6 +289,7 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     bound = await grpc_host.start()
     log.info("worker %s serving on %s:%d", worker_id, host, bound)
     print(f"kvmesh worker {worker_id} listening on {host}:{bound}", flush=True)
+    print(f"kvmesh worker {worker_id}: {engine.describe()}", flush=True)
     if ready is not None:
         ready.set()
     await grpc_host.wait(stop)
