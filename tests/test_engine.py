@@ -247,3 +247,15 @@ def test_abort_frees_blocks(engine):
     assert engine.load()["running_requests"] == 0
     assert engine.cache.pool.num_in_use_blocks == 0
     engine.check_integrity()
+
+
+def test_model_loading_runs_on_a_thread_that_exits_and_errors_come_back():
+    import threading
+
+    from kvmesh.workers.engine import _run_on_own_thread
+
+    seen = []
+    assert _run_on_own_thread(lambda: seen.append(threading.current_thread()) or 7) == 7
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+    with pytest.raises(ValueError, match="model directory not found"):  # raised on the loading thread
+        Engine(model_dir="/nonexistent-kvmesh-model", num_blocks=8)
