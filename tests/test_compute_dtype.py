@@ -150,3 +150,44 @@ def test_router_keeps_the_tagged_id_in_use_on_a_tie():
     # a majority still decides
     sel = compat.select({"a": lease(tagged), "c": lease("m"), "d": lease("m")})
     assert sel.model_id == "m" and set(sel.workers) == {"c", "d"}
+
+
+def test_host_and_disk_tier_hits_equal_cold_with_float32_compute(bf16_ckpt, tmp_path):
+    """The bf16 pool's blocks go down to the host tier and disk and come back into a
+    float32-computing engine: same tokens as a cold run, and the host hit reads back the very
+    bytes a device hit reads (identical logits)."""
+    from kvmesh.cache_store.tier_store import TierConfig
+
+    eng = Engine(model_dir=bf16_ckpt, block_size=16, num_blocks=64, compute_dtype="float32",
+                 tiers=TierConfig(host_bytes=64 << 20, disk_dir=str(tmp_path), disk_bytes=64 << 20,
+                                  peer_bytes=0)).start()
+    try:
+        rows: list[torch.Tensor] = []
+        eng.logits_hook = lambda rid, row: rows.append(row.clone())
+        sp = SamplingParams(max_tokens=4, temperature=0.0)
+        prompt = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(9)).tolist()
+
+        def one() -> tuple[dict, list[torch.Tensor]]:
+            rows.clear()
+            out = eng.generate(prompt, sp)
+            return out, list(rows)
+
+        eng.clear_cache()
+        cold, cold_rows = one()
+        dev, dev_rows = one()
+        assert dev["usage"]["cached_tokens_by_tier"]["device"] == 112
+        eng.offload_device_cache()
+        assert eng.tiers.flush(30)
+        host, host_rows = one()
+        assert host["usage"]["cached_tokens_by_tier"]["host"] == 112
+        assert cold["token_ids"] == dev["token_ids"] == host["token_ids"]
+        assert all(torch.equal(a, b) for a, b in zip(host_rows, dev_rows))
+        assert max(float((a - b).abs().max()) for a, b in zip(host_rows, cold_rows)) < 1e-4
+        eng.offload_device_cache()
+        eng.drop_host_tier()
+        disk, disk_rows = one()
+        assert disk["usage"]["cached_tokens_by_tier"]["disk"] == 112
+        assert disk["token_ids"] == cold["token_ids"]
+        assert all(torch.equal(a, b) for a, b in zip(disk_rows, dev_rows))
+    finally:
+        eng.stop()

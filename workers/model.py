@@ -514,16 +514,21 @@ class DecoderModel(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype,
+              max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, 1, D]`` for the given positions, computed in float32 then cast to ``dtype``.
 
         Rows come from a per-(device, dtype) table of every position seen so far (grown to the
         next power of two, at most ``max_position_embeddings``), so a step gathers ``T`` rows
         instead of evaluating ``2 * T * D`` transcendental functions; the table's rows are the
         same float32 formula, so values are bit-identical to computing them per step.
+        ``max_position`` (the largest of ``positions``, known from the step's metadata) spares
+        reading it back from the device, a synchronisation on CUDA.
         """
         dev = positions.device
-        need = int(positions.max()) + 1 if positions.numel() else 1
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else 0
+        need = max_position + 1
         key = (dev, dtype)
         table = self._rope_tables.get(key)
         if table is None or table[0].shape[0] < need:
@@ -681,7 +686,8 @@ class DecoderModel(nn.Module):
         plan = self._plan(meta, device, kv_cache.dtype, self.attention_backend)
 
         h = self.embed_tokens(input_ids)
-        cos, sin = self._rope(positions, h.dtype)
+        last = max((c + q for c, q in zip(meta.context_lens, meta.query_lens)), default=1) - 1
+        cos, sin = self._rope(positions, h.dtype, last)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache, i, slot_blocks, slot_offsets, plan, bs)
 
