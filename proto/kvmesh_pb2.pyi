@@ -234,16 +234,22 @@ class RouterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "address", "load", "cached_blocks")
+    __slots__ = ("worker_id", "address", "load", "cached_blocks", "model_id", "block_size", "routed_around")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_AROUND_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     load: Load
     cached_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+    model_id: str
+    block_size: int
+    routed_around: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., cached_blocks: _Optional[int] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., routed_around: _Optional[str] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
     __slots__ = ("policy", "workers", "indexed_blocks", "details_withheld")

@@ -187,19 +187,25 @@ class HttpFront:
         registry: Prometheus registry served at ``/metrics`` (None: 404 there).
         authenticate: ``Authorization`` header -> tenant; raising answers 401. None
             allows anonymous requests.
+        check_key: ``Authorization`` header -> anything, raising for a refused key; guards
+            ``GET /v1/models`` when ``authenticate`` is None and Generate checks keys
+            itself (the router's and worker's fronts: their gRPC gate resolves tenants
+            from the forwarded header). None: the listing is open when ``authenticate``
+            is None.
         max_model_len: context limit (tokens), for chat's default ``max_tokens``.
         timeout_s: deadline of each request (seconds).
     """
 
     def __init__(self, generate, tokenizer, model_id: str, model_dir: str | None = None, registry=None,
                  authenticate: Authenticator | None = None, max_model_len: int | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, check_key: Authenticator | None = None):
         self.generate = generate
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.chat_template = ChatTemplate.for_model(model_dir)
         self.registry = registry
         self.authenticate = authenticate
+        self.check_key = check_key
         self.max_model_len = max_model_len
         self.timeout_s = timeout_s
         self.created = int(time.time())
@@ -246,6 +252,8 @@ class HttpFront:
 
     async def models(self, request: web.Request) -> web.Response:
         await self._tenant(request)
+        if self.authenticate is None and self.check_key is not None:
+            await self._call_auth(self.check_key, request)
         return web.json_response({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "kvmesh"}]})
 
@@ -261,14 +269,18 @@ class HttpFront:
         """The authenticated tenant, None when anonymous requests are allowed."""
         if self.authenticate is None:
             return None
+        return str(await self._call_auth(self.authenticate, request) or "")
+
+    @staticmethod
+    async def _call_auth(check: Authenticator, request: web.Request):
         try:
-            tenant = self.authenticate(request.headers.get("Authorization"))
-            if inspect.isawaitable(tenant):
-                tenant = await tenant
+            out = check(request.headers.get("Authorization"))
+            if inspect.isawaitable(out):
+                out = await out
         except Exception as exc:  # noqa: BLE001 - whatever the authenticator raises means "no"
             raise HttpError(401, str(exc) or "invalid or missing API key: send Authorization: Bearer KEY",
                             "authentication_error", code="invalid_api_key") from None
-        return str(tenant or "")
+        return out
 
     async def _body(self, request: web.Request) -> dict:
         try:

@@ -101,3 +101,7 @@ class Compatibility:
                 if self._logged.pop(wid, None) is not None:
                     log.info("worker %s is compatible again; routing to it", wid)
         return Selection(usable, block_size, model, "")
+
+    def reason(self, worker_id: str) -> str:
+        """Why the last `select` left ``worker_id`` out ("" when it did not, or never saw it)."""
+        return self._logged.get(worker_id, "")

@@ -70,10 +70,22 @@ async def start_worker_extras(servicer, host: str, metrics_port: int | None, htt
 
         front = HttpFront(servicer.Generate, servicer.engine.tokenizer, servicer.engine.config.model_id,
                           model_dir=getattr(servicer.engine, "model_dir", None), registry=metrics.registry,
-                          max_model_len=servicer.engine.max_model_len, authenticate=authenticate)
+                          max_model_len=servicer.engine.max_model_len, authenticate=authenticate,
+                          check_key=_key_check(servicer))
         extras.http_port = await front.start(host, http_port, ssl_context)
         extras._stops.append(front.stop)
     return extras
+
+
+def _key_check(servicer):
+    """``Authorization`` header -> tenant under the servicer's gate when it requires API
+    keys (raises `services.auth.Unauthenticated` for a missing or unknown key), else None:
+    the HTTP front's ``GET /v1/models`` then asks for a key exactly when Generate does."""
+    gate = getattr(servicer, "gate", None)
+    auth = getattr(gate, "auth", None)
+    if auth is None or not auth.requires_key:
+        return None
+    return lambda header: auth.tenant_for(header)
 
 
 async def start_router_extras(servicer, host: str, metrics_port: int | None, http_port: int | None,
@@ -104,7 +116,8 @@ async def start_router_extras(servicer, host: str, metrics_port: int | None, htt
 
         front = HttpFront(servicer.Generate, servicer.tokenizer, servicer.config.model_id,
                           model_dir=getattr(servicer, "model_dir", None), registry=metrics.registry,
-                          authenticate=authenticate, max_model_len=servicer.config.max_position_embeddings)
+                          authenticate=authenticate, max_model_len=servicer.config.max_position_embeddings,
+                          check_key=_key_check(servicer))
         extras.http_port = await front.start(host, http_port, ssl_context)
         extras._stops.append(front.stop)
     return extras

@@ -46,7 +46,9 @@ def router_status(target: str, timeout: float = 10.0, api_key: str | None = None
 
     Returns ``{"policy", "indexed_blocks", "workers": [{"worker_id", "address",
     "cached_blocks", "running_requests", "waiting_requests", "queued_prefill_tokens",
-    "free_blocks", "total_blocks"}]}`` (blocks are KV blocks, the router's index counts), plus
+    "free_blocks", "total_blocks", "model_id", "block_size", "routed_around"}]}`` (blocks are
+    KV blocks, the router's index counts, over every namespace: all tenants and models;
+    ``routed_around`` is "" for a worker the router sends requests to, else why it does not), plus
     ``"details_withheld": True`` when the router showed only its policy to a caller that is
     not a cluster peer.
     ``api_key`` goes in the ``authorization: Bearer KEY`` metadata; ``tls_ca`` makes the channel TLS,
@@ -75,7 +77,8 @@ def router_status(target: str, timeout: float = 10.0, api_key: str | None = None
                         "running_requests": int(w.load.running_requests),
                         "waiting_requests": int(w.load.waiting_requests),
                         "queued_prefill_tokens": int(w.load.queued_prefill_tokens),
-                        "free_blocks": int(w.load.free_blocks), "total_blocks": int(w.load.total_blocks)})
+                        "free_blocks": int(w.load.free_blocks), "total_blocks": int(w.load.total_blocks),
+                        "model_id": w.model_id, "block_size": int(w.block_size), "routed_around": w.routed_around})
     out = {"policy": st.policy, "indexed_blocks": int(st.indexed_blocks), "workers": workers}
     if st.details_withheld:
         out["details_withheld"] = True
@@ -89,18 +92,22 @@ def status_table(status: dict) -> str:
         return (f"router policy {status['policy']}; workers, loads and cached blocks are shown to cluster peers "
                 "only: pass --tls-cert/--tls-key of a certificate the cluster CA signed (kvmesh up: "
                 "RUN_DIR/credentials/peer.pem and peer.key)\n")
-    lines = [f"router policy {status['policy']}, {len(workers)} live workers, "
-             f"{status['indexed_blocks']:,} KV blocks indexed"]
-    header = ("worker", "address", "running", "waiting", "queued prefill tokens", "free / total blocks",
+    around = [w for w in workers if w.get("routed_around")]
+    lines = [f"router policy {status['policy']}, {len(workers)} live workers"
+             + (f" ({len(around)} routed around, below)" if around else "")
+             + f", {status['indexed_blocks']:,} KV blocks indexed (all tenants and models)"]
+    header = ("worker", "address", "routed", "running", "waiting", "queued prefill tokens", "free / total blocks",
               "cached blocks")
-    rows = [(w["worker_id"], w["address"], str(w["running_requests"]), str(w["waiting_requests"]),
-             f"{w['queued_prefill_tokens']:,}", f"{w['free_blocks']:,} / {w['total_blocks']:,}",
-             f"{w['cached_blocks']:,}") for w in workers]
+    rows = [(w["worker_id"], w["address"], "no" if w.get("routed_around") else "yes", str(w["running_requests"]),
+             str(w["waiting_requests"]), f"{w['queued_prefill_tokens']:,}",
+             f"{w['free_blocks']:,} / {w['total_blocks']:,}", f"{w['cached_blocks']:,}") for w in workers]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     if not workers:
         lines.append("(no live workers: check that workers run with the router's --redis-url and --cluster)")
+    for w in around:
+        lines.append(f"not routing to {w['worker_id']}: {w['routed_around']}")
     return "\n".join(lines) + "\n"
 
 

@@ -256,6 +256,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         if not self.gate.caller(context).is_peer:  # addresses and loads are for operators
             return pb.RouterStatus(policy=self.policy_name, details_withheld=True)
         live = self.subscriber.live_workers()
+        usable = self.compat.select(live).workers
         out = pb.RouterStatus(policy=self.policy_name, indexed_blocks=self.index.num_blocks())
         for wid, info in sorted(live.items()):
             load = info.get("load") or {}
@@ -264,7 +265,9 @@ class RouterServicer(pb_grpc.RouterServicer):
                 load=pb.Load(**{k: int(load.get(k, 0)) for k in (
                     "running_requests", "waiting_requests", "queued_prefill_tokens", "free_blocks",
                     "total_blocks")}),
-                cached_blocks=self.index.num_blocks(wid)))
+                cached_blocks=self.index.num_blocks(wid), model_id=str(info.get("model_id", "")),
+                block_size=int(info.get("block_size", 0) or 0),
+                routed_around="" if wid in usable else (self.compat.reason(wid) or "not compatible")))
         return out
 
 

@@ -110,7 +110,11 @@ def test_router_with_the_checkpoint_serves_text_through_tagged_workers(bf16_ckpt
     """Real redis-server, worker and router processes on one bf16 checkpoint: the worker
     computes in float32 and advertises the tagged id; a router started with the same
     ``--model`` tokenizes text, hashes under the tagged id and routes to it (prefix hit on
-    the second request, same tokens as the first)."""
+    the second request, same tokens as the first). A second worker with another block size
+    is routed around, and `kvmesh status` says so and why."""
+    import time
+
+    from kvmesh.services.ops_cli import router_status, status_table
     from kvmesh.services.client import KvmeshClient
     from kvmesh.services.procs import RedisServer, free_port, python_cmd, spawn, stop_process, wait_healthy
 
@@ -122,9 +126,24 @@ def test_router_with_the_checkpoint_serves_text_through_tagged_workers(bf16_ckpt
                                       "1", "--model", bf16_ckpt, "--compute-dtype", "float32", "--num-blocks", "128",
                                       "--redis-url", redis.url, "--cluster", "cd"), str(tmp_path / "w0.log")))
         wait_healthy(waddr, proc=procs[-1])
+        w1addr = f"127.0.0.1:{free_port()}"
+        procs.append(spawn(python_cmd("worker", "--port", w1addr.rsplit(":", 1)[1], "--worker-id", "w1", "--threads",
+                                      "1", "--model", bf16_ckpt, "--compute-dtype", "float32", "--num-blocks", "64",
+                                      "--block-size", "32", "--redis-url", redis.url, "--cluster", "cd"),
+                           str(tmp_path / "w1.log")))
+        wait_healthy(w1addr, proc=procs[-1])
         procs.append(spawn(python_cmd("router", "--port", raddr.rsplit(":", 1)[1], "--model", bf16_ckpt,
                                       "--redis-url", redis.url, "--cluster", "cd"), str(tmp_path / "router.log")))
         wait_healthy(raddr, proc=procs[-1])
+        deadline = time.monotonic() + 60
+        while len((status := router_status(raddr))["workers"]) < 2:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.2)
+        by_id = {w["worker_id"]: w for w in status["workers"]}
+        assert by_id["w0"]["routed_around"] == "" and by_id["w0"]["block_size"] == 16
+        assert by_id["w0"]["model_id"].endswith("+compute=float32")
+        assert "--block-size 16" in by_id["w1"]["routed_around"] and by_id["w1"]["block_size"] == 32
+        assert "not routing to w1" in status_table(status)
         prompt = "A shared system prompt long enough for several sixteen-token blocks of bytes. Question: 1"
         with KvmeshClient(raddr, backoff_s=0.2, retries=20) as c:
             first = c.generate(prompt, max_tokens=4, temperature=0.0, timeout=60)

@@ -45,6 +45,7 @@ def cluster(tmp_path_factory):
     with open(creds.api_keys, "a") as f:  # tenant "default" (creds.api_key) plus three more
         f.write(f"tenant-b {hash_key(KEY_B)}\ntenant-c {KEY_C} shared\ntenant-d {hash_key(KEY_D)} shared\n")
     c = LocalCluster(ClusterSpec(num_workers=2, num_blocks=256, threads_per_worker=1, secure=True, run_dir=run_dir,
+                                 http_port=0,
                                  log_dir=str(tmp_path_factory.mktemp("logs")),
                                  extra_worker_args=["--peer-fetch", "always", "--peer-fetch-max-s", "10"]))
     c.credentials = creds
@@ -186,6 +187,38 @@ def test_absent_or_unknown_api_key_is_unauthenticated(cluster):
             with pytest.raises(grpc.RpcError) as err:
                 generate(target, token_ids=ids, max_tokens=2, timeout=60, **creds)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (target, creds)
+
+
+def test_http_front_asks_for_a_key_on_every_route(cluster):
+    """The router's HTTPS front: the model listing, like completions, needs an API key."""
+    import json
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    ctx = ssl.create_default_context(cafile=cluster.credentials.ca)
+    url = cluster.http_url
+    assert url.startswith("https://")
+
+    def get(path, key=None, body=None):
+        req = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {key}"} if key else {})})
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    for key in (None, "not-a-key-of-this-cluster"):
+        status, body = get("/models", key)
+        assert status == 401 and body["error"]["type"] == "authentication_error", (key, status, body)
+        status, body = get("/completions", key, {"prompt": [1, 2, 3], "max_tokens": 1})
+        assert status == 401, (key, status, body)
+    status, body = get("/models", cluster.credentials.api_key)
+    assert status == 200 and len(body["data"]) == 1
+    status, body = get("/completions", KEY_B, {"prompt": [1, 2, 3], "max_tokens": 1})
+    assert status == 200 and body["usage"]["completion_tokens"] == 1
 
 
 def test_tenant_b_with_a_salt_gets_no_cached_tokens(cluster):
