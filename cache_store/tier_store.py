@@ -70,6 +70,7 @@ from kvmesh.cache_store.block_record import (
 )
 from kvmesh.cache_store.disk_tier import DiskEntry, DiskTier, SegmentReadError
 from kvmesh.cache_store.events import BlockRemoved, BlockStored
+from kvmesh.cache_store.fresh_thread import run_on_fresh_thread
 from kvmesh.cache_store.host_tier import HostTier
 from kvmesh.cache_store.kv_codec import CODECS, KVCodec, make_codec
 from kvmesh.cache_store.prefix_cache import EvictedBlock
@@ -447,7 +448,8 @@ class TierStore:
                 batch = [self._rjobs.popleft() for _ in range(min(per_batch, len(self._rjobs)))]
                 self._rwriting += 1
             try:
-                stored, _ = self.remote.put_many(self._records(batch, self.remote_codec))
+                records = run_on_fresh_thread(self._records, batch, self.remote_codec, name="kvmesh-encode")
+                stored, _ = self.remote.put_many(records)
             except Exception:  # a bug here must not kill the writer: log it, count it, go on
                 log.exception("remote tier: put failed")
                 with self.lock:
@@ -509,7 +511,7 @@ class TierStore:
         pending: list[tuple[Future, list[RecordMeta], list[_WriteJob]]] = []
         error: OSError | None = None
         for seg_id, batch in groups:
-            items = self._records(batch, self.disk_codec)
+            items = run_on_fresh_thread(self._records, batch, self.disk_codec, name="kvmesh-encode")
             pending.append((self._io.submit(self.disk.write_segment, seg_id, items, False),
                             [m for m, _ in items], batch))
         written = []

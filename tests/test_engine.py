@@ -249,13 +249,17 @@ def test_abort_frees_blocks(engine):
     engine.check_integrity()
 
 
-def test_model_loading_runs_on_a_thread_that_exits_and_errors_come_back():
+def test_model_loading_runs_on_a_thread_that_exits_and_errors_come_back(monkeypatch):
     import threading
 
-    from kvmesh.workers.engine import _run_on_own_thread
+    from kvmesh.workers import engine as engine_mod
 
     seen = []
-    assert _run_on_own_thread(lambda: seen.append(threading.current_thread()) or 7) == 7
+    real = engine_mod.load_model
+    monkeypatch.setattr(engine_mod, "load_model", lambda *a, **kw: seen.append(threading.current_thread())
+                        or real(*a, **kw))
+    Engine(num_blocks=8)
     assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+    monkeypatch.setattr(engine_mod, "load_model", real)
     with pytest.raises(ValueError, match="model directory not found"):  # raised on the loading thread
         Engine(model_dir="/nonexistent-kvmesh-model", num_blocks=8)

@@ -25,6 +25,7 @@ import torch
 
 from kvmesh.cache_store.block_record import ZERO_HASH, RecordMeta, checksum, dtype_name
 from kvmesh.cache_store.events import MEDIUMS
+from kvmesh.cache_store.fresh_thread import run_on_fresh_thread
 from kvmesh.cache_store.hashing import Namespace, hash_blocks
 from kvmesh.cache_store.prefix_cache import PrefixCache
 from kvmesh.cache_store.tier_store import TierConfig, TierStore
@@ -98,11 +99,12 @@ class Engine:
         self.model_dir = model_dir
         # Loaded on a short-lived thread: an OpenMP thread team stays with every thread that
         # ran a parallel torch op, and an idle team on the caller's (long-lived) thread made
-        # each of the engine thread's steps after an idle gap ~1.5x slower on a 2-core box.
-        self.config, self.model = _run_on_own_thread(lambda: load_model(model_dir, device=device, seed=seed))
+        # each of the engine thread's steps after an idle gap ~1.5x slower on a 2-core box
+        # (`cache_store.fresh_thread`).
+        self.config, self.model = run_on_fresh_thread(lambda: load_model(model_dir, device=device, seed=seed))
         self.compute_dtype = model_identity.resolve_compute_dtype(compute_dtype, self.config.dtype, str(self.device))
         if self.compute_dtype != self.config.dtype:  # weights upcast once; the KV pool keeps config.dtype
-            _run_on_own_thread(lambda: self.model.to(getattr(torch, self.compute_dtype)))
+            run_on_fresh_thread(lambda: self.model.to(getattr(torch, self.compute_dtype)))
         self.model.eval()
         #: The id this worker's KV is hashed and advertised under (`model_identity.kv_model_id`).
         self.kv_model_id = model_identity.kv_model_id(self.config.model_id, self.config.dtype, self.compute_dtype)
@@ -112,7 +114,7 @@ class Engine:
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.max_waiting = max_waiting
-        self.kv_cache = _run_on_own_thread(lambda: allocate_kv_cache(self.config, num_blocks, block_size, self.device))
+        self.kv_cache = run_on_fresh_thread(lambda: allocate_kv_cache(self.config, num_blocks, block_size, self.device))
         self.tiers = TierStore(self.kv_cache, tiers, event_sink) if tiers is not None and tiers.enabled else None
         offload = self.tiers.offload if self.tiers is not None and self.tiers.can_offload else None
         self.cache = PrefixCache(num_blocks, block_size, event_sink=event_sink, on_offload=offload)
@@ -644,25 +646,6 @@ class Engine:
         """Pool and index invariants hold (raises otherwise)."""
         with self._lock:
             self.cache.check_integrity()
-
-
-def _run_on_own_thread(fn: Callable[[], object]):
-    """``fn()`` on a new thread that exits afterwards (its OpenMP team goes with it); returns
-    its result or re-raises its exception here."""
-    box: dict = {}
-
-    def body() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
-            box["error"] = exc
-
-    t = threading.Thread(target=body, name="kvmesh-engine-init")
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def sample_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvmesh.cache_store.block_record import RECORD_FORMAT_VERSION, RecordError, RecordMeta, verify_payload
+from kvmesh.cache_store.fresh_thread import to_fresh_thread
 from kvmesh.cache_store.hashing import hash_blocks
 from kvmesh.workers.grpc_host import ChannelPool
 
@@ -283,7 +284,7 @@ class PeerFetcher:
             model.observe(first_at - t0, res.nbytes - (len(verified[0][1]) if verified else 0), end - first_at)
         if verified:
             try:
-                res.staged = await asyncio.to_thread(tiers.stage, verified)
+                res.staged = await to_fresh_thread(tiers.stage, verified, name="kvmesh-stage")
             except RecordError as exc:
                 res.outcome = f"not staged: {exc}"
         return self._done(res)

@@ -21,6 +21,7 @@ credentials. Without a gate (no TLS) every caller is trusted, as on a private ne
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import time
@@ -33,6 +34,7 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.workers import limits, wire
 from kvmesh.cache_store.block_record import RECORD_FORMAT_VERSION
+from kvmesh.cache_store.fresh_thread import run_on_fresh_thread, to_fresh_thread
 from kvmesh.cache_store.hashing import HASH_BYTES
 from kvmesh.workers.engine import Engine
 from kvmesh.workers.grpc_host import GrpcHost
@@ -128,8 +130,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 await self._fetch_prefix(request, prompt_ids, sampling, context, tenant, salt)
             if self.engine.tiers is not None and self.engine.tiers.can_prefetch:
                 self.engine.validate([int(t) for t in prompt_ids], sampling)  # no read for a bad request
-                await loop.run_in_executor(self._prefetch_pool, self.engine.prefetch, prompt_ids,
-                                           salt, request.adapter_id, tenant)
+                # the pool bounds concurrent prefetches; each runs its torch copies on a
+                # short-lived thread (`cache_store.fresh_thread`)
+                await loop.run_in_executor(self._prefetch_pool, functools.partial(
+                    run_on_fresh_thread, self.engine.prefetch, prompt_ids, salt, request.adapter_id, tenant,
+                    name="kvmesh-prefetch"))
             # the engine keys requests by its own unique id: two clients reusing one
             # request_id never cancel each other
             engine_rid = self.engine.submit(prompt_ids, sampling, on_output,
@@ -213,8 +218,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                 f"block_hashes[{bad}] has {len(hashes[bad])} bytes; hashes are {HASH_BYTES} bytes")
         for start in range(0, len(hashes), FETCH_BATCH):
             batch = hashes[start:start + FETCH_BATCH]
-            records = await asyncio.to_thread(self.engine.export_blocks, batch,
-                                              hashes[start - 1] if start else None, start > 0)
+            records = await to_fresh_thread(self.engine.export_blocks, batch,
+                                            hashes[start - 1] if start else None, start > 0, name="kvmesh-export")
             for meta, payload in records:
                 yield pb.BlockData(block_hash=meta.block_hash, parent_block_hash=meta.parent_hash,
                                    token_ids=meta.token_bytes, codec=meta.codec, dtype=meta.dtype,
