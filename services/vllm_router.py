@@ -387,18 +387,27 @@ class VllmRouter:
                 return exc.response()
 
         app = web.Application(middlewares=[errors])
-        app.router.add_post("/v1/completions", lambda r: self.forward(r, "/v1/completions"))
-        app.router.add_post("/v1/chat/completions", lambda r: self.forward(r, "/v1/chat/completions"))
+        async def completions(request):
+            return await self.forward(request, "/v1/completions")
+
+        async def chat_completions(request):
+            return await self.forward(request, "/v1/chat/completions")
+
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_post("/v1/chat/completions", chat_completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         return app
 
     async def _models(self, request: web.Request) -> web.Response:
+        # the caller's key goes along, as on completions: a vLLM server started with
+        # --api-key answers the listing only to a caller holding a key
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         for st in self.servers.values():
             if st.live:
                 assert self._session is not None
-                async with self._session.get(st.spec.url + "/v1/models") as r:
+                async with self._session.get(st.spec.url + "/v1/models", headers=headers) as r:
                     return web.json_response(await r.json(), status=r.status)
         raise _HttpError(503, "no live vLLM server", type_="service_unavailable")
 

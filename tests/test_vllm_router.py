@@ -42,3 +42,53 @@ def test_router_flag_errors(argv, word, capsys):
         args.func(args)
     assert exit_.value.code == 2
     assert word in capsys.readouterr().err
+
+
+def test_model_listing_passes_the_callers_key_to_the_server():
+    """A vLLM server started with --api-key lists its model only to a caller with the key;
+    the router forwards the caller's Authorization header (as on completions). The server
+    here is a stand-in that answers /v1/models as vLLM does with --api-key."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from kvmesh.services.vllm_compat import VllmHashConfig
+    from kvmesh.services.vllm_router import VllmRouter
+
+    async def models(request):
+        if request.headers.get("Authorization") != "Bearer k1":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def run():
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        router = VllmRouter([VllmServerSpec("a", f"http://127.0.0.1:{port}", "tcp://127.0.0.1:1")], VllmHashConfig())
+        router.servers["a"].live = True
+        router._session = aiohttp.ClientSession()
+        front = web.AppRunner(router.app())
+        await front.setup()
+        fsite = web.TCPSite(front, "127.0.0.1", 0)
+        await fsite.start()
+        url = f"http://127.0.0.1:{front.addresses[0][1]}/v1/models"
+        out = []
+        try:
+            async with aiohttp.ClientSession() as s:
+                for key in (None, "k1"):
+                    async with s.get(url, headers={"Authorization": f"Bearer {key}"} if key else {}) as r:
+                        out.append((r.status, await r.json()))
+        finally:
+            await router._session.close()
+            await front.cleanup()
+            await runner.cleanup()
+        return out
+
+    (no_key, _), (with_key, body) = asyncio.run(run())
+    assert no_key == 401
+    assert with_key == 200 and body["data"][0]["id"] == "m"
