@@ -279,10 +279,10 @@ def run(vllm_python: str | None = None, rounds: int = 3, threads: int = 2, cold_
 
     model_dir = tempfile.mkdtemp(prefix="kvmesh-peer-")
     # written on a short-lived thread, as the engine loads its model: an idle OpenMP team left
-    # on this thread would slow the engine thread's steps (see `workers.engine._run_on_own_thread`)
-    from kvmesh.workers.engine import _run_on_own_thread
+    # on this thread would slow the engine thread's steps (see `cache_store.fresh_thread`)
+    from kvmesh.cache_store.fresh_thread import run_on_fresh_thread
 
-    _run_on_own_thread(lambda: save_tiny_checkpoint(model_dir, model_config(), seed=seed))
+    run_on_fresh_thread(lambda: save_tiny_checkpoint(model_dir, model_config(), seed=seed))
     longest = max(max(cold_lengths), HIT_TOKENS, DECODE_REQUESTS * (DECODE_PROMPT + DECODE_OUTPUT))
     ours = KvmeshSide(model_dir, num_blocks=4 * longest // BLOCK_SIZE + 256)
     peer = VllmSide(vllm_python, model_dir, threads, kv_gib) if vllm_python else None

@@ -37,3 +37,16 @@ def test_model_config_is_the_issue_shape():
     cfg = peer_engine.model_config()
     assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dtype) == (4096, 512, 1376, 8, 8, 2, "bfloat16")
+
+
+def test_kvmesh_alone_runs_every_scenario():
+    """One short round of every scenario, kvmesh alone (no peer): in-flight sharing reports
+    7 x 384 cached tokens, the fp32 check agrees with HF, and ratios stay empty."""
+    from kvmesh.bench.peer_engine import run
+
+    r = run(rounds=1, cold_lengths=(64,), fp32_prompts=1)
+    assert r["shared_prefix_cached_tokens"] == r["shared_prefix_cached_tokens_expected"] == 7 * 384
+    assert r["fp32_equal"] == "1/1"
+    assert r["vllm"] is None and r["cold_ttft_ratio"] == {"64": None} and r["hit_ttft_ratio"] is None
+    ours = r["kvmesh"]
+    assert ours["cold_ttft_ms"]["64"] > 0 and ours["hit_ttft_ms"] > 0 and ours["decode_tok_s"] > 0
