@@ -1,7 +1,8 @@
 """Forward passes in another dtype than the checkpoint's: float32 compute over a bf16 pool.
 
-A bfloat16 checkpoint on a CPU without AMX runs its forward in float32 (faster there, see
-`workers.model_identity.resolve_compute_dtype`) while the KV pool stays bfloat16. Checked:
+A bfloat16 checkpoint on a CPU without AMX whose float32 GEMM measures faster than its
+bfloat16 one runs its forward in float32 (see `workers.model_identity.resolve_compute_dtype`)
+while the KV pool stays bfloat16. Checked:
 the choice itself, that cached prefixes give the cold run's tokens and logits, that the pool
 and the namespace follow, and that a router matches tagged workers to its checkpoint.
 """
@@ -23,18 +24,46 @@ from kvmesh.workers.request import SamplingParams
 
 
 def test_resolve_compute_dtype(monkeypatch):
+    probed = []
+
+    def gemm(seconds):
+        def probe(dtype):
+            probed.append(dtype)
+            return seconds[dtype], 1.0
+        return probe
+
     monkeypatch.setattr(model_identity, "cpu_has_amx", lambda: False)
+    # float32 clearly faster (a CPU whose bf16/fp16 GEMM is slow): float32
+    monkeypatch.setattr(model_identity, "cpu_gemm_seconds", gemm({"bfloat16": 1.6, "float16": 3.0}))
     assert resolve_compute_dtype("auto", "bfloat16", "cpu") == "float32"
     assert resolve_compute_dtype("auto", "float16", "cpu") == "float32"
+    # bf16 faster (AVX512_BF16 doing well), or float32 ahead by less than the margin: the checkpoint's
+    monkeypatch.setattr(model_identity, "cpu_gemm_seconds", gemm({"bfloat16": 0.25, "float16": 1.2}))
+    assert resolve_compute_dtype("auto", "bfloat16", "cpu") == "bfloat16"
+    assert resolve_compute_dtype("auto", "float16", "cpu") == "float16"
+    assert probed == ["bfloat16", "float16", "bfloat16", "float16"]
+    probed.clear()
     assert resolve_compute_dtype("auto", "float32", "cpu") == "float32"
     assert resolve_compute_dtype("auto", "bfloat16", "cuda:0") == "bfloat16"
     assert resolve_compute_dtype("model", "bfloat16", "cpu") == "bfloat16"
     assert resolve_compute_dtype("bf16", "float32", "cpu") == "bfloat16"
     monkeypatch.setattr(model_identity, "cpu_has_amx", lambda: True)
     assert resolve_compute_dtype("auto", "bfloat16", "cpu") == "bfloat16"
+    assert probed == []  # nothing to measure there
     for bad in ("int8", "fp8", "", "float64"):
         with pytest.raises(ValueError, match="compute dtype"):
             resolve_compute_dtype(bad, "bfloat16", "cpu")
+
+
+def test_gemm_probe_measures_both_dtypes_once():
+    import threading
+
+    model_identity._probe_cache.pop("bfloat16", None)
+    before = threading.active_count()
+    low, f32 = model_identity.cpu_gemm_seconds("bfloat16")
+    assert 0 < low < 1 and 0 < f32 < 1
+    assert model_identity.cpu_gemm_seconds("bfloat16") == (low, f32)  # cached: the choice cannot flip
+    assert threading.active_count() == before  # measured on a thread that is gone
 
 
 def test_kv_model_id_tags_only_a_different_compute_dtype():

@@ -103,6 +103,7 @@ class Engine:
         # (`cache_store.fresh_thread`).
         self.config, self.model = run_on_fresh_thread(lambda: load_model(model_dir, device=device, seed=seed))
         self.compute_dtype = model_identity.resolve_compute_dtype(compute_dtype, self.config.dtype, str(self.device))
+        self._compute_auto = compute_dtype == "auto"
         if self.compute_dtype != self.config.dtype:  # weights upcast once; the KV pool keeps config.dtype
             run_on_fresh_thread(lambda: self.model.to(getattr(torch, self.compute_dtype)))
         self.model.eval()
@@ -157,7 +158,10 @@ class Engine:
             attention = "C++ kernel" if attention.startswith("loaded") else f"torch SDPA ({attention})"
         else:
             attention = "torch SDPA"
-        return (f"model {self.kv_model_id}, {self.config.dtype} checkpoint computed in {self.compute_dtype}, "
+        probe = model_identity._probe_cache.get(self.config.dtype) if self._compute_auto else None
+        why = "" if probe is None else (f" (auto: a {self.config.dtype} GEMM measured {probe[1] / probe[0]:.2f}x "
+                                        f"float32's speed here)")
+        return (f"model {self.kv_model_id}, {self.config.dtype} checkpoint computed in {self.compute_dtype}{why}, "
                 f"{str(self.kv_cache.dtype).replace('torch.', '')} KV pool, attention: {attention}")
 
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:

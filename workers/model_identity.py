@@ -156,15 +156,56 @@ def cpu_has_amx() -> bool:
     return False
 
 
+#: ``auto`` computes in float32 only when a float32 GEMM is at least this many times as
+#: fast as one in the checkpoint's dtype on this CPU (a margin, so that noise near a tie
+#: does not flip the choice, and with it the namespace, between restarts).
+FLOAT32_MARGIN = 1.25
+#: Shape of the probe GEMM ``[M, K] x [K, N]``: a 256-token chunk through a 1,024-wide layer.
+PROBE_SHAPE = (256, 1024, 1024)
+_probe_cache: dict[str, tuple[float, float]] = {}
+
+
+def cpu_gemm_seconds(dtype: str) -> tuple[float, float]:
+    """(seconds of one ``PROBE_SHAPE`` GEMM in ``dtype``, the same in float32) on this CPU,
+    best of 5 interleaved runs each, with torch's current thread count; measured once per
+    process and dtype (about 20-60 ms) on a short-lived thread (`cache_store.fresh_thread`).
+    """
+    if dtype not in _probe_cache:
+        import time
+
+        import torch
+
+        from kvmesh.cache_store.fresh_thread import run_on_fresh_thread
+
+        def probe() -> tuple[float, float]:
+            m, k, n = PROBE_SHAPE
+            gen = torch.Generator().manual_seed(0)
+            xs = {d: torch.randn(m, k, generator=gen).to(getattr(torch, d)) for d in (dtype, "float32")}
+            ws = {d: torch.randn(n, k, generator=gen).to(getattr(torch, d)) for d in (dtype, "float32")}
+            best = {dtype: float("inf"), "float32": float("inf")}
+            for _ in range(6):
+                for d in (dtype, "float32"):
+                    t = time.perf_counter()
+                    torch.nn.functional.linear(xs[d], ws[d])
+                    best[d] = min(best[d], time.perf_counter() - t)  # first round: warm-up, usually the max
+            return best[dtype], best["float32"]
+
+        _probe_cache[dtype] = run_on_fresh_thread(probe, name="kvmesh-gemm-probe")
+    return _probe_cache[dtype]
+
+
 def resolve_compute_dtype(requested: str, storage_dtype: str, device: str) -> str:
     """The dtype a worker's forward runs in, as a torch dtype name.
 
-    ``"model"`` keeps the checkpoint's dtype; a dtype name is taken as is; ``"auto"`` picks
-    float32 for a bfloat16/float16 checkpoint on a CPU without AMX, the checkpoint's dtype
-    otherwise. Without AMX, torch's bfloat16 GEMM (oneDNN) ran at ~160 GFLOP/s on this
-    project's 2-core AVX-512 test machine against ~250 for float32 (MKL), and its CPU flash
-    attention ~1.4x slower in bfloat16, so a prompt prefills ~1.4x faster in float32
-    (``bench/micro.py`` measures both); the KV pool stays in the checkpoint's dtype.
+    ``"model"`` keeps the checkpoint's dtype; a dtype name is taken as is; ``"auto"`` keeps
+    the checkpoint's dtype except for a bfloat16/float16 checkpoint on a CPU without AMX
+    where a float32 GEMM measures at least ``FLOAT32_MARGIN`` times as fast as one in the
+    checkpoint's dtype (`cpu_gemm_seconds`): then float32, the KV pool staying in the
+    checkpoint's dtype. CPUs differ by more than that ratio either way: on one 2-core
+    AVX-512 VM torch's bfloat16 GEMM (oneDNN) ran at ~160 GFLOP/s against ~250 in float32
+    (MKL), and a prompt prefilled ~1.4x faster in float32; on a 2-core AMD EPYC VM with
+    AVX512_BF16 bfloat16 ran at ~900 GFLOP/s against ~200, and prefill was 3-4x faster in
+    bfloat16 (docs/ENGINE.md, "Compute dtype").
 
     Raises:
         ValueError: ``requested`` is none of auto, model, float32, bfloat16, float16.
@@ -175,7 +216,9 @@ def resolve_compute_dtype(requested: str, storage_dtype: str, device: str) -> st
         return storage_dtype
     if requested == "auto":
         if str(device).startswith("cpu") and storage_dtype in ("bfloat16", "float16") and not cpu_has_amx():
-            return "float32"
+            low, f32 = cpu_gemm_seconds(storage_dtype)
+            if low >= FLOAT32_MARGIN * f32:
+                return "float32"
         return storage_dtype
     try:
         name = normalize_dtype_name(requested)
