@@ -25,6 +25,11 @@ Scenarios:
 TTFT is kvmesh's own arrival-to-first-token time and, for vLLM, the client's
 send-to-first-streamed-token time over loopback HTTP (which charges vLLM the HTTP hop).
 
+During kvmesh's turns the vLLM server's processes are stopped (SIGSTOP to its process
+group, SIGCONT after; ``--no-freeze-peer`` leaves them running): an idle vLLM server keeps
+polling (about 0.2 of a core on a 2-core box), which slowed kvmesh's steps by 25-40 % there,
+while kvmesh's idle engine thread sleeps on a condition variable and costs vLLM nothing.
+
 Installing the peer (its own virtualenv; see docs/ENGINE.md, "Side by side with vLLM's CPU build")::
 
     python3 -m venv /opt/vllm-venv
@@ -40,6 +45,7 @@ import http.client
 import json
 import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -134,7 +140,9 @@ class VllmSide:
                "--skip-tokenizer-init", "--dtype", "bfloat16", "--max-model-len", "8704",
                "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--max-num-seqs", "64"]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        # its own process group, so that `pause` reaches the API server, engine core and workers
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.paused = False
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -201,8 +209,27 @@ class VllmSide:
         except OSError:
             pass
 
+    def pause(self) -> None:
+        """Stop every process of the server (SIGSTOP to its group) while the other side runs:
+        an idle vLLM server still polls (about 0.2 of a core here), which on a 2-core box
+        slowed kvmesh's measured steps by 25-40 %."""
+        if self.proc.poll() is None and not self.paused:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        """Continue a paused server, then let it settle: one unrecorded 1-token completion
+        and a short sleep (without them its first measured call after SIGCONT ran up to 30 %
+        slow)."""
+        if self.paused:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            self.paused = False
+            self._complete([1, 2, 3, 4, 5, 6, 7, 8], 1)
+            time.sleep(0.2)
+
     def close(self) -> None:
         if self.proc.poll() is None:
+            self.resume()
             self.proc.terminate()
             try:
                 self.proc.wait(30)
@@ -264,7 +291,7 @@ def fp32_equal(model_dir: str, num_prompts: int, new_tokens: int = 8, seed: int 
 
 
 def run(vllm_python: str | None = None, rounds: int = 3, threads: int = 2, cold_lengths=COLD_LENGTHS,
-        fp32_prompts: int = 20, kv_gib: int = 2, seed: int = 0) -> dict:
+        fp32_prompts: int = 20, kv_gib: int = 2, seed: int = 0, freeze_peer: bool = True) -> dict:
     """Run every scenario; returns the JSON-ready figures (see the module docstring)."""
     import torch
 
@@ -289,22 +316,33 @@ def run(vllm_python: str | None = None, rounds: int = 3, threads: int = 2, cold_
     sides = [("kvmesh", ours)] + ([("vllm", peer)] if peer else [])
     fig: dict[str, dict[str, list[float]]] = {}
 
+    def turns():
+        """The sides in order; with ``freeze_peer`` the vLLM server is stopped during kvmesh's turn."""
+        for name, side in sides:
+            if name == "kvmesh" and peer is not None and freeze_peer:
+                peer.pause()
+            try:
+                yield name, side
+            finally:
+                if peer is not None:
+                    peer.resume()
+
     def record(key: str, name: str, value: float) -> None:
         fig.setdefault(key, {}).setdefault(name, []).append(value)
 
     try:
-        for name, side in sides:  # warm-up: first forwards pay one-off costs
+        for name, side in turns():  # warm-up: first forwards pay one-off costs
             side.ttft_ms(toks(64))
         for _ in range(rounds):
             for n in cold_lengths:
                 ids = toks(n)
-                for name, side in sides:
+                for name, side in turns():
                     side.clear()
                     record(f"cold_{n}", name, side.ttft_ms(ids))
             ids = toks(HIT_TOKENS)
             prefix = toks(PARTIAL_CACHED)
             a, b = prefix + toks(PARTIAL_NEW), prefix + toks(PARTIAL_NEW)
-            for name, side in sides:
+            for name, side in turns():
                 side.clear()
                 side.ttft_ms(ids)
                 record("hit", name, side.ttft_ms(ids))
@@ -313,7 +351,7 @@ def run(vllm_python: str | None = None, rounds: int = 3, threads: int = 2, cold_
             shared = toks(DECODE_SHARED)
             prompts = [(shared + toks(DECODE_PROMPT - DECODE_SHARED)) if i < DECODE_REQUESTS // 2
                        else toks(DECODE_PROMPT) for i in range(DECODE_REQUESTS)]
-            for name, side in sides:
+            for name, side in turns():
                 side.clear()
                 wall, res = side.concurrent(prompts, DECODE_OUTPUT)
                 record("decode_tok_s", name, sum(len(r["token_ids"]) for r in res) / wall)
@@ -359,6 +397,7 @@ def run(vllm_python: str | None = None, rounds: int = 3, threads: int = 2, cold_
         },
         "rounds": rounds,
         "threads": threads,
+        "peer_frozen_during_kvmesh": bool(peer is not None and freeze_peer),
     }
 
 
@@ -373,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated cold prompt lengths in tokens (default 512,2048,8191)")
     ap.add_argument("--fp32-prompts", type=int, default=20, help="prompts of the fp32 HF check (0 = skip; default 20)")
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 2)")
+    ap.add_argument("--no-freeze-peer", action="store_true",
+                    help="leave the vLLM server running (idle) during kvmesh's turns (default: stopped with SIGSTOP)")
     args = ap.parse_args(argv)
     try:
         lengths = tuple(int(x) for x in args.cold_lengths.split(",") if x.strip())
@@ -384,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
         ap.error(f"--vllm-python {args.vllm_python!r} is not an executable python")
-    out = run(args.vllm_python, args.rounds, args.threads, lengths, args.fp32_prompts, args.vllm_kv_gib)
+    out = run(args.vllm_python, args.rounds, args.threads, lengths, args.fp32_prompts, args.vllm_kv_gib,
+              freeze_peer=not args.no_freeze_peer)
     if args.json:
         print(json.dumps(out))
     else:

@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -148,6 +149,69 @@ __attribute__((noinline)) static void qk_tile(const float* qt, const float* kt, 
   for (int j = 0; j < L; ++j) vstore(s + j * L, acc[j]);
 }
 
+#ifdef __AVX512BF16__
+// The same S^T for a bfloat16 Q and pool with AVX512_BF16: Q^T holds (q[d], q[d+1]) pairs of
+// 16 rows ([D/2][16] 32-bit words), K the keys' own (k[d], k[d+1]) pairs ([16][D/2], read from
+// the pool as they are); vdpbf16ps adds two exact products per lane and instruction, twice
+// the multiply-adds of an fp32 FMA. Q is not pre-scaled (rounding q * scale to bfloat16 would
+// lose precision): the sums are multiplied by the scale afterwards.
+__attribute__((noinline)) static void qk_tile_pairs(const uint32_t* qt2, const uint32_t* kp, int64_t D2, float qmul,
+                                                    float* s) {
+  __m512 acc[L];
+  for (int j = 0; j < L; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D2; ++i) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt2 + i * L);
+    for (int j = 0; j < L; ++j)
+      acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(kp[j * D2 + i])));
+  }
+  const __m512 m = _mm512_set1_ps(qmul);
+  for (int j = 0; j < L; ++j) _mm512_storeu_ps(s + j * L, _mm512_mul_ps(acc[j], m));
+}
+
+// x rounded to the nearest bfloat16 (kept as fp32): the P that pv_tile_pairs multiplies.
+static inline V round_bf16(V x) {
+  const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x.v));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(h, 16))};
+}
+
+// O^T = alpha * O^T + P^T V with bfloat16 pairs: P^T (already rounded to bfloat16 by the
+// caller, so that the row sums l use the same values) is packed as (p[2k], p[2k+1]) pairs per
+// row, V as (v[2k][d], v[2k+1][d]) pairs ([L/2][D] 32-bit words); fp32 accumulation.
+__attribute__((noinline)) static void pv_tile_pairs(float* ot, const float* pt, const uint32_t* vp, V alpha_v,
+                                                    int64_t D) {
+  const __m512 alpha = alpha_v.v;
+  __m512i pp[L / 2];
+  for (int k = 0; k < L / 2; ++k) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pt + 2 * k * L)));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pt + (2 * k + 1) * L)));
+    pp[k] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+  }
+  int64_t d0 = 0;
+  for (; d0 + L <= D; d0 += L) {
+    __m512 o[L];
+    for (int dd = 0; dd < L; ++dd) o[dd] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + dd) * L), alpha);
+    for (int k = 0; k < L / 2; ++k) {
+      const uint32_t* vr = vp + k * D + d0;
+      for (int dd = 0; dd < L; ++dd)
+        o[dd] = _mm512_dpbf16_ps(o[dd], (__m512bh)pp[k], (__m512bh)_mm512_set1_epi32(static_cast<int>(vr[dd])));
+    }
+    for (int dd = 0; dd < L; ++dd) _mm512_storeu_ps(ot + (d0 + dd) * L, o[dd]);
+  }
+  for (; d0 < D; ++d0) {
+    __m512 o = _mm512_mul_ps(_mm512_loadu_ps(ot + d0 * L), alpha);
+    for (int k = 0; k < L / 2; ++k)
+      o = _mm512_dpbf16_ps(o, (__m512bh)pp[k], (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[k * D + d0])));
+    _mm512_storeu_ps(ot + d0 * L, o);
+  }
+}
+constexpr bool kHavePairs = true;
+#else
+static void qk_tile_pairs(const uint32_t*, const uint32_t*, int64_t, float, float*) {}
+static void pv_tile_pairs(float*, const float*, const uint32_t*, V, int64_t) {}
+static inline V round_bf16(V x) { return x; }
+constexpr bool kHavePairs = false;
+#endif
+
 // O^T[d] = alpha * O^T[d] + sum_j P^T[j] * V[j][d], 16 output dims at a time (V is [16][D]).
 __attribute__((noinline)) static void pv_tile(float* ot, const float* pt, const float* vb, V alpha, int64_t D) {
   int64_t d0 = 0;
@@ -186,6 +250,7 @@ struct Args {
 // Per-thread scratch, reused across items.
 struct Scratch {
   std::vector<float> qt, ot, m, l, pos, lo, kb, vb, p, tmp, tmpk;
+  std::vector<uint32_t> qt2, kp, vp;  // bfloat16 pairs (qk_tile_pairs, pv_tile_pairs)
   std::vector<int64_t> tmin, tmax;
 };
 
@@ -199,8 +264,18 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
   const int64_t* table = a.tables + it.seq * a.table_stride;
   const int64_t nrows = it.r1 - it.r0;
   const int64_t ntiles = (nrows + L - 1) / L;
+  // bfloat16 Q and pool on a CPU with AVX512_BF16: scores by bf16 pair dot products
+  constexpr bool kPairTypes = kHavePairs && std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16>;
+  const bool pairs = kPairTypes && D % 2 == 0;
+  const int64_t D2 = D / 2;
 
-  s.qt.assign(ntiles * D * L, 0.f);
+  if (pairs) {
+    s.qt2.assign(ntiles * D2 * L, 0u);
+    s.kp.resize(L * D2);
+    s.vp.resize(L / 2 * D);
+  } else {
+    s.qt.assign(ntiles * D * L, 0.f);
+  }
   s.ot.assign(ntiles * D * L, 0.f);
   s.m.assign(ntiles * L, kNegInf);
   s.l.assign(ntiles * L, 0.f);
@@ -225,8 +300,13 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
     s.tmax[t] = pos;
     if (it.r0 + r < it.r1) {
       const QT* qr = q + (qs + i) * a.q_s0 + (it.kvh * G + rr % G) * a.q_s1;
-      float* dst = s.qt.data() + t * D * L + lane;
-      for (int64_t d = 0; d < D; ++d) dst[d * L] = to_f(qr[d]) * a.qmul;
+      if (pairs) {
+        uint32_t* dst2 = s.qt2.data() + t * D2 * L + lane;
+        for (int64_t k = 0; k < D2; ++k) std::memcpy(dst2 + k * L, qr + 2 * k, sizeof(uint32_t));
+      } else {
+        float* dst = s.qt.data() + t * D * L + lane;
+        for (int64_t d = 0; d < D; ++d) dst[d * L] = to_f(qr[d]) * a.qmul;
+      }
     }
   }
   const int64_t first = s.tmin[0], last = s.tmax[ntiles - 1];
@@ -244,14 +324,28 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
     for (int j = 0; j < L; ++j) {
       const int64_t p = kbase + j;
       if (p >= total) {
-        for (int64_t d = 0; d < D; ++d) kb[d * L + j] = 0.f;
-        std::fill(vb + j * D, vb + (j + 1) * D, 0.f);
+        if (pairs) {
+          std::fill(s.kp.data() + j * D2, s.kp.data() + (j + 1) * D2, 0u);
+          uint16_t* vh = reinterpret_cast<uint16_t*>(s.vp.data() + (j / 2) * D) + (j & 1);
+          for (int64_t d = 0; d < D; ++d) vh[2 * d] = 0;
+        } else {
+          for (int64_t d = 0; d < D; ++d) kb[d * L + j] = 0.f;
+          std::fill(vb + j * D, vb + (j + 1) * D, 0.f);
+        }
         continue;
       }
       const KT* src = pool + table[p / BS] * a.p_sb + it.kvh * a.p_sh + (p % BS) * a.p_st;
-      row_to_f32(src, tmpk, D);
-      for (int64_t d = 0; d < D; ++d) kb[d * L + j] = tmpk[d];  // K^T [D][16]
-      row_to_f32(src + a.p_skv, vb + j * D, D);
+      if (pairs) {
+        std::memcpy(s.kp.data() + j * D2, src, D * sizeof(KT));  // the key's own bf16 pairs
+        // V as (v[2k][d], v[2k+1][d]) pairs: this key fills one half of each word
+        const uint16_t* vs = reinterpret_cast<const uint16_t*>(src + a.p_skv);
+        uint16_t* vh = reinterpret_cast<uint16_t*>(s.vp.data() + (j / 2) * D) + (j & 1);
+        for (int64_t d = 0; d < D; ++d) vh[2 * d] = vs[d];
+      } else {
+        row_to_f32(src, tmpk, D);
+        for (int64_t d = 0; d < D; ++d) kb[d * L + j] = tmpk[d];  // K^T [D][16]
+        row_to_f32(src + a.p_skv, vb + j * D, D);
+      }
     }
     const int64_t kend = kbase + L - 1;
     for (int64_t t = 0; t < ntiles; ++t) {
@@ -261,7 +355,10 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
       const bool masked = kend > tmin || (W > 0 && kbase <= tmax - W);
 
       // S^T: one vector (16 rows) per key
-      qk_tile(s.qt.data() + t * D * L, kb, D, pb);
+      if (pairs)
+        qk_tile_pairs(s.qt2.data() + t * D2 * L, s.kp.data(), D2, a.qmul, pb);
+      else
+        qk_tile(s.qt.data() + t * D * L, kb, D, pb);
       V acc[L];
       for (int j = 0; j < L; ++j) acc[j] = vload(pb + j * L);
       M valid[L];
@@ -283,6 +380,7 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
       for (int j = 0; j < L; ++j) {
         V p = vexp2(vsub(acc[j], m_safe));
         if (masked) p = vkeep(valid[j], p);
+        if (pairs) p = round_bf16(p);  // the values pv_tile_pairs multiplies, summed alike
         vstore(pb + j * L, p);
         sum = vadd(sum, p);
       }
@@ -290,7 +388,10 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
       vstore(s.l.data() + t * L, vfma(vload(s.l.data() + t * L), alpha, sum));
 
       // O^T = alpha * O^T + P^T V, 16 output dims at a time
-      pv_tile(s.ot.data() + t * D * L, pb, vb, alpha, D);
+      if (pairs)
+        pv_tile_pairs(s.ot.data() + t * D * L, pb, s.vp.data(), alpha, D);
+      else
+        pv_tile(s.ot.data() + t * D * L, pb, vb, alpha, D);
     }
   }
 
@@ -413,12 +514,15 @@ bool built_with_avx512() {
 #endif
 }
 
+bool built_with_avx512_bf16() { return kHavePairs; }
+
 }  // namespace kvmesh_attn
 
 TORCH_LIBRARY(kvmesh, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, int layer_idx, Tensor query_start, Tensor context_lens, "
         "Tensor block_tables, int block_size, int window, float scale) -> Tensor");
   m.def("built_with_avx512", &kvmesh_attn::built_with_avx512);
+  m.def("built_with_avx512_bf16", &kvmesh_attn::built_with_avx512_bf16);
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
