@@ -224,8 +224,8 @@ class VllmSide:
         if self.paused:
             os.killpg(self.proc.pid, signal.SIGCONT)
             self.paused = False
-            self._complete([1, 2, 3, 4, 5, 6, 7, 8], 1)
-            time.sleep(0.2)
+            self.concurrent([[1, 2, 3, 4, 5, 6, 7, 8]] * 4, 4)
+            time.sleep(1.0)
 
     def close(self) -> None:
         if self.proc.poll() is None:
