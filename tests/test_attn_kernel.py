@@ -152,3 +152,23 @@ def test_broken_library_falls_back(tmp_path):
     (tmp_path / "kvmesh_paged_attention.so").write_bytes(b"not a library")
     status = _status_in_subprocess({"KVMESH_EXT_DIR": str(tmp_path), "KVMESH_ATTN": ""})
     assert status.startswith("load failed"), status
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,window", [(8, 2, -1), (4, 2, 33), (8, 8, -1), (6, 1, -1)])
+def test_rows_are_bit_identical_whatever_the_chunking(dtype, heads, kv_heads, window):
+    """Micro-tiles with few rows (decodes, short chunks, a long chunk's last rows) take the
+    kernel's key-lane path, full ones the row-lane path; every row must come out bit for bit
+    the same whichever computed it: the prompt computed in one call, then as chunks of 1, 2,
+    3, 5 and 7 positions after its own cached prefix."""
+    block_size, d, n = 16, 64, 77
+    kv = _pool(64, kv_heads, block_size, d, dtype, seed=7)
+    table = list(range(3, 3 + -(-n // block_size)))
+    q = torch.randn(n, heads, d, generator=torch.Generator().manual_seed(8)).to(dtype)
+    cold = _call(q, kv, [n], [0], [table], block_size, window)
+    for step in (1, 2, 3, 5, 7):
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            part = _call(q[start:stop], kv, [stop - start], [start], [table], block_size, window)
+            assert torch.equal(part, cold[start:stop]), (step, start)

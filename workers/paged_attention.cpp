@@ -151,8 +151,8 @@ __attribute__((noinline)) static void qk_tile(const float* qt, const float* kt, 
 
 #ifdef __AVX512BF16__
 // The same S^T for a bfloat16 Q and pool with AVX512_BF16: Q^T holds (q[d], q[d+1]) pairs of
-// 16 rows ([D/2][16] 32-bit words), K the keys' own (k[d], k[d+1]) pairs ([16][D/2], read from
-// the pool as they are); vdpbf16ps adds two exact products per lane and instruction, twice
+// 16 rows ([D/2][16] 32-bit words), K the keys' own (k[d], k[d+1]) pairs ([16][D/2], copied
+// from the pool as they are); vdpbf16ps adds two exact products per lane and instruction, twice
 // the multiply-adds of an fp32 FMA. Q is not pre-scaled (rounding q * scale to bfloat16 would
 // lose precision): the sums are multiplied by the scale afterwards.
 __attribute__((noinline)) static void qk_tile_pairs(const uint32_t* qt2, const uint32_t* kp, int64_t D2, float qmul,
@@ -204,8 +204,24 @@ __attribute__((noinline)) static void pv_tile_pairs(float* ot, const float* pt, 
     _mm512_storeu_ps(ot + d0 * L, o);
   }
 }
+// V rows [16][D] (bfloat16 bits) -> (v[2k][d], v[2k+1][d]) pairs [8][D], 16 dims at a time.
+static void pack_v_pairs(const uint16_t* vraw, uint32_t* vp, int64_t D) {
+  for (int k = 0; k < L / 2; ++k) {
+    const uint16_t* a = vraw + 2 * k * D;
+    const uint16_t* b = a + D;
+    uint32_t* dst = vp + k * D;
+    int64_t d = 0;
+    for (; d + L <= D; d += L) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)));
+      _mm512_storeu_si512(dst + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+    for (; d < D; ++d) dst[d] = static_cast<uint32_t>(a[d]) | (static_cast<uint32_t>(b[d]) << 16);
+  }
+}
 constexpr bool kHavePairs = true;
 #else
+static void pack_v_pairs(const uint16_t*, uint32_t*, int64_t) {}
 static void qk_tile_pairs(const uint32_t*, const uint32_t*, int64_t, float, float*) {}
 static void pv_tile_pairs(float*, const float*, const uint32_t*, V, int64_t) {}
 static inline V round_bf16(V x) { return x; }
@@ -232,6 +248,60 @@ __attribute__((noinline)) static void pv_tile(float* ot, const float* pt, const 
   }
 }
 
+// Micro-tiles with few valid rows (decodes: heads / kv_heads rows per sequence) take the
+// scores from the tile function as usual, then do the softmax and P V row by row with the
+// output dims in the lanes: P V costs 1/16 of a full tile's multiply-adds per row instead of
+// a full tile's whatever the row count. Every element goes through the same operations in
+// the same order as in the row-lane code (exact maxima, p summed in key order, the same
+// exp2, the same FMAs or pair products in key order), so a row's result does not depend on
+// which path computed it: cold and cached rows stay bit-identical.
+constexpr int64_t kSparseRows = 8;  // tiles with fewer valid rows take the key-lane path
+
+// O row (row-major [D]) = alpha * O + sum_j p[j] * V[j][:]
+static inline void pv_row(float* orow, const float* p, const float* vb, float alpha, int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + L <= D; d0 += L) {
+    V o = vmul(vload(orow + d0), vset1(alpha));
+    for (int j = 0; j < L; ++j) o = vfma(vset1(p[j]), vload(vb + j * D + d0), o);
+    vstore(orow + d0, o);
+  }
+  for (; d0 < D; ++d0) {
+    float o = orow[d0] * alpha;
+    for (int j = 0; j < L; ++j) o = std::fma(p[j], vb[j * D + d0], o);
+    orow[d0] = o;
+  }
+}
+
+#ifdef __AVX512BF16__
+// p holds bfloat16 values (as fp32); V as (v[2k][d], v[2k+1][d]) pairs [L/2][D]
+static inline void pv_row_pairs(float* orow, const float* p, const uint32_t* vp, float alpha, int64_t D) {
+  uint32_t pw[L / 2];
+  for (int k = 0; k < L / 2; ++k) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, p + 2 * k, 4);
+    std::memcpy(&hi, p + 2 * k + 1, 4);
+    pw[k] = (lo >> 16) | (hi & 0xffff0000u);
+  }
+  int64_t d0 = 0;
+  for (; d0 + L <= D; d0 += L) {
+    __m512 o = _mm512_mul_ps(_mm512_loadu_ps(orow + d0), _mm512_set1_ps(alpha));
+    for (int k = 0; k < L / 2; ++k)
+      o = _mm512_dpbf16_ps(o, (__m512bh)_mm512_loadu_si512(vp + k * D + d0),
+                           (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[k])));
+    _mm512_storeu_ps(orow + d0, o);
+  }
+  for (; d0 < D; ++d0) {  // D % 16 lanes: one lane of the same instruction
+    __m512 o = _mm512_set1_ps(orow[d0] * alpha);
+    for (int k = 0; k < L / 2; ++k)
+      o = _mm512_dpbf16_ps(o, (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[k * D + d0])),
+                           (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[k])));
+    orow[d0] = _mm512_cvtss_f32(o);
+  }
+}
+#else
+static inline void pv_row_pairs(float*, const float*, const uint32_t*, float, int64_t) {}
+#endif
+
 struct Item {
   int64_t seq, kvh, r0, r1;  // rows [r0, r1) of the sequence's (position, head-in-group) rows
   double cost;
@@ -251,6 +321,8 @@ struct Args {
 struct Scratch {
   std::vector<float> qt, ot, m, l, pos, lo, kb, vb, p, tmp, tmpk;
   std::vector<uint32_t> qt2, kp, vp;  // bfloat16 pairs (qk_tile_pairs, pv_tile_pairs)
+  std::vector<uint16_t> vraw;          // the tile's 16 V rows as bfloat16 bits [16][D]
+  std::vector<float> orow;             // row-major O of key-lane (sparse) tiles [ntiles * L][D]
   std::vector<int64_t> tmin, tmax;
 };
 
@@ -273,10 +345,12 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
     s.qt2.assign(ntiles * D2 * L, 0u);
     s.kp.resize(L * D2);
     s.vp.resize(L / 2 * D);
+    s.vraw.resize(L * D);
   } else {
     s.qt.assign(ntiles * D * L, 0.f);
   }
   s.ot.assign(ntiles * D * L, 0.f);
+  s.orow.assign(ntiles * L * D, 0.f);
   s.m.assign(ntiles * L, kNegInf);
   s.l.assign(ntiles * L, 0.f);
   s.pos.resize(ntiles * L);
@@ -326,8 +400,7 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
       if (p >= total) {
         if (pairs) {
           std::fill(s.kp.data() + j * D2, s.kp.data() + (j + 1) * D2, 0u);
-          uint16_t* vh = reinterpret_cast<uint16_t*>(s.vp.data() + (j / 2) * D) + (j & 1);
-          for (int64_t d = 0; d < D; ++d) vh[2 * d] = 0;
+          std::fill(s.vraw.data() + j * D, s.vraw.data() + (j + 1) * D, uint16_t{0});
         } else {
           for (int64_t d = 0; d < D; ++d) kb[d * L + j] = 0.f;
           std::fill(vb + j * D, vb + (j + 1) * D, 0.f);
@@ -337,28 +410,67 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
       const KT* src = pool + table[p / BS] * a.p_sb + it.kvh * a.p_sh + (p % BS) * a.p_st;
       if (pairs) {
         std::memcpy(s.kp.data() + j * D2, src, D * sizeof(KT));  // the key's own bf16 pairs
-        // V as (v[2k][d], v[2k+1][d]) pairs: this key fills one half of each word
-        const uint16_t* vs = reinterpret_cast<const uint16_t*>(src + a.p_skv);
-        uint16_t* vh = reinterpret_cast<uint16_t*>(s.vp.data() + (j / 2) * D) + (j & 1);
-        for (int64_t d = 0; d < D; ++d) vh[2 * d] = vs[d];
+        std::memcpy(s.vraw.data() + j * D, src + a.p_skv, D * sizeof(KT));
       } else {
         row_to_f32(src, tmpk, D);
         for (int64_t d = 0; d < D; ++d) kb[d * L + j] = tmpk[d];  // K^T [D][16]
         row_to_f32(src + a.p_skv, vb + j * D, D);
       }
     }
+    if (pairs) pack_v_pairs(s.vraw.data(), s.vp.data(), D);
     const int64_t kend = kbase + L - 1;
     for (int64_t t = 0; t < ntiles; ++t) {
       const int64_t tmin = s.tmin[t], tmax = s.tmax[t];
       if (kbase > tmax) continue;                   // all keys in every row's future
       if (W > 0 && kend <= tmin - W) continue;      // all keys before every row's window
       const bool masked = kend > tmin || (W > 0 && kbase <= tmax - W);
-
-      // S^T: one vector (16 rows) per key
+      const int64_t nvalid = std::min<int64_t>(L, nrows - t * L);
       if (pairs)
         qk_tile_pairs(s.qt2.data() + t * D2 * L, s.kp.data(), D2, a.qmul, pb);
       else
         qk_tile(s.qt.data() + t * D * L, kb, D, pb);
+      if (nvalid < kSparseRows) {  // few rows (decodes): softmax and P V row by row
+        float kpos_f[L];
+        for (int j = 0; j < L; ++j) kpos_f[j] = static_cast<float>(kbase + j);
+        const V kpos = vload(kpos_f);
+        for (int64_t lane = 0; lane < nvalid; ++lane) {
+          const int64_t r = t * L + lane;
+          float sr[L];
+          for (int j = 0; j < L; ++j) sr[j] = pb[j * L + lane];  // this row's scores (S^T column)
+          V sc = vload(sr);
+          M ok = static_cast<M>(0xFFFFu);
+          if (masked) {
+            ok = mand(vle(kpos, vset1(s.pos[r])), vgt(kpos, vset1(s.lo[r])));
+            sc = vfill_not(sc, ok, kNegInf);
+          }
+          float sv[L];
+          vstore(sv, sc);
+          const float m_old = s.m[r];
+          float m_new = m_old;
+          for (int j = 0; j < L; ++j) m_new = std::max(m_new, sv[j]);
+          const float m_safe = m_new == kNegInf ? 0.f : m_new;
+          float ex[L];
+          vstore(ex, vexp2(vset1(m_old - m_safe)));
+          const float alpha = ex[0];
+          V pv = vexp2(vsub(sc, vset1(m_safe)));
+          if (masked) pv = vkeep(ok, pv);
+          if (pairs) pv = round_bf16(pv);
+          float pr[L];
+          vstore(pr, pv);
+          float sum = 0.f;
+          for (int j = 0; j < L; ++j) sum += pr[j];
+          s.m[r] = m_new;
+          s.l[r] = std::fma(s.l[r], alpha, sum);
+          float* orow = s.orow.data() + r * D;
+          if (pairs)
+            pv_row_pairs(orow, pr, s.vp.data(), alpha, D);
+          else
+            pv_row(orow, pr, vb, alpha, D);
+        }
+        continue;
+      }
+
+      // S^T: one vector (16 rows) per key, computed above
       V acc[L];
       for (int j = 0; j < L; ++j) acc[j] = vload(pb + j * L);
       M valid[L];
@@ -405,7 +517,12 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
       const int64_t rr = it.r0 + t * L + lane;
       QT* dst = out + (qs + rr / G) * a.o_s0 + (it.kvh * G + rr % G) * a.o_s1;
       const float inv = tmp[lane];
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<QT>(ot[d * L + lane] * inv);
+      if (lanes < kSparseRows) {  // computed row by row into row-major O
+        const float* orow = s.orow.data() + (t * L + lane) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<QT>(orow[d] * inv);
+      } else {
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<QT>(ot[d * L + lane] * inv);
+      }
     }
   }
 }
