@@ -172,3 +172,29 @@ def test_rows_are_bit_identical_whatever_the_chunking(dtype, heads, kv_heads, wi
             stop = min(n, start + step)
             part = _call(q[start:stop], kv, [stop - start], [start], [table], block_size, window)
             assert torch.equal(part, cold[start:stop]), (step, start)
+
+
+@needs_kernel
+def test_fused_rms_norm_and_rope_match_torch():
+    """The bf16 forward's fused ops against the torch ops they replace: RMSNorm with the same
+    roundings (float32 statistic, bf16 normalized value, bf16 product), RoPE within one bf16
+    rounding of the float32 result (torch rounds x * cos first, the fused op once)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(300, 512, generator=g) * 3).bfloat16()
+    w = (torch.rand(512, generator=g) + 0.5).bfloat16()
+    ref = w * F.rms_norm(x.float(), (512,), None, 1e-5).to(torch.bfloat16)
+    out = torch.ops.kvmesh.rms_norm_bf16(x, w, 1e-5)
+    ulp = ref.float().abs() * 2.0 ** -7
+    assert ((out.float() - ref.float()).abs() <= ulp).all()
+
+    qkv = torch.randn(37, 12, 64, generator=g).bfloat16()  # rope on the first 10 heads, as q and k
+    cos, sin = torch.randn(37, 1, 64, generator=g).bfloat16(), torch.randn(37, 1, 64, generator=g).bfloat16()
+    x = qkv[:, :10]
+    rot = torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
+    exact = x.float() * cos.float() + rot.float() * sin.float()
+    before = qkv[:, 10:].clone()
+    torch.ops.kvmesh.rope_bf16_(x, cos, sin)
+    assert torch.equal(qkv[:, :10], exact.to(torch.bfloat16))  # one rounding of the fp32 result
+    assert torch.equal(qkv[:, 10:], before)  # v untouched

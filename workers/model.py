@@ -181,7 +181,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+            # one pass, the same roundings (float32 statistic, bf16 normalized value, bf16 product)
+            return torch.ops.kvmesh.rms_norm_bf16(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
         # torch's fused kernel on the float32 copy, then HF's cast-then-scale order
@@ -324,6 +327,9 @@ class _StepPlan:
     decode: _DecodeGroup | None
     seqs: list[_SeqPlan]
     kernel: _KernelPlan | None = None
+    #: bfloat16 forward with the C++ extension loaded: RMSNorm and RoPE use its fused ops
+    #: (`torch.ops.kvmesh.rms_norm_bf16`, ``rope_bf16_``) instead of 3-6 torch ops each
+    fused: bool = False
 
 
 def _gather_kv(kv_cache: torch.Tensor, layer_idx: int, blocks: torch.Tensor) -> torch.Tensor:
@@ -402,7 +408,11 @@ class PagedAttention(nn.Module):
         nh, nkv = self.num_heads, self.num_kv_heads
         w, b = self._fused_qkv()
         qkv = F.linear(x, w, b).view(t, nh + 2 * nkv, d)
-        qk = _apply_rope(qkv[:, : nh + nkv], cos, sin)  # RoPE on q and k in one pass
+        if plan.fused and qkv.dtype == torch.bfloat16:  # in place over the fresh projection
+            qk = qkv[:, : nh + nkv]
+            torch.ops.kvmesh.rope_bf16_(qk, cos, sin)
+        else:
+            qk = _apply_rope(qkv[:, : nh + nkv], cos, sin)  # RoPE on q and k in one pass
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, nh + nkv:]
 
@@ -480,8 +490,9 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config, dtype)
 
     def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))  # x is this layer's own sum
+        fused = attn_args[6].fused  # the step's _StepPlan
+        x = x + self.self_attn(self.input_layernorm(x, fused), *attn_args)
+        return x.add_(self.mlp(self.post_attention_layernorm(x, fused)))  # x is this layer's own sum
 
 
 class DecoderModel(nn.Module):
@@ -684,6 +695,7 @@ class DecoderModel(nn.Module):
         slot_blocks = torch.div(slots, bs, rounding_mode="floor")
         slot_offsets = slots - slot_blocks * bs
         plan = self._plan(meta, device, kv_cache.dtype, self.attention_backend)
+        plan.fused = plan.kernel is not None and self.embed_tokens.weight.dtype == torch.bfloat16
 
         h = self.embed_tokens(input_ids)
         last = max((c + q for c, q in zip(meta.context_lens, meta.query_lens)), default=1) - 1
@@ -693,5 +705,5 @@ class DecoderModel(nn.Module):
 
         if logits_indices is None:
             logits_indices = meta.last_token_indices(device)
-        h = self.norm(h.index_select(0, logits_indices.to(device)))
+        h = self.norm(h.index_select(0, logits_indices.to(device)), plan.fused)
         return self.lm_head(h).float()

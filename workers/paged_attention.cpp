@@ -631,6 +631,87 @@ bool built_with_avx512() {
 #endif
 }
 
+
+// ---------------------------------------------------------------------------------------
+// Fused element-wise ops of a bfloat16 forward (one pass each instead of 3-6 torch ops and
+// their temporaries). RMSNorm rounds exactly as the torch ops it replaces (same result,
+// bit for bit); RoPE computes x * cos + rot * sin in fp32 and rounds once (torch's bf16 ops
+// round x * cos first).
+
+static inline V load_bf16(const c10::BFloat16* p) {
+  float f[L];
+  bf16_to_f32_16(p, f);
+  return vload(f);
+}
+static inline void store_bf16(c10::BFloat16* p, V x) {
+  float f[L];
+  vstore(f, x);
+  for (int i = 0; i < L; ++i) p[i] = c10::BFloat16(f[i]);  // round to nearest even
+}
+
+// RMSNorm (Zhang & Sennrich 2019), HF Llama order: y = w * bf16(x / sqrt(mean(x^2) + eps)).
+at::Tensor rms_norm_bf16(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && w_in.scalar_type() == at::kBFloat16, "rms_norm_bf16: bf16 only");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(H, 1);
+  TORCH_CHECK(w.numel() == H, "rms_norm_bf16: weight size differs from the last dim");
+  at::Tensor out = at::empty_like(x);
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = w.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const c10::BFloat16* xr = xp + r * H;
+      c10::BFloat16* orow = op + r * H;
+      V acc = vzero();
+      int64_t i = 0;
+      for (; i + L <= H; i += L) { const V v = load_bf16(xr + i); acc = vfma(v, v, acc); }
+      float f[L];
+      vstore(f, acc);
+      double ss = 0.0;
+      for (int k = 0; k < L; ++k) ss += f[k];
+      for (; i < H; ++i) { const float v = static_cast<float>(xr[i]); ss += static_cast<double>(v) * v; }
+      const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(H) + eps));
+      for (i = 0; i < H; ++i) {
+        const float nrm = static_cast<float>(c10::BFloat16(static_cast<float>(xr[i]) * inv));
+        orow[i] = c10::BFloat16(static_cast<float>(wp[i]) * nrm);
+      }
+    }
+  });
+  return out;
+}
+
+// RoPE (Su et al. 2021), rotate-half convention (HF Llama), in place on x [T, heads, D]
+// (last dim contiguous) with cos, sin [T, D] (bf16): x = x * cos + [-x2, x1] * sin.
+void rope_bf16_(at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1, "rope_bf16_: bf16 [T, heads, D]");
+  const at::Tensor c = cos_in.reshape({cos_in.size(0), -1}).contiguous();
+  const at::Tensor sn = sin_in.reshape({sin_in.size(0), -1}).contiguous();
+  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && c.size(0) == T && c.size(1) == D && sn.sizes() == c.sizes(), "rope_bf16_: bad cos/sin");
+  TORCH_CHECK(c.scalar_type() == at::kBFloat16 && sn.scalar_type() == at::kBFloat16, "rope_bf16_: bf16 cos/sin");
+  auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* cp = c.data_ptr<c10::BFloat16>();
+  const auto* sp = sn.data_ptr<c10::BFloat16>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+    std::vector<float> a(D);
+    for (int64_t t = b; t < e; ++t) {
+      const c10::BFloat16* ct = cp + t * D;
+      const c10::BFloat16* st = sp + t * D;
+      for (int64_t h = 0; h < NH; ++h) {
+        c10::BFloat16* row = xp + t * s0 + h * s1;
+        for (int64_t d = 0; d < D; ++d) a[d] = static_cast<float>(row[d]);
+        for (int64_t d = 0; d < half; ++d) {
+          row[d] = c10::BFloat16(a[d] * static_cast<float>(ct[d]) - a[d + half] * static_cast<float>(st[d]));
+          row[d + half] = c10::BFloat16(a[d + half] * static_cast<float>(ct[d + half]) +
+                                        a[d] * static_cast<float>(st[d + half]));
+        }
+      }
+    }
+  });
+}
+
 bool built_with_avx512_bf16() { return kHavePairs; }
 
 }  // namespace kvmesh_attn
@@ -640,8 +721,12 @@ TORCH_LIBRARY(kvmesh, m) {
         "Tensor block_tables, int block_size, int window, float scale) -> Tensor");
   m.def("built_with_avx512", &kvmesh_attn::built_with_avx512);
   m.def("built_with_avx512_bf16", &kvmesh_attn::built_with_avx512_bf16);
+  m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope_bf16_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
   m.impl("paged_attention", &kvmesh_attn::paged_attention);
+  m.impl("rms_norm_bf16", &kvmesh_attn::rms_norm_bf16);
+  m.impl("rope_bf16_", &kvmesh_attn::rope_bf16_);
 }
