@@ -83,6 +83,10 @@ def main(argv=None) -> int:
     if args.rounds < 1 or args.threads < 1:
         p.error("--rounds and --threads must be >= 1")
     res = run(args.rounds, args.threads)
+    control = res["none"]["after_over_before"]
+    if abs(control - 1.0) > 0.05:
+        print(f"warning: the control (no op) moved by {control - 1:+.0%}: other jobs are disturbing this machine; "
+              "rerun with more --rounds on a quiet one", file=sys.stderr)
     if args.json:
         print(json.dumps(res))
     else:

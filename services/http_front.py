@@ -5,8 +5,8 @@ Routes:
 * ``POST /v1/completions`` and ``POST /v1/chat/completions``, with ``"stream": true``
   answered as server-sent events (``data: {chunk}`` lines, then ``data: [DONE]``), as
   OpenAI's API does.
-* ``GET /v1/models`` (the one model served), ``GET /health``, ``GET /metrics`` (the
-  process's Prometheus registry).
+* ``GET /v1/models`` (the one model served) and ``GET /v1/models/{id}``, ``GET /health``,
+  ``GET /metrics`` (the process's Prometheus registry).
 
 Each request becomes a ``kvmesh.v1.GenerateRequest`` and goes through the same code the
 gRPC front runs (the router's or worker's ``Generate``), called with a small
@@ -215,6 +215,7 @@ class HttpFront:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model}", self.model),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
         ])
@@ -252,10 +253,19 @@ class HttpFront:
 
     async def models(self, request: web.Request) -> web.Response:
         await self._tenant(request)
-        if self.authenticate is None and self.check_key is not None:
-            await self._call_auth(self.check_key, request)
+        await self._check_key(request)
         return web.json_response({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "kvmesh"}]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        await self._tenant(request)
+        await self._check_key(request)
+        name = request.match_info["model"]
+        if name != self.model_id:
+            raise HttpError(404, f"model {name!r} is not served here; see GET /v1/models", "not_found_error",
+                            param="model", code="model_not_found")
+        return web.json_response({"id": self.model_id, "object": "model", "created": self.created,
+                                  "owned_by": "kvmesh"})
 
     async def metrics(self, request: web.Request) -> web.Response:
         if self.registry is None:
@@ -271,6 +281,17 @@ class HttpFront:
             return None
         return str(await self._call_auth(self.authenticate, request) or "")
 
+    async def _check_key(self, request: web.Request) -> None:
+        """With ``check_key`` (and no ``authenticate``): 401 unless the request holds a valid
+        key; run before anything that answers about the model (a 404 naming the served model
+        would tell a stranger what the 401 on ``/v1/models`` hides)."""
+        if self.authenticate is None and self.check_key is not None:
+            try:
+                await self._call_auth(self.check_key, request)
+            except HttpError:
+                raise HttpError(401, "invalid or missing API key: send the header `Authorization: Bearer KEY`",
+                                "authentication_error", code="invalid_api_key") from None
+
     @staticmethod
     async def _call_auth(check: Authenticator, request: web.Request):
         try:
@@ -283,6 +304,7 @@ class HttpFront:
         return out
 
     async def _body(self, request: web.Request) -> dict:
+        await self._check_key(request)
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):

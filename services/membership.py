@@ -7,7 +7,8 @@ another ``block_size`` hashes prompts into different blocks. Neither may be mixe
 `Compatibility.select` routes around them and logs, once per worker and reason, why.
 
 The cluster's block size is the one most live (model-compatible) workers use; on a tie,
-the smallest. A router started without ``--model`` takes the model most workers serve.
+the one in use (so a single new worker with another size cannot take the routing from a
+warm cluster), else the smallest. A router started without ``--model`` takes the model most workers serve.
 Workers may tag the model id with the dtype they compute in (``M+compute=float32``,
 `workers.model_identity.kv_model_id`); the router hashes under the tagged id most of the
 model's workers advertise and routes around the others.
@@ -51,6 +52,7 @@ class Compatibility:
         self.router_model_id = router_model_id
         self._logged: dict[str, str] = {}
         self._in_use: str | None = None  # the tagged id chosen last time (see `select`)
+        self._bs_in_use: int | None = None  # the block size chosen last time
 
     def _note(self, worker_id: str, reason: str) -> None:
         if self._logged.get(worker_id) != reason:
@@ -89,7 +91,12 @@ class Compatibility:
             return Selection({}, 0, "", f"no live worker serves the router's model {model!r} (workers serve "
                                         f"{sorted(models)}): start the router with the workers' --model")
         sizes = collections.Counter(int(info.get("block_size", 16)) for info in same.values())
-        block_size = max(sorted(sizes), key=lambda b: sizes[b])  # most common; the smallest on a tie
+        top = max(sizes.values())
+        tied = sorted(b for b, n in sizes.items() if n == top)
+        # most common; on a tie the size in use stays (one new misconfigured worker must not
+        # take the routing from the warm ones), else the smallest
+        block_size = self._bs_in_use if self._bs_in_use in tied else tied[0]
+        self._bs_in_use = block_size
         usable = {}
         for wid, info in same.items():
             theirs = int(info.get("block_size", 16))

@@ -96,11 +96,12 @@ def status_table(status: dict) -> str:
     lines = [f"router policy {status['policy']}, {len(workers)} live workers"
              + (f" ({len(around)} routed around, below)" if around else "")
              + f", {status['indexed_blocks']:,} KV blocks indexed (all tenants and models)"]
-    header = ("worker", "address", "routed", "running", "waiting", "queued prefill tokens", "free / total blocks",
-              "cached blocks")
-    rows = [(w["worker_id"], w["address"], "no" if w.get("routed_around") else "yes", str(w["running_requests"]),
-             str(w["waiting_requests"]), f"{w['queued_prefill_tokens']:,}",
-             f"{w['free_blocks']:,} / {w['total_blocks']:,}", f"{w['cached_blocks']:,}") for w in workers]
+    header = ("worker", "address", "routed", "model", "block size", "running", "waiting", "queued prefill tokens",
+              "free / total blocks", "cached blocks")
+    rows = [(w["worker_id"], w["address"], "no" if w.get("routed_around") else "yes", w.get("model_id") or "?",
+             str(w.get("block_size") or "?"), str(w["running_requests"]), str(w["waiting_requests"]),
+             f"{w['queued_prefill_tokens']:,}", f"{w['free_blocks']:,} / {w['total_blocks']:,}",
+             f"{w['cached_blocks']:,}") for w in workers]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

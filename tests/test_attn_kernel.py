@@ -198,3 +198,18 @@ def test_fused_rms_norm_and_rope_match_torch():
     torch.ops.kvmesh.rope_bf16_(x, cos, sin)
     assert torch.equal(qkv[:, :10], exact.to(torch.bfloat16))  # one rounding of the fp32 result
     assert torch.equal(qkv[:, 10:], before)  # v untouched
+
+
+@needs_kernel
+def test_fused_rope_refuses_bad_arguments():
+    x = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
+    cs = torch.ones(4, 1, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="share memory"):
+        torch.ops.kvmesh.rope_bf16_(torch.ones(1, 1, 16, dtype=torch.bfloat16).expand(4, 2, 16), cs, cs)
+    with pytest.raises(RuntimeError, match="even"):
+        torch.ops.kvmesh.rope_bf16_(torch.zeros(4, 2, 15, dtype=torch.bfloat16), cs[..., :15], cs[..., :15])
+    with pytest.raises(RuntimeError, match=r"\[T, D\] or \[T, 1, D\]"):
+        torch.ops.kvmesh.rope_bf16_(x, torch.ones(4, 2, 8, dtype=torch.bfloat16), cs)
+    empty = torch.zeros(0, 2, 16, dtype=torch.bfloat16)
+    torch.ops.kvmesh.rope_bf16_(empty, cs[:0], cs[:0])  # nothing to do, no error
+    assert empty.shape == (0, 2, 16)

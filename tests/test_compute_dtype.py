@@ -239,3 +239,17 @@ def test_host_and_disk_tier_hits_equal_cold_with_float32_compute(bf16_ckpt, tmp_
         assert all(torch.equal(a, b) for a, b in zip(disk_rows, dev_rows))
     finally:
         eng.stop()
+
+
+def test_router_keeps_the_block_size_in_use_on_a_tie():
+    """A warm worker with block size 16 and one with 32 serve (16 wins the tie, smallest); a
+    third joins with 8: the tie now spans three sizes and the size in use stays, so one
+    misconfigured worker cannot take the routing from the warm ones. A majority decides."""
+    compat = Compatibility("m")
+    lease = lambda bs: {"model_id": "m", "block_size": bs}  # noqa: E731
+    assert compat.select({"a": lease(16), "b": lease(32)}).block_size == 16
+    sel = compat.select({"a": lease(16), "b": lease(32), "c": lease(8)})
+    assert sel.block_size == 16 and set(sel.workers) == {"a"}
+    assert "--block-size 16" in compat.reason("c") and compat.reason("a") == ""
+    sel = compat.select({"a": lease(16), "b": lease(32), "c": lease(8), "d": lease(8)})
+    assert sel.block_size == 8 and set(sel.workers) == {"c", "d"}

@@ -217,6 +217,14 @@ def test_http_front_asks_for_a_key_on_every_route(cluster):
         assert status == 401, (key, status, body)
     status, body = get("/models", cluster.credentials.api_key)
     assert status == 200 and len(body["data"]) == 1
+    served = body["data"][0]["id"]
+    status, body = get(f"/models/{served}", cluster.credentials.api_key)
+    assert status == 200 and body["id"] == served
+    assert get(f"/models/{served}")[0] == 401
+    # a wrong model name without a key: 401 before the 404 that would name the served model
+    status, body = get("/completions", None, {"model": "x", "prompt": [1, 2], "max_tokens": 1})
+    assert status == 401 and served not in json.dumps(body), body
+    assert "Authorization: Bearer" in body["error"]["message"]
     status, body = get("/completions", KEY_B, {"prompt": [1, 2, 3], "max_tokens": 1})
     assert status == 200 and body["usage"]["completion_tokens"] == 1
 

@@ -33,6 +33,7 @@
 // returns out [T, H, D] in q's dtype. Accumulation is fp32 throughout.
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -684,11 +685,19 @@ at::Tensor rms_norm_bf16(const at::Tensor& x_in, const at::Tensor& w_in, double 
 // RoPE (Su et al. 2021), rotate-half convention (HF Llama), in place on x [T, heads, D]
 // (last dim contiguous) with cos, sin [T, D] (bf16): x = x * cos + [-x2, x1] * sin.
 void rope_bf16_(at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1, "rope_bf16_: bf16 [T, heads, D]");
-  const at::Tensor c = cos_in.reshape({cos_in.size(0), -1}).contiguous();
-  const at::Tensor sn = sin_in.reshape({sin_in.size(0), -1}).contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1,
+              "rope_bf16_: x must be bf16 [T, heads, D] with the last dim contiguous");
+  TORCH_CHECK(at::has_internal_overlap(x) != at::MemOverlap::Yes,
+              "rope_bf16_: x has elements that share memory (e.g. an expanded tensor); pass a real tensor");
   const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
-  TORCH_CHECK(D % 2 == 0 && c.size(0) == T && c.size(1) == D && sn.sizes() == c.sizes(), "rope_bf16_: bad cos/sin");
+  TORCH_CHECK(D % 2 == 0, "rope_bf16_: head_dim must be even for rotate-half RoPE, got ", D);
+  for (const at::Tensor* t : {&cos_in, &sin_in})
+    TORCH_CHECK((t->dim() == 2 || (t->dim() == 3 && t->size(1) == 1)) && t->size(0) == T && t->size(-1) == D,
+                "rope_bf16_: cos and sin must be [T, D] or [T, 1, D] with T = ", T, " and D = ", D,
+                ", got ", t->sizes());
+  if (T == 0 || NH == 0) return;
+  const at::Tensor c = cos_in.reshape({T, D}).contiguous();
+  const at::Tensor sn = sin_in.reshape({T, D}).contiguous();
   TORCH_CHECK(c.scalar_type() == at::kBFloat16 && sn.scalar_type() == at::kBFloat16, "rope_bf16_: bf16 cos/sin");
   auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* cp = c.data_ptr<c10::BFloat16>();
