@@ -213,3 +213,44 @@ def test_fused_rope_refuses_bad_arguments():
     empty = torch.zeros(0, 2, 16, dtype=torch.bfloat16)
     torch.ops.kvmesh.rope_bf16_(empty, cs[:0], cs[:0])  # nothing to do, no error
     assert empty.shape == (0, 2, 16)
+
+
+_PORTABLE_CHECK = r"""
+import os, sys
+os.environ["KVMESH_ATTN"] = "torch"  # the test module must not load the set-up's own build
+import torch
+from torch.utils import cpp_extension
+root, out = sys.argv[1], sys.argv[2]
+cpp_extension.load(name="kvmesh_paged_attention_portable", sources=[os.path.join(root, "workers", "paged_attention.cpp")],
+                   extra_cflags=["-O2", "-march=x86-64-v3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                   build_directory=out, is_python_module=False)
+assert not torch.ops.kvmesh.built_with_avx512() and not torch.ops.kvmesh.built_with_avx512_bf16()
+sys.path.insert(0, root)
+import tests.test_attn_kernel as T
+from kvmesh.workers import attn_kernel
+attn_kernel.get = lambda: torch.ops.kvmesh.paged_attention
+for dtype in (torch.float32, torch.bfloat16):
+    for window in (-1, 100):
+        T.test_long_sequences_match_reference(dtype, window)
+    for args in [(16, -1, 8, 2), (32, 40, 8, 1), (4, -1, 4, 4)]:
+        T.test_cold_and_cached_positions_are_bit_identical(dtype, *args)
+    for args in [(8, 2, -1), (6, 1, -1)]:
+        T.test_rows_are_bit_identical_whatever_the_chunking(dtype, *args)
+T.test_fused_rms_norm_and_rope_match_torch()
+T.test_fused_rope_refuses_bad_arguments()
+print("portable build ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.uname().machine != "x86_64" or "avx2" not in open("/proc/cpuinfo").read(),
+                    reason="the portable build is checked on x86-64 CPUs with AVX2")
+def test_build_without_avx512_is_correct_too(tmp_path):
+    """The kernel's code for CPUs without AVX-512 (the scalar version of the same steps, and no
+    bf16 pair products) built for x86-64-v3 and checked with the same tests: against the
+    float64 reference, cold vs cached bit-identity, chunking, and the fused ops. In a separate
+    process: one process can hold one build of the ``kvmesh`` operator namespace."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK, root, str(tmp_path)], capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0 and "portable build ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
