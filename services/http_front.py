@@ -187,11 +187,12 @@ class HttpFront:
         registry: Prometheus registry served at ``/metrics`` (None: 404 there).
         authenticate: ``Authorization`` header -> tenant; raising answers 401. None
             allows anonymous requests.
-        check_key: ``Authorization`` header -> anything, raising for a refused key; guards
-            ``GET /v1/models`` when ``authenticate`` is None and Generate checks keys
-            itself (the router's and worker's fronts: their gRPC gate resolves tenants
-            from the forwarded header). None: the listing is open when ``authenticate``
-            is None.
+        check_key: ``Authorization`` header -> anything, raising for a refused key; when
+            ``authenticate`` is None and Generate checks keys itself (the router's and
+            worker's fronts: their gRPC gate resolves tenants from the forwarded header),
+            every route that answers about the model (``/v1/models``, the model check of
+            completions) asks for a key first. None: those routes are open when
+            ``authenticate`` is None.
         max_model_len: context limit (tokens), for chat's default ``max_tokens``.
         timeout_s: deadline of each request (seconds).
     """

@@ -40,6 +40,14 @@ class Selection(NamedTuple):
     reason: str
 
 
+def _most_common(counts: collections.Counter, in_use):
+    """The key with the highest count; on a tie ``in_use`` if it is among the tied, else
+    the smallest of them."""
+    top = max(counts.values())
+    tied = sorted(k for k, n in counts.items() if n == top)
+    return in_use if in_use in tied else tied[0]
+
+
 class Compatibility:
     """Filters leases for one router; remembers what it logged so each reason is logged once.
 
@@ -69,9 +77,7 @@ class Compatibility:
             if not tagged:
                 model = self.router_model_id
             else:  # the id most workers hash under; on a tie the one in use stays (no flip on a blip)
-                top = max(tagged.values())
-                tied = sorted(m for m, n in tagged.items() if n == top)
-                model = self._in_use if self._in_use in tied else tied[0]
+                model = _most_common(tagged, self._in_use)
             self._in_use = model
         else:
             model = max(sorted(models), key=lambda m: models[m])
@@ -91,12 +97,9 @@ class Compatibility:
             return Selection({}, 0, "", f"no live worker serves the router's model {model!r} (workers serve "
                                         f"{sorted(models)}): start the router with the workers' --model")
         sizes = collections.Counter(int(info.get("block_size", 16)) for info in same.values())
-        top = max(sizes.values())
-        tied = sorted(b for b, n in sizes.items() if n == top)
-        # most common; on a tie the size in use stays (one new misconfigured worker must not
-        # take the routing from the warm ones), else the smallest
-        block_size = self._bs_in_use if self._bs_in_use in tied else tied[0]
-        self._bs_in_use = block_size
+        # on a tie the size in use stays: one new misconfigured worker must not take the
+        # routing from the warm ones
+        block_size = self._bs_in_use = _most_common(sizes, self._bs_in_use)
         usable = {}
         for wid, info in same.items():
             theirs = int(info.get("block_size", 16))

@@ -80,7 +80,8 @@ async def start_worker_extras(servicer, host: str, metrics_port: int | None, htt
 def _key_check(servicer):
     """``Authorization`` header -> tenant under the servicer's gate when it requires API
     keys (raises `services.auth.Unauthenticated` for a missing or unknown key), else None:
-    the HTTP front's ``GET /v1/models`` then asks for a key exactly when Generate does."""
+    the HTTP front's model listing and model checks then ask for a key exactly when
+    Generate does."""
     gate = getattr(servicer, "gate", None)
     auth = getattr(gate, "auth", None)
     if auth is None or not auth.requires_key:

@@ -200,13 +200,15 @@ def test_router_keeps_the_tagged_id_in_use_on_a_tie():
     assert sel.model_id == "m" and set(sel.workers) == {"c", "d"}
 
 
-def test_host_and_disk_tier_hits_equal_cold_with_float32_compute(bf16_ckpt, tmp_path):
-    """The bf16 pool's blocks go down to the host tier and disk and come back into a
-    float32-computing engine: same tokens as a cold run, and the host hit reads back the very
-    bytes a device hit reads (identical logits)."""
+@pytest.mark.parametrize("compute", ["float32", "model"])
+def test_host_and_disk_tier_hits_equal_cold(bf16_ckpt, tmp_path, compute):
+    """The bf16 pool's blocks go down to the host tier and disk and come back into an engine
+    computing in float32 or in bf16 (the kernel's bf16 pair products and fused ops on CPUs
+    that have them): same tokens as a cold run, and the host hit reads back the very bytes a
+    device hit reads (identical logits)."""
     from kvmesh.cache_store.tier_store import TierConfig
 
-    eng = Engine(model_dir=bf16_ckpt, block_size=16, num_blocks=64, compute_dtype="float32",
+    eng = Engine(model_dir=bf16_ckpt, block_size=16, num_blocks=64, compute_dtype=compute,
                  tiers=TierConfig(host_bytes=64 << 20, disk_dir=str(tmp_path), disk_bytes=64 << 20,
                                   peer_bytes=0)).start()
     try:
@@ -230,7 +232,9 @@ def test_host_and_disk_tier_hits_equal_cold_with_float32_compute(bf16_ckpt, tmp_
         assert host["usage"]["cached_tokens_by_tier"]["host"] == 112
         assert cold["token_ids"] == dev["token_ids"] == host["token_ids"]
         assert all(torch.equal(a, b) for a, b in zip(host_rows, dev_rows))
-        assert max(float((a - b).abs().max()) for a, b in zip(host_rows, cold_rows)) < 1e-4
+        # as in test_cached_prefix_equals_cold_run: only summation order of the chunking differs
+        assert max(float((a - b).abs().max()) for a, b in zip(host_rows, cold_rows)) < (
+            1e-4 if compute == "float32" else 0.1)
         eng.offload_device_cache()
         eng.drop_host_tier()
         disk, disk_rows = one()

@@ -158,7 +158,7 @@ class Engine:
             attention = "C++ kernel" if attention.startswith("loaded") else f"torch SDPA ({attention})"
         else:
             attention = "torch SDPA"
-        probe = model_identity._probe_cache.get(self.config.dtype) if self._compute_auto else None
+        probe = model_identity.measured_gemm_seconds(self.config.dtype) if self._compute_auto else None
         why = "" if probe is None else (f" (auto: a {self.config.dtype} GEMM measured {probe[1] / probe[0]:.2f}x "
                                         f"float32's speed here)")
         return (f"model {self.kv_model_id}, {self.config.dtype} checkpoint computed in {self.compute_dtype}{why}, "

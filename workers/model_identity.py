@@ -194,6 +194,12 @@ def cpu_gemm_seconds(dtype: str) -> tuple[float, float]:
     return _probe_cache[dtype]
 
 
+def measured_gemm_seconds(dtype: str) -> tuple[float, float] | None:
+    """What `cpu_gemm_seconds` measured for ``dtype`` in this process, or None if it did not
+    measure (nothing is measured here)."""
+    return _probe_cache.get(dtype)
+
+
 def resolve_compute_dtype(requested: str, storage_dtype: str, device: str) -> str:
     """The dtype a worker's forward runs in, as a torch dtype name.
 

@@ -323,7 +323,7 @@ struct Scratch {
   std::vector<float> qt, ot, m, l, pos, lo, kb, vb, p, tmp, tmpk;
   std::vector<uint32_t> qt2, kp, vp;  // bfloat16 pairs (qk_tile_pairs, pv_tile_pairs)
   std::vector<uint16_t> vraw;          // the tile's 16 V rows as bfloat16 bits [16][D]
-  std::vector<float> orow;             // row-major O of key-lane (sparse) tiles [ntiles * L][D]
+  std::vector<float> orow;             // row-major O of the last micro-tile when it is sparse [L][D]
   std::vector<int64_t> tmin, tmax;
 };
 
@@ -351,7 +351,8 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
     s.qt.assign(ntiles * D * L, 0.f);
   }
   s.ot.assign(ntiles * D * L, 0.f);
-  s.orow.assign(ntiles * L * D, 0.f);
+  // only the last micro-tile can have fewer than 16 rows, so only it can take the row path
+  if (nrows - (ntiles - 1) * L < kSparseRows) s.orow.assign(L * D, 0.f);
   s.m.assign(ntiles * L, kNegInf);
   s.l.assign(ntiles * L, 0.f);
   s.pos.resize(ntiles * L);
@@ -462,7 +463,7 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
           for (int j = 0; j < L; ++j) sum += pr[j];
           s.m[r] = m_new;
           s.l[r] = std::fma(s.l[r], alpha, sum);
-          float* orow = s.orow.data() + r * D;
+          float* orow = s.orow.data() + lane * D;
           if (pairs)
             pv_row_pairs(orow, pr, s.vp.data(), alpha, D);
           else
@@ -519,7 +520,7 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
       QT* dst = out + (qs + rr / G) * a.o_s0 + (it.kvh * G + rr % G) * a.o_s1;
       const float inv = tmp[lane];
       if (lanes < kSparseRows) {  // computed row by row into row-major O
-        const float* orow = s.orow.data() + (t * L + lane) * D;
+        const float* orow = s.orow.data() + lane * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<QT>(orow[d] * inv);
       } else {
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<QT>(ot[d * L + lane] * inv);
