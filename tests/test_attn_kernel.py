@@ -220,11 +220,12 @@ import os, sys
 os.environ["KVMESH_ATTN"] = "torch"  # the test module must not load the set-up's own build
 import torch
 from torch.utils import cpp_extension
-root, out = sys.argv[1], sys.argv[2]
+root, out, march = sys.argv[1], sys.argv[2], sys.argv[3]
 cpp_extension.load(name="kvmesh_paged_attention_portable", sources=[os.path.join(root, "workers", "paged_attention.cpp")],
-                   extra_cflags=["-O2", "-march=x86-64-v3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                   extra_cflags=["-O2", "-march=" + march, "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
                    build_directory=out, is_python_module=False)
 assert not torch.ops.kvmesh.built_with_avx512() and not torch.ops.kvmesh.built_with_avx512_bf16()
+assert torch.ops.kvmesh.built_with_avx2() == (march == "x86-64-v3")
 sys.path.insert(0, root)
 import tests.test_attn_kernel as T
 from kvmesh.workers import attn_kernel
@@ -244,13 +245,15 @@ print("portable build ok")
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.uname().machine != "x86_64" or "avx2" not in open("/proc/cpuinfo").read(),
-                    reason="the portable build is checked on x86-64 CPUs with AVX2")
-def test_build_without_avx512_is_correct_too(tmp_path):
-    """The kernel's code for CPUs without AVX-512 (the scalar version of the same steps, and no
-    bf16 pair products) built for x86-64-v3 and checked with the same tests: against the
-    float64 reference, cold vs cached bit-identity, chunking, and the fused ops. In a separate
-    process: one process can hold one build of the ``kvmesh`` operator namespace."""
+                    reason="the portable builds are checked on x86-64 CPUs with AVX2")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_build_without_avx512_is_correct_too(tmp_path, march):
+    """The kernel's code for CPUs without AVX-512 and no bf16 pair products: built for
+    x86-64-v3 (the AVX2 + FMA steps) and for baseline x86-64 (the portable scalar steps), each
+    checked with the same tests: against the float64 reference, cold vs cached
+    bit-identity, chunking, and the fused ops. In a separate process: one process can hold
+    one build of the ``kvmesh`` operator namespace."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK, root, str(tmp_path)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK, root, str(tmp_path), march], capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0 and "portable build ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

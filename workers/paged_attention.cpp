@@ -46,7 +46,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -80,6 +80,67 @@ static inline V vscalef(V a, V e) { return {_mm512_scalef_ps(a.v, e.v)}; }
 static inline void bf16_to_f32_16(const c10::BFloat16* src, float* dst) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
   _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA (x86-64-v3): a 16-lane vector is two 8-lane halves; masks are 16-bit lane masks
+// as with AVX-512. Every lane goes through the same IEEE operations as in the portable code.
+#define KVMESH_AVX2 1
+struct V { __m256 lo, hi; };
+using M = uint32_t;
+static inline __m256 lane_mask8(uint32_t bits) {  // all-ones in the lanes whose bit is set
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i b = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits & 0xffu)), sel);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, sel));
+}
+static inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+static inline V vset1(float x) { const __m256 b = _mm256_set1_ps(x); return {b, b}; }
+static inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V vfma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline V vmul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline V vsub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+// maxps(a, b) = a > b ? a : b, as in the portable code
+static inline V vmax(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+static inline V vdiv(V a, V b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+template <int kCmp>
+static inline M vcmp(V a, V b) {
+  return static_cast<M>(_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, kCmp)))
+         | (static_cast<M>(_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, kCmp))) << 8);
+}
+static inline M vle(V a, V b) { return vcmp<_CMP_LE_OQ>(a, b); }
+static inline M vgt(V a, V b) { return vcmp<_CMP_GT_OQ>(a, b); }
+static inline M veq(V a, V b) { return vcmp<_CMP_EQ_OQ>(a, b); }
+static inline M mand(M a, M b) { return a & b; }
+static inline V vkeep(M m, V a) {
+  return {_mm256_and_ps(lane_mask8(m), a.lo), _mm256_and_ps(lane_mask8(m >> 8), a.hi)};
+}
+static inline V vfill(V a, M m, float x) {
+  const __m256 b = _mm256_set1_ps(x);
+  return {_mm256_blendv_ps(a.lo, b, lane_mask8(m)), _mm256_blendv_ps(a.hi, b, lane_mask8(m >> 8))};
+}
+static inline V vfill_not(V a, M m, float x) { return vfill(a, ~m & 0xffffu, x); }
+static inline V vround(V a) {
+  return {_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+          _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+// a * 2^e for integer-valued e in [-127, 0] (all vexp2 asks): two exact power-of-two
+// factors 2^(e/2) (normal floats), so the product rounds once, as ldexp does
+static inline __m256 scalef8(__m256 a, __m256 e) {
+  const __m256i n = _mm256_cvtps_epi32(e);
+  const __m256i n1 = _mm256_srai_epi32(n, 1);
+  const __m256i n2 = _mm256_sub_epi32(n, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(a, f1), f2);
+}
+static inline V vscalef(V a, V e) { return {scalef8(a.lo, e.lo), scalef8(a.hi, e.hi)}; }
+static inline void bf16_to_f32_16(const c10::BFloat16* src, float* dst) {
+  for (int h = 0; h < 2; ++h) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8 * h));
+    _mm256_storeu_ps(dst + 8 * h, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)));
+  }
 }
 #else
 struct V { float v[L]; };
@@ -140,6 +201,28 @@ static inline void row_to_f32(const T* src, float* dst, int64_t d) {
 
 // S^T[j][0..16) = sum_d Q^T[d][0..16) * K^T[d][j] for the 16 keys j of a tile: 16 accumulators.
 __attribute__((noinline)) static void qk_tile(const float* qt, const float* kt, int64_t D, float* s) {
+#ifdef KVMESH_AVX2
+  // 16 ymm registers hold 8 accumulators (both row halves x 4 keys) at a time, not 32
+  for (int j0 = 0; j0 < L; j0 += 4) {
+    __m256 acc[2][4];
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 q0 = _mm256_loadu_ps(qt + d * L), q1 = _mm256_loadu_ps(qt + d * L + 8);
+      const float* k = kt + d * L + j0;
+      for (int j = 0; j < 4; ++j) {
+        const __m256 kj = _mm256_broadcast_ss(k + j);
+        acc[0][j] = _mm256_fmadd_ps(q0, kj, acc[0][j]);
+        acc[1][j] = _mm256_fmadd_ps(q1, kj, acc[1][j]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      _mm256_storeu_ps(s + (j0 + j) * L, acc[0][j]);
+      _mm256_storeu_ps(s + (j0 + j) * L + 8, acc[1][j]);
+    }
+  }
+  return;
+#endif
   V acc[L];
   for (int j = 0; j < L; ++j) acc[j] = vzero();
   for (int64_t d = 0; d < D; ++d) {
@@ -232,6 +315,29 @@ constexpr bool kHavePairs = false;
 // O^T[d] = alpha * O^T[d] + sum_j P^T[j] * V[j][d], 16 output dims at a time (V is [16][D]).
 __attribute__((noinline)) static void pv_tile(float* ot, const float* pt, const float* vb, V alpha, int64_t D) {
   int64_t d0 = 0;
+#ifdef KVMESH_AVX2
+  // 4 output dims x both row halves = 8 accumulators per pass (16 ymm registers)
+  for (; d0 + 4 <= D; d0 += 4) {
+    __m256 o[4][2];
+    for (int dd = 0; dd < 4; ++dd) {
+      o[dd][0] = _mm256_mul_ps(_mm256_loadu_ps(ot + (d0 + dd) * L), alpha.lo);
+      o[dd][1] = _mm256_mul_ps(_mm256_loadu_ps(ot + (d0 + dd) * L + 8), alpha.hi);
+    }
+    for (int j = 0; j < L; ++j) {
+      const __m256 p0 = _mm256_loadu_ps(pt + j * L), p1 = _mm256_loadu_ps(pt + j * L + 8);
+      const float* vr = vb + j * D + d0;
+      for (int dd = 0; dd < 4; ++dd) {
+        const __m256 v = _mm256_broadcast_ss(vr + dd);
+        o[dd][0] = _mm256_fmadd_ps(p0, v, o[dd][0]);
+        o[dd][1] = _mm256_fmadd_ps(p1, v, o[dd][1]);
+      }
+    }
+    for (int dd = 0; dd < 4; ++dd) {
+      _mm256_storeu_ps(ot + (d0 + dd) * L, o[dd][0]);
+      _mm256_storeu_ps(ot + (d0 + dd) * L + 8, o[dd][1]);
+    }
+  }
+#endif
   for (; d0 + L <= D; d0 += L) {
     V o[L];
     for (int dd = 0; dd < L; ++dd) o[dd] = vmul(vload(ot + (d0 + dd) * L), alpha);
@@ -625,6 +731,14 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, i
   return out;
 }
 
+bool built_with_avx2() {  // the AVX2 + FMA steps (taken only where AVX-512 is not available)
+#ifdef KVMESH_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool built_with_avx512() {
 #ifdef __AVX512F__
   return true;
@@ -730,6 +844,7 @@ TORCH_LIBRARY(kvmesh, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, int layer_idx, Tensor query_start, Tensor context_lens, "
         "Tensor block_tables, int block_size, int window, float scale) -> Tensor");
   m.def("built_with_avx512", &kvmesh_attn::built_with_avx512);
+  m.def("built_with_avx2", &kvmesh_attn::built_with_avx2);
   m.def("built_with_avx512_bf16", &kvmesh_attn::built_with_avx512_bf16);
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_bf16_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
