@@ -6,8 +6,10 @@ layer, reading K/V straight from the paged pool (see the source's header and doc
 
 It is built once at set-up time (``python -m kvmesh.workers.attn_kernel --build``, run by
 scripts/setup.sh) into ``<sys.prefix>/kvmesh-ext/paged_attention`` with
-``torch.utils.cpp_extension`` (``-O3 -march=native -fopenmp``), and loaded lazily by `get` on first
-use. Nothing is compiled at run time. `get` returns ``None`` (and `status` says why) when:
+``torch.utils.cpp_extension`` (``-O3 -march=native -ffp-contract=off -fopenmp``: no multiply-add
+fused but those the source asks for, which the bit-identity of cold and cached rows relies
+on), and loaded lazily by `get` on first use. Nothing is compiled at run time. `get` returns
+``None`` (and `status` says why) when:
 
 * ``KVMESH_ATTN=torch`` is set (forces torch's SDPA path);
 * the library was not built (no compiler at set-up, a failed build), or was built from
