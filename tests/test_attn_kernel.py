@@ -99,6 +99,26 @@ def test_long_sequences_match_reference(dtype, window):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_propagates_as_in_the_reference(dtype):
+    """A NaN in a query row, or in a cached key, makes exactly the outputs that the float64
+    reference (and torch's SDPA) makes NaN: that row's head, or every row that sees the key;
+    on the full-tile path (a prefill) and on the few-row path (decodes) alike."""
+    block_size, heads, kv_heads, d = 16, 8, 2, 64
+    kv = _pool(40, kv_heads, block_size, d, dtype, seed=6)
+    kv[3, 1, 0, 1, 5, 7] = math.nan  # layer 1, key, KV head 1, slot 5 of block 3: position 5 of sequence 1
+    q_lens, ctx = [40, 1, 1], [0, 30, 20]
+    tables = [[0, 1, 2], [3, 4], [5, 6]]
+    q = torch.randn(sum(q_lens), heads, d, generator=torch.Generator().manual_seed(7)).to(dtype)
+    q[10, 2, 0] = math.nan  # sequence 0's position 10, head 2 (KV head 0)
+    ours = _call(q, kv, q_lens, ctx, tables, block_size, -1)
+    ref = _reference(q, kv, q_lens, ctx, tables, block_size, -1)
+    assert torch.equal(torch.isnan(ours), torch.isnan(ref))
+    assert torch.isnan(ours[10, 2]).all() and torch.isnan(ours[40, 4:]).all()  # the decode sees the NaN key
+    assert not torch.isnan(ours[41]).any() and not torch.isnan(ours[:10]).any()
+
+
+@needs_kernel
 def test_rejects_inconsistent_arguments():
     kv = _pool(8, 2, 16, 64, torch.float32, seed=0)
     q = torch.randn(5, 8, 64)
@@ -237,6 +257,7 @@ for dtype in (torch.float32, torch.bfloat16):
         T.test_cold_and_cached_positions_are_bit_identical(dtype, *args)
     for args in [(8, 2, -1), (6, 1, -1)]:
         T.test_rows_are_bit_identical_whatever_the_chunking(dtype, *args)
+    T.test_nan_propagates_as_in_the_reference(dtype)
 T.test_fused_rms_norm_and_rope_match_torch()
 T.test_fused_rope_refuses_bad_arguments()
 print("portable build ok")

@@ -163,7 +163,7 @@ static inline V vkeep(M m, V a) { V r; for (int i = 0; i < L; ++i) r.v[i] = (m >
 static inline V vfill(V a, M m, float x) { V r; for (int i = 0; i < L; ++i) r.v[i] = (m >> i) & 1u ? x : a.v[i]; return r; }
 static inline V vfill_not(V a, M m, float x) { return vfill(a, ~m, x); }
 static inline V vround(V a) { V r; for (int i = 0; i < L; ++i) r.v[i] = std::nearbyint(a.v[i]); return r; }
-static inline V vscalef(V a, V e) { V r; for (int i = 0; i < L; ++i) r.v[i] = std::ldexp(a.v[i], static_cast<int>(e.v[i])); return r; }
+static inline V vscalef(V a, V e) { V r; for (int i = 0; i < L; ++i) r.v[i] = std::ldexp(a.v[i], e.v[i] == e.v[i] ? static_cast<int>(e.v[i]) : 0); return r; }  // NaN: a is NaN too
 static inline void bf16_to_f32_16(const c10::BFloat16* src, float* dst) {
   for (int i = 0; i < L; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -172,9 +172,10 @@ static inline void bf16_to_f32_16(const c10::BFloat16* src, float* dst) {
 // 2^x for x <= 0 (scores minus the running max): x = n + f with n = round(x), |f| <= 1/2,
 // 2^f by its Taylor series to degree 7 (truncation error < 1e-8, below fp32 rounding), then
 // scaled by 2^n. Inputs below -127 are clamped (the result, < 6e-39, only ever multiplies
-// zeros or is masked out). 2^0 is exactly 1.
+// zeros or is masked out). 2^0 is exactly 1. NaN stays NaN (vmax returns its second operand
+// when the comparison fails), so a NaN score makes its row's output NaN, as in torch's SDPA.
 static inline V vexp2(V x) {
-  x = vmax(x, vset1(-127.f));
+  x = vmax(vset1(-127.f), x);
   V n = vround(x);
   V f = vsub(x, n);
   V p = vset1(1.525273380405984e-05f);
