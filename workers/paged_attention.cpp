@@ -125,7 +125,8 @@ static inline V vround(V a) {
           _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
 }
 // a * 2^e for integer-valued e in [-127, 0] (all vexp2 asks): two exact power-of-two
-// factors 2^(e/2) (normal floats), so the product rounds once, as ldexp does
+// factors 2^(e/2) (normal floats), so the product rounds once, as ldexp does; a NaN e comes
+// with a NaN a, and the product stays NaN whatever the factors
 static inline __m256 scalef8(__m256 a, __m256 e) {
   const __m256i n = _mm256_cvtps_epi32(e);
   const __m256i n1 = _mm256_srai_epi32(n, 1);
@@ -222,8 +223,7 @@ __attribute__((noinline)) static void qk_tile(const float* qt, const float* kt, 
       _mm256_storeu_ps(s + (j0 + j) * L + 8, acc[1][j]);
     }
   }
-  return;
-#endif
+#else
   V acc[L];
   for (int j = 0; j < L; ++j) acc[j] = vzero();
   for (int64_t d = 0; d < D; ++d) {
@@ -232,6 +232,7 @@ __attribute__((noinline)) static void qk_tile(const float* qt, const float* kt, 
     for (int j = 0; j < L; ++j) acc[j] = vfma(qv, vset1(k[j]), acc[j]);
   }
   for (int j = 0; j < L; ++j) vstore(s + j * L, acc[j]);
+#endif
 }
 
 #ifdef __AVX512BF16__
