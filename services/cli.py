@@ -119,7 +119,7 @@ def parse_bytes(text: str) -> int:
 
 def tier_config(args: argparse.Namespace):
     """`TierConfig` from parsed worker options (validated by the engine)."""
-    from kvmesh.cache_store.tier_store import TierConfig
+    from kvmesh.cache_store.tier_config import TierConfig
 
     return TierConfig(host_bytes=args.host_bytes, host_codec=args.host_codec, disk_dir=args.disk_dir,
                       disk_bytes=args.disk_bytes, disk_codec=args.disk_codec, write_mode=args.disk_write_mode,

@@ -103,6 +103,28 @@ def test_up_rejects_bad_arguments_before_starting_anything(tmp_path, argv, flag)
         assert "kv_aware" in res.stderr and "round_robin" in res.stderr  # the valid names
 
 
+_CHECK_WITHOUT_TORCH = """
+import sys
+from kvmesh.services.cli import main
+rc = main(sys.argv[1:])
+print("torch imported" if "torch" in sys.modules else "torch not imported", rc)
+"""
+
+
+@pytest.mark.parametrize("argv", [
+    ["up", "--workers", "0"],
+    ["up", "--disk-dir", "/tmp/kvmesh-nowhere"],
+    ["up", "--host-bytes", "64M", "--host-codec", "fp8", "--disk-bytes", "1G"],
+    ["demo", "--policies", "bogus"],
+])
+def test_flag_checks_answer_without_importing_torch(argv):
+    # torch's import alone takes seconds on a small machine; a wrong flag is told at once
+    res = subprocess.run([sys.executable, "-c", _CHECK_WITHOUT_TORCH, *argv], capture_output=True, text=True,
+                         timeout=60)
+    assert "torch not imported 2" in res.stdout, (res.stdout, res.stderr[-2000:])
+    assert "error: " in res.stderr
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["demo", "--workers", "0"], "--workers"),
     (["demo", "--policies", "bogus"], "--policies"),

@@ -1,0 +1,112 @@
+"""Sizes and codecs of a worker's tiers below the device pool (`TierConfig`).
+
+Kept apart from :mod:`cache_store.tier_store` so that the command line can check tier
+flags without importing torch: ``kvmesh up --disk-dir X`` without ``--disk-bytes``
+answers in a fraction of a second instead of after torch's import (several seconds on a
+small machine).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["WRITE_MODES", "BUILTIN_CODECS", "TierConfig"]
+
+#: Codecs `cache_store.kv_codec` registers on import; a name among these is valid
+#: without importing the registry (which imports torch).
+BUILTIN_CODECS = ("none", "fp8", "int4")
+
+
+def _codec_names(name: str):
+    """Names ``name`` is checked against: the built-in ones, or the whole registry when
+    ``name`` is not built in (a codec registered with ``kv_codec.register_codec``)."""
+    if name in BUILTIN_CODECS:
+        return BUILTIN_CODECS
+    from kvmesh.cache_store.kv_codec import CODECS
+
+    return tuple(CODECS)
+
+
+#: How blocks reach the disk tier.
+WRITE_MODES = ("through", "back")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Sizes and codecs of the tiers below the device pool.
+
+    Attributes:
+        host_bytes: host tier capacity (bytes); 0 disables it (and with it
+            offloading, since every lower tier is fed through host memory).
+        host_codec: codec of the host tier (``kv_codec.CODECS``).
+        disk_dir: directory of the disk tier; None disables it.
+        disk_bytes: disk tier capacity (bytes); required with ``disk_dir``.
+        disk_codec: codec of the disk tier.
+        write_mode: ``"through"`` (default) or ``"back"``; see the module doc.
+        segment_bytes: largest disk segment file (bytes).
+        peer_bytes: staging area for blocks fetched from peers or read from
+            the remote tier before their request is scheduled (bytes); 0
+            disables peer fetches and reads from the remote tier.
+        max_pending_write_bytes: most host bytes queued for disk (bytes), and
+            separately most queued for the remote tier.
+        fsync: fsync disk segments (leave on outside tests).
+        remote_url: Redis URL of the shared remote tier (``redis://host:port/db``);
+            used when ``remote_bytes > 0``.
+        remote_bytes: the cluster-wide cap of the remote tier (bytes of
+            records, see :mod:`cache_store.remote_tier`); 0 disables it.
+        remote_codec: codec of the records this worker puts in the remote tier.
+        remote_cluster: cluster name, the Redis key namespace.
+        remote_timeout_s: socket timeout of each Redis call of the remote tier
+            (seconds); a slower Redis counts as a miss, never a long wait.
+    """
+
+    host_bytes: int = 0
+    host_codec: str = "none"
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    disk_codec: str = "none"
+    write_mode: str = "through"
+    segment_bytes: int = 16 << 20
+    peer_bytes: int = 64 << 20
+    max_pending_write_bytes: int = 256 << 20
+    fsync: bool = True
+    remote_url: str | None = None
+    remote_bytes: int = 0
+    remote_codec: str = "none"
+    remote_cluster: str = "default"
+    remote_timeout_s: float = 1.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        for name in ("host_bytes", "disk_bytes", "peer_bytes", "segment_bytes", "max_pending_write_bytes",
+                     "remote_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0 (bytes), got {v!r}")
+        for name in ("host_codec", "disk_codec", "remote_codec"):
+            known = _codec_names(getattr(self, name))
+            if getattr(self, name) not in known:
+                raise ValueError(f"{name} {getattr(self, name)!r} is not one of {', '.join(sorted(known))}")
+        if self.write_mode not in WRITE_MODES:
+            raise ValueError(f"write_mode must be one of {WRITE_MODES}, got {self.write_mode!r}")
+        if self.disk_dir:
+            if self.disk_bytes <= 0:
+                raise ValueError("a disk tier (disk_dir) needs disk_bytes > 0")
+            if self.host_bytes <= 0:
+                raise ValueError("a disk tier needs a host tier (host_bytes > 0): blocks reach disk through it")
+        elif self.disk_bytes:
+            raise ValueError("disk_bytes without disk_dir sets up no disk tier: add disk_dir (the tier's directory) "
+                             "or drop disk_bytes")
+        if self.remote_bytes:
+            if not self.remote_url:
+                raise ValueError("a remote tier (remote_bytes > 0) needs remote_url, the cluster's Redis")
+            if self.host_bytes <= 0:
+                raise ValueError("a remote tier needs a host tier (host_bytes > 0): blocks reach it through it")
+            if self.peer_bytes <= 0:
+                raise ValueError("a remote tier needs a staging area (peer_bytes > 0): blocks read from it wait "
+                                 "there for their request")
+            if not self.remote_timeout_s > 0:
+                raise ValueError(f"remote_timeout_s must be > 0 seconds, got {self.remote_timeout_s!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0 or self.peer_bytes > 0 or self.remote_bytes > 0
