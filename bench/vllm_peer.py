@@ -132,11 +132,13 @@ def vllm_ready() -> bool:
 
 def vllm_command(python: str | os.PathLike, model_dir: str | os.PathLike, port: int, events_port: int,
                  block_size: int = 32, hash_algo: str = "sha256", max_model_len: int = 2048,
-                 served_name: str = "tiny-llama") -> list[str]:
+                 served_name: str = "tiny-llama", enforce_eager: bool = False) -> list[str]:
     """The vLLM OpenAI server command for one peer: prefix caching and ZMQ KV events on.
 
     (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script of the
-    CPU build does not start.)
+    CPU build does not start.) ``enforce_eager`` skips vLLM's torch.compile warm-up
+    (about 30 of a server's 75 s of start-up on a 2-core machine): for tests of routing
+    and KV events, where vLLM's speed does not matter; never for speed comparisons.
     """
     # vLLM binds its PUB socket only for a wildcard host (tcp://*:PORT); with a host name it connects instead
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"}
@@ -145,7 +147,7 @@ def vllm_command(python: str | os.PathLike, model_dir: str | os.PathLike, port: 
             "--block-size", str(block_size), "--enable-prefix-caching",
             "--prefix-caching-hash-algo", hash_algo, "--max-model-len", str(max_model_len),
             "--dtype", "float32", "--max-num-seqs", "8", "--enable-prompt-tokens-details",
-            "--kv-events-config", json.dumps(events)]
+            "--kv-events-config", json.dumps(events)] + (["--enforce-eager"] if enforce_eager else [])
 
 
 if __name__ == "__main__":

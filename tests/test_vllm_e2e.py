@@ -75,7 +75,8 @@ def fleet(tmp_path_factory):
         for i in range(2):
             port, ev = free_port(), free_port()
             log = tmp / f"vllm{i}.log"
-            cmd = vllm_command(VLLM_PY, model, port, ev, block_size=BLOCK, max_model_len=8192)
+            cmd = vllm_command(VLLM_PY, model, port, ev, block_size=BLOCK, max_model_len=8192,
+                               enforce_eager=True)   # routing is under test here, not vLLM's speed
             p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                                  start_new_session=True)
             procs.append(p)
