@@ -54,9 +54,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "quarter of --max-batched-tokens)")
     p.add_argument("--max-num-partial-prefills", type=_int_at_least(1, "--max-num-partial-prefills"),
                    default=2, help="most requests with a partly computed prompt at once (default 2)")
-    # names only: the codec registry imports torch, which the CLI loads only when a worker
-    # starts; TierConfig.validate checks them against the registry then
-    codecs = ("none", "fp8", "int4")
+    # the built-in names (tier_config imports no torch; the codec registry does)
+    from kvmesh.cache_store.tier_config import BUILTIN_CODECS as codecs
     t = p.add_argument_group("cache tiers (sizes in bytes; K/M/G/T suffixes are powers of 1024)")
     t.add_argument("--host-bytes", type=parse_bytes, default=0,
                    help="host-memory tier for blocks evicted from the device pool (default 0: off)")
