@@ -221,6 +221,65 @@ def test_fused_rms_norm_and_rope_match_torch():
 
 
 @needs_kernel
+def test_fused_silu_mul_matches_torch():
+    """SwiGLU's fused activation against torch's bf16 ``silu_`` then ``mul_`` (two roundings):
+    the products agree within one bf16 rounding (the fused op's e^-g is its own polynomial,
+    not torch's), mostly exactly, over the range a projection gives; a strided [T, 2I] view
+    (gate then up) is read as it is; NaN stays NaN."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(12)
+    for i in (1376, 37):  # a multiple of 16 and a tail
+        gu = (torch.randn(61, 2 * i, generator=g) * 4).bfloat16()
+        gu[0, 0] = math.nan
+        ref = F.silu(gu[:, :i].clone()).mul_(gu[:, i:])
+        out = torch.ops.kvmesh.silu_mul_bf16(gu)
+        assert out.shape == (61, i) and out.dtype == torch.bfloat16
+        assert torch.isnan(out[0, 0]) and torch.equal(torch.isnan(out), torch.isnan(ref))
+        r, o = ref.float().nan_to_num(), out.float().nan_to_num()
+        assert ((o - r).abs() <= r.abs() * 2.0 ** -7 + 1e-30).all()
+        assert (o == r).float().mean() > 0.99
+        wide = torch.cat([gu, gu[:, :8]], dim=1)[:, : 2 * i]  # row stride 2i + 8: not contiguous
+        assert torch.equal(torch.ops.kvmesh.silu_mul_bf16(wide).nan_to_num(), out.nan_to_num())
+    with pytest.raises(RuntimeError, match=r"bf16 \[T, 2I\]"):
+        torch.ops.kvmesh.silu_mul_bf16(torch.zeros(4, 7, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(attn_kernel.get() is None or not torch.ops.kvmesh.built_with_amx(),
+                    reason="the kernel was not built with AMX here")
+@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("d", [64, 32])
+def test_amx_and_vector_paths_match_reference_and_keep_bit_identity(amx, d):
+    """On an AMX build both bf16 paths stay right: the tile path (the default where the OS
+    grants the tiles; head_dim 32 and 64) and the AVX512_BF16 pair path it replaces
+    (``set_amx(False)``), against the float64 reference over ragged batches with a sliding
+    window, and cold rows against the same rows as chunks and as decodes, bit for bit."""
+    assert torch.ops.kvmesh.set_amx(amx) == amx
+    try:
+        block_size, heads, kv_heads = 16, 8, 2
+        kv = _pool(160, kv_heads, block_size, d, torch.bfloat16, seed=4)
+        q_lens, ctx = [300, 1, 130, 1, 20], [0, 77, 170, 250, 35]
+        tables, nxt = [], 1
+        for q_len, c in zip(q_lens, ctx):
+            n = -(-(q_len + c) // block_size)
+            tables.append(list(range(nxt + n - 1, nxt - 1, -1)))
+            nxt += n
+        q = torch.randn(sum(q_lens), heads, d, generator=torch.Generator().manual_seed(5)).bfloat16()
+        for window in (-1, 100):
+            ours = _call(q, kv, q_lens, ctx, tables, block_size, window).double()
+            ref = _reference(q, kv, q_lens, ctx, tables, block_size, window)
+            # within one bf16 step of the output (|out| < 4 here: 2^-6) plus the rounding of P
+            assert ((ours - ref).abs() <= 2.0 ** -7 * ref.abs().clamp(min=1.0) + 2e-3).all()
+        table, n = tables[0], q_lens[0]
+        cold = _call(q[:n], kv, [n], [0], [table], block_size, -1)
+        for start, stop in ((0, 1), (1, 17), (17, 150), (150, 151), (151, 300)):
+            part = _call(q[start:stop], kv, [stop - start], [start], [table], block_size, -1)
+            assert torch.equal(part, cold[start:stop]), (start, stop)
+    finally:
+        torch.ops.kvmesh.set_amx(True)
+
+
+@needs_kernel
 def test_fused_rope_refuses_bad_arguments():
     x = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
     cs = torch.ones(4, 1, 16, dtype=torch.bfloat16)
@@ -245,6 +304,7 @@ cpp_extension.load(name="kvmesh_paged_attention_portable", sources=[os.path.join
                    extra_cflags=["-O2", "-march=" + march, "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
                    build_directory=out, is_python_module=False)
 assert not torch.ops.kvmesh.built_with_avx512() and not torch.ops.kvmesh.built_with_avx512_bf16()
+assert not torch.ops.kvmesh.built_with_amx()
 assert torch.ops.kvmesh.built_with_avx2() == (march == "x86-64-v3")
 sys.path.insert(0, root)
 import tests.test_attn_kernel as T
@@ -259,6 +319,7 @@ for dtype in (torch.float32, torch.bfloat16):
         T.test_rows_are_bit_identical_whatever_the_chunking(dtype, *args)
     T.test_nan_propagates_as_in_the_reference(dtype)
 T.test_fused_rms_norm_and_rope_match_torch()
+T.test_fused_silu_mul_matches_torch()
 T.test_fused_rope_refuses_bad_arguments()
 print("portable build ok")
 """

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from tests._model_utils import Seq, greedy, step
@@ -529,3 +530,34 @@ def test_batched_greedy_decode_matches_transformers_token_for_token(tmp_path, ki
         for g, lg in zip(got, step(model, kv, seqs, BLOCK)):
             g.append(int(lg[-1].argmax()))
     assert got == expected
+
+
+def test_packed_weights_follow_the_weights():
+    """`PackedWeights` (oneDNN-prepacked bf16 linears of the fused forward) gives F.linear's
+    products, with and without bias, and repacks when a weight is edited in place or
+    replaced: a stale packed copy would silently compute with old weights."""
+    from kvmesh.workers.model import PackedWeights, _can_pack
+
+    if not _can_pack():
+        pytest.skip("this torch has no oneDNN weight prepacking")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 64, generator=g).bfloat16()
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    packs = PackedWeights()
+
+    def close(a, ref):  # within one bf16 rounding of the reference
+        return ((a.float() - ref.float()).abs() <= ref.float().abs() * 2.0 ** -7 + 1e-3).all()
+
+    w2 = torch.randn(96, 64, generator=g).bfloat16()
+    with torch.inference_mode():
+        assert close(packs.linear("p", x, w), F.linear(x, w))
+        assert close(packs.linear("pb", x, w, b), F.linear(x, w, b))
+        w.mul_(-2)  # in place: the version counter moves
+        assert close(packs.linear("p", x, w), F.linear(x, w))
+        assert close(packs.linear("p", x, w2), F.linear(x, w2))  # another tensor in the slot
+        w3 = torch.randn(96, 64, generator=g).bfloat16()  # an inference tensor: not packed, still right
+        assert torch.equal(packs.linear("p", x, w3), F.linear(x, w3))
+        assert torch.equal(packs.linear("p", x, w2, packed=False), F.linear(x, w2))  # the plain path
+        xf = x.float()  # not bf16: plain F.linear
+        assert torch.equal(packs.linear("f", xf, w.float()), F.linear(xf, w.float()))

@@ -23,6 +23,8 @@ starts and how much cached context it has.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -252,6 +254,49 @@ def _fuse_key(params: list[torch.Tensor | None]) -> tuple:
     return tuple((id(p), p._version, p.data_ptr()) for p in params if p is not None)
 
 
+#: Rows the oneDNN weight layouts of `PackedWeights` are chosen for (any row count works).
+PACK_BATCH_ROWS = 512
+
+
+@functools.lru_cache(maxsize=None)
+def _can_pack() -> bool:
+    """Whether torch's oneDNN weight prepacking (``mkldnn::_reorder_linear_weight``) is here."""
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedWeights:
+    """bf16 ``F.linear`` on the CPU with each weight reordered once into oneDNN's blocked
+    layout, instead of at every call.
+
+    torch's bf16 linear hands oneDNN the plain ``[out, in]`` matrix, which it reorders on each
+    call; over a step of 32-512 tokens that reorder was 8-12 % of the forward (issue-12 model,
+    AMX CPU). The prepacked copy (``torch.ops.mkldnn._reorder_linear_weight``, what torch's
+    inductor uses for frozen CPU linears) gives the same products, bit for bit on the shapes
+    tested, and costs one more copy of the weights in memory. A copy is rebuilt whenever its
+    weight object, storage or in-place version changes (`_fuse_key`).
+    """
+
+    def __init__(self) -> None:
+        self._packed: dict[str, tuple[tuple, torch.Tensor]] = {}
+
+    def linear(self, slot: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+               packed: bool = True) -> torch.Tensor:
+        """``x [T, in] -> [T, out]`` = ``x @ w.T + b``; prepacked when ``packed``, x and w are bf16
+        CPU tensors and w is not an inference tensor (`torch.inference_mode`)."""
+        if not (packed and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and x.dim() == 2 and not w.is_inference() and _can_pack()):
+            # (an inference tensor has no version counter: an in-place edit could not be seen)
+            return F.linear(x, w, b)
+        key = _fuse_key([w, b])
+        hit = self._packed.get(slot)
+        if hit is None or hit[0] != key:
+            hit = self._packed[slot] = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_ROWS))
+        return torch.ops.mkldnn._linear_pointwise(x, hit[1], b, "none", [], "")
+
+
 class SwiGLU(nn.Module):
     """SwiGLU MLP (Shazeer 2020): ``down(silu(gate(x)) * up(x))``, ``[T, H] -> [T, H]``."""
 
@@ -264,12 +309,19 @@ class SwiGLU(nn.Module):
 
         self._fused_key: tuple | None = None
         self._fused = torch.empty(0)
+        self._packs = PackedWeights()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """``x [T, H] -> [T, H]``; ``fused``: bf16 through the C++ extension's ``silu_mul_bf16``
+        (one pass over the gate/up product, the same two bf16 roundings as torch's ops) and
+        prepacked weights (`PackedWeights`)."""
         params = [self.gate_proj.weight, self.up_proj.weight]
         if self._fused_key != _fuse_key(params):  # gate and up as one [2 * I, H] matmul
             self._fused = _fuse_rows(params)
             self._fused_key = _fuse_key(params)
+        if fused and x.dtype == torch.bfloat16:
+            gu = self._packs.linear("gate_up", x, self._fused)
+            return self._packs.linear("down", torch.ops.kvmesh.silu_mul_bf16(gu), self.down_proj.weight)
         gu = F.linear(x, self._fused)
         i = self.gate_proj.weight.shape[0]
         act = F.silu(gu[:, :i], inplace=True)  # in place over the fresh [T, 2I] product: no new buffers
@@ -327,7 +379,7 @@ class _StepPlan:
     decode: _DecodeGroup | None
     seqs: list[_SeqPlan]
     kernel: _KernelPlan | None = None
-    #: bfloat16 forward with the C++ extension loaded: RMSNorm and RoPE use its fused ops
+    #: bfloat16 forward with the C++ extension loaded: RMSNorm, RoPE and SiLU-and-multiply use its fused ops
     #: (`torch.ops.kvmesh.rms_norm_bf16`, ``rope_bf16_``) instead of 3-6 torch ops each
     fused: bool = False
 
@@ -365,6 +417,7 @@ class PagedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False, dtype=dtype)
         self._fused_key: tuple | None = None
         self._fused: tuple[torch.Tensor, torch.Tensor | None] = (torch.empty(0), None)
+        self._packs = PackedWeights()
 
     def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The q/k/v weights (and biases) stacked into one ``[(H + 2 * kv_heads) * D, hidden]`` matrix.
@@ -407,7 +460,7 @@ class PagedAttention(nn.Module):
         d = self.head_dim
         nh, nkv = self.num_heads, self.num_kv_heads
         w, b = self._fused_qkv()
-        qkv = F.linear(x, w, b).view(t, nh + 2 * nkv, d)
+        qkv = self._packs.linear("qkv", x, w, b, plan.fused).view(t, nh + 2 * nkv, d)
         if plan.fused and qkv.dtype == torch.bfloat16:  # in place over the fresh projection
             qk = qkv[:, : nh + nkv]
             torch.ops.kvmesh.rope_bf16_(qk, cos, sin)
@@ -424,19 +477,23 @@ class PagedAttention(nn.Module):
             kp = plan.kernel
             out = kp.op(q, kv_cache, layer_idx, kp.query_start, kp.context_lens, kp.block_tables, block_size,
                         kp.window, d ** -0.5)
-            return self.o_proj(out.view(t, nh * d))
+            return self._out(out.view(t, nh * d), plan)
         dec = plan.decode
         if dec is not None and dec.rows is None and not plan.seqs:
             out = self._decode(q, kv_cache, layer_idx, dec, x.dtype)  # pure decode step
-            return self.o_proj(out.view(t, nh * d))
+            return self._out(out.view(t, nh * d), plan)
         if dec is None and len(plan.seqs) == 1 and plan.seqs[0].self_only:  # one cold prefill
-            return self.o_proj(self._prefill(plan.seqs[0], q, k, v, kv_cache, layer_idx).reshape(t, nh * d))
+            return self._out(self._prefill(plan.seqs[0], q, k, v, kv_cache, layer_idx).reshape(t, nh * d), plan)
         out = torch.empty(t, nh, d, dtype=x.dtype, device=x.device)
         if dec is not None:
             out.index_copy_(0, dec.rows, self._decode(q.index_select(0, dec.rows), kv_cache, layer_idx, dec, x.dtype))
         for p in plan.seqs:
             out[p.start : p.end] = self._prefill(p, q, k, v, kv_cache, layer_idx)
-        return self.o_proj(out.view(t, nh * d))
+        return self._out(out.view(t, nh * d), plan)
+
+    def _out(self, o: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
+        """The output projection ``[T, H * D] -> [T, hidden]``."""
+        return self._packs.linear("o", o, self.o_proj.weight, self.o_proj.bias, plan.fused)
 
     def _prefill(self, p: _SeqPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  layer_idx: int) -> torch.Tensor:
@@ -492,7 +549,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:
         fused = attn_args[6].fused  # the step's _StepPlan
         x = x + self.self_attn(self.input_layernorm(x, fused), *attn_args)
-        return x.add_(self.mlp(self.post_attention_layernorm(x, fused)))  # x is this layer's own sum
+        return x.add_(self.mlp(self.post_attention_layernorm(x, fused), fused))  # x is this layer's own sum
 
 
 class DecoderModel(nn.Module):
@@ -514,6 +571,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._packs = PackedWeights()
         self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         #: "auto" (the C++ kernel of `workers.attn_kernel` where it is loaded and supports
         #: the step, else torch's SDPA), "kernel" or "torch"; see `_plan`
@@ -706,4 +764,4 @@ class DecoderModel(nn.Module):
         if logits_indices is None:
             logits_indices = meta.last_token_indices(device)
         h = self.norm(h.index_select(0, logits_indices.to(device)), plan.fused)
-        return self.lm_head(h).float()
+        return self._packs.linear("lm_head", h, self.lm_head.weight, self.lm_head.bias, plan.fused).float()

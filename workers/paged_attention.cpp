@@ -39,6 +39,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -49,6 +50,12 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVMESH_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#include <atomic>
 
 namespace kvmesh_attn {
 
@@ -419,6 +426,9 @@ struct Item {
 struct Args {
   int64_t D, H, KVH, G, BS, window;
   float qmul;  // scale * log2(e)
+  bool amx;    // bf16 Q and pool, D 32 or 64, block_size % 16 == 0, AMX built, granted and wanted
+  const uint32_t* vt_shared = nullptr;  // AMX: V^T spans packed once per call (pack_shared_vt)
+  const int64_t* vt_off = nullptr;
   const int64_t *qstart, *ctx, *tables;
   int64_t table_stride;
   int64_t q_s0, q_s1;      // q strides (elements) of dims 0 and 1
@@ -637,10 +647,320 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// AMX path (Intel Advanced Matrix Extensions): bfloat16 Q and pool, head_dim 32 or 64,
+// block_size a multiple of 16, on a CPU with AMX-BF16 whose OS grants the tile state
+// (Linux: arch_prctl ARCH_REQ_XCOMP_PERM). Keys go in spans of 32 (two 16-key tiles); both
+// products are tile dot products (TDPBF16PS: C[m][n] += a(m, pair k) . b(pair k, n), two bf16
+// products per pair, fp32 accumulation) in the kernel's transposed layout, so the softmax
+// between them keeps its row-per-lane form:
+//   S^T [16 keys][16 rows] = K [16 keys][16 pairs] . Q^T pairs [16][16 rows], per 16 keys and
+//                            32 dims, K read straight from the pool;
+//   O^T [16 dims][16 rows] += V^T pairs [16 dims][16 key pairs] . P^T pairs [16][16 rows].
+// Each micro-tile's O^T stays in tile registers over all its keys (D / 16 <= 4 tiles). A
+// row's max moves only when a span's exceeds it by more than kLazyMax (base 2, so p stays
+// <= 2^8), and O^T is rescaled, through memory, only then. Every micro-tile takes this path,
+// whatever its number of valid rows, and no row's operations depend on the other rows of its
+// micro-tile: cold and cached rows stay bit-identical.
+std::atomic<bool> g_amx_wanted{true};  // set_amx
+
+#ifdef KVMESH_AMX
+constexpr float kLazyMax = 8.f;
+
+// 2^x for the AMX softmax, whose p is rounded to bfloat16 (8 significant bits) right after:
+// as vexp2, with the Taylor series of 2^f cut at degree 5 (truncation error < 3e-6, a
+// thousandth of a bfloat16 step) instead of 7.
+static inline __m512 exp2_for_bf16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-127.f), x);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558146428443e-03f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+constexpr int64_t kSpan = 2 * L;  // keys per step
+
+static bool amx_granted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h, Linux 5.16+
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// All eight tiles are 16 rows x 64 bytes: tmm0 A operand (K, V^T), tmm1 B operand (Q^T, P^T),
+// tmm2 / tmm3 S^T of the span's two key tiles (then A operands of P V), tmm4-7 O^T.
+static void amx_configure() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
+  _tile_loadconfig(&c);
+}
+
+// O^T tiles <-> memory [D][16] (tile numbers are immediates)
+static inline void o_store(float* ot, int64_t nd) {
+  _tile_stored(4, ot, L * 4);
+  if (nd > 1) _tile_stored(5, ot + 1 * L * L, L * 4);
+  if (nd > 2) _tile_stored(6, ot + 2 * L * L, L * 4);
+  if (nd > 3) _tile_stored(7, ot + 3 * L * L, L * 4);
+}
+static inline void o_load(const float* ot, int64_t nd) {
+  _tile_loadd(4, ot, L * 4);
+  if (nd > 1) _tile_loadd(5, ot + 1 * L * L, L * 4);
+  if (nd > 2) _tile_loadd(6, ot + 2 * L * L, L * 4);
+  if (nd > 3) _tile_loadd(7, ot + 3 * L * L, L * 4);
+}
+
+// V^T pairs of keys [32 sp, 32 sp + 32) of sequence seq, KV head kvh: vt [D][16 key pairs],
+// (v[2k][d], v[2k+1][d]) at [d][k]; V past the sequence reads as 0. vraw: scratch [32][D].
+static void pack_vt_span(const Args& a, const c10::BFloat16* pool, int64_t seq, int64_t kvh, int64_t sp, uint32_t* vt,
+                         uint16_t* vraw) {
+  constexpr int64_t P2 = kSpan / 2;
+  const int64_t D = a.D, BS = a.BS;
+  const int64_t total = a.ctx[seq] + a.qstart[seq + 1] - a.qstart[seq];
+  const int64_t* table = a.tables + seq * a.table_stride;
+  const int64_t kbase = sp * kSpan;
+  for (int64_t j = 0; j < kSpan; ++j) {
+    const int64_t p = kbase + j;
+    if (p >= total) {
+      std::fill(vraw + j * D, vraw + (j + 1) * D, uint16_t{0});
+      continue;
+    }
+    const c10::BFloat16* src = pool + table[p / BS] * a.p_sb + a.p_skv + kvh * a.p_sh + (p % BS) * a.p_st;
+    std::memcpy(vraw + j * D, src, D * sizeof(uint16_t));
+  }
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t k = 0; k < P2; ++k)
+      vt[d * P2 + k] = static_cast<uint32_t>(vraw[2 * k * D + d]) | (static_cast<uint32_t>(vraw[(2 * k + 1) * D + d]) << 16);
+}
+
+// V^T spans of every sequence with more than one item per KV head, packed once for all of
+// them (in parallel); a.vt_off[seq * KVH + kvh] is the offset of span 0, or -1.
+static void pack_shared_vt(Args& a, const c10::BFloat16* pool, int64_t S, int64_t rows_per_item,
+                           std::vector<uint32_t>& buf, std::vector<int64_t>& off) {
+  constexpr int64_t P2 = kSpan / 2;
+  off.assign(S * a.KVH, -1);
+  std::vector<std::array<int64_t, 3>> tasks;  // (seq, kvh, span)
+  int64_t size = 0;
+  for (int64_t sq = 0; sq < S; ++sq) {
+    const int64_t ql = a.qstart[sq + 1] - a.qstart[sq], total = a.ctx[sq] + ql;
+    if (ql * a.G <= rows_per_item) continue;  // one item per KV head: it packs its own
+    const int64_t nsp = (total + kSpan - 1) / kSpan;
+    for (int64_t g = 0; g < a.KVH; ++g) {
+      off[sq * a.KVH + g] = size;
+      for (int64_t sp = 0; sp < nsp; ++sp) tasks.push_back({sq, g, sp});
+      size += nsp * a.D * P2;
+    }
+  }
+  if (tasks.empty()) return;
+  buf.resize(size);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 16, [&](int64_t b, int64_t e) {
+    std::vector<uint16_t> vraw(kSpan * a.D);
+    for (int64_t i = b; i < e; ++i) {
+      const auto& [sq, g, sp] = tasks[i];
+      pack_vt_span(a, pool, sq, g, sp, buf.data() + off[sq * a.KVH + g] + sp * a.D * P2, vraw.data());
+    }
+  });
+  a.vt_shared = buf.data();
+  a.vt_off = off.data();
+}
+
+static void run_item_amx(const Args& a, const Item& it, const c10::BFloat16* q, const c10::BFloat16* pool,
+                         c10::BFloat16* out, Scratch& s) {
+  constexpr int64_t P2 = kSpan / 2;      // key pairs per span
+  const int64_t D = a.D, G = a.G, BS = a.BS, W = a.window;
+  const int64_t D2 = D / 2, nd = D / L;  // dim pairs per row; O^T tiles
+  const int64_t qs = a.qstart[it.seq];
+  const int64_t c = a.ctx[it.seq];
+  const int64_t qlen = a.qstart[it.seq + 1] - qs;
+  const int64_t total = c + qlen;
+  const int64_t* table = a.tables + it.seq * a.table_stride;
+  const int64_t nrows = it.r1 - it.r0;
+  const int64_t ntiles = (nrows + L - 1) / L;
+  s.qt2.assign(ntiles * D2 * L, 0u);
+  s.ot.resize(D * L);
+  s.pos.resize(ntiles * L);
+  s.lo.resize(ntiles * L);
+  s.tmin.resize(ntiles);
+  s.tmax.resize(ntiles);
+  s.p.resize(kSpan * L);
+  s.vraw.resize(kSpan * D);
+
+  // Q^T pairs per micro-tile (unscaled, as in qk_tile_pairs); padded lanes repeat the last row's position
+  for (int64_t r = 0; r < ntiles * L; ++r) {
+    const int64_t rr = std::min(it.r0 + r, it.r1 - 1);
+    const int64_t i = rr / G;
+    const int64_t pos = c + i;
+    const int64_t t = r / L, lane = r % L;
+    s.pos[r] = static_cast<float>(pos);
+    s.lo[r] = W > 0 ? static_cast<float>(pos - W) : -1.f;
+    if (lane == 0) s.tmin[t] = pos;
+    s.tmax[t] = pos;
+    if (it.r0 + r < it.r1) {
+      const c10::BFloat16* qr = q + (qs + i) * a.q_s0 + (it.kvh * G + rr % G) * a.q_s1;
+      uint32_t* dst2 = s.qt2.data() + t * D2 * L + lane;
+      for (int64_t k = 0; k < D2; ++k) std::memcpy(dst2 + k * L, qr + 2 * k, sizeof(uint32_t));
+    }
+  }
+  const int64_t first = s.tmin[0], last = s.tmax[ntiles - 1];
+  const int64_t k_lo = W > 0 ? std::max<int64_t>(0, first - W + 1) : 0;
+  const int64_t sp_lo = k_lo / kSpan, sp_hi = last / kSpan, nsp = sp_hi - sp_lo + 1;
+
+  // V^T pairs of every span the item visits, [nsp][D][16 key pairs]; V past the sequence reads as 0
+  // (a sequence split into several items per KV head has them packed once per call: a.vt_shared)
+  const int64_t shared_off = a.vt_off != nullptr ? a.vt_off[it.seq * a.KVH + it.kvh] : -1;
+  const uint32_t* vt_base;
+  if (shared_off >= 0) {
+    vt_base = a.vt_shared + shared_off;  // spans from 0
+  } else {
+    s.vp.resize(nsp * D * P2);
+    for (int64_t sp = sp_lo; sp <= sp_hi; ++sp)
+      pack_vt_span(a, pool, it.seq, it.kvh, sp, s.vp.data() + (sp - sp_lo) * D * P2, s.vraw.data());
+    vt_base = s.vp.data() - sp_lo * D * P2;
+  }
+
+  float* pb = s.p.data();  // S^T of the span [32 keys][16 rows]
+  float* ot = s.ot.data();
+  alignas(64) uint32_t pp[P2 * L];
+  const __m512 qmul = _mm512_set1_ps(a.qmul);
+  const int64_t k_stride = a.p_st * static_cast<int64_t>(sizeof(uint16_t));  // bytes between keys
+  for (int64_t t = 0; t < ntiles; ++t) {
+    const int64_t tmin = s.tmin[t], tmax = s.tmax[t];
+    const int64_t nvalid = std::min<int64_t>(L, nrows - t * L);
+    const uint32_t* qt2 = s.qt2.data() + t * D2 * L;
+    __m512 m_run = _mm512_set1_ps(kNegInf), l_run = _mm512_setzero_ps();
+    _tile_zero(4);
+    if (nd > 1) _tile_zero(5);
+    if (nd > 2) _tile_zero(6);
+    if (nd > 3) _tile_zero(7);
+    const __m512 rp = _mm512_loadu_ps(s.pos.data() + t * L);
+    const __m512 rl = _mm512_loadu_ps(s.lo.data() + t * L);
+    for (int64_t sp = sp_lo; sp <= sp_hi; ++sp) {
+      const int64_t kbase = sp * kSpan, kend = kbase + kSpan - 1;
+      if (kbase > tmax) break;                        // this and later spans: all in every row's future
+      if (W > 0 && kend <= tmin - W) continue;        // all keys before every row's window
+      const bool masked = kend > tmin || (W > 0 && kbase <= tmax - W);
+      const bool second = kbase + L <= tmax;          // the second 16 keys are not all in the future
+      // S^T = K . Q^T per 16 keys, 32 dims per product; K straight from the pool (16 keys lie
+      // in one block and before the sequence's end)
+      const c10::BFloat16* k0 = pool + table[kbase / BS] * a.p_sb + it.kvh * a.p_sh + (kbase % BS) * a.p_st;
+      const c10::BFloat16* k1 = second ? pool + table[(kbase + L) / BS] * a.p_sb + it.kvh * a.p_sh +
+                                             ((kbase + L) % BS) * a.p_st : k0;
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t ch = 0; ch < D2; ch += L) {
+        _tile_loadd(1, qt2 + ch * L, L * 4);
+        _tile_loadd(0, k0 + 2 * ch, k_stride);
+        _tile_dpbf16ps(2, 0, 1);
+        if (second) {
+          _tile_loadd(0, k1 + 2 * ch, k_stride);
+          _tile_dpbf16ps(3, 0, 1);
+        }
+      }
+      _tile_stored(2, pb, L * 4);
+      _tile_stored(3, pb + L * L, L * 4);
+      __m512 m_tile = m_run;
+      __mmask16 valid[kSpan];
+      for (int64_t j = 0; j < kSpan; ++j) {
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(pb + j * L), qmul);
+        if (masked) {
+          const __m512 kp = _mm512_set1_ps(static_cast<float>(kbase + j));
+          valid[j] = _mm512_cmp_ps_mask(kp, rp, _CMP_LE_OQ) & _mm512_cmp_ps_mask(kp, rl, _CMP_GT_OQ);
+          x = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), valid[j], x);
+        }
+        _mm512_storeu_ps(pb + j * L, x);
+        m_tile = _mm512_max_ps(m_tile, x);
+      }
+      const __mmask16 grow = _mm512_cmp_ps_mask(m_tile, _mm512_add_ps(m_run, _mm512_set1_ps(kLazyMax)), _CMP_GT_OQ);
+      const __m512 m_new = _mm512_mask_mov_ps(m_run, grow, m_tile);
+      const __m512 m_safe = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ),
+                                               _mm512_setzero_ps());
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t k = 0; k < P2; ++k) {
+        __m512 p0 = exp2_for_bf16(_mm512_sub_ps(_mm512_loadu_ps(pb + 2 * k * L), m_safe));
+        __m512 p1 = exp2_for_bf16(_mm512_sub_ps(_mm512_loadu_ps(pb + (2 * k + 1) * L), m_safe));
+        if (masked) {
+          p0 = _mm512_maskz_mov_ps(valid[2 * k], p0);
+          p1 = _mm512_maskz_mov_ps(valid[2 * k + 1], p1);
+        }
+        // P rounded to bfloat16: the values of the product and of the row sums alike
+        const __m512i h0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
+        const __m512i h1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(h0, 16)));
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(h1, 16)));
+        _mm512_store_si512(pp + k * L, _mm512_or_si512(h0, _mm512_slli_epi32(h1, 16)));
+      }
+      if (grow) {  // some row's max moved: its l and O^T scale by 2^(m_old - m_new)
+        const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), grow, vexp2({_mm512_sub_ps(m_run, m_safe)}).v);
+        l_run = _mm512_mul_ps(l_run, alpha);
+        o_store(ot, nd);
+        for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(ot + d * L, _mm512_mul_ps(_mm512_loadu_ps(ot + d * L), alpha));
+        o_load(ot, nd);
+      }
+      l_run = _mm512_add_ps(l_run, sum);
+      m_run = m_new;
+      // O^T += V^T . P^T, 16 dims per product
+      const uint32_t* vt = vt_base + sp * D * P2;
+      _tile_loadd(1, pp, L * 4);
+      _tile_loadd(2, vt, P2 * 4);
+      _tile_dpbf16ps(4, 2, 1);
+      if (nd > 1) { _tile_loadd(3, vt + 1 * L * P2, P2 * 4); _tile_dpbf16ps(5, 3, 1); }
+      if (nd > 2) { _tile_loadd(0, vt + 2 * L * P2, P2 * 4); _tile_dpbf16ps(6, 0, 1); }
+      if (nd > 3) { _tile_loadd(2, vt + 3 * L * P2, P2 * 4); _tile_dpbf16ps(7, 2, 1); }
+    }
+    o_store(ot, nd);
+    // out = O / l, rounded to bfloat16 (nearest even), 16 dims of a row at a time
+    float inv[L];
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l_run));
+    const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(L));
+    for (int64_t lane = 0; lane < nvalid; ++lane) {
+      const int64_t rr = it.r0 + t * L + lane;
+      c10::BFloat16* dst = out + (qs + rr / G) * a.o_s0 + (it.kvh * G + rr % G) * a.o_s1;
+      const __m512 iv = _mm512_set1_ps(inv[lane]);
+      for (int64_t d0 = 0; d0 < D; d0 += L) {
+        const __m512 o = _mm512_mul_ps(_mm512_i32gather_ps(col, ot + d0 * L + lane, 4), iv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d0), (__m256i)_mm512_cvtneps_pbh(o));
+      }
+    }
+  }
+}
+constexpr bool kHaveAmx = true;
+#else
+static bool amx_granted() { return false; }
+static void amx_configure() {}
+static void run_item_amx(const Args&, const Item&, const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*,
+                         Scratch&) {}
+static void pack_shared_vt(Args&, const c10::BFloat16*, int64_t, int64_t, std::vector<uint32_t>&,
+                           std::vector<int64_t>&) {}
+constexpr bool kHaveAmx = false;
+#endif
+
 template <typename QT, typename KT>
 static void run_all(const Args& a, const std::vector<std::vector<Item>>& lists, const QT* q, const KT* pool, QT* out) {
   at::parallel_for(0, static_cast<int64_t>(lists.size()), 1, [&](int64_t b, int64_t e) {
     Scratch s;
+    if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16>) {
+      if (a.amx) {
+        amx_configure();  // the tile configuration is per thread, and oneDNN sets its own
+        for (int64_t w = b; w < e; ++w)
+          for (const Item& it : lists[w]) run_item_amx(a, it, q, pool, out, s);
+#ifdef KVMESH_AMX
+        _tile_release();
+#endif
+        return;
+      }
+    }
     for (int64_t w = b; w < e; ++w)
       for (const Item& it : lists[w]) run_item<QT, KT>(a, it, q, pool, out, s);
   });
@@ -675,6 +995,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, i
   Args a;
   a.D = D; a.H = H; a.KVH = KVH; a.G = H / KVH; a.BS = block_size; a.window = window;
   a.qmul = static_cast<float>(scale * 1.4426950408889634);
+  a.amx = kHaveAmx && qdt == at::kBFloat16 && kdt == at::kBFloat16 && (D == 32 || D == 64) &&
+          block_size % L == 0 && kv_cache.stride(4) % 2 == 0 && g_amx_wanted.load() && amx_granted();
   a.qstart = qstart.data_ptr<int64_t>();
   a.ctx = ctx.data_ptr<int64_t>();
   a.tables = tables.data_ptr<int64_t>();
@@ -721,6 +1043,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, i
   }
 
   const at::Tensor layer = kv_cache.select(1, layer_idx);  // [blocks, 2, kv_heads, block_size, D]
+  std::vector<uint32_t> vt_buf;
+  std::vector<int64_t> vt_off;
+  if (a.amx) pack_shared_vt(a, layer.data_ptr<c10::BFloat16>(), S, kChunkRows, vt_buf, vt_off);
   if (qdt == at::kFloat && kdt == at::kFloat)
     run_all<float, float>(a, lists, q.data_ptr<float>(), layer.data_ptr<float>(), out.data_ptr<float>());
   else if (qdt == at::kFloat && kdt == at::kBFloat16)
@@ -762,9 +1087,19 @@ static inline V load_bf16(const c10::BFloat16* p) {
   return vload(f);
 }
 static inline void store_bf16(c10::BFloat16* p, V x) {
+#ifdef __AVX512BF16__
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x.v));  // nearest even
+#else
   float f[L];
   vstore(f, x);
   for (int i = 0; i < L; ++i) p[i] = c10::BFloat16(f[i]);  // round to nearest even
+#endif
+}
+// x rounded to bfloat16, kept in fp32
+static inline V vround_bf16(V x) {
+  c10::BFloat16 b[L];
+  store_bf16(b, x);
+  return load_bf16(b);
 }
 
 // RMSNorm (Zhang & Sennrich 2019), HF Llama order: y = w * bf16(x / sqrt(mean(x^2) + eps)).
@@ -790,9 +1125,50 @@ at::Tensor rms_norm_bf16(const at::Tensor& x_in, const at::Tensor& w_in, double 
       for (int k = 0; k < L; ++k) ss += f[k];
       for (; i < H; ++i) { const float v = static_cast<float>(xr[i]); ss += static_cast<double>(v) * v; }
       const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(H) + eps));
-      for (i = 0; i < H; ++i) {
+      i = 0;
+#ifdef __AVX512BF16__
+      for (; i + L <= H; i += L)  // the same two roundings, 16 at a time
+        store_bf16(orow + i, vmul(load_bf16(wp + i), vround_bf16(vmul(load_bf16(xr + i), vset1(inv)))));
+#endif
+      for (; i < H; ++i) {
         const float nrm = static_cast<float>(c10::BFloat16(static_cast<float>(xr[i]) * inv));
         orow[i] = c10::BFloat16(static_cast<float>(wp[i]) * nrm);
+      }
+    }
+  });
+  return out;
+}
+
+// SwiGLU's activation (Shazeer 2020) over the fused gate/up product: gu [T, 2I] bf16 (rows
+// contiguous, gate then up) -> [T, I] = bf16(bf16(silu(gate)) * up), the two roundings of
+// torch's bf16 silu_ then mul_; silu(g) = g / (1 + e^-g) in fp32 (e^-g from vexp2).
+at::Tensor silu_mul_bf16(const at::Tensor& gu_in) {
+  TORCH_CHECK(gu_in.scalar_type() == at::kBFloat16 && gu_in.dim() == 2 && gu_in.size(1) % 2 == 0,
+              "silu_mul_bf16: gu must be bf16 [T, 2I], got ", gu_in.scalar_type(), " ", gu_in.sizes());
+  const at::Tensor gu = gu_in.stride(1) == 1 ? gu_in : gu_in.contiguous();
+  const int64_t T = gu.size(0), I = gu.size(1) / 2, s0 = gu.stride(0);
+  at::Tensor out = at::empty({T, I}, gu.options().memory_format(at::MemoryFormat::Contiguous));
+  if (T == 0 || I == 0) return out;
+  const auto* gp = gu.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  constexpr float kLog2e = 1.4426950408889634f;
+  at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const c10::BFloat16* g = gp + r * s0;
+      const c10::BFloat16* u = g + I;
+      c10::BFloat16* o = op + r * I;
+      int64_t i = 0;
+      for (; i + L <= I; i += L) {
+        const V x = load_bf16(g + i);
+        // e^-g = 2^-t with t = g log2(e) >= -126 (so 2^-t is finite; NaN stays NaN)
+        const V t = vmax(vset1(-126.f), vmul(x, vset1(kLog2e)));
+        const V act = vround_bf16(vdiv(x, vadd(vset1(1.f), vexp2(vsub(vzero(), t)))));
+        store_bf16(o + i, vmul(act, load_bf16(u + i)));
+      }
+      for (; i < I; ++i) {
+        const float x = static_cast<float>(g[i]);
+        const float act = static_cast<float>(c10::BFloat16(x / (1.f + std::exp2(-std::max(-126.f, x * kLog2e)))));
+        o[i] = c10::BFloat16(act * static_cast<float>(u[i]));
       }
     }
   });
@@ -840,6 +1216,16 @@ void rope_bf16_(at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_i
 
 bool built_with_avx512_bf16() { return kHavePairs; }
 
+bool built_with_amx() { return kHaveAmx; }
+
+// Allow (true) or forbid (false) the AMX path for later calls; returns whether bfloat16 calls
+// it supports (head_dim 32 or 64, block_size % 16 == 0) will now take it: built with AMX,
+// granted the tile state by the OS, and allowed.
+bool set_amx(bool on) {
+  g_amx_wanted.store(on);
+  return kHaveAmx && on && amx_granted();
+}
+
 }  // namespace kvmesh_attn
 
 TORCH_LIBRARY(kvmesh, m) {
@@ -848,12 +1234,16 @@ TORCH_LIBRARY(kvmesh, m) {
   m.def("built_with_avx512", &kvmesh_attn::built_with_avx512);
   m.def("built_with_avx2", &kvmesh_attn::built_with_avx2);
   m.def("built_with_avx512_bf16", &kvmesh_attn::built_with_avx512_bf16);
+  m.def("built_with_amx", &kvmesh_attn::built_with_amx);
+  m.def("set_amx", &kvmesh_attn::set_amx);
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_bf16_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_mul_bf16(Tensor gu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
   m.impl("paged_attention", &kvmesh_attn::paged_attention);
   m.impl("rms_norm_bf16", &kvmesh_attn::rms_norm_bf16);
   m.impl("rope_bf16_", &kvmesh_attn::rope_bf16_);
+  m.impl("silu_mul_bf16", &kvmesh_attn::silu_mul_bf16);
 }
