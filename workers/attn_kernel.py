@@ -123,9 +123,21 @@ def _load() -> tuple[object | None, str]:
         return None, f"built on a CPU with extensions this one lacks: {' '.join(sorted(missing)[:5])}"
     try:
         torch.ops.load_library(str(lib))
-        return torch.ops.kvmesh.paged_attention, "loaded " + str(lib)
+        return torch.ops.kvmesh.paged_attention, f"loaded {lib} ({_steps()})"
     except Exception as exc:  # noqa: BLE001 - any load failure means: run torch's path
         return None, f"load failed: {exc}"
+
+
+def _steps() -> str:
+    """The instruction-set steps the loaded library runs here, most specific first."""
+    ops = torch.ops.kvmesh
+    names = []
+    if hasattr(ops, "built_with_amx") and ops.built_with_amx() and ops.set_amx(True):
+        names.append("AMX tiles for bf16")
+    if ops.built_with_avx512_bf16():
+        names.append("AVX512_BF16 pairs")
+    names.append("AVX-512" if ops.built_with_avx512() else "AVX2+FMA" if ops.built_with_avx2() else "portable")
+    return ", ".join(names)
 
 
 def get():

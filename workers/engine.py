@@ -155,7 +155,9 @@ class Engine:
 
         if self.device.type == "cpu" and self.model.attention_backend != "torch":
             attention = attn_kernel.status()
-            attention = "C++ kernel" if attention.startswith("loaded") else f"torch SDPA ({attention})"
+            steps = attention[attention.rfind("(") + 1 : -1] if attention.endswith(")") else ""
+            attention = (f"C++ kernel ({steps})" if steps else "C++ kernel") if attention.startswith("loaded") \
+                else f"torch SDPA ({attention})"
         else:
             attention = "torch SDPA"
         probe = model_identity.measured_gemm_seconds(self.config.dtype) if self._compute_auto else None
