@@ -248,10 +248,11 @@ def test_fused_silu_mul_matches_torch():
 @pytest.mark.skipif(attn_kernel.get() is None or not torch.ops.kvmesh.built_with_amx(),
                     reason="the kernel was not built with AMX here")
 @pytest.mark.parametrize("amx", [True, False])
-@pytest.mark.parametrize("d", [64, 32])
+@pytest.mark.parametrize("d", [64, 32, 128])
 def test_amx_and_vector_paths_match_reference_and_keep_bit_identity(amx, d):
     """On an AMX build both bf16 paths stay right: the tile path (the default where the OS
-    grants the tiles; head_dim 32 and 64) and the AVX512_BF16 pair path it replaces
+    grants the tiles; head_dim 32 and 64 keep O^T in tile registers, 128 passes half of it
+    through memory) and the AVX512_BF16 pair path it replaces
     (``set_amx(False)``), against the float64 reference over ragged batches with a sliding
     window, and cold rows against the same rows as chunks and as decodes, bit for bit."""
     assert torch.ops.kvmesh.set_amx(amx) == amx

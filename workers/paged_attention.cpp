@@ -426,7 +426,7 @@ struct Item {
 struct Args {
   int64_t D, H, KVH, G, BS, window;
   float qmul;  // scale * log2(e)
-  bool amx;    // bf16 Q and pool, D 32 or 64, block_size % 16 == 0, AMX built, granted and wanted
+  bool amx;    // bf16 Q and pool, D % 32 == 0 and <= 256, block_size % 16 == 0, AMX built, granted and wanted
   const uint32_t* vt_shared = nullptr;  // AMX: V^T spans packed once per call (pack_shared_vt)
   const int64_t* vt_off = nullptr;
   const int64_t *qstart, *ctx, *tables;
@@ -445,16 +445,45 @@ struct Scratch {
   std::vector<int64_t> tmin, tmax;
 };
 
+// Where an item's rows sit: its sequence's first query row, cached context and length with
+// the new tokens (positions), block table, and the item's row and micro-tile counts.
+struct ItemGeom {
+  int64_t qs, c, total, nrows, ntiles;
+  const int64_t* table;
+  ItemGeom(const Args& a, const Item& it)
+      : qs(a.qstart[it.seq]), c(a.ctx[it.seq]), total(c + a.qstart[it.seq + 1] - qs), nrows(it.r1 - it.r0),
+        ntiles((nrows + L - 1) / L), table(a.tables + it.seq * a.table_stride) {}
+};
+
+// The positions of an item's rows, micro-tile by micro-tile, into s.pos / s.lo (the window's
+// edge) / s.tmin / s.tmax (padded lanes repeat the last row's position), and put(tile, lane,
+// q row) for each real row.
+template <typename QT, typename F>
+static void item_rows(const Args& a, const Item& it, const ItemGeom& g, const QT* q, Scratch& s, F put) {
+  const int64_t G = a.G, W = a.window;
+  s.pos.resize(g.ntiles * L);
+  s.lo.resize(g.ntiles * L);
+  s.tmin.resize(g.ntiles);
+  s.tmax.resize(g.ntiles);
+  for (int64_t r = 0; r < g.ntiles * L; ++r) {
+    const int64_t rr = std::min(it.r0 + r, it.r1 - 1);
+    const int64_t i = rr / G;
+    const int64_t pos = g.c + i;
+    const int64_t t = r / L, lane = r % L;
+    s.pos[r] = static_cast<float>(pos);
+    s.lo[r] = W > 0 ? static_cast<float>(pos - W) : -1.f;
+    if (lane == 0) s.tmin[t] = pos;
+    s.tmax[t] = pos;
+    if (it.r0 + r < it.r1) put(t, lane, q + (g.qs + i) * a.q_s0 + (it.kvh * G + rr % G) * a.q_s1);
+  }
+}
+
 template <typename QT, typename KT>
 static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool, QT* out, Scratch& s) {
   const int64_t D = a.D, G = a.G, BS = a.BS, W = a.window;
-  const int64_t qs = a.qstart[it.seq];
-  const int64_t c = a.ctx[it.seq];
-  const int64_t qlen = a.qstart[it.seq + 1] - qs;
-  const int64_t total = c + qlen;
-  const int64_t* table = a.tables + it.seq * a.table_stride;
-  const int64_t nrows = it.r1 - it.r0;
-  const int64_t ntiles = (nrows + L - 1) / L;
+  const ItemGeom g(a, it);
+  const int64_t qs = g.qs, total = g.total, nrows = g.nrows, ntiles = g.ntiles;
+  const int64_t* table = g.table;
   // bfloat16 Q and pool on a CPU with AVX512_BF16: scores by bf16 pair dot products
   constexpr bool kPairTypes = kHavePairs && std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16>;
   const bool pairs = kPairTypes && D % 2 == 0;
@@ -473,36 +502,21 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
   if (nrows - (ntiles - 1) * L < kSparseRows) s.orow.assign(L * D, 0.f);
   s.m.assign(ntiles * L, kNegInf);
   s.l.assign(ntiles * L, 0.f);
-  s.pos.resize(ntiles * L);
-  s.lo.resize(ntiles * L);
-  s.tmin.resize(ntiles);
-  s.tmax.resize(ntiles);
   s.kb.resize(L * D);
   s.vb.resize(L * D);
   s.p.resize(L * L);
   s.tmp.resize(L);
 
-  // Q^T per micro-tile, pre-multiplied by scale * log2(e); padded lanes repeat the last row's position.
-  for (int64_t r = 0; r < ntiles * L; ++r) {
-    const int64_t rr = std::min(it.r0 + r, it.r1 - 1);
-    const int64_t i = rr / G;
-    const int64_t pos = c + i;
-    const int64_t t = r / L, lane = r % L;
-    s.pos[r] = static_cast<float>(pos);
-    s.lo[r] = W > 0 ? static_cast<float>(pos - W) : -1.f;
-    if (r % L == 0) { s.tmin[t] = pos; }
-    s.tmax[t] = pos;
-    if (it.r0 + r < it.r1) {
-      const QT* qr = q + (qs + i) * a.q_s0 + (it.kvh * G + rr % G) * a.q_s1;
-      if (pairs) {
-        uint32_t* dst2 = s.qt2.data() + t * D2 * L + lane;
-        for (int64_t k = 0; k < D2; ++k) std::memcpy(dst2 + k * L, qr + 2 * k, sizeof(uint32_t));
-      } else {
-        float* dst = s.qt.data() + t * D * L + lane;
-        for (int64_t d = 0; d < D; ++d) dst[d * L] = to_f(qr[d]) * a.qmul;
-      }
+  // Q^T per micro-tile: bf16 pairs, or fp32 pre-multiplied by scale * log2(e)
+  item_rows(a, it, g, q, s, [&](int64_t t, int64_t lane, const QT* qr) {
+    if (pairs) {
+      uint32_t* dst2 = s.qt2.data() + t * D2 * L + lane;
+      for (int64_t k = 0; k < D2; ++k) std::memcpy(dst2 + k * L, qr + 2 * k, sizeof(uint32_t));
+    } else {
+      float* dst = s.qt.data() + t * D * L + lane;
+      for (int64_t d = 0; d < D; ++d) dst[d * L] = to_f(qr[d]) * a.qmul;
     }
-  }
+  });
   const int64_t first = s.tmin[0], last = s.tmax[ntiles - 1];
   const int64_t k_lo = W > 0 ? std::max<int64_t>(0, first - W + 1) : 0;
   const int64_t kt_lo = k_lo / L, kt_hi = last / L;
@@ -648,7 +662,7 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
 }
 
 // ---------------------------------------------------------------------------------------
-// AMX path (Intel Advanced Matrix Extensions): bfloat16 Q and pool, head_dim 32 or 64,
+// AMX path (Intel Advanced Matrix Extensions): bfloat16 Q and pool, head_dim a multiple of 32 up to 256,
 // block_size a multiple of 16, on a CPU with AMX-BF16 whose OS grants the tile state
 // (Linux: arch_prctl ARCH_REQ_XCOMP_PERM). Keys go in spans of 32 (two 16-key tiles); both
 // products are tile dot products (TDPBF16PS: C[m][n] += a(m, pair k) . b(pair k, n), two bf16
@@ -657,7 +671,8 @@ static void run_item(const Args& a, const Item& it, const QT* q, const KT* pool,
 //   S^T [16 keys][16 rows] = K [16 keys][16 pairs] . Q^T pairs [16][16 rows], per 16 keys and
 //                            32 dims, K read straight from the pool;
 //   O^T [16 dims][16 rows] += V^T pairs [16 dims][16 key pairs] . P^T pairs [16][16 rows].
-// Each micro-tile's O^T stays in tile registers over all its keys (D / 16 <= 4 tiles). A
+// Each micro-tile's O^T stays in tile registers over all its keys (the first 4 tiles, 64 dims;
+// a larger head_dim's other tiles go through memory at each span). A
 // row's max moves only when a span's exceeds it by more than kLazyMax (base 2, so p stays
 // <= 2^8), and O^T is rescaled, through memory, only then. Every micro-tile takes this path,
 // whatever its number of valid rows, and no row's operations depend on the other rows of its
@@ -780,38 +795,20 @@ static void run_item_amx(const Args& a, const Item& it, const c10::BFloat16* q, 
   constexpr int64_t P2 = kSpan / 2;      // key pairs per span
   const int64_t D = a.D, G = a.G, BS = a.BS, W = a.window;
   const int64_t D2 = D / 2, nd = D / L;  // dim pairs per row; O^T tiles
-  const int64_t qs = a.qstart[it.seq];
-  const int64_t c = a.ctx[it.seq];
-  const int64_t qlen = a.qstart[it.seq + 1] - qs;
-  const int64_t total = c + qlen;
-  const int64_t* table = a.tables + it.seq * a.table_stride;
-  const int64_t nrows = it.r1 - it.r0;
-  const int64_t ntiles = (nrows + L - 1) / L;
+  const int64_t nres = std::min<int64_t>(nd, 4);  // O^T tiles kept in registers; the rest go through memory
+  const ItemGeom g(a, it);
+  const int64_t qs = g.qs, nrows = g.nrows, ntiles = g.ntiles;
+  const int64_t* table = g.table;
   s.qt2.assign(ntiles * D2 * L, 0u);
   s.ot.resize(D * L);
-  s.pos.resize(ntiles * L);
-  s.lo.resize(ntiles * L);
-  s.tmin.resize(ntiles);
-  s.tmax.resize(ntiles);
   s.p.resize(kSpan * L);
   s.vraw.resize(kSpan * D);
 
-  // Q^T pairs per micro-tile (unscaled, as in qk_tile_pairs); padded lanes repeat the last row's position
-  for (int64_t r = 0; r < ntiles * L; ++r) {
-    const int64_t rr = std::min(it.r0 + r, it.r1 - 1);
-    const int64_t i = rr / G;
-    const int64_t pos = c + i;
-    const int64_t t = r / L, lane = r % L;
-    s.pos[r] = static_cast<float>(pos);
-    s.lo[r] = W > 0 ? static_cast<float>(pos - W) : -1.f;
-    if (lane == 0) s.tmin[t] = pos;
-    s.tmax[t] = pos;
-    if (it.r0 + r < it.r1) {
-      const c10::BFloat16* qr = q + (qs + i) * a.q_s0 + (it.kvh * G + rr % G) * a.q_s1;
-      uint32_t* dst2 = s.qt2.data() + t * D2 * L + lane;
-      for (int64_t k = 0; k < D2; ++k) std::memcpy(dst2 + k * L, qr + 2 * k, sizeof(uint32_t));
-    }
-  }
+  // Q^T pairs per micro-tile (unscaled, as in qk_tile_pairs)
+  item_rows(a, it, g, q, s, [&](int64_t t, int64_t lane, const c10::BFloat16* qr) {
+    uint32_t* dst2 = s.qt2.data() + t * D2 * L + lane;
+    for (int64_t k = 0; k < D2; ++k) std::memcpy(dst2 + k * L, qr + 2 * k, sizeof(uint32_t));
+  });
   const int64_t first = s.tmin[0], last = s.tmax[ntiles - 1];
   const int64_t k_lo = W > 0 ? std::max<int64_t>(0, first - W + 1) : 0;
   const int64_t sp_lo = k_lo / kSpan, sp_hi = last / kSpan, nsp = sp_hi - sp_lo + 1;
@@ -843,6 +840,7 @@ static void run_item_amx(const Args& a, const Item& it, const c10::BFloat16* q, 
     if (nd > 1) _tile_zero(5);
     if (nd > 2) _tile_zero(6);
     if (nd > 3) _tile_zero(7);
+    std::fill(ot + nres * L * L, ot + D * L, 0.f);  // O^T past the register tiles
     const __m512 rp = _mm512_loadu_ps(s.pos.data() + t * L);
     const __m512 rl = _mm512_loadu_ps(s.lo.data() + t * L);
     for (int64_t sp = sp_lo; sp <= sp_hi; ++sp) {
@@ -903,9 +901,9 @@ static void run_item_amx(const Args& a, const Item& it, const c10::BFloat16* q, 
       if (grow) {  // some row's max moved: its l and O^T scale by 2^(m_old - m_new)
         const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), grow, vexp2({_mm512_sub_ps(m_run, m_safe)}).v);
         l_run = _mm512_mul_ps(l_run, alpha);
-        o_store(ot, nd);
+        o_store(ot, nres);
         for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(ot + d * L, _mm512_mul_ps(_mm512_loadu_ps(ot + d * L), alpha));
-        o_load(ot, nd);
+        o_load(ot, nres);
       }
       l_run = _mm512_add_ps(l_run, sum);
       m_run = m_new;
@@ -917,8 +915,21 @@ static void run_item_amx(const Args& a, const Item& it, const c10::BFloat16* q, 
       if (nd > 1) { _tile_loadd(3, vt + 1 * L * P2, P2 * 4); _tile_dpbf16ps(5, 3, 1); }
       if (nd > 2) { _tile_loadd(0, vt + 2 * L * P2, P2 * 4); _tile_dpbf16ps(6, 0, 1); }
       if (nd > 3) { _tile_loadd(2, vt + 3 * L * P2, P2 * 4); _tile_dpbf16ps(7, 2, 1); }
+      for (int64_t dc = 4; dc < nd; dc += 2) {  // head_dim > 64: two O^T tiles at a time through memory
+        float* o0 = ot + dc * L * L;
+        _tile_loadd(2, o0, L * 4);
+        _tile_loadd(0, vt + dc * L * P2, P2 * 4);
+        _tile_dpbf16ps(2, 0, 1);
+        if (dc + 1 < nd) {
+          _tile_loadd(3, o0 + L * L, L * 4);
+          _tile_loadd(0, vt + (dc + 1) * L * P2, P2 * 4);
+          _tile_dpbf16ps(3, 0, 1);
+          _tile_stored(3, o0 + L * L, L * 4);
+        }
+        _tile_stored(2, o0, L * 4);
+      }
     }
-    o_store(ot, nd);
+    o_store(ot, nres);
     // out = O / l, rounded to bfloat16 (nearest even), 16 dims of a row at a time
     float inv[L];
     _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l_run));
@@ -995,7 +1006,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, i
   Args a;
   a.D = D; a.H = H; a.KVH = KVH; a.G = H / KVH; a.BS = block_size; a.window = window;
   a.qmul = static_cast<float>(scale * 1.4426950408889634);
-  a.amx = kHaveAmx && qdt == at::kBFloat16 && kdt == at::kBFloat16 && (D == 32 || D == 64) &&
+  a.amx = kHaveAmx && qdt == at::kBFloat16 && kdt == at::kBFloat16 && D % 32 == 0 && D <= 256 &&
           block_size % L == 0 && kv_cache.stride(4) % 2 == 0 && g_amx_wanted.load() && amx_granted();
   a.qstart = qstart.data_ptr<int64_t>();
   a.ctx = ctx.data_ptr<int64_t>();
@@ -1219,7 +1230,7 @@ bool built_with_avx512_bf16() { return kHavePairs; }
 bool built_with_amx() { return kHaveAmx; }
 
 // Allow (true) or forbid (false) the AMX path for later calls; returns whether bfloat16 calls
-// it supports (head_dim 32 or 64, block_size % 16 == 0) will now take it: built with AMX,
+// it supports (head_dim a multiple of 32 up to 256, block_size % 16 == 0) will now take it: built with AMX,
 // granted the tile state by the OS, and allowed.
 bool set_amx(bool on) {
   g_amx_wanted.store(on);
