@@ -182,18 +182,17 @@ static inline void bf16_to_f32_16(const c10::BFloat16* src, float* dst) {
 // scaled by 2^n. Inputs below -127 are clamped (the result, < 6e-39, only ever multiplies
 // zeros or is masked out). 2^0 is exactly 1. NaN stays NaN (vmax returns its second operand
 // when the comparison fails), so a NaN score makes its row's output NaN, as in torch's SDPA.
+// (kDeg < 7: the series cut at that degree, for a p rounded to bfloat16 right after.)
+constexpr float kExp2Taylor[8] = {1.0f, 6.931471805599453e-01f, 2.402265069591007e-01f, 5.550410866482158e-02f,
+                                  9.618129107628477e-03f, 1.3333558146428443e-03f, 1.5403530393381606e-04f,
+                                  1.525273380405984e-05f};  // (ln 2)^k / k!
+template <int kDeg = 7>
 static inline V vexp2(V x) {
   x = vmax(vset1(-127.f), x);
   V n = vround(x);
   V f = vsub(x, n);
-  V p = vset1(1.525273380405984e-05f);
-  p = vfma(p, f, vset1(1.5403530393381606e-04f));
-  p = vfma(p, f, vset1(1.3333558146428443e-03f));
-  p = vfma(p, f, vset1(9.618129107628477e-03f));
-  p = vfma(p, f, vset1(5.550410866482158e-02f));
-  p = vfma(p, f, vset1(2.402265069591007e-01f));
-  p = vfma(p, f, vset1(6.931471805599453e-01f));
-  p = vfma(p, f, vset1(1.0f));
+  V p = vset1(kExp2Taylor[kDeg]);
+  for (int k = kDeg - 1; k >= 0; --k) p = vfma(p, f, vset1(kExp2Taylor[k]));
   return vscalef(p, n);
 }
 
@@ -682,21 +681,6 @@ std::atomic<bool> g_amx_wanted{true};  // set_amx
 #ifdef KVMESH_AMX
 constexpr float kLazyMax = 8.f;
 
-// 2^x for the AMX softmax, whose p is rounded to bfloat16 (8 significant bits) right after:
-// as vexp2, with the Taylor series of 2^f cut at degree 5 (truncation error < 3e-6, a
-// thousandth of a bfloat16 step) instead of 7.
-static inline __m512 exp2_for_bf16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-127.f), x);
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.3333558146428443e-03f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 constexpr int64_t kSpan = 2 * L;  // keys per step
 
 static bool amx_granted() {
@@ -885,8 +869,10 @@ static void run_item_amx(const Args& a, const Item& it, const c10::BFloat16* q, 
                                                _mm512_setzero_ps());
       __m512 sum = _mm512_setzero_ps();
       for (int64_t k = 0; k < P2; ++k) {
-        __m512 p0 = exp2_for_bf16(_mm512_sub_ps(_mm512_loadu_ps(pb + 2 * k * L), m_safe));
-        __m512 p1 = exp2_for_bf16(_mm512_sub_ps(_mm512_loadu_ps(pb + (2 * k + 1) * L), m_safe));
+        // 2^(s - m) with the series cut at degree 5 (truncation error < 3e-6, a thousandth of
+        // the bfloat16 step p is rounded to next)
+        __m512 p0 = vexp2<5>({_mm512_sub_ps(_mm512_loadu_ps(pb + 2 * k * L), m_safe)}).v;
+        __m512 p1 = vexp2<5>({_mm512_sub_ps(_mm512_loadu_ps(pb + (2 * k + 1) * L), m_safe)}).v;
         if (masked) {
           p0 = _mm512_maskz_mov_ps(valid[2 * k], p0);
           p1 = _mm512_maskz_mov_ps(valid[2 * k + 1], p1);
