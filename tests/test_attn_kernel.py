@@ -208,6 +208,11 @@ def test_fused_rms_norm_and_rope_match_torch():
     out = torch.ops.kvmesh.rms_norm_bf16(x, w, 1e-5)
     ulp = ref.float().abs() * 2.0 ** -7
     assert ((out.float() - ref.float()).abs() <= ulp).all()
+    # rows of ones normalize to exactly 1.0, so the output is the weight, bit for bit: denormal
+    # weights included (a rounding instruction that flushes denormals would give 0 there)
+    tiny = torch.full((512,), 3e-39).bfloat16()
+    assert tiny.float().abs().min() > 0 and tiny.float().abs().max() < torch.finfo(torch.float32).tiny
+    assert torch.equal(torch.ops.kvmesh.rms_norm_bf16(torch.ones(3, 512).bfloat16(), tiny, 1e-5)[2], tiny)
 
     qkv = torch.randn(37, 12, 64, generator=g).bfloat16()  # rope on the first 10 heads, as q and k
     cos, sin = torch.randn(37, 1, 64, generator=g).bfloat16(), torch.randn(37, 1, 64, generator=g).bfloat16()
@@ -241,6 +246,14 @@ def test_fused_silu_mul_matches_torch():
         assert (o == r).float().mean() > 0.99
         wide = torch.cat([gu, gu[:, :8]], dim=1)[:, : 2 * i]  # row stride 2i + 8: not contiguous
         assert torch.equal(torch.ops.kvmesh.silu_mul_bf16(wide).nan_to_num(), out.nan_to_num())
+    # extreme gates, in the vector loop (16 of them) and in the scalar tail (17th)
+    gates = torch.tensor([-88.0, -100.0, -1e30, -3e38, -math.inf, 88.0, 1e30, math.inf, 0.0, -0.0, 1e-38, -1e-38,
+                          -87.0, -60.0, 3.0, -3.0, -3e38]).bfloat16()
+    ref = F.silu(gates.float()).bfloat16()  # up = 1: the product is the activation
+    out = torch.ops.kvmesh.silu_mul_bf16(torch.cat([gates, torch.ones_like(gates)])[None])[0]
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)), (out, ref)
+    r, o = ref.float().nan_to_num(posinf=1e38), out.float().nan_to_num(posinf=1e38)
+    assert ((o - r).abs() <= r.abs() * 2.0 ** -7).all(), (out, ref)
     with pytest.raises(RuntimeError, match=r"bf16 \[T, 2I\]"):
         torch.ops.kvmesh.silu_mul_bf16(torch.zeros(4, 7, dtype=torch.bfloat16))
 

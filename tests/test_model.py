@@ -561,3 +561,19 @@ def test_packed_weights_follow_the_weights():
         assert torch.equal(packs.linear("p", x, w2, packed=False), F.linear(x, w2))  # the plain path
         xf = x.float()  # not bf16: plain F.linear
         assert torch.equal(packs.linear("f", xf, w.float()), F.linear(xf, w.float()))
+
+    # a Parameter whose .data is replaced keeps its id and version; the held weight keeps the
+    # new tensor from reusing the old address, so the key still changes
+    param = torch.nn.Parameter(torch.randn(96, 64, generator=g).bfloat16(), requires_grad=False)
+    for _ in range(6):
+        with torch.inference_mode():
+            assert close(packs.linear("param", x, param), F.linear(x, param))
+        param.data = torch.randn(96, 64, generator=g).bfloat16()  # twice: the second may land
+        param.data = torch.randn(96, 64, generator=g).bfloat16()  # where the packed one was
+    # an edit through .data bypasses every version counter: seen after clear()
+    with torch.inference_mode():
+        before = packs.linear("param", x, param)
+        param.data.copy_(torch.zeros(96, 64))
+        packs.clear()
+        after = packs.linear("param", x, param)
+    assert before.abs().sum() > 0 and torch.equal(after, torch.zeros_like(after))

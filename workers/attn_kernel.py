@@ -132,7 +132,7 @@ def _steps() -> str:
     """The instruction-set steps the loaded library runs here, most specific first."""
     ops = torch.ops.kvmesh
     names = []
-    if hasattr(ops, "built_with_amx") and ops.built_with_amx() and ops.set_amx(True):
+    if hasattr(ops, "amx_active") and ops.amx_active():
         names.append("AMX tiles for bf16")
     if ops.built_with_avx512_bf16():
         names.append("AVX512_BF16 pairs")

@@ -276,11 +276,19 @@ class PackedWeights:
     AMX CPU). The prepacked copy (``torch.ops.mkldnn._reorder_linear_weight``, what torch's
     inductor uses for frozen CPU linears) gives the same products, bit for bit on the shapes
     tested, and costs one more copy of the weights in memory. A copy is rebuilt whenever its
-    weight object, storage or in-place version changes (`_fuse_key`).
+    weight object, storage or in-place version changes (`_fuse_key`); each entry keeps the
+    weight it was packed from alive, so a new weight cannot be allocated at the old one's
+    address and pass for it. An edit through ``.data`` (which has a version counter of its
+    own) is not seen: call `clear` after one (`DecoderModel.drop_packed_weights`).
     """
 
     def __init__(self) -> None:
-        self._packed: dict[str, tuple[tuple, torch.Tensor]] = {}
+        # slot -> (key, the weight's storage as packed, its packed copy)
+        self._packed: dict[str, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        """Forget every packed copy; the next call packs the weights as they are then."""
+        self._packed.clear()
 
     def linear(self, slot: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                packed: bool = True) -> torch.Tensor:
@@ -293,8 +301,9 @@ class PackedWeights:
         key = _fuse_key([w, b])
         hit = self._packed.get(slot)
         if hit is None or hit[0] != key:
-            hit = self._packed[slot] = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_ROWS))
-        return torch.ops.mkldnn._linear_pointwise(x, hit[1], b, "none", [], "")
+            w = w.detach()  # a tensor of its own on the storage now behind w: keeps that storage alive
+            hit = self._packed[slot] = (key, w, torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_ROWS))
+        return torch.ops.mkldnn._linear_pointwise(x, hit[2], b, "none", [], "")
 
 
 class SwiGLU(nn.Module):
@@ -577,6 +586,14 @@ class DecoderModel(nn.Module):
         #: the step, else torch's SDPA), "kernel" or "torch"; see `_plan`
         self.attention_backend = "auto"
         self.tie_weights()
+
+    def drop_packed_weights(self) -> None:
+        """Forget the prepacked weight copies of the bf16 forward (`PackedWeights`); needed only
+        after weights were edited through ``.data``, which no version counter records."""
+        for module in self.modules():
+            packs = getattr(module, "_packs", None)
+            if isinstance(packs, PackedWeights):
+                packs.clear()
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when ``config.tie_word_embeddings``."""

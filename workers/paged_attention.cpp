@@ -84,6 +84,15 @@ static inline V vfill(V a, M m, float x) { return {_mm512_mask_mov_ps(a.v, m, _m
 static inline V vfill_not(V a, M m, float x) { return vfill(a, static_cast<M>(~m), x); }
 static inline V vround(V a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 static inline V vscalef(V a, V e) { return {_mm512_scalef_ps(a.v, e.v)}; }
+// 16 floats -> bfloat16 bits, nearest even, as c10::BFloat16 does it (denormals kept, NaN ->
+// 0x7FC0); vcvtneps2bf16 would flush denormal inputs to zero
+static inline __m256i bf16_bits(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
 static inline void bf16_to_f32_16(const c10::BFloat16* src, float* dst) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
   _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
@@ -720,6 +729,8 @@ static inline void o_load(const float* ot, int64_t nd) {
   if (nd > 3) _tile_loadd(7, ot + 3 * L * L, L * 4);
 }
 
+constexpr int64_t kNoSharedVt = std::numeric_limits<int64_t>::min();  // a.vt_off: packs its own
+
 // V^T pairs of keys [32 sp, 32 sp + 32) of sequence seq, KV head kvh: vt [D][16 key pairs],
 // (v[2k][d], v[2k+1][d]) at [d][k]; V past the sequence reads as 0. vraw: scratch [32][D].
 static void pack_vt_span(const Args& a, const c10::BFloat16* pool, int64_t seq, int64_t kvh, int64_t sp, uint32_t* vt,
@@ -744,21 +755,24 @@ static void pack_vt_span(const Args& a, const c10::BFloat16* pool, int64_t seq, 
 }
 
 // V^T spans of every sequence with more than one item per KV head, packed once for all of
-// them (in parallel); a.vt_off[seq * KVH + kvh] is the offset of span 0, or -1.
+// them (in parallel): span sp of (seq, kvh) at a.vt_shared[a.vt_off[seq * KVH + kvh] + sp * D * 16]
+// (spans before the sequence's window are not packed), a.vt_off kNoSharedVt for the others.
 static void pack_shared_vt(Args& a, const c10::BFloat16* pool, int64_t S, int64_t rows_per_item,
                            std::vector<uint32_t>& buf, std::vector<int64_t>& off) {
   constexpr int64_t P2 = kSpan / 2;
-  off.assign(S * a.KVH, -1);
+  off.assign(S * a.KVH, kNoSharedVt);
   std::vector<std::array<int64_t, 3>> tasks;  // (seq, kvh, span)
   int64_t size = 0;
   for (int64_t sq = 0; sq < S; ++sq) {
     const int64_t ql = a.qstart[sq + 1] - a.qstart[sq], total = a.ctx[sq] + ql;
     if (ql * a.G <= rows_per_item) continue;  // one item per KV head: it packs its own
-    const int64_t nsp = (total + kSpan - 1) / kSpan;
+    // from the span of the first key the sequence's first new row sees (its window's start)
+    const int64_t sp0 = a.window > 0 ? std::max<int64_t>(0, a.ctx[sq] - a.window + 1) / kSpan : 0;
+    const int64_t sp1 = (total + kSpan - 1) / kSpan;
     for (int64_t g = 0; g < a.KVH; ++g) {
-      off[sq * a.KVH + g] = size;
-      for (int64_t sp = 0; sp < nsp; ++sp) tasks.push_back({sq, g, sp});
-      size += nsp * a.D * P2;
+      off[sq * a.KVH + g] = size - sp0 * a.D * P2;  // span sp is at off + sp * D * 16
+      for (int64_t sp = sp0; sp < sp1; ++sp) tasks.push_back({sq, g, sp});
+      size += (sp1 - sp0) * a.D * P2;
     }
   }
   if (tasks.empty()) return;
@@ -799,15 +813,18 @@ static void run_item_amx(const Args& a, const Item& it, const c10::BFloat16* q, 
 
   // V^T pairs of every span the item visits, [nsp][D][16 key pairs]; V past the sequence reads as 0
   // (a sequence split into several items per KV head has them packed once per call: a.vt_shared)
-  const int64_t shared_off = a.vt_off != nullptr ? a.vt_off[it.seq * a.KVH + it.kvh] : -1;
-  const uint32_t* vt_base;
-  if (shared_off >= 0) {
-    vt_base = a.vt_shared + shared_off;  // spans from 0
+  const int64_t shared_off = a.vt_off != nullptr ? a.vt_off[it.seq * a.KVH + it.kvh] : kNoSharedVt;
+  const uint32_t* vt_buf;  // span sp at vt_buf[vt_off + sp * D * 16]
+  int64_t vt_off;
+  if (shared_off != kNoSharedVt) {
+    vt_buf = a.vt_shared;
+    vt_off = shared_off;
   } else {
     s.vp.resize(nsp * D * P2);
     for (int64_t sp = sp_lo; sp <= sp_hi; ++sp)
       pack_vt_span(a, pool, it.seq, it.kvh, sp, s.vp.data() + (sp - sp_lo) * D * P2, s.vraw.data());
-    vt_base = s.vp.data() - sp_lo * D * P2;
+    vt_buf = s.vp.data();
+    vt_off = -sp_lo * D * P2;
   }
 
   float* pb = s.p.data();  // S^T of the span [32 keys][16 rows]
@@ -894,7 +911,7 @@ static void run_item_amx(const Args& a, const Item& it, const c10::BFloat16* q, 
       l_run = _mm512_add_ps(l_run, sum);
       m_run = m_new;
       // O^T += V^T . P^T, 16 dims per product
-      const uint32_t* vt = vt_base + sp * D * P2;
+      const uint32_t* vt = vt_buf + (vt_off + sp * D * P2);
       _tile_loadd(1, pp, L * 4);
       _tile_loadd(2, vt, P2 * 4);
       _tile_dpbf16ps(4, 2, 1);
@@ -927,7 +944,7 @@ static void run_item_amx(const Args& a, const Item& it, const c10::BFloat16* q, 
       const __m512 iv = _mm512_set1_ps(inv[lane]);
       for (int64_t d0 = 0; d0 < D; d0 += L) {
         const __m512 o = _mm512_mul_ps(_mm512_i32gather_ps(col, ot + d0 * L + lane, 4), iv);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d0), (__m256i)_mm512_cvtneps_pbh(o));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d0), bf16_bits(o));
       }
     }
   }
@@ -1084,8 +1101,8 @@ static inline V load_bf16(const c10::BFloat16* p) {
   return vload(f);
 }
 static inline void store_bf16(c10::BFloat16* p, V x) {
-#ifdef __AVX512BF16__
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x.v));  // nearest even
+#ifdef __AVX512F__
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x.v));  // nearest even
 #else
   float f[L];
   vstore(f, x);
@@ -1123,7 +1140,7 @@ at::Tensor rms_norm_bf16(const at::Tensor& x_in, const at::Tensor& w_in, double 
       for (; i < H; ++i) { const float v = static_cast<float>(xr[i]); ss += static_cast<double>(v) * v; }
       const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(H) + eps));
       i = 0;
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
       for (; i + L <= H; i += L)  // the same two roundings, 16 at a time
         store_bf16(orow + i, vmul(load_bf16(wp + i), vround_bf16(vmul(load_bf16(xr + i), vset1(inv)))));
 #endif
@@ -1157,14 +1174,15 @@ at::Tensor silu_mul_bf16(const at::Tensor& gu_in) {
       int64_t i = 0;
       for (; i + L <= I; i += L) {
         const V x = load_bf16(g + i);
-        // e^-g = 2^-t with t = g log2(e) >= -126 (so 2^-t is finite; NaN stays NaN)
-        const V t = vmax(vset1(-126.f), vmul(x, vset1(kLog2e)));
+        // e^-g = 2^-t, t = g log2(e) clamped at -128 so that 2^-t is at most 2^128 = inf (every
+        // scalef variant gets that right); NaN stays NaN, -inf gives NaN as in torch
+        const V t = vmax(vset1(-128.f), vmul(x, vset1(kLog2e)));
         const V act = vround_bf16(vdiv(x, vadd(vset1(1.f), vexp2(vsub(vzero(), t)))));
         store_bf16(o + i, vmul(act, load_bf16(u + i)));
       }
       for (; i < I; ++i) {
         const float x = static_cast<float>(g[i]);
-        const float act = static_cast<float>(c10::BFloat16(x / (1.f + std::exp2(-std::max(-126.f, x * kLog2e)))));
+        const float act = static_cast<float>(c10::BFloat16(x / (1.f + std::exp2(-std::max(-128.f, x * kLog2e)))));
         o[i] = c10::BFloat16(act * static_cast<float>(u[i]));
       }
     }
@@ -1223,6 +1241,9 @@ bool set_amx(bool on) {
   return kHaveAmx && on && amx_granted();
 }
 
+// Whether supported bfloat16 calls take the AMX path now (built, granted, allowed).
+bool amx_active() { return kHaveAmx && g_amx_wanted.load() && amx_granted(); }
+
 }  // namespace kvmesh_attn
 
 TORCH_LIBRARY(kvmesh, m) {
@@ -1233,6 +1254,7 @@ TORCH_LIBRARY(kvmesh, m) {
   m.def("built_with_avx512_bf16", &kvmesh_attn::built_with_avx512_bf16);
   m.def("built_with_amx", &kvmesh_attn::built_with_amx);
   m.def("set_amx", &kvmesh_attn::set_amx);
+  m.def("amx_active", &kvmesh_attn::amx_active);
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_bf16_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul_bf16(Tensor gu) -> Tensor");
