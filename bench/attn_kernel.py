@@ -17,6 +17,9 @@ so machine noise hits both alike. Reported per scenario: median wall-clock ms of
 (``kernel_ms``, ``torch_ms``) and ``ratio`` = median over rounds of kernel / torch (below 1:
 the kernel is faster); the same for CPU time of the process, all threads
 (``kernel_cpu_ms``, ``torch_cpu_ms``, ``cpu_ratio``), which a shared machine disturbs less.
+On a CPU where the kernel's AMX path is active, the bfloat16 run also pairs that path with
+the AVX512_BF16 pair path it replaces (``set_amx(False)``) per layer scenario:
+``layer_amx_vs_pairs`` (``amx_ms``, ``pairs_ms``, ``ratio`` = AMX / pairs).
 Exits with status 2 if the kernel is not available.
 """
 from __future__ import annotations
@@ -54,13 +57,16 @@ def _scenarios(rng):
 
 
 def _paired(fns: dict, rounds: int) -> dict:
-    """Run ``fns["kernel"]`` and ``fns["torch"]`` alternately; medians and the paired ratio."""
-    wall = {"kernel": [], "torch": []}
-    cpu = {"kernel": [], "torch": []}
+    """Run the two entries of ``fns`` (first: the one measured, second: the reference;
+    ``kernel`` and ``torch`` by default) alternately; medians and the paired ratio first /
+    second, keyed ``<name>_ms``, ``ratio``, ``<name>_cpu_ms``, ``cpu_ratio``."""
+    first, second = fns
+    wall = {first: [], second: []}
+    cpu = {first: [], second: []}
     for fn in fns.values():
         fn()  # warm-up
     for r in range(rounds):
-        order = ("kernel", "torch") if r % 2 == 0 else ("torch", "kernel")
+        order = (first, second) if r % 2 == 0 else (second, first)
         for name in order:
             c0, t0 = time.process_time(), time.perf_counter()
             fns[name]()
@@ -68,16 +74,27 @@ def _paired(fns: dict, rounds: int) -> dict:
             cpu[name].append(time.process_time() - c0)
 
     def ratio(d):
-        return round(statistics.median(k / t for k, t in zip(d["kernel"], d["torch"])), 3)
+        return round(statistics.median(k / t for k, t in zip(d[first], d[second])), 3)
 
     return {
-        "kernel_ms": round(statistics.median(wall["kernel"]) * 1e3, 2),
-        "torch_ms": round(statistics.median(wall["torch"]) * 1e3, 2),
+        f"{first}_ms": round(statistics.median(wall[first]) * 1e3, 2),
+        f"{second}_ms": round(statistics.median(wall[second]) * 1e3, 2),
         "ratio": ratio(wall),
-        "kernel_cpu_ms": round(statistics.median(cpu["kernel"]) * 1e3, 2),
-        "torch_cpu_ms": round(statistics.median(cpu["torch"]) * 1e3, 2),
+        f"{first}_cpu_ms": round(statistics.median(cpu[first]) * 1e3, 2),
+        f"{second}_cpu_ms": round(statistics.median(cpu[second]) * 1e3, 2),
         "cpu_ratio": ratio(cpu),
     }
+
+
+def _with_amx(on: bool, fn):
+    """``fn`` run with the kernel's AMX path allowed (on) or not."""
+    def call():
+        torch.ops.kvmesh.set_amx(on)
+        try:
+            return fn()
+        finally:
+            torch.ops.kvmesh.set_amx(True)
+    return call
 
 
 def run(rounds: int = 5, block_size: int = 32, seed: int = 0, compute_dtype: str = "bfloat16") -> dict:
@@ -100,6 +117,10 @@ def run(rounds: int = 5, block_size: int = 32, seed: int = 0, compute_dtype: str
     attn = model.layers[0].self_attn
     out: dict = {"threads": torch.get_num_threads(), "rounds": rounds, "block_size": block_size,
                  "compute_dtype": compute_dtype, "pool_dtype": "bfloat16", "layer": {}, "model_step": {}}
+    # on an AMX CPU, bf16: the kernel's tile path against its AVX512_BF16 pair path as well
+    amx = act == torch.bfloat16 and torch.ops.kvmesh.amx_active()
+    if amx:
+        out["layer_amx_vs_pairs"] = {}
     with torch.inference_mode():
         for name, (q_lens, ctx) in _scenarios(rng).items():
             meta = _meta(q_lens, ctx, block_size, rng)
@@ -109,8 +130,13 @@ def run(rounds: int = 5, block_size: int = 32, seed: int = 0, compute_dtype: str
             blocks, offsets = slots // block_size, slots % block_size
             plans = {b: model._plan(meta, x.device, kv.dtype, backend=b) for b in ("kernel", "torch")}
             fns = {b: (lambda p=p: attn(x, cos, sin, kv, 0, blocks, offsets, p, block_size)) for b, p in plans.items()}
-            out["layer"][name] = _paired(fns, rounds if "8191" not in name else max(3, rounds // 2))
+            n_rounds = rounds if "8191" not in name else max(3, rounds // 2)
+            out["layer"][name] = _paired(fns, n_rounds)
             print(f"{compute_dtype} layer {name}: {out['layer'][name]}", file=sys.stderr)
+            if amx:
+                both = {"amx": _with_amx(True, fns["kernel"]), "pairs": _with_amx(False, fns["kernel"])}
+                out["layer_amx_vs_pairs"][name] = _paired(both, n_rounds)
+                print(f"{compute_dtype} layer {name} AMX vs pairs: {out['layer_amx_vs_pairs'][name]}", file=sys.stderr)
         for n in (512, 2048):
             meta = _meta([n], [0], block_size, rng)
             ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
@@ -151,11 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res))
         return 0
     for dt, one in res.items():
-        for group in ("layer", "model_step"):
-            for name, r in one[group].items():
-                print(f"{dt:8s} {group:10s} {name:24s} wall: kernel {r['kernel_ms']:8.2f} ms  torch "
-                      f"{r['torch_ms']:8.2f} ms  ratio {r['ratio']:.3f} | CPU: kernel {r['kernel_cpu_ms']:8.2f} ms  "
-                      f"torch {r['torch_cpu_ms']:8.2f} ms  ratio {r['cpu_ratio']:.3f}")
+        for group in ("layer", "model_step", "layer_amx_vs_pairs"):
+            for name, r in one.get(group, {}).items():
+                a, b = ("amx", "pairs") if group == "layer_amx_vs_pairs" else ("kernel", "torch")
+                print(f"{dt:8s} {group:10s} {name:24s} wall: {a} {r[a + '_ms']:8.2f} ms  {b} "
+                      f"{r[b + '_ms']:8.2f} ms  ratio {r['ratio']:.3f} | CPU: {a} {r[a + '_cpu_ms']:8.2f} ms  "
+                      f"{b} {r[b + '_cpu_ms']:8.2f} ms  ratio {r['cpu_ratio']:.3f}")
     return 0
 
 
