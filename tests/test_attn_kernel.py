@@ -226,6 +226,40 @@ def test_fused_rms_norm_and_rope_match_torch():
 
 
 @needs_kernel
+def test_fused_residual_add_and_norm_equal_the_separate_ops():
+    """``add_rms_norm_bf16(x, y, w)`` gives ``x + y`` (torch's bf16 add) and
+    ``rms_norm_bf16(x + y, w)`` bit for bit, and the model's bf16 kernel path with it
+    (``fuse_residual_norm``) gives the same logits as without, bit for bit."""
+    g = torch.Generator().manual_seed(13)
+    for h in (512, 70):  # a multiple of 16 and a tail
+        x = (torch.randn(33, h, generator=g) * 3).bfloat16()
+        y = (torch.randn(33, h, generator=g) * 3).bfloat16()
+        w = (torch.rand(h, generator=g) + 0.5).bfloat16()
+        s, n = torch.ops.kvmesh.add_rms_norm_bf16(x, y, w, 1e-5)
+        assert torch.equal(s, x + y)
+        assert torch.equal(n, torch.ops.kvmesh.rms_norm_bf16(x + y, w, 1e-5))
+    with pytest.raises(RuntimeError, match="y must be bf16 of x's shape"):
+        torch.ops.kvmesh.add_rms_norm_bf16(x, y[:, :5], w, 1e-5)
+
+    from kvmesh.bench.peer_engine import model_config
+    from kvmesh.workers.model import AttentionMetadata, DecoderModel, allocate_kv_cache
+
+    cfg = model_config()
+    model = DecoderModel(cfg).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05, generator=g)
+    kv = allocate_kv_cache(cfg, 64, 32)
+    meta = AttentionMetadata.build([100, 1, 37], [0, 60, 20], [list(range(0, 4)), list(range(4, 6)), list(range(6, 8))], 32)
+    ids = torch.randint(0, cfg.vocab_size, (meta.num_tokens,), generator=g)
+    logits = {}
+    with torch.inference_mode():
+        for fuse in (True, False):
+            model.fuse_residual_norm = fuse
+            logits[fuse] = model(ids, meta.positions(), meta, kv, torch.arange(meta.num_tokens))
+    assert torch.equal(logits[True], logits[False])
+
+
+@needs_kernel
 def test_fused_silu_mul_matches_torch():
     """SwiGLU's fused activation against torch's bf16 ``silu_`` then ``mul_`` (two roundings):
     the products agree within one bf16 rounding (the fused op's e^-g is its own polynomial,
@@ -334,6 +368,7 @@ for dtype in (torch.float32, torch.bfloat16):
     T.test_nan_propagates_as_in_the_reference(dtype)
 T.test_fused_rms_norm_and_rope_match_torch()
 T.test_fused_silu_mul_matches_torch()
+T.test_fused_residual_add_and_norm_equal_the_separate_ops()
 T.test_fused_rope_refuses_bad_arguments()
 print("portable build ok")
 """

@@ -560,6 +560,22 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x, fused), *attn_args)
         return x.add_(self.mlp(self.post_attention_layernorm(x, fused), fused))  # x is this layer's own sum
 
+    def forward_fused(self, x: torch.Tensor, normed: torch.Tensor, next_norm: "RMSNorm | None",
+                      *attn_args) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The bf16 kernel path with each residual add fused into the RMSNorm that reads it
+        (``add_rms_norm_bf16``: the same values as the separate ops, bit for bit).
+
+        ``normed`` is ``input_layernorm(x)``, computed by the caller (the previous layer);
+        returns ``(x_out [T, H], next_norm(x_out))``, or ``(x_out, None)`` for the last layer.
+        """
+        a = self.self_attn(normed, *attn_args)
+        post = self.post_attention_layernorm
+        x, mlp_in = torch.ops.kvmesh.add_rms_norm_bf16(x, a, post.weight, post.eps)
+        m = self.mlp(mlp_in, True)
+        if next_norm is None:
+            return x.add_(m), None
+        return torch.ops.kvmesh.add_rms_norm_bf16(x, m, next_norm.weight, next_norm.eps)
+
 
 class DecoderModel(nn.Module):
     """Llama-family causal LM over a paged KV cache.
@@ -585,6 +601,9 @@ class DecoderModel(nn.Module):
         #: "auto" (the C++ kernel of `workers.attn_kernel` where it is loaded and supports
         #: the step, else torch's SDPA), "kernel" or "torch"; see `_plan`
         self.attention_backend = "auto"
+        #: on the bf16 kernel path, fuse each residual add into the RMSNorm after it
+        #: (`DecoderLayer.forward_fused`; same values, one pass fewer over the hidden states)
+        self.fuse_residual_norm = True
         self.tie_weights()
 
     def drop_packed_weights(self) -> None:
@@ -775,8 +794,18 @@ class DecoderModel(nn.Module):
         h = self.embed_tokens(input_ids)
         last = max((c + q for c, q in zip(meta.context_lens, meta.query_lens)), default=1) - 1
         cos, sin = self._rope(positions, h.dtype, last)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache, i, slot_blocks, slot_offsets, plan, bs)
+        layers = list(self.layers)
+        norms = [w for layer in layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+        if plan.fused and self.fuse_residual_norm and h.dtype == torch.bfloat16 and \
+                all(w.dtype == torch.bfloat16 for w in norms):
+            normed = layers[0].input_layernorm(h, True)
+            for i, layer in enumerate(layers):
+                nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+                h, normed = layer.forward_fused(h, normed, nxt, cos, sin, kv_cache, i, slot_blocks, slot_offsets,
+                                                plan, bs)
+        else:
+            for i, layer in enumerate(layers):
+                h = layer(h, cos, sin, kv_cache, i, slot_blocks, slot_offsets, plan, bs)
 
         if logits_indices is None:
             logits_indices = meta.last_token_indices(device)

@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -1117,40 +1118,75 @@ static inline V vround_bf16(V x) {
 }
 
 // RMSNorm (Zhang & Sennrich 2019), HF Llama order: y = w * bf16(x / sqrt(mean(x^2) + eps)).
+// One row of RMSNorm: orow = w * bf16(xr / sqrt(mean(xr^2) + eps)), H values.
+static void rms_row(const c10::BFloat16* xr, const c10::BFloat16* wp, c10::BFloat16* orow, int64_t H, double eps) {
+  V acc = vzero();
+  int64_t i = 0;
+  for (; i + L <= H; i += L) { const V v = load_bf16(xr + i); acc = vfma(v, v, acc); }
+  float f[L];
+  vstore(f, acc);
+  double ss = 0.0;
+  for (int k = 0; k < L; ++k) ss += f[k];
+  for (; i < H; ++i) { const float v = static_cast<float>(xr[i]); ss += static_cast<double>(v) * v; }
+  const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(H) + eps));
+  i = 0;
+#ifdef __AVX512F__
+  for (; i + L <= H; i += L)  // the same two roundings, 16 at a time
+    store_bf16(orow + i, vmul(load_bf16(wp + i), vround_bf16(vmul(load_bf16(xr + i), vset1(inv)))));
+#endif
+  for (; i < H; ++i) {
+    const float nrm = static_cast<float>(c10::BFloat16(static_cast<float>(xr[i]) * inv));
+    orow[i] = c10::BFloat16(static_cast<float>(wp[i]) * nrm);
+  }
+}
+
+static void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, op, ": bf16 only");
+  TORCH_CHECK(x.dim() >= 1 && w.numel() == x.size(-1), op, ": weight size differs from the last dim");
+}
+
 at::Tensor rms_norm_bf16(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && w_in.scalar_type() == at::kBFloat16, "rms_norm_bf16: bf16 only");
+  check_norm_args("rms_norm_bf16", x_in, w_in);
   const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
   const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(H, 1);
-  TORCH_CHECK(w.numel() == H, "rms_norm_bf16: weight size differs from the last dim");
   at::Tensor out = at::empty_like(x);
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* wp = w.data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const c10::BFloat16* xr = xp + r * H;
-      c10::BFloat16* orow = op + r * H;
-      V acc = vzero();
-      int64_t i = 0;
-      for (; i + L <= H; i += L) { const V v = load_bf16(xr + i); acc = vfma(v, v, acc); }
-      float f[L];
-      vstore(f, acc);
-      double ss = 0.0;
-      for (int k = 0; k < L; ++k) ss += f[k];
-      for (; i < H; ++i) { const float v = static_cast<float>(xr[i]); ss += static_cast<double>(v) * v; }
-      const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(H) + eps));
-      i = 0;
-#ifdef __AVX512F__
-      for (; i + L <= H; i += L)  // the same two roundings, 16 at a time
-        store_bf16(orow + i, vmul(load_bf16(wp + i), vround_bf16(vmul(load_bf16(xr + i), vset1(inv)))));
-#endif
-      for (; i < H; ++i) {
-        const float nrm = static_cast<float>(c10::BFloat16(static_cast<float>(xr[i]) * inv));
-        orow[i] = c10::BFloat16(static_cast<float>(wp[i]) * nrm);
-      }
-    }
+    for (int64_t r = b; r < e; ++r) rms_row(xp + r * H, wp, op + r * H, H, eps);
   });
   return out;
+}
+
+// A residual add and the next RMSNorm in one pass: (s, rms_norm_bf16(s, w, eps)) with
+// s = bf16(x + y), torch's bf16 add; the same values as the two ops, bit for bit.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x_in, const at::Tensor& y_in,
+                                                     const at::Tensor& w_in, double eps) {
+  check_norm_args("add_rms_norm_bf16", x_in, w_in);
+  TORCH_CHECK(y_in.scalar_type() == at::kBFloat16 && y_in.sizes() == x_in.sizes(),
+              "add_rms_norm_bf16: y must be bf16 of x's shape ", x_in.sizes(), ", got ", y_in.sizes());
+  const at::Tensor x = x_in.contiguous(), y = y_in.contiguous(), w = w_in.contiguous();
+  const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(H, 1);
+  at::Tensor sum = at::empty_like(x, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = at::empty_like(sum);
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* yp = y.data_ptr<c10::BFloat16>();
+  const auto* wp = w.data_ptr<c10::BFloat16>();
+  auto* sp = sum.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const c10::BFloat16* xr = xp + r * H;
+      const c10::BFloat16* yr = yp + r * H;
+      c10::BFloat16* sr = sp + r * H;
+      int64_t i = 0;
+      for (; i + L <= H; i += L) store_bf16(sr + i, vadd(load_bf16(xr + i), load_bf16(yr + i)));
+      for (; i < H; ++i) sr[i] = c10::BFloat16(static_cast<float>(xr[i]) + static_cast<float>(yr[i]));
+      rms_row(sr, wp, op + r * H, H, eps);
+    }
+  });
+  return {sum, out};
 }
 
 // SwiGLU's activation (Shazeer 2020) over the fused gate/up product: gu [T, 2I] bf16 (rows
@@ -1256,6 +1292,7 @@ TORCH_LIBRARY(kvmesh, m) {
   m.def("set_amx", &kvmesh_attn::set_amx);
   m.def("amx_active", &kvmesh_attn::amx_active);
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_bf16(Tensor x, Tensor y, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_bf16_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul_bf16(Tensor gu) -> Tensor");
 }
@@ -1263,6 +1300,7 @@ TORCH_LIBRARY(kvmesh, m) {
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
   m.impl("paged_attention", &kvmesh_attn::paged_attention);
   m.impl("rms_norm_bf16", &kvmesh_attn::rms_norm_bf16);
+  m.impl("add_rms_norm_bf16", &kvmesh_attn::add_rms_norm_bf16);
   m.impl("rope_bf16_", &kvmesh_attn::rope_bf16_);
   m.impl("silu_mul_bf16", &kvmesh_attn::silu_mul_bf16);
 }
