@@ -24,7 +24,6 @@ starts and how much cached context it has.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import torch
