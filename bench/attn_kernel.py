@@ -106,6 +106,8 @@ def run(rounds: int = 5, block_size: int = 32, seed: int = 0, compute_dtype: str
 
     if attn_kernel.get() is None:
         raise RuntimeError(f"attention kernel unavailable: {attn_kernel.status()}")
+    if compute_dtype not in ("float32", "bfloat16"):
+        raise RuntimeError(f"the kernel computes in float32 or bfloat16, not {compute_dtype}")
     cfg = model_config("bfloat16")
     model = DecoderModel(cfg)
     init_random_weights(model, seed=seed)
@@ -163,12 +165,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="model dtypes to run, comma-separated (the pool is bfloat16; float32 over a bf16 pool "
                          "is what a worker runs on CPUs without AMX)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout, keyed by compute dtype")
+    ap.epilog = ("ratio: the first path's time over the second's, the median of the rounds' paired ratios "
+                 "(below 1: the first is faster; not always the ratio of the two medians)")
     args = ap.parse_args(argv)
+    dtypes = args.compute_dtypes.split(",")
+    bad = [d for d in dtypes if d not in ("float32", "bfloat16")]
+    if bad:
+        ap.error(f"--compute-dtypes: the kernel computes in float32 or bfloat16, not {', '.join(bad)}")
+    if args.rounds < 1 or args.block_size < 1 or args.threads < 0:
+        ap.error("--rounds and --block-size must be >= 1, --threads >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     res = {}
     try:
-        for dt in args.compute_dtypes.split(","):
+        for dt in dtypes:
             res[dt] = run(args.rounds, args.block_size, compute_dtype=dt)
     except RuntimeError as exc:
         print(exc, file=sys.stderr)

@@ -16,7 +16,7 @@ import time
 import grpc
 
 from kvmesh.services.security import add_client_args, add_server_args, client_channel, client_options, server_gate
-from kvmesh.services.cli_checks import port_number
+from kvmesh.services.cli_checks import host_port, port_number
 
 
 def _int_at_least(low: int, flag: str):
@@ -80,6 +80,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "transfer time beats the measured recompute time (default)")
     t.add_argument("--peer-fetch-max-s", type=float, default=2.0,
                    help="longest a peer fetch may take before the request recomputes (seconds, default 2)")
+
+
+def _positive_float(flag: str):
+    """argparse type: a finite number > 0; the error names ``flag``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number > 0 (got {text!r})") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} must be a number > 0 (got {text})")
+        return value
+    return parse
 
 
 def _positive_int(flag: str):
@@ -431,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("generate", help="send one Generate request to a worker or router")
-    p.add_argument("--target", required=True, help="HOST:PORT of a worker or router")
+    p.add_argument("--target", required=True, type=host_port, help="HOST:PORT of a worker or router")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
@@ -446,7 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed, for reproducible sampling (default 0)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past end-of-sequence tokens until --max-tokens (default: stop at EOS)")
-    p.add_argument("--timeout", type=float, default=600.0, help="RPC deadline in seconds (default 600)")
+    p.add_argument("--timeout", type=_positive_float("--timeout"), default=600.0,
+                   help="RPC deadline in seconds, > 0 (default 600)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print text as tokens arrive (default: on when stdout is a terminal and not --json)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -44,6 +44,19 @@ def port_number(text: str) -> int:
     return value
 
 
+def host_port(text: str) -> str:
+    """argparse type of a ``--target``: ``HOST:PORT`` (``[v6]:PORT`` for IPv6) with a port in
+    1..65535; returned as given.
+
+    Raises:
+        argparse.ArgumentTypeError: no host, no port, or a port outside that range.
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT with a port in 1-65535 (e.g. 127.0.0.1:50051)")
+    return text
+
+
 def port_in_use(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be bound right now (e.g. "Address already in use"), or None.
 

@@ -8,6 +8,8 @@ import math
 import os
 import sys
 
+from kvmesh.services.cli_checks import host_port
+
 
 def version() -> str:
     """The installed kvmesh version (package metadata), or "unknown" when not installed."""
@@ -135,7 +137,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def register_status(sub) -> None:
     p = sub.add_parser("status", help="print a router's view of its cluster: live workers, their load and "
                                       "cached blocks, blocks indexed")
-    p.add_argument("--target", required=True, help="HOST:PORT of a kvmesh router")
+    p.add_argument("--target", required=True, type=host_port, help="HOST:PORT of a kvmesh router")
     p.add_argument("--timeout", type=float, default=10.0, help="RPC deadline, seconds (default 10)")
     p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
                    help="API key, sent as `authorization: Bearer KEY` (default: $KVMESH_API_KEY; none)")

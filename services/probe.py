@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvmesh.services.cli_checks import host_port  # stdlib only: keeps this light
+
 #: Name every kvmesh server certificate carries (kept equal to
 #: `kvmesh.workers.tls.PEER_SERVER_NAME`; not imported, to keep the probe light).
 PEER_SERVER_NAME = "kvmesh-peer"
@@ -31,7 +33,7 @@ PEER_SERVER_NAME = "kvmesh-peer"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvmesh.services.probe",
                                 description="gRPC health check of a kvmesh worker or router (exit 0 = SERVING)")
-    p.add_argument("--target", required=True, help="HOST:PORT of the gRPC port (in a pod: 127.0.0.1:PORT)")
+    p.add_argument("--target", required=True, type=host_port, help="HOST:PORT of the gRPC port (in a pod: 127.0.0.1:PORT)")
     p.add_argument("--service", default="", help="health service name (kvmesh.v1.Worker, kvmesh.v1.Router)")
     p.add_argument("--tls-ca", default=None, metavar="PATH", help="cluster CA (PEM); turns TLS on")
     p.add_argument("--tls-cert", default=None, metavar="PATH", help="certificate presented to the server (PEM)")

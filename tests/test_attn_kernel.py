@@ -328,6 +328,23 @@ def test_amx_and_vector_paths_match_reference_and_keep_bit_identity(amx, d):
 
 
 @needs_kernel
+def test_described_path_is_the_one_taken():
+    """The worker's start line names the path its dtypes and shapes take, not everything the
+    library can do: AMX only for bf16 with head_dim % 32 == 0 and block_size % 16 == 0,
+    torch's SDPA for float16."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    amx = torch.ops.kvmesh.amx_active()
+    pairs = torch.ops.kvmesh.built_with_avx512_bf16()
+    assert attn_kernel.describe_path(bf16, bf16, 64, 32) == (
+        "C++ kernel (AMX tiles)" if amx else "C++ kernel (AVX512_BF16 pairs)" if pairs else
+        attn_kernel.describe_path(f32, bf16, 64, 32))
+    assert "AMX" not in attn_kernel.describe_path(bf16, bf16, 64, 8)
+    assert "AMX" not in attn_kernel.describe_path(bf16, bf16, 80, 32)
+    assert attn_kernel.describe_path(f32, bf16, 64, 32).startswith("C++ kernel (fp32 ")
+    assert attn_kernel.describe_path(torch.float16, torch.float16, 64, 32).startswith("torch SDPA (")
+
+
+@needs_kernel
 def test_fused_rope_refuses_bad_arguments():
     x = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
     cs = torch.ones(4, 1, 16, dtype=torch.bfloat16)
@@ -428,3 +445,14 @@ def test_build_without_avx512_is_correct_too(portable_builds, march):
     log.seek(0)
     text = log.read()
     assert rc == 0 and "portable build ok" in text, text[-6000:]
+
+
+@pytest.mark.parametrize("args,word", [(["--rounds", "0"], "--rounds"), (["--block-size", "0"], "--block-size"),
+                                       (["--compute-dtypes", "float16"], "float32 or bfloat16")])
+def test_bench_refuses_bad_arguments(capsys, args, word):
+    """`bench.attn_kernel` answers a bad flag with usage and the flag, before any work."""
+    from kvmesh.bench import attn_kernel as bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(args)
+    assert exc.value.code == 2 and word in capsys.readouterr().err

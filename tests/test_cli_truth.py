@@ -200,6 +200,22 @@ def test_worker_errors_are_one_line_naming_the_flag(capsys):
         assert exit_.value.code == 2 and "--port" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,flag", [
+    (["generate", "--target", "127.0.0.1:99999", "--prompt", "hi"], "--target"),  # not wrapped to 34463
+    (["generate", "--target", "notahost", "--prompt", "hi"], "--target"),
+    (["generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--timeout", "0"], "--timeout"),
+])
+def test_client_flags_are_checked_before_dialing(capsys, argv, flag):
+    """A bad ``--target`` or ``--timeout`` is a usage error naming the flag, not a connection
+    error to some other port."""
+    from kvmesh.services.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and flag in err and "UNAVAILABLE" not in err, err
+
+
 def test_a_missing_file_is_one_line_naming_its_flag():
     res = kvmesh("sim", "--trace", "missing.jsonl", "--num-blocks", "100")
     assert res.returncode == 2 and "Traceback" not in res.stderr

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["build", "build_dir", "get", "status", "supports"]
+__all__ = ["build", "build_dir", "describe_path", "get", "status", "supports"]
 
 _NAME = "kvmesh_paged_attention"
 _SOURCE = Path(__file__).with_name("paged_attention.cpp")
@@ -128,16 +128,40 @@ def _load() -> tuple[object | None, str]:
         return None, f"load failed: {exc}"
 
 
+def _isa() -> str:
+    ops = torch.ops.kvmesh
+    return "AVX-512" if ops.built_with_avx512() else "AVX2+FMA" if ops.built_with_avx2() else "portable"
+
+
 def _steps() -> str:
-    """The instruction-set steps the loaded library runs here, most specific first."""
+    """The instruction-set steps the loaded library can run here, most specific first."""
     ops = torch.ops.kvmesh
     names = []
     if hasattr(ops, "amx_active") and ops.amx_active():
         names.append("AMX tiles for bf16")
     if ops.built_with_avx512_bf16():
         names.append("AVX512_BF16 pairs")
-    names.append("AVX-512" if ops.built_with_avx512() else "AVX2+FMA" if ops.built_with_avx2() else "portable")
+    names.append(_isa())
     return ", ".join(names)
+
+
+def describe_path(dtype: torch.dtype, pool_dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+    """The attention path a CPU engine with these dtypes and shapes takes, in a few words:
+    the kernel's steps for them (AMX tiles, AVX512_BF16 pairs, or fp32 vector code), or
+    torch's SDPA and why."""
+    if get() is None:
+        return f"torch SDPA ({status()})"
+    if not supports(torch.device("cpu"), dtype, pool_dtype):
+        return f"torch SDPA (the C++ kernel serves float32/bfloat16 only, not {str(dtype).replace('torch.', '')})"
+    ops = torch.ops.kvmesh
+    bf16 = dtype == torch.bfloat16 and pool_dtype == torch.bfloat16 and head_dim % 2 == 0
+    if bf16 and head_dim % 32 == 0 and head_dim <= 256 and block_size % 16 == 0 and ops.amx_active():
+        steps = "AMX tiles"
+    elif bf16 and ops.built_with_avx512_bf16():
+        steps = "AVX512_BF16 pairs"
+    else:
+        steps = f"fp32 {_isa()}"
+    return f"C++ kernel ({steps})"
 
 
 def get():

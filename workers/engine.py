@@ -154,10 +154,8 @@ class Engine:
         from kvmesh.workers import attn_kernel
 
         if self.device.type == "cpu" and self.model.attention_backend != "torch":
-            attention = attn_kernel.status()
-            steps = attention[attention.rfind("(") + 1 : -1] if attention.endswith(")") else ""
-            attention = (f"C++ kernel ({steps})" if steps else "C++ kernel") if attention.startswith("loaded") \
-                else f"torch SDPA ({attention})"
+            attention = attn_kernel.describe_path(getattr(torch, self.compute_dtype), self.kv_cache.dtype,
+                                                  self.config.head_dim, self.block_size)
         else:
             attention = "torch SDPA"
         probe = model_identity.measured_gemm_seconds(self.config.dtype) if self._compute_auto else None
