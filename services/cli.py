@@ -82,30 +82,30 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest a peer fetch may take before the request recomputes (seconds, default 2)")
 
 
-def _positive_float(flag: str):
-    """argparse type: a finite number > 0; the error names ``flag``."""
-    def parse(text: str) -> float:
+def _positive(kind: type, flag: str):
+    """argparse type: an int >= 1 (``kind`` int) or a finite number > 0 (float); the error
+    names ``flag``."""
+    noun = "an integer >= 1" if kind is int else "a number > 0"
+
+    def parse(text: str):
         try:
-            value = float(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be a number > 0 (got {text!r})") from None
+            raise argparse.ArgumentTypeError(f"{flag} must be {noun} (got {text!r})") from None
         if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"{flag} must be a number > 0 (got {text})")
+            raise argparse.ArgumentTypeError(f"{flag} must be {'>= 1' if kind is int else '> 0'} (got {value})")
         return value
     return parse
 
 
 def _positive_int(flag: str):
     """argparse type: an int >= 1; the error names ``flag``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1 (got {text!r})") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be >= 1 (got {value})")
-        return value
-    return parse
+    return _positive(int, flag)
+
+
+def _positive_float(flag: str):
+    """argparse type: a finite number > 0; the error names ``flag``."""
+    return _positive(float, flag)
 
 
 _BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
