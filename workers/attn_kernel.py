@@ -155,7 +155,7 @@ def describe_path(dtype: torch.dtype, pool_dtype: torch.dtype, head_dim: int, bl
         return f"torch SDPA (the C++ kernel serves float32/bfloat16 only, not {str(dtype).replace('torch.', '')})"
     ops = torch.ops.kvmesh
     bf16 = dtype == torch.bfloat16 and pool_dtype == torch.bfloat16 and head_dim % 2 == 0
-    if bf16 and head_dim % 32 == 0 and head_dim <= 256 and block_size % 16 == 0 and ops.amx_active():
+    if bf16 and ops.amx_serves(head_dim, block_size):
         steps = "AMX tiles"
     elif bf16 and ops.built_with_avx512_bf16():
         steps = "AVX512_BF16 pairs"

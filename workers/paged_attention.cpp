@@ -40,6 +40,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -56,7 +57,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-#include <atomic>
 
 namespace kvmesh_attn {
 
@@ -961,6 +961,15 @@ static void pack_shared_vt(Args&, const c10::BFloat16*, int64_t, int64_t, std::v
 constexpr bool kHaveAmx = false;
 #endif
 
+// Whether supported bfloat16 calls take the AMX path now (built, granted, allowed).
+bool amx_active() { return kHaveAmx && g_amx_wanted.load() && amx_granted(); }
+
+// Whether a bfloat16 call with this head_dim and block size takes the AMX path now: the one
+// rule, used by paged_attention and reported to the worker's start line.
+bool amx_serves(int64_t head_dim, int64_t block_size) {
+  return head_dim % 32 == 0 && head_dim <= 256 && block_size % L == 0 && amx_active();
+}
+
 template <typename QT, typename KT>
 static void run_all(const Args& a, const std::vector<std::vector<Item>>& lists, const QT* q, const KT* pool, QT* out) {
   at::parallel_for(0, static_cast<int64_t>(lists.size()), 1, [&](int64_t b, int64_t e) {
@@ -1010,8 +1019,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, i
   Args a;
   a.D = D; a.H = H; a.KVH = KVH; a.G = H / KVH; a.BS = block_size; a.window = window;
   a.qmul = static_cast<float>(scale * 1.4426950408889634);
-  a.amx = kHaveAmx && qdt == at::kBFloat16 && kdt == at::kBFloat16 && D % 32 == 0 && D <= 256 &&
-          block_size % L == 0 && kv_cache.stride(4) % 2 == 0 && g_amx_wanted.load() && amx_granted();
+  a.amx = qdt == at::kBFloat16 && kdt == at::kBFloat16 && amx_serves(D, block_size);
   a.qstart = qstart.data_ptr<int64_t>();
   a.ctx = ctx.data_ptr<int64_t>();
   a.tables = tables.data_ptr<int64_t>();
@@ -1117,8 +1125,8 @@ static inline V vround_bf16(V x) {
   return load_bf16(b);
 }
 
-// RMSNorm (Zhang & Sennrich 2019), HF Llama order: y = w * bf16(x / sqrt(mean(x^2) + eps)).
-// One row of RMSNorm: orow = w * bf16(xr / sqrt(mean(xr^2) + eps)), H values.
+// One row of RMSNorm (Zhang & Sennrich 2019), HF Llama order: orow = w * bf16(xr / sqrt(mean(xr^2) + eps)),
+// H values.
 static void rms_row(const c10::BFloat16* xr, const c10::BFloat16* wp, c10::BFloat16* orow, int64_t H, double eps) {
   V acc = vzero();
   int64_t i = 0;
@@ -1274,11 +1282,8 @@ bool built_with_amx() { return kHaveAmx; }
 // granted the tile state by the OS, and allowed.
 bool set_amx(bool on) {
   g_amx_wanted.store(on);
-  return kHaveAmx && on && amx_granted();
+  return amx_active();
 }
-
-// Whether supported bfloat16 calls take the AMX path now (built, granted, allowed).
-bool amx_active() { return kHaveAmx && g_amx_wanted.load() && amx_granted(); }
 
 }  // namespace kvmesh_attn
 
@@ -1291,6 +1296,7 @@ TORCH_LIBRARY(kvmesh, m) {
   m.def("built_with_amx", &kvmesh_attn::built_with_amx);
   m.def("set_amx", &kvmesh_attn::set_amx);
   m.def("amx_active", &kvmesh_attn::amx_active);
+  m.def("amx_serves", &kvmesh_attn::amx_serves);
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_bf16(Tensor x, Tensor y, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_bf16_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
