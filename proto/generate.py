@@ -4,8 +4,9 @@ The generated modules (``kvmesh_pb2.py``, ``kvmesh_pb2_grpc.py``, ``kvmesh_pb2.p
 are committed so that installing kvmesh needs no protoc. Run this after editing the
 .proto file::
 
-    python -m proto.generate            # rewrite the generated files
-    python -m proto.generate --check    # exit 1 if they are stale (used by the tests)
+    make proto                                   # rewrite the generated files
+    python -m kvmesh.proto.generate              # the same, without make
+    python -m kvmesh.proto.generate --check      # exit 1 if they are stale
 
 It uses grpcio-tools (a test/dev dependency) and writes imports as
 ``from kvmesh.proto import kvmesh_pb2`` because the repository root is the import root.
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.check:
         ok = is_current()
-        print("generated code is current" if ok else "generated code is stale: run python -m proto.generate")
+        print("generated code is current" if ok
+              else "generated code is stale: run make proto (python -m kvmesh.proto.generate)")
         return 0 if ok else 1
     generate(PROTO_DIR)
     return 0
