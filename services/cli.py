@@ -16,7 +16,7 @@ import time
 import grpc
 
 from kvmesh.services.security import add_client_args, add_server_args, client_channel, client_options, server_gate
-from kvmesh.services.cli_checks import host_port, port_number
+from kvmesh.services.cli_checks import host_port, port_number, positive_float, positive_int
 
 
 def _int_at_least(low: int, flag: str):
@@ -41,7 +41,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=1024, help="token budget per step (default 1024)")
     p.add_argument("--max-seqs", type=int, default=32, help="max running requests (default 32)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: model's)")
-    p.add_argument("--max-waiting", type=_positive_int("--max-waiting"), default=512,
+    p.add_argument("--max-waiting", type=positive_int("--max-waiting"), default=512,
                    help="most queued requests before new ones get RESOURCE_EXHAUSTED (default 512)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--compute-dtype", choices=["auto", "model", "float32", "bfloat16", "float16"], default="auto",
@@ -80,32 +80,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "transfer time beats the measured recompute time (default)")
     t.add_argument("--peer-fetch-max-s", type=float, default=2.0,
                    help="longest a peer fetch may take before the request recomputes (seconds, default 2)")
-
-
-def _positive(kind: type, flag: str):
-    """argparse type: an int >= 1 (``kind`` int) or a finite number > 0 (float); the error
-    names ``flag``."""
-    noun = "an integer >= 1" if kind is int else "a number > 0"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be {noun} (got {text!r})") from None
-        if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"{flag} must be {'>= 1' if kind is int else '> 0'} (got {value})")
-        return value
-    return parse
-
-
-def _positive_int(flag: str):
-    """argparse type: an int >= 1; the error names ``flag``."""
-    return _positive(int, flag)
-
-
-def _positive_float(flag: str):
-    """argparse type: a finite number > 0; the error names ``flag``."""
-    return _positive(float, flag)
 
 
 _BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -459,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed, for reproducible sampling (default 0)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past end-of-sequence tokens until --max-tokens (default: stop at EOS)")
-    p.add_argument("--timeout", type=_positive_float("--timeout"), default=600.0,
+    p.add_argument("--timeout", type=positive_float("--timeout"), default=600.0,
                    help="RPC deadline in seconds, > 0 (default 600)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print text as tokens arrive (default: on when stdout is a terminal and not --json)")

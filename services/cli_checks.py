@@ -57,6 +57,35 @@ def host_port(text: str) -> str:
     return text
 
 
+def _positive(kind: type, flag: str):
+    """argparse type: an int >= 1 (``kind`` int) or a finite number > 0 (float); the error
+    names ``flag``."""
+    noun = "an integer >= 1" if kind is int else "a number > 0"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be {noun} (got {text!r})") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} must be {'>= 1' if kind is int else '> 0'} (got {value})")
+        return value
+    return parse
+
+
+def positive_int(flag: str):
+    """argparse type: an int >= 1; anything else raises ``argparse.ArgumentTypeError``
+    naming ``flag`` (argparse exits 2 with it)."""
+    return _positive(int, flag)
+
+
+def positive_float(flag: str):
+    """argparse type: a finite number > 0 (e.g. a ``--timeout`` in seconds); anything else
+    (0, negative, NaN, inf, not a number) raises ``argparse.ArgumentTypeError`` naming
+    ``flag`` (argparse exits 2 with it)."""
+    return _positive(float, flag)
+
+
 def port_in_use(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be bound right now (e.g. "Address already in use"), or None.
 

@@ -8,7 +8,7 @@ import math
 import os
 import sys
 
-from kvmesh.services.cli_checks import host_port
+from kvmesh.services.cli_checks import host_port, positive_float
 
 
 def version() -> str:
@@ -138,7 +138,8 @@ def register_status(sub) -> None:
     p = sub.add_parser("status", help="print a router's view of its cluster: live workers, their load and "
                                       "cached blocks, blocks indexed")
     p.add_argument("--target", required=True, type=host_port, help="HOST:PORT of a kvmesh router")
-    p.add_argument("--timeout", type=float, default=10.0, help="RPC deadline, seconds (default 10)")
+    p.add_argument("--timeout", type=positive_float("--timeout"), default=10.0,
+                   help="RPC deadline, seconds > 0 (default 10)")
     p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
                    help="API key, sent as `authorization: Bearer KEY` (default: $KVMESH_API_KEY; none)")
     p.add_argument("--tls-ca", default=os.environ.get("KVMESH_TLS_CA"),

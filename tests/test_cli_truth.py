@@ -204,6 +204,10 @@ def test_worker_errors_are_one_line_naming_the_flag(capsys):
     (["generate", "--target", "127.0.0.1:99999", "--prompt", "hi"], "--target"),  # not wrapped to 34463
     (["generate", "--target", "notahost", "--prompt", "hi"], "--target"),
     (["generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--timeout", "0"], "--timeout"),
+    (["status", "--target", "127.0.0.1:5", "--timeout", "0"], "--timeout"),  # was a DEADLINE_EXCEEDED RPC
+    (["status", "--target", "127.0.0.1:5", "--timeout", "-3"], "--timeout"),
+    (["status", "--target", "127.0.0.1:5", "--timeout", "nan"], "--timeout"),
+    (["status", "--target", "127.0.0.1:5", "--timeout", "soon"], "--timeout"),
 ])
 def test_client_flags_are_checked_before_dialing(capsys, argv, flag):
     """A bad ``--target`` or ``--timeout`` is a usage error naming the flag, not a connection
