@@ -36,11 +36,14 @@ its tenant becomes the request's cache salt. Without it the body's optional
 Request fields kvmesh honours: ``model`` (must name the served model when given),
 ``prompt`` / ``messages``, ``max_tokens`` (``max_completion_tokens`` for chat; default 16
 for completions, the rest of the context for chat, as in vLLM), ``temperature`` (default 1),
-``top_p``, ``seed``, ``stream``, ``stream_options.include_usage``, ``n`` (only 1), ``user``
-(ignored), and the extensions ``ignore_eos``, ``return_token_ids`` (each choice then
-carries ``token_ids``) and ``cache_salt``. Anything that would change the output and is
-not supported (``stop``, ``logprobs``, ``n`` > 1, penalties, tools, ``echo``...) is refused
-with a 400 naming the field, never silently ignored.
+``top_p``, ``seed``, ``stream``, ``stream_options.include_usage``, ``n`` (only 1), and the
+extensions ``ignore_eos``, ``return_token_ids`` (each choice then carries ``token_ids``)
+and ``cache_salt``. OpenAI fields that do not change the output (``user``, ``metadata``,
+``store``, ...; `IGNORED`) are accepted and ignored. Anything that would change the output
+and is not supported (``stop``, ``logprobs``, ``n`` > 1, penalties, tools, ``echo``...;
+`UNSUPPORTED`) is refused with a 400 naming the field, never silently ignored, and so is a
+field that is neither (a typo, another server's extension): the 400 names it and lists
+the fields the route accepts (`accepted_fields`).
 """
 from __future__ import annotations
 
@@ -81,6 +84,26 @@ UNSUPPORTED = ("stop", "logprobs", "top_logprobs", "echo", "best_of", "suffix", 
                "stop_token_ids", "min_tokens")
 #: Neutral values of the unsupported fields that clients send by default.
 _NEUTRAL = (None, False, 0, 0.0, [], {}, "none", "auto")
+#: Request fields each route honours (OpenAI's, then kvmesh's extensions).
+HONOURED = {
+    "completions": ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "n", "stream",
+                    "stream_options", "ignore_eos", "return_token_ids", "cache_salt"),
+    "chat": ("model", "messages", "max_completion_tokens", "max_tokens", "temperature", "top_p", "seed", "n",
+             "stream", "stream_options", "ignore_eos", "return_token_ids", "cache_salt"),
+}
+#: OpenAI request fields accepted and ignored: they do not change the output (end-user ids,
+#: storage and billing hints, tool-call parallelism without tools, which are refused).
+IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+           "parallel_tool_calls")
+#: OpenAI's chat-only fields that change the output and that kvmesh does not implement
+#: (refused like `UNSUPPORTED` unless neutral).
+UNSUPPORTED_CHAT = ("modalities", "audio", "prediction", "reasoning_effort", "verbosity", "web_search_options")
+
+
+def accepted_fields(route: str) -> tuple[str, ...]:
+    """Every top-level request field ``route`` ("completions" or "chat") takes without a 400
+    for being unknown: honoured, ignored, and unsupported ones (refused unless neutral)."""
+    return HONOURED[route] + IGNORED + UNSUPPORTED + (UNSUPPORTED_CHAT if route == "chat" else ())
 
 Authenticator = Callable[[str | None], "str | Awaitable[str]"]
 
@@ -304,7 +327,9 @@ class HttpFront:
                             "authentication_error", code="invalid_api_key") from None
         return out
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _body(self, request: web.Request, route: str) -> dict:
+        """The request's JSON object after the checks every generating route shares; ``route``
+        is "completions" or "chat" (`accepted_fields`). Raises `HttpError` (400, 401, 404)."""
         await self._check_key(request)
         try:
             body = await request.json()
@@ -312,6 +337,16 @@ class HttpFront:
             raise HttpError(400, "request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise HttpError(400, "request body must be a JSON object")
+        accepted = accepted_fields(route)
+        unknown = [name for name in body if name not in accepted]
+        if unknown:
+            names = ", ".join(repr(n) for n in unknown)
+            raise HttpError(400, f"unknown field{'s' if len(unknown) > 1 else ''} {names} in the request body of "
+                                 f"{request.path}; it accepts {', '.join(HONOURED[route])} (and ignores "
+                                 f"{', '.join(IGNORED)})", param=unknown[0])
+        for name in UNSUPPORTED_CHAT if route == "chat" else ():
+            if body.get(name) not in (*_NEUTRAL, ["text"]):
+                raise HttpError(400, f"{name} is not supported by kvmesh; remove it from the request", param=name)
         model = body.get("model")
         if model not in (None, "", self.model_id):
             raise HttpError(404, f"model {model!r} is not served here; this server serves {self.model_id!r} "
@@ -379,7 +414,7 @@ class HttpFront:
     # ------------------------------------------------------------ completions
     async def completions(self, request: web.Request) -> web.StreamResponse:
         tenant = await self._tenant(request)
-        body = await self._body(request)
+        body = await self._body(request, "completions")
         req = self._request(body, tenant, "max_tokens", 16)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -396,7 +431,7 @@ class HttpFront:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         tenant = await self._tenant(request)
-        body = await self._body(request)
+        body = await self._body(request, "chat")
         try:
             text = self.chat_template.render(body.get("messages"), add_generation_prompt=True)
         except ChatTemplateError as exc:

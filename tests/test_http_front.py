@@ -191,3 +191,105 @@ def test_https_with_an_ssl_context(tmp_path):
 
     status, body = asyncio.run(run())
     assert status == 200 and body["choices"][0]["text"] == "secure"
+
+
+@pytest.mark.parametrize("path,body,unknown", [
+    ("completions", {"prompt": "a", "max_token": 4}, ["max_token"]),  # a typo of max_tokens
+    ("completions", {"prompt": "a", "top_k": 5, "frobnicate": True}, ["top_k", "frobnicate"]),
+    ("completions", {"prompt": "a", "messages": []}, ["messages"]),  # chat's field on the completions route
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt": "a"}, ["prompt"]),
+])
+def test_unknown_fields_are_400_naming_them_and_the_accepted_ones(path, body, unknown):
+    async def never(req, ctx):  # pragma: no cover - a refused request never reaches Generate
+        raise AssertionError("reached Generate")
+        yield
+
+    async def run():
+        front, url = await _serve(never)
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(f"{url}/{path}", json=body)
+                return r.status, await r.json()
+        finally:
+            await front.stop()
+
+    status, err = asyncio.run(run())
+    message = err["error"]["message"]
+    assert status == 400 and err["error"]["type"] == "invalid_request_error", err
+    assert err["error"]["param"] == unknown[0]
+    for name in unknown:
+        assert repr(name) in message, message
+    # the message lists what the route takes, so the caller can fix the request
+    for name in ("max_tokens", "temperature", "stream_options", "cache_salt", "user"):
+        assert name in message, message
+    honoured = message.split(";", 1)[1].split("(", 1)[0]  # the route's own fields, not the other route's
+    assert ("prompt" if path.startswith("chat") else "messages") not in honoured, message
+
+
+def test_openai_client_fields_are_accepted():
+    """Fields OpenAI clients send that change nothing kvmesh computes (end-user id, metadata,
+    storage hints) or at their neutral values reach Generate; a chat-only option that would
+    change the output is refused by name."""
+    seen = []
+
+    async def generate(req, ctx):
+        seen.append(req)
+        yield _final()
+
+    completion = {"model": "m", "prompt": "abc", "max_tokens": 2, "temperature": 0, "top_p": 1, "seed": 3,
+                  "n": 1, "stream": False, "stream_options": None, "user": "u-17", "logprobs": None,
+                  "echo": False, "stop": None, "presence_penalty": 0, "frequency_penalty": 0, "best_of": None,
+                  "suffix": None, "logit_bias": None}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2,
+            "user": "u-17", "metadata": {"team": "search"}, "store": False, "service_tier": "auto",
+            "parallel_tool_calls": True, "prompt_cache_key": "k", "safety_identifier": "s", "logprobs": False,
+            "top_logprobs": None, "modalities": ["text"], "tools": None, "response_format": None}
+
+    async def run():
+        front, url = await _serve(generate)
+        try:
+            async with aiohttp.ClientSession() as s:
+                out = []
+                for path, body in (("completions", completion), ("chat/completions", chat),
+                                   ("chat/completions", {**chat, "modalities": ["text", "audio"]})):
+                    r = await s.post(f"{url}/{path}", json=body)
+                    out.append((r.status, await r.json()))
+                return out
+        finally:
+            await front.stop()
+
+    (c_status, c_body), (h_status, h_body), (a_status, a_body) = asyncio.run(run())
+    assert c_status == 200 and c_body["choices"][0]["text"] == "ok", c_body
+    assert h_status == 200 and h_body["choices"][0]["message"]["content"] == "ok", h_body
+    assert [r.sampling.max_tokens for r in seen] == [2, 2] and seen[0].sampling.seed == 3
+    assert a_status == 400 and a_body["error"]["param"] == "modalities", a_body
+
+
+def test_the_bench_openai_target_is_accepted():
+    """`kvmesh bench --api openai` (bench.openai_target) sends every kvmesh extension with
+    a streamed completion; the front takes all of them."""
+    from kvmesh.bench.openai_target import OpenAITarget
+
+    seen = []
+
+    async def generate(req, ctx):
+        seen.append(req)
+        yield pb.GenerateResponse(token_ids=[7, 8], text="ok", finished=True, finish_reason="length",
+                                  usage=pb.Usage(prompt_tokens=3, completion_tokens=2))
+
+    async def run():
+        front, url = await _serve(generate)
+        try:
+            async with OpenAITarget(url) as target:
+                await target.detect(5)
+                req = pb.GenerateRequest(cache_salt="salty", sampling=pb.SamplingParams(
+                    max_tokens=2, temperature=0.5, top_p=0.9, seed=11, ignore_eos=True))
+                req.token_ids.ids.extend([1, 2, 3])
+                return [m async for m in target.generate(req, timeout=10)]
+        finally:
+            await front.stop()
+
+    msgs = asyncio.run(run())
+    assert [t for m in msgs for t in m.token_ids] == [7, 8] and msgs[-1].finished
+    assert len(seen) == 1 and seen[0].cache_salt == "salty" and seen[0].sampling.ignore_eos
+    assert list(seen[0].token_ids.ids) == [1, 2, 3] and seen[0].sampling.seed == 11
