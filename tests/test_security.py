@@ -179,6 +179,54 @@ def test_callers_without_a_certificate_cannot_connect(cluster):
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_router_without_client_ca_says_unauthenticated(cluster):
+    """What a stranger (the CA to verify the server, no certificate, no key) sees, as
+    docs/SECURITY.md states it: UNAVAILABLE from ports that require client certificates (the
+    cluster's router with --client-ca and every worker: the handshake fails), UNAUTHENTICATED
+    from a router without --client-ca, where the handshake succeeds and the missing key is refused."""
+    import os
+    import re
+    import time
+
+    from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+
+    ids = prompt(5, 20)
+    stranger = {"tls_ca": cluster.credentials.ca}
+    for target in (cluster.router_address, worker_address(cluster, 0)):
+        with pytest.raises(grpc.RpcError) as err:
+            generate(target, token_ids=ids, max_tokens=1, timeout=30, **stranger)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, target
+    c = cluster.credentials
+    port = free_port()
+    proc = spawn(python_cmd("router", "--port", str(port), "--tls-cert", c.cert, "--tls-key", c.key, "--tls-ca", c.ca,
+                            "--api-keys", c.api_keys, "--cluster", cluster.cluster),
+                 os.path.join(cluster.log_dir, "router-no-client-ca.log"), env=cluster.child_env())
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_healthy(address, proc=proc, tls=cluster.tls)
+        with pytest.raises(grpc.RpcError) as err:
+            generate(address, token_ids=ids, max_tokens=1, timeout=30, **stranger)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        deadline = time.monotonic() + 30
+        while True:  # the same TLS client with a key is served (once the router has read the leases)
+            try:
+                out = generate(address, token_ids=ids, max_tokens=1, timeout=30, api_key=c.api_key, **stranger)
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, exc
+                time.sleep(0.3)
+        assert out["usage"]["completion_tokens"] == 1
+    finally:
+        stop_process(proc)
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "SECURITY.md"),
+               encoding="utf-8").read()
+    client_ca_port = re.search(r"^- \*\*A port that requires client certificates\*\*.*?(?=^- )", doc, re.M | re.S)
+    no_client_ca = re.search(r"^- \*\*A router without `--client-ca`\*\*.*?(?=^- )", doc, re.M | re.S)
+    assert client_ca_port and no_client_ca, "docs/SECURITY.md lost the two cases"
+    assert "UNAVAILABLE" in client_ca_port.group(0) and "UNAUTHENTICATED" not in client_ca_port.group(0)
+    assert "UNAUTHENTICATED" in no_client_ca.group(0) and "UNAVAILABLE" not in no_client_ca.group(0)
+
+
 def test_absent_or_unknown_api_key_is_unauthenticated(cluster):
     ids = prompt(4, 20)
     for target in (cluster.router_address, worker_address(cluster, 0)):
