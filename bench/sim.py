@@ -85,7 +85,7 @@ from kvmesh.cache_store.events import EventBatch
 from kvmesh.cache_store.hashing import Namespace, hash_blocks
 from kvmesh.cache_store.prefix_cache import PrefixCache
 from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
-from kvmesh.services.policies import POLICIES, RoutedShare, RouteRequest, WorkerView, make_policy
+from kvmesh.services.policies import POLICIES, RoutedShare, RouteRequest, RoutingPolicy, WorkerView, make_policy
 from kvmesh.services.shortlist import shortlist
 
 __all__ = [
@@ -345,11 +345,11 @@ class _Worker:
 class _Routed:
     """One cache and one prefill stream per worker; a policy picks the worker."""
 
-    def __init__(self, policy: str, num_workers: int, capacity: int, block_size: int, policy_kwargs: dict | None):
+    def __init__(self, policy: str | RoutingPolicy, num_workers: int, capacity: int, block_size: int, policy_kwargs: dict | None):
         self.index = ClusterIndex()
         self.workers = [_Worker(f"w{i}", capacity, 1, block_size, self.index) for i in range(num_workers)]
         self.by_id = {w.worker_id: w for w in self.workers}
-        self.policy = make_policy(policy, **(policy_kwargs or {}))
+        self.policy = policy if isinstance(policy, RoutingPolicy) else make_policy(policy, **(policy_kwargs or {}))
         self.routed = RoutedShare()
         self.routed.set_fleet(num_workers)
         self.ids = [w.worker_id for w in self.workers]
@@ -416,7 +416,7 @@ def _percentile(sorted_xs: list[float], p: float) -> float:
     return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (rank - lo)
 
 
-def simulate(reqs, policy: str, num_workers: int, capacity_tokens: int | None = None, *,
+def simulate(reqs, policy: str | RoutingPolicy, num_workers: int, capacity_tokens: int | None = None, *,
              num_blocks: int | None = None, block_tokens: int = TRACE_BLOCK_TOKENS, block_size: int | None = None,
              concurrency: int | None = None, time_scale: float = 1.0, cost: CostModel | None = None,
              max_output_tokens: int | None = None, seed: int = 0, policy_kwargs: dict | None = None,
@@ -426,7 +426,9 @@ def simulate(reqs, policy: str, num_workers: int, capacity_tokens: int | None = 
     Args:
         reqs: `bench.trace.TraceRequest` s, or a `Workload` from `prepare` (then
             ``block_tokens``, ``block_size`` and ``max_output_tokens`` are the workload's).
-        policy: a registered routing policy, or ``"pooled"`` (the shared-cache reference).
+        policy: a registered routing policy's name, ``"pooled"`` (the shared-cache
+            reference), or a `RoutingPolicy` instance (used as is; ``policy_kwargs`` is then
+            ignored), for reference rules that are not routers, as in `bench.route_frontier`.
         capacity_tokens: KV capacity of each worker in tokens. Memory grows with the blocks
             actually cached, not with the capacity (`BlockPool` makes blocks on first use).
         num_blocks: KV capacity of each worker in cache blocks (instead of tokens).
@@ -471,7 +473,8 @@ def simulate(reqs, policy: str, num_workers: int, capacity_tokens: int | None = 
     if num_blocks < 1:
         raise ValueError(f"capacity of {num_blocks} cache blocks per worker: give at least one block of {block} tokens")
     cost = cost or CostModel()
-    cluster = _LAYOUTS.get(policy, _Routed)(policy, num_workers, num_blocks, wl.block_size or 1, policy_kwargs)
+    cluster = (_Routed if isinstance(policy, RoutingPolicy) else _LAYOUTS.get(policy, _Routed))(
+        policy, num_workers, num_blocks, wl.block_size or 1, policy_kwargs)
     rng = random.Random(seed)
     events: list = []
     order = 0
@@ -553,7 +556,7 @@ def simulate(reqs, policy: str, num_workers: int, capacity_tokens: int | None = 
     ttfts.sort()
     mean = sum(counts) / len(counts) if counts else 0.0
     return {
-        "policy": policy,
+        "policy": policy.name if isinstance(policy, RoutingPolicy) else policy,
         "num_requests": len(wl.specs),
         "hit_rate_blocks": hit_blocks / max(1, total_blocks),
         "hit_rate_tokens": hit_tokens / max(1, total_tokens),
