@@ -40,7 +40,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default cpu)")
     p.add_argument("--max-batched-tokens", type=int, default=1024, help="token budget per step (default 1024)")
     p.add_argument("--max-seqs", type=int, default=32, help="max running requests (default 32)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: model's)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit in tokens, at most the model's max_position_embeddings (default: the model's)")
     p.add_argument("--max-waiting", type=positive_int("--max-waiting"), default=512,
                    help="most queued requests before new ones get RESOURCE_EXHAUSTED (default 512)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
@@ -159,7 +160,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from kvmesh.services.cli_checks import device_problem, engine_flag_problem, model_problem, with_flag_names
 
-    problem = engine_flag_problem(args) or device_problem(args.device) or model_problem(args.model)
+    problem = (engine_flag_problem(args) or device_problem(args.device)
+               or model_problem(args.model, args.max_model_len))
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

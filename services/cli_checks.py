@@ -135,11 +135,20 @@ def device_problem(device: str) -> str | None:
     return None
 
 
-def model_problem(model: str | None) -> str | None:
+def model_problem(model: str | None, max_model_len: int | None = None) -> str | None:
     """What is wrong with a ``--model`` folder (missing, no config.json, no weights, no usable
-    tokenizer), or None; None for the built-in model. Reads config.json and the tokenizer,
-    not the weights."""
+    tokenizer), or with a ``--max-model-len`` (tokens) above the model's context
+    (``max_position_embeddings``), or None. ``model`` None is the built-in model. Reads
+    config.json and the tokenizer, not the weights (beyond their cached digest)."""
+    from kvmesh.workers.limits import resolve_max_model_len
+
     if model is None:
+        from kvmesh.workers.config import ModelConfig
+
+        try:
+            resolve_max_model_len(max_model_len, ModelConfig.tiny().max_position_embeddings)
+        except ValueError as exc:
+            return with_flag_names(exc)
         return None
     import glob
 
@@ -155,6 +164,10 @@ def model_problem(model: str | None) -> str | None:
         load_tokenizer(model, cfg)
     except ValueError as exc:
         return f"--model: {exc}"
+    try:
+        resolve_max_model_len(max_model_len, cfg.max_position_embeddings)
+    except ValueError as exc:
+        return f"{with_flag_names(exc)} (--model {model})"
     return None
 
 
@@ -272,7 +285,8 @@ def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str
 
     return first_problem(workers, lambda: policy_problem(args.policy), lambda: engine_flag_problem(args),
                          lambda: with_flag_names(tier_problem) if tier_problem else None,
-                         lambda: model_problem(args.model), lambda: device_problem(args.device), port,
+                         lambda: model_problem(args.model, getattr(args, "max_model_len", None)),
+                         lambda: device_problem(args.device), port,
                          redis_reachable)
 
 

@@ -253,6 +253,26 @@ def _byte_fallback_checkpoint(directory) -> str:
     return save_tiny_checkpoint(str(directory), cfg)
 
 
+def test_max_model_len_above_the_models_context_is_a_usage_error(tmp_path):
+    """``--max-model-len`` past the model's max_position_embeddings was capped silently; the
+    worker and ``up`` now refuse it before anything starts, naming the flag and the limit."""
+    import dataclasses
+
+    from kvmesh.workers.config import ModelConfig
+    from kvmesh.workers.loader import save_tiny_checkpoint
+
+    model = save_tiny_checkpoint(str(tmp_path / "m"), dataclasses.replace(ModelConfig.tiny(),
+                                                                          max_position_embeddings=512))
+    builtin = ModelConfig.tiny().max_position_embeddings
+    for argv, limit in ((["worker", "--port", "0", "--threads", "1", "--model", model, "--max-model-len", "513"], 512),
+                        (["up", "--model", model, "--max-model-len", "600"], 512),
+                        (["worker", "--port", "0", "--threads", "1", "--max-model-len", str(builtin + 1)], builtin)):
+        res = kvmesh(*argv, env={"TMPDIR": str(tmp_path)}, timeout=120)
+        assert res.returncode == 2, (argv, res.stderr)
+        assert "--max-model-len" in res.stderr and f"context of {limit} tokens" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr and os.listdir(tmp_path) == ["m"]  # nothing started
+
+
 def test_model_without_tokenizer_json_says_what_is_missing(tmp_path, capsys):
     from kvmesh.services.cli import main
 

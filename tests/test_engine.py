@@ -186,6 +186,19 @@ def test_prompt_beyond_context_is_invalid():
         e.submit([1] * 128, GREEDY, lambda o: None)
 
 
+def test_max_model_len_above_the_models_context_is_refused():
+    """A limit past the model's positions used to be capped silently; it is an error naming
+    max_model_len and the model's limit, and the model's own limit is still accepted."""
+    from kvmesh.workers.config import ModelConfig
+
+    limit = ModelConfig.tiny().max_position_embeddings
+    with pytest.raises(ValueError) as err:
+        Engine(num_blocks=8, block_size=BS, max_model_len=limit + 1)
+    assert "max_model_len" in str(err.value) and str(limit) in str(err.value)
+    assert Engine(num_blocks=8, block_size=BS, max_model_len=limit).max_model_len == limit
+    assert Engine(num_blocks=8, block_size=BS).max_model_len == limit
+
+
 def test_pressure_tiny_pool_never_crashes_and_matches_cold():
     """A 12-block pool, 8 concurrent requests of up to 6 blocks each: preemption and
     eviction must still give every request its cold-run tokens."""

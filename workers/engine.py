@@ -29,7 +29,7 @@ from kvmesh.cache_store.fresh_thread import run_on_fresh_thread
 from kvmesh.cache_store.hashing import Namespace, hash_blocks
 from kvmesh.cache_store.prefix_cache import PrefixCache
 from kvmesh.cache_store.tier_store import TierConfig, TierStore
-from kvmesh.workers import model_identity
+from kvmesh.workers import limits, model_identity
 from kvmesh.workers.loader import load_model
 from kvmesh.workers.model import AttentionMetadata, allocate_kv_cache
 from kvmesh.workers.request import (
@@ -58,7 +58,8 @@ class Engine:
         max_num_batched_tokens: token budget of one step.
         max_num_seqs: most requests running at once.
         max_waiting: most queued requests; beyond it `submit` raises `Overloaded`.
-        max_model_len: context limit in tokens (default: the model's).
+        max_model_len: context limit in tokens (default: the model's
+            ``max_position_embeddings``; more than that is an error, not capped).
         event_sink: receives KV events (BlockStored/BlockRemoved/AllBlocksCleared), from
             the engine thread and, for disk-tier changes, the disk writer thread.
         seed: seed of the built-in model's random weights.
@@ -68,7 +69,8 @@ class Engine:
             prefills (`workers.scheduler.Scheduler`; threshold None = a quarter of the budget).
 
     Raises:
-        ValueError: bad sizes or tier configuration.
+        ValueError: bad sizes or tier configuration, or ``max_model_len`` above the model's
+            ``max_position_embeddings`` (`workers.limits.resolve_max_model_len`).
     """
 
     def __init__(
@@ -112,8 +114,7 @@ class Engine:
         self.tokenizer = load_tokenizer(model_dir, self.config)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
+        self.max_model_len = limits.resolve_max_model_len(max_model_len, self.config.max_position_embeddings)
         self.max_waiting = max_waiting
         self.kv_cache = run_on_fresh_thread(lambda: allocate_kv_cache(self.config, num_blocks, block_size, self.device))
         self.tiers = TierStore(self.kv_cache, tiers, event_sink) if tiers is not None and tiers.enabled else None

@@ -28,6 +28,31 @@ MESSAGE_SLACK_BYTES = 64 * 1024
 MIN_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
+def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
+    """The context limit (tokens) a worker runs with: ``requested``, or ``model_limit`` when
+    ``requested`` is None or 0.
+
+    Args:
+        requested: the asked-for limit (``--max-model-len``), tokens.
+        model_limit: the model's ``max_position_embeddings``, tokens.
+
+    Raises:
+        ValueError: ``requested`` is negative, or above ``model_limit`` (the model has no
+            position past it, so a long request would fail mid-prefill; as vLLM does, this
+            is refused at start, not capped). The message names ``max_model_len`` (which
+            the CLI prints as ``--max-model-len``) and the model's limit.
+    """
+    if not requested:
+        return int(model_limit)
+    if requested < 0:
+        raise ValueError(f"max_model_len must be >= 1 tokens (got {requested})")
+    if requested > model_limit:
+        raise ValueError(f"max_model_len {requested} is more than the model's context of {model_limit} tokens "
+                         f"(its max_position_embeddings): pass at most {model_limit}, or leave max_model_len out "
+                         f"to use {model_limit}")
+    return int(requested)
+
+
 def request_bytes_limit(max_model_len: int) -> int:
     """Largest request message (bytes) a server for a ``max_model_len``-token model accepts.
 
