@@ -518,6 +518,33 @@ def test_readme_first_generate_example_shows_reuse():
     assert len(re.findall(r'kvmesh generate --target \S+ --prompt "\$P"', readme)) >= 2
 
 
+def test_readme_bf16_checkpoint_command_runs_and_makes_a_bf16_model(tmp_path):
+    """The README's command that writes a bf16 checkpoint (save_tiny_checkpoint) runs as shown,
+    the folder passes `kvmesh worker`'s --model check, loads as bfloat16, and the README's
+    --model lines point at the folder it writes."""
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md"), encoding="utf-8").read()
+    section = readme.split("#### A bf16 checkpoint", 1)
+    assert len(section) == 2, "README lost its bf16 checkpoint section"
+    block = section[1].split("```", 2)[1]
+    m = re.search(r'^\.venv/bin/python -c "(.*?)"$', block, re.M | re.S)
+    assert m and "save_tiny_checkpoint" in m.group(1), block
+    res = subprocess.run(["bash", "-c", f'"$PY" -c "{m.group(1)}"'], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PY": sys.executable}, timeout=300)
+    assert res.returncode == 0, res.stderr
+    folder = re.search(r"save_tiny_checkpoint\('([^']+)'", m.group(1)).group(1)
+    assert all(f"--model {folder}" in line for line in block.splitlines() if "--model" in line)
+    model = str(tmp_path / folder)
+    import torch
+
+    from kvmesh.services.cli_checks import model_problem
+    from kvmesh.workers.engine import Engine
+
+    assert model_problem(model) is None
+    engine = Engine(model_dir=model, num_blocks=8, compute_dtype="model")
+    assert engine.config.dtype == "bfloat16" and next(engine.model.parameters()).dtype == torch.bfloat16
+    assert engine.kv_model_id.startswith(f"{os.path.basename(folder)}@")
+
+
 def test_readme_shows_how_to_call_the_https_front_of_a_secure_cluster():
     """`kvmesh up` is secure by default: its HTTP front is HTTPS under the cluster CA and needs
     the API key, so the README must show a newcomer both, not only the plain-HTTP snippet."""
