@@ -18,6 +18,11 @@ forwarded request names that holder in ``prefix_location`` (`prefix_holder`). Th
 worker decides from measured rates whether pulling the blocks beats recomputing them
 (`workers.peer_fetch`).
 
+Model: a request's ``model_id``, when set, must name what the routed workers serve (their
+KV model id, or the checkpoint's id without the compute-dtype tag); any other gets
+NOT_FOUND from the router itself, with the served ids, as the HTTP front answers 404 for
+an unknown ``model``, and is never forwarded. Empty means whatever is served.
+
 Access: the tenant of each request comes from the client's credentials (`Gate.tenant`,
 `kvmesh.services.auth`), goes into the namespace the router hashes in, and is forwarded to
 the worker in the cluster-internal ``tenant`` field over mutual TLS. ``Status`` details
@@ -180,6 +185,13 @@ class RouterServicer(pb_grpc.RouterServicer):
         live, block_size, model_id, why = self.compat.select(live)
         if not live:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        served = sorted({model_id, base_model_id(model_id)})
+        if request.model_id and request.model_id not in served:  # a client's error: refused here, not logged
+            wanted = request.model_id if len(request.model_id) <= 200 else request.model_id[:200] + "..."
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"model_id {wanted!r} is not served here; the workers serve {' or '.join(map(repr, served))}: "
+                f"send one of these, or leave model_id empty for whatever is served")
         if request.WhichOneof("prompt") == "text" and base_model_id(model_id) != self.config.model_id:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -266,17 +266,60 @@ def test_fuzz_router(cluster):
 
 
 def test_worker_refuses_tokens_of_another_model(cluster):
-    """A request made for another model identity (as a router with another --model sends)
-    is refused with FAILED_PRECONDITION, and the worker logs why."""
+    """A request made for another model identity (a client's model_id, or a router's stale
+    view) is refused with FAILED_PRECONDITION. The worker logs it as the caller's error: a
+    WARNING, not an ERROR telling the operator to change --model, and rate-limited, so a
+    client sending many ids cannot fill the log."""
+    from kvmesh.workers.grpc_guard import LOG_BURST
+
     address = worker_address(cluster)
-    req = pb.GenerateRequest(model_id="some-other-model@0123456789ab",
-                             sampling=pb.SamplingParams(max_tokens=1))
+    req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=1))
     req.token_ids.ids.extend(toks(11, 20))
-    assert _raw_generate(address, req.SerializeToString()) == grpc.StatusCode.FAILED_PRECONDITION
+    sent = 4 * LOG_BURST  # well within two log windows
+    for i in range(sent):
+        req.model_id = f"some-other-model-{i}@0123456789ab"
+        assert _raw_generate(address, req.SerializeToString()) == grpc.StatusCode.FAILED_PRECONDITION
     req.model_id = ""  # unset: accepted as before
     assert _raw_generate(address, req.SerializeToString()) == grpc.StatusCode.OK
     with open(os.path.join(cluster.log_dir, "worker-0.log"), errors="replace") as fh:
-        assert "refusing requests for model 'some-other-model@0123456789ab'" in fh.read()
+        lines = [line for line in fh if "some-other-model-" in line]
+    assert lines and all(" WARNING " in line for line in lines), lines[:3]
+    assert "'some-other-model-0@0123456789ab'" in lines[0]
+    assert len(lines) <= 2 * LOG_BURST < sent, len(lines)
+
+
+def _router_call(address: str, req: pb.GenerateRequest) -> tuple[grpc.StatusCode, str]:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            for _ in pb_grpc.RouterStub(ch).Generate(req, timeout=60):
+                pass
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def test_router_refuses_a_model_id_its_workers_do_not_serve(cluster):
+    """A client's model_id is checked by the router against what its workers serve: another
+    id is NOT_FOUND naming the served one and never reaches a worker (whose log stays
+    clean); the served id (as the worker reports it) and an empty one are routed."""
+    from kvmesh.workers.model_identity import base_model_id
+
+    with grpc.insecure_channel(worker_address(cluster)) as ch:
+        served = pb_grpc.WorkerStub(ch).GetInfo(pb.WorkerInfoRequest(), timeout=10).model_id
+    assert served
+    req = pb.GenerateRequest(model_id="a-client-typo@000000000000", sampling=pb.SamplingParams(max_tokens=1))
+    req.token_ids.ids.extend(toks(12, 20))
+    code, details = _router_call(cluster.router_address, req)
+    assert code == grpc.StatusCode.NOT_FOUND, (code, details)
+    assert "'a-client-typo@000000000000'" in details and repr(served) in details, details
+    req.text = "hello there, a text prompt"  # tokenized by the router: refused the same way
+    assert _router_call(cluster.router_address, req)[0] == grpc.StatusCode.NOT_FOUND
+    for name in ("worker-0.log", "router.log"):
+        with open(os.path.join(cluster.log_dir, name), errors="replace") as fh:
+            assert "a-client-typo" not in fh.read(), name
+    for model_id in (served, base_model_id(served), ""):
+        req.model_id = model_id
+        assert _router_call(cluster.router_address, req) == (grpc.StatusCode.OK, ""), model_id
 
 
 def test_worker_with_another_block_size_is_routed_around(cluster):

@@ -24,8 +24,20 @@ LOG_BURST = 10
 LOG_WINDOW_S = 10.0
 
 
-class _LogLimiter:
-    def __init__(self) -> None:
+class LogLimiter:
+    """WARNING lines about what callers send, at most ``LOG_BURST`` per ``LOG_WINDOW_S``
+    seconds; the lines dropped are counted and reported in the next line written, so a
+    hostile client cannot flood the log.
+
+    Args:
+        logger: where the lines go (default this module's).
+        what: what a line is about, plural, for the count of dropped ones
+            (``"N more malformed requests not logged"``).
+    """
+
+    def __init__(self, logger: logging.Logger | None = None, what: str = "malformed requests") -> None:
+        self.logger = logger or log
+        self.what = what
         self.window_start = float("-inf")
         self.lines = 0
         self.suppressed = 0
@@ -39,13 +51,13 @@ class _LogLimiter:
             return
         self.lines += 1
         if self.suppressed:
-            fmt += " (%d more malformed requests not logged)"
+            fmt += f" (%d more {self.what} not logged)"
             args = (*args, self.suppressed)
             self.suppressed = 0
-        log.warning(fmt, *args)
+        self.logger.warning(fmt, *args)
 
 
-_limiter = _LogLimiter()
+_limiter = LogLimiter()
 
 
 def _reason(exc: Exception) -> str:

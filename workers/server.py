@@ -37,6 +37,7 @@ from kvmesh.cache_store.block_record import RECORD_FORMAT_VERSION
 from kvmesh.cache_store.fresh_thread import run_on_fresh_thread, to_fresh_thread
 from kvmesh.cache_store.hashing import HASH_BYTES
 from kvmesh.workers.engine import Engine
+from kvmesh.workers.grpc_guard import LogLimiter
 from kvmesh.workers.grpc_host import GrpcHost
 from kvmesh.workers.peer_fetch import MAX_FETCH_BLOCKS, PeerFetcher
 from kvmesh.workers.request import InvalidRequest, Overloaded, RequestOutput
@@ -94,7 +95,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.address = address
         self.gate = gate
         self.fetcher = PeerFetcher(engine, **(peer or {}))
-        self._foreign_models: set[str] = set()  # model ids of refused requests, logged once each
+        # requests for another model: a caller's error, so WARNING lines, rate-limited
+        self._foreign_model_log = LogLimiter(log, "requests for another model")
         # prefetches wait on the disk and on Redis: their own threads, so that a slow Redis
         # never holds up the threads GetLoad, GetSnapshot and FetchBlocks run on
         self._prefetch_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-prefetch")
@@ -176,16 +178,21 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     self.metrics.observe_finished(None, None, "abort")
 
     async def _refuse_foreign_model(self, model_id: str, context) -> None:
-        """FAILED_PRECONDITION for a request tokenized and hashed for another model; logged
-        once per foreign model id."""
+        """FAILED_PRECONDITION for a request tokenized and hashed for another model.
+
+        The id comes from the caller: a client that set ``model_id`` itself, or a router whose
+        view of this worker is stale (a router of another model routes around this worker and
+        logs that as an ERROR itself). Either way it is the caller's error, not this worker's
+        configuration, so it is logged as a WARNING, at most `grpc_guard.LOG_BURST` lines per
+        `grpc_guard.LOG_WINDOW_S` seconds (`grpc_guard.LogLimiter`)."""
         mine = self.engine.kv_model_id
-        if model_id not in self._foreign_models and len(self._foreign_models) < 64:  # bounded: ids are input
-            self._foreign_models.add(model_id)
-            log.error("refusing requests for model %r from %s: this worker serves %r (weights, dtype, config or "
-                      "tokenizer differ); start the router with this worker's --model", model_id, context.peer(), mine)
+        wanted = model_id if len(model_id) <= 200 else model_id[:200] + "..."  # the id is input: bounded
+        self._foreign_model_log.warn("refused a request for model %r from %s: this worker serves %r",
+                                     wanted, context.peer(), mine)
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"request is for model {model_id!r} but worker {self.worker_id} serves {mine!r}: "
-                            f"start the router and workers with the same --model")
+                            f"request is for model {wanted!r} but worker {self.worker_id} serves {mine!r}: "
+                            f"send model_id {mine!r} or leave it empty (a router and its workers need the same "
+                            f"--model)")
 
     async def _fetch_prefix(self, request: pb.GenerateRequest, prompt_ids: list[int], sampling, context,
                             tenant: str = "", salt: str = "") -> None:
