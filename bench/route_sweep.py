@@ -23,7 +23,9 @@ block of ``block_tokens`` tokens):
   each turn sent after the previous one finished plus a think time.
 * ``tenants``: many small tenants (Zipf popularity) with short system prompts and short
   conversations; ``docs``: long documents with few reuses; ``zipf``: shared prefixes of
-  Zipf popularity; ``bursty``: bursts of requests sharing a new prefix within a second.
+  Zipf popularity; ``bursty``: bursts of requests sharing a new prefix within a second;
+  ``agents``: tool-using agent sessions (a Zipf-popular tool prompt shared across
+  sessions, then one request per step carrying every earlier step's output).
 
 Two sets: ``TUNING`` (the workloads above; ``--workloads tuning``), on which kv_aware's
 defaults were chosen, and ``HELD_OUT`` (``ho-*``; ``--workloads held-out``): the same
@@ -289,6 +291,46 @@ def _tree(n_req: int = 3000, roots: int = 40, branches: int = 6, s: float = 1.0,
     return make
 
 
+def _agents(n_req: int = 3000, tools: int = 24, s: float = 1.0, steps: tuple[int, int] = (2, 10),
+            tool_blocks: tuple[int, int] = (6, 20), step_blocks: tuple[int, int] = (1, 3),
+            think_s: tuple[float, float] = (0.2, 3.0), seed: int = 0):
+    """Tool-using agent sessions: a Zipf-popular tool prompt (tool definitions, shared across
+    sessions), the session's task, then one request per step, each carrying every earlier
+    step's tool output; a step is sent when the previous one has finished plus a short
+    gap (a tool call), so a session's requests follow each other within seconds."""
+    def make(workers: int, load: float) -> list[TraceRequest]:
+        rng = random.Random(11 + seed)
+        n_tool, n = tools * _scale(workers), n_req * _scale(workers)
+        pick = _zipf(rng, n_tool, s)
+        tool = [list(range(10 ** 7 + 1000 * t, 10 ** 7 + 1000 * t + rng.randint(*tool_blocks))) for t in range(n_tool)]
+        sessions, total = [], 0
+        nxt = 2 * 10 ** 9
+        while total < n:
+            k = min(rng.randint(*steps), n - total)
+            task = [nxt]
+            nxt += 1
+            chains = []
+            ctx = tool[pick()] + task
+            for _ in range(k):
+                ctx = ctx + list(range(nxt, nxt + rng.randint(*step_blocks)))
+                nxt += 100
+                chains.append(list(ctx))
+            sessions.append(chains)
+            total += k
+        mean_blocks = sum(len(c) for ss in sessions for c in ss) / max(1, total)
+        starts = _poisson(rng, len(sessions), _rate(load, workers, mean_blocks * 512 * 0.5) * len(sessions) / total)
+        out = []
+        for t0, ss in zip(starts, sessions):
+            t = t0
+            for c in ss:
+                out.append(TraceRequest(int(t * 1000), 512 * len(c), rng.randint(50, 300), tuple(c)))
+                # the step's prefill at the cost model's speed (uncached part ~ the new blocks), decode, a tool call
+                t += 512 * 3 / _PREFILL_TPS + 0.03 * 150 + rng.uniform(*think_s)
+        out.sort(key=lambda r: r.timestamp_ms)
+        return out
+    return make
+
+
 def _chains(chains: list[list[int]], rng: random.Random, workers: int, load: float) -> list[TraceRequest]:
     mean_blocks = sum(len(c) for c in chains) / max(1, len(chains))
     arr = _poisson(rng, len(chains), _rate(load, workers, mean_blocks * 512 * 0.5))
@@ -320,6 +362,7 @@ def workloads(mooncake_requests: int | None = None, pressure: float = 0.3) -> li
         (SweepWorkload("docs", _docs(), 512, press), pressure),
         (SweepWorkload("zipf", _zipf_prefixes(), 512, press), pressure),
         (SweepWorkload("bursty", _bursty(), 512, press), pressure),
+        (SweepWorkload("agents", _agents(), 512, press), pressure),
         # held out: other seeds, sizes, lengths and reuse; never used to choose kv_aware's defaults
         (SweepWorkload("ho-gsp-32x32", _gsp(32, 32, 1536, 192, 192, 32, seed=10), 32, press), pressure),
         (SweepWorkload("ho-gsp-128x8", _gsp(128, 8, 3072, 96, 96, 64, seed=10), 64, press), pressure),
@@ -330,6 +373,8 @@ def workloads(mooncake_requests: int | None = None, pressure: float = 0.3) -> li
         (SweepWorkload("ho-zipf", _zipf_prefixes(3000, 500, 1.0, blocks=(8, 24), seed=10), 512, press), pressure),
         (SweepWorkload("ho-bursty", _bursty(3000, burst=(5, 120), seed=10), 512, press), pressure),
         (SweepWorkload("ho-tree", _tree(seed=10), 512, press), pressure),
+        (SweepWorkload("ho-agents", _agents(3000, 60, 0.8, steps=(3, 16), tool_blocks=(4, 24), step_blocks=(1, 4),
+                                            think_s=(0.1, 6.0), seed=10), 512, press), pressure),
     ]
     return wl
 

@@ -66,3 +66,20 @@ def test_held_out_workloads_are_named_apart_and_differ_from_the_tuning_ones():
     # the workloads are deterministic: the same call gives the same requests
     assert [r.hash_ids for r in table["ho-tree"].make(10, 0.7)[:50]] == \
         [r.hash_ids for r in table["ho-tree"].make(10, 0.7)[:50]]
+
+
+def test_agent_sessions_extend_their_own_context_step_by_step():
+    table = {w.name: w for w, _ in route_sweep.workloads()}
+    reqs = table["agents"].make(10, 0.7)
+    assert len(reqs) == 3000 and reqs == table["agents"].make(10, 0.7)
+    assert [r.timestamp_ms for r in reqs] == sorted(r.timestamp_ms for r in reqs)
+    # a step's blocks start with an earlier request's whole chain (its session's previous step),
+    # and sessions of one tool share the tool prompt's leading blocks but not the task
+    chains = {r.hash_ids for r in reqs}
+    continued = sum(1 for r in reqs if any(r.hash_ids[:k] in chains for k in range(1, len(r.hash_ids))))
+    assert continued > len(reqs) // 2
+    firsts = {}
+    for r in reqs:
+        firsts.setdefault(r.hash_ids[0], set()).add(r.hash_ids[:1] + r.hash_ids[1:2])
+    assert len(firsts) < len(reqs) // 10  # few tool prompts, many sessions each
+    assert table["agents"].make(20, 0.7)[-1].timestamp_ms < 2 * reqs[-1].timestamp_ms  # rate grows with the fleet
