@@ -832,6 +832,10 @@ static void run_item_amx(const Args& a, const Item& it, const c10::BFloat16* q, 
   float* ot = s.ot.data();
   alignas(64) uint32_t pp[P2 * L];
   const __m512 qmul = _mm512_set1_ps(a.qmul);
+  const bool qpos = !(a.qmul < 0.f);
+  // word w of the interleaved pairs comes from word w / 2 of p0 (even w) or of p1 (odd w)
+  const __m512i kPairIdx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                            21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const int64_t k_stride = a.p_st * static_cast<int64_t>(sizeof(uint16_t));  // bytes between keys
   for (int64_t t = 0; t < ntiles; ++t) {
     const int64_t tmin = s.tmin[t], tmax = s.tmax[t];
@@ -869,38 +873,41 @@ static void run_item_amx(const Args& a, const Item& it, const c10::BFloat16* q, 
       }
       _tile_stored(2, pb, L * 4);
       _tile_stored(3, pb + L * L, L * 4);
-      __m512 m_tile = m_run;
+      // the span's largest raw score per row (masked keys at -inf); its scaled value is the
+      // largest scaled score, as rounding q * s is monotone in s (qmul > 0; < 0: the smallest)
       __mmask16 valid[kSpan];
+      __m512 s_ext = _mm512_set1_ps(qpos ? kNegInf : -kNegInf);
       for (int64_t j = 0; j < kSpan; ++j) {
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(pb + j * L), qmul);
+        __m512 x = _mm512_loadu_ps(pb + j * L);
         if (masked) {
           const __m512 kp = _mm512_set1_ps(static_cast<float>(kbase + j));
           valid[j] = _mm512_cmp_ps_mask(kp, rp, _CMP_LE_OQ) & _mm512_cmp_ps_mask(kp, rl, _CMP_GT_OQ);
-          x = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), valid[j], x);
+          x = _mm512_mask_mov_ps(s_ext, valid[j], x);
         }
-        _mm512_storeu_ps(pb + j * L, x);
-        m_tile = _mm512_max_ps(m_tile, x);
+        s_ext = qpos ? _mm512_max_ps(s_ext, x) : _mm512_min_ps(s_ext, x);
       }
+      const __m512 m_tile = _mm512_max_ps(m_run, _mm512_mul_ps(s_ext, qmul));
       const __mmask16 grow = _mm512_cmp_ps_mask(m_tile, _mm512_add_ps(m_run, _mm512_set1_ps(kLazyMax)), _CMP_GT_OQ);
       const __m512 m_new = _mm512_mask_mov_ps(m_run, grow, m_tile);
       const __m512 m_safe = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ),
                                                _mm512_setzero_ps());
+      const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_safe);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t k = 0; k < P2; ++k) {
-        // 2^(s - m) with the series cut at degree 5 (truncation error < 3e-6, a thousandth of
-        // the bfloat16 step p is rounded to next)
-        __m512 p0 = vexp2<5>({_mm512_sub_ps(_mm512_loadu_ps(pb + 2 * k * L), m_safe)}).v;
-        __m512 p1 = vexp2<5>({_mm512_sub_ps(_mm512_loadu_ps(pb + (2 * k + 1) * L), m_safe)}).v;
+        // 2^(q s - m), q s - m rounded once (fused), the series cut at degree 5 (truncation
+        // error < 3e-6, a thousandth of the bfloat16 step p is rounded to next)
+        __m512 p0 = vexp2<5>({_mm512_fmadd_ps(_mm512_loadu_ps(pb + 2 * k * L), qmul, neg_m)}).v;
+        __m512 p1 = vexp2<5>({_mm512_fmadd_ps(_mm512_loadu_ps(pb + (2 * k + 1) * L), qmul, neg_m)}).v;
         if (masked) {
           p0 = _mm512_maskz_mov_ps(valid[2 * k], p0);
           p1 = _mm512_maskz_mov_ps(valid[2 * k + 1], p1);
         }
-        // P rounded to bfloat16: the values of the product and of the row sums alike
-        const __m512i h0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
-        const __m512i h1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(h0, 16)));
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(h1, 16)));
-        _mm512_store_si512(pp + k * L, _mm512_or_si512(h0, _mm512_slli_epi32(h1, 16)));
+        // P rounded to bfloat16 (both rows of a key pair at once), interleaved into the pairs
+        // the tile product reads: dword i = (p0[i], p1[i]); the row sums add the rounded values
+        const __m512i pair = _mm512_permutexvar_epi16(kPairIdx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(int(0xffff0000u)))));
+        _mm512_store_si512(pp + k * L, pair);
       }
       if (grow) {  // some row's max moved: its l and O^T scale by 2^(m_old - m_new)
         const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), grow, vexp2({_mm512_sub_ps(m_run, m_safe)}).v);
