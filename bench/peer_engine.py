@@ -29,6 +29,10 @@ During kvmesh's turns the vLLM server's processes are stopped (SIGSTOP to its pr
 group, SIGCONT after; ``--no-freeze-peer`` leaves them running): an idle vLLM server keeps
 polling (about 0.2 of a core on a 2-core box), which slowed kvmesh's steps by 25-40 % there,
 while kvmesh's idle engine thread sleeps on a condition variable and costs vLLM nothing.
+Before its turn each side answers four short unrecorded requests (vLLM right after SIGCONT,
+then a second's sleep; kvmesh right before its measured call): the first steps after a second
+of idleness run up to 2.4x slow on a 2-core VM, whatever the engine, and vLLM's polling keeps
+its cores busy through its settling second where kvmesh's sleeping engine thread does not.
 
 Installing the peer (its own virtualenv; see docs/ENGINE.md, "Side by side with vLLM's CPU build")::
 
@@ -115,6 +119,10 @@ class KvmeshSide:
             if r.get("error"):
                 raise RuntimeError(r["error"])
         return wall, results
+
+    def settle(self) -> None:
+        """Four unrecorded 8-token requests of 4 output tokens, as `VllmSide.resume` sends."""
+        self.concurrent([[1, 2, 3, 4, 5, 6, 7, 8]] * 4, 4)
 
     def clear(self) -> None:
         self.engine.clear_cache()
@@ -218,8 +226,8 @@ class VllmSide:
             self.paused = True
 
     def resume(self) -> None:
-        """Continue a paused server, then let it settle: one unrecorded 1-token completion
-        and a short sleep (without them its first measured call after SIGCONT ran up to 30 %
+        """Continue a paused server, then let it settle: four unrecorded 8-token requests of 4
+        output tokens and a short sleep (without them its first measured call after SIGCONT ran up to 30 %
         slow)."""
         if self.paused:
             os.killpg(self.proc.pid, signal.SIGCONT)
@@ -317,10 +325,17 @@ def run(vllm_python: str | None = None, rounds: int = 3, threads: int = 2, cold_
     fig: dict[str, dict[str, list[float]]] = {}
 
     def turns():
-        """The sides in order; with ``freeze_peer`` the vLLM server is stopped during kvmesh's turn."""
+        """The sides in order; with ``freeze_peer`` the vLLM server is stopped during kvmesh's
+        turn. Each side settles before its turn as the peer does after SIGCONT (`VllmSide.resume`):
+        kvmesh answers the same four short unrecorded requests first, since its cores sat idle
+        through the peer's turn (on a 2-core VM the first steps after a second of idleness ran
+        up to 2.4x slow, torch alone included, while the peer's own polling keeps its cores
+        busy through its settling second)."""
         for name, side in sides:
             if name == "kvmesh" and peer is not None and freeze_peer:
                 peer.pause()
+            if name == "kvmesh" and peer is not None:
+                side.settle()
             try:
                 yield name, side
             finally:
