@@ -135,6 +135,24 @@ def test_client_disconnect_closes_the_generate_stream(stream):
     assert asyncio.run(run())
 
 
+def _refused(path: str, body: dict) -> tuple[int, dict]:
+    """POST ``body`` to ``/v1/<path>`` on a front whose Generate must never be reached."""
+    async def never(req, ctx):  # pragma: no cover - a refused request never reaches Generate
+        raise AssertionError("reached Generate")
+        yield
+
+    async def run():
+        front, url = await _serve(never)
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(f"{url}/{path}", json=body)
+                return r.status, await r.json()
+        finally:
+            await front.stop()
+
+    return asyncio.run(run())
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "a", "temperature": -1}, "temperature"),
@@ -144,20 +162,7 @@ def test_client_disconnect_closes_the_generate_stream(stream):
     ({"prompt": "a", "stream": "yes"}, "stream"),
 ])
 def test_bad_fields_are_400_naming_the_field(body, param):
-    async def never(req, ctx):  # pragma: no cover - a refused request never reaches Generate
-        raise AssertionError("reached Generate")
-        yield
-
-    async def run():
-        front, url = await _serve(never)
-        try:
-            async with aiohttp.ClientSession() as s:
-                r = await s.post(f"{url}/completions", json=body)
-                return r.status, await r.json()
-        finally:
-            await front.stop()
-
-    status, err = asyncio.run(run())
+    status, err = _refused("completions", body)
     assert status == 400 and err["error"]["param"] == param and param in err["error"]["message"]
 
 
@@ -200,20 +205,7 @@ def test_https_with_an_ssl_context(tmp_path):
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt": "a"}, ["prompt"]),
 ])
 def test_unknown_fields_are_400_naming_them_and_the_accepted_ones(path, body, unknown):
-    async def never(req, ctx):  # pragma: no cover - a refused request never reaches Generate
-        raise AssertionError("reached Generate")
-        yield
-
-    async def run():
-        front, url = await _serve(never)
-        try:
-            async with aiohttp.ClientSession() as s:
-                r = await s.post(f"{url}/{path}", json=body)
-                return r.status, await r.json()
-        finally:
-            await front.stop()
-
-    status, err = asyncio.run(run())
+    status, err = _refused(path, body)
     message = err["error"]["message"]
     assert status == 400 and err["error"]["type"] == "invalid_request_error", err
     assert err["error"]["param"] == unknown[0]
