@@ -119,6 +119,35 @@ def test_nan_propagates_as_in_the_reference(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("amx", [True, False])
+def test_huge_finite_scores_match_the_reference(dtype, amx):
+    """Query rows scaled by 1e10 to 1e30 (finite in bf16 and fp32, scores up to ~1e31) give
+    what the float64 reference gives (softmax nearly one-hot), not NaN: the exponent's argument
+    must not exceed the lazy max's bound by the rounding of a huge scaled score. On the tile
+    path and on the pair path, in a prefill tile and a decode."""
+    if amx and not (dtype == torch.bfloat16 and torch.ops.kvmesh.built_with_amx()):
+        pytest.skip("the AMX tile path serves bf16 on AMX builds only")
+    torch.ops.kvmesh.set_amx(amx)
+    try:
+        block_size, heads, kv_heads, d = 16, 8, 2, 64
+        kv = _pool(20, kv_heads, block_size, d, dtype, seed=8)
+        q_lens, ctx, tables = [70, 1], [0, 40], [[0, 1, 2, 3, 4], [5, 6, 7]]
+        q = torch.randn(sum(q_lens), heads, d, generator=torch.Generator().manual_seed(9))
+        q[12, 1] *= 1e10
+        q[30, 5] *= 1e30
+        q[70, 3] *= 1e20
+        q = q.to(dtype)
+        ours = _call(q, kv, q_lens, ctx, tables, block_size, -1).double()
+        ref = _reference(q, kv, q_lens, ctx, tables, block_size, -1)
+        assert not torch.isnan(ours).any()
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert (ours - ref).abs().max().item() < tol
+    finally:
+        torch.ops.kvmesh.set_amx(True)
+
+
+@needs_kernel
 def test_rejects_inconsistent_arguments():
     kv = _pool(8, 2, 16, 64, torch.float32, seed=0)
     q = torch.randn(5, 8, 64)

@@ -891,13 +891,14 @@ static void run_item_amx(const Args& a, const Item& it, const c10::BFloat16* q, 
       const __m512 m_new = _mm512_mask_mov_ps(m_run, grow, m_tile);
       const __m512 m_safe = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ),
                                                _mm512_setzero_ps());
-      const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_safe);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t k = 0; k < P2; ++k) {
-        // 2^(q s - m), q s - m rounded once (fused), the series cut at degree 5 (truncation
-        // error < 3e-6, a thousandth of the bfloat16 step p is rounded to next)
-        __m512 p0 = vexp2<5>({_mm512_fmadd_ps(_mm512_loadu_ps(pb + 2 * k * L), qmul, neg_m)}).v;
-        __m512 p1 = vexp2<5>({_mm512_fmadd_ps(_mm512_loadu_ps(pb + (2 * k + 1) * L), qmul, neg_m)}).v;
+        // 2^(q s - m), q s rounded before m is subtracted, as m was taken: the span's largest
+        // argument is then exactly m_tile - m_new <= kLazyMax. (A fused q s - m is off by up to
+        // half an ulp of m, over 127 once |m| > 2^31: p inf or 0, a NaN row.) The series is cut
+        // at degree 5 (truncation error < 3e-6, a thousandth of the bfloat16 step p is rounded to next)
+        __m512 p0 = vexp2<5>({_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(pb + 2 * k * L), qmul), m_safe)}).v;
+        __m512 p1 = vexp2<5>({_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(pb + (2 * k + 1) * L), qmul), m_safe)}).v;
         if (masked) {
           p0 = _mm512_maskz_mov_ps(valid[2 * k], p0);
           p1 = _mm512_maskz_mov_ps(valid[2 * k + 1], p1);
