@@ -30,7 +30,8 @@ import sys
 from typing import Sequence
 
 from kvmesh.bench.route_sweep import FIELD, workloads
-from kvmesh.bench.sim import POOLED, prepare, simulate
+from kvmesh.bench.sim import prepare, simulate
+from kvmesh.services.cli_checks import positive_float, positive_int
 from kvmesh.services.policies import RoutingPolicy, WorkerView
 
 __all__ = ["SplitEvery", "frontier", "frontier_markdown", "main"]
@@ -149,17 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvmesh.bench.route_frontier", description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default="bursty,ho-bursty",
                    help="comma-separated bench.route_sweep workloads (default: bursty,ho-bursty)")
-    p.add_argument("--workers", type=int, default=10, help="fleet size (default 10)")
-    p.add_argument("--load", type=float, default=0.7, help="cold prefill load, fraction of capacity (default 0.7)")
-    p.add_argument("--paces", default=",".join("inf" if math.isinf(x) else str(x) for x in DEFAULT_PACES),
-                   help="comma-separated requests per extra worker; inf = whole groups")
+    paces = ",".join("inf" if math.isinf(x) else str(x) for x in DEFAULT_PACES)
+    p.add_argument("--workers", type=positive_int("--workers"), default=10, help="fleet size (default 10)")
+    p.add_argument("--load", type=positive_float("--load"), default=0.7,
+                   help="cold prefill load, fraction of capacity (default 0.7)")
+    p.add_argument("--paces", default=paces,
+                   help=f"comma-separated requests per extra worker; inf = whole groups (default {paces})")
     args = p.parse_args(argv)
     try:
         paces = [_pace(x) for x in args.paces.split(",") if x.strip()]
     except argparse.ArgumentTypeError as exc:
         p.error(str(exc))
-    if args.workers < 1 or not 0 < args.load:
-        p.error("--workers must be >= 1 and --load > 0")
     for name in [x.strip() for x in args.workloads.split(",") if x.strip()]:
         try:
             res = frontier(name, args.workers, args.load, paces=paces)

@@ -59,6 +59,8 @@ from typing import Callable, Sequence
 
 from kvmesh.bench.sim import DEFAULT_TRACE, POOLED, CostModel, prepare, simulate
 from kvmesh.bench.trace import TraceRequest, load_mooncake
+from kvmesh.services.cli_checks import positive_float, positive_int
+from kvmesh.services.policies import POLICIES, make_policy
 
 __all__ = ["FIELD", "WORKLOADS", "TUNING", "HELD_OUT", "SweepWorkload", "tokens_to_trace", "run_sweep", "sweep_markdown", "main"]
 
@@ -450,7 +452,7 @@ def sweep_markdown(rows: Sequence[dict]) -> str:
     def mark(ok):
         return "—" if ok is None else ("✓" if ok else "✗")
     lines = ["| workload | workers | pooled | kv_aware | best field | best field at imbalance <= 1.10 | "
-             "kv imbalance | kv p99 (ms) | best field p99 (ms) | hit | hit (balanced field) | bal | p99 |",
+             "kv imbalance | kv p99 (ms) | lowest field p99 (ms) | hit | hit (balanced field) | bal | p99 |",
              "|---|---:|---:|---:|---|---|---:|---:|---:|:-:|:-:|:-:|:-:|"]
     for row in rows:
         res = row["results"]
@@ -471,17 +473,26 @@ def sweep_markdown(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _fleets(text: str) -> list[int]:
+    """argparse type of ``--workers``: comma-separated fleet sizes, each >= 1."""
+    parse = positive_int("--workers")
+    sizes = [parse(x.strip()) for x in text.split(",") if x.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError("--workers takes comma-separated fleet sizes >= 1 (e.g. 10,100)")
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvmesh.bench.route_sweep", description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default="tuning,held-out",
                    help=f"comma-separated; 'tuning' and 'held-out' name the two sets (default: both): "
                         f"{', '.join(WORKLOADS)}")
-    p.add_argument("--workers", default="10,100", help="comma-separated fleet sizes (default 10,100)")
-    p.add_argument("--load", type=float, default=0.7,
+    p.add_argument("--workers", type=_fleets, default=[10, 100], help="comma-separated fleet sizes (default 10,100)")
+    p.add_argument("--load", type=positive_float("--load"), default=0.7,
                    help="generated workloads: cold prefill load as a fraction of the fleet's capacity (default 0.7)")
-    p.add_argument("--pressure", type=float, default=0.3,
+    p.add_argument("--pressure", type=positive_float("--pressure"), default=0.3,
                    help="generated workloads: fleet KV capacity as a fraction of the distinct tokens (default 0.3)")
-    p.add_argument("--mooncake-requests", type=int, default=None,
+    p.add_argument("--mooncake-requests", type=positive_int("--mooncake-requests"), default=None,
                    help="first N requests of the bundled trace (default: all 12,031)")
     p.add_argument("--policies", default=",".join((POOLED, "kv_aware", *FIELD)),
                    help="comma-separated (default: pooled, kv_aware and the four field routers)")
@@ -489,17 +500,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = p.parse_args(argv)
+    fleets = args.workers
     try:
-        fleets = [int(x) for x in args.workers.split(",") if x.strip()]
         kw = json.loads(args.kv_aware)
-    except ValueError as exc:
-        print(f"error: --workers takes integers and --kv-aware a JSON object: {exc}", file=sys.stderr)
-        return 2
+        if not isinstance(kw, dict):
+            raise ValueError(f"got {type(kw).__name__}")
+        make_policy("kv_aware", **kw)  # unknown or out-of-range arguments, before any replay
+    except (ValueError, TypeError) as exc:
+        p.error(f"--kv-aware takes a JSON object of kv_aware's constructor arguments: {exc}")
     names = []
     for x in args.workloads.split(","):
         x = x.strip()
         names.extend(TUNING if x == "tuning" else HELD_OUT if x == "held-out" else [x] if x else [])
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    unknown = [x for x in policies if x not in POLICIES and x != POOLED]
+    if unknown or not policies:
+        p.error(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {POOLED}, "
+                f"{', '.join(sorted(POLICIES))}")
+    if args.json:
+        try:  # before the sweep, not after it
+            Path(args.json).open("a").close()
+        except OSError as exc:
+            p.error(f"--json {args.json}: {exc.strerror or exc}")
     total = len(names) * len(fleets) * len(policies)
     done = [0]
     t0 = time.monotonic()

@@ -84,6 +84,7 @@ from typing import Callable, Sequence
 from kvmesh.cache_store.events import EventBatch
 from kvmesh.cache_store.hashing import Namespace, hash_blocks
 from kvmesh.cache_store.prefix_cache import PrefixCache
+from kvmesh.services.cli_checks import positive_float, positive_int
 from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
 from kvmesh.services.policies import POLICIES, RoutedShare, RouteRequest, RoutingPolicy, WorkerView, make_policy
 from kvmesh.services.shortlist import shortlist
@@ -696,16 +697,16 @@ class _SimProgress:
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=str(DEFAULT_TRACE),
                    help="Mooncake-format JSONL, optionally .gz (default: the bundled full conversation trace)")
-    p.add_argument("--workers", type=int, default=10, help="simulated workers (default 10)")
-    p.add_argument("--capacity-tokens", type=int, default=None,
+    p.add_argument("--workers", type=positive_int("--workers"), default=10, help="simulated workers (default 10)")
+    p.add_argument("--capacity-tokens", type=positive_int("--capacity-tokens"), default=None,
                    help="KV capacity of each worker in tokens (memory grows with what is cached, not with this)")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV capacity of each worker in cache blocks")
+    p.add_argument("--num-blocks", type=positive_int("--num-blocks"), default=None, help="KV capacity of each worker in cache blocks")
     p.add_argument("--unbounded", action="store_true",
                    help="room for every block on every worker: nothing is evicted (the infinite-cache hit rate); "
                         "instead of --capacity-tokens / --num-blocks")
-    p.add_argument("--block-tokens", type=int, default=TRACE_BLOCK_TOKENS,
+    p.add_argument("--block-tokens", type=positive_int("--block-tokens"), default=TRACE_BLOCK_TOKENS,
                    help="tokens one trace block stands for (default 512, the trace's own)")
-    p.add_argument("--block-size", type=int, default=None,
+    p.add_argument("--block-size", type=positive_int("--block-size"), default=None,
                    help="kvmesh block size: synthesize and hash prompts as the live cluster does "
                         "(default: one cache block per trace block)")
     p.add_argument("--backend", choices=("kvmesh", "vllm"), default="kvmesh",
@@ -716,17 +717,17 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-hash-seed", default=None, help="with --backend vllm: the servers' PYTHONHASHSEED")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help=f"comma-separated, '{POOLED}' = one shared cache of all workers' capacity (default: all)")
-    p.add_argument("--concurrency", type=int, default=None,
+    p.add_argument("--concurrency", type=positive_int("--concurrency"), default=None,
                    help="closed loop with this many clients (default: open loop at the trace's timestamps)")
-    p.add_argument("--time-scale", type=float, default=1.0,
+    p.add_argument("--time-scale", type=positive_float("--time-scale"), default=1.0,
                    help="open loop: multiply every gap between trace timestamps by this (2 = half the arrival "
                         "rate, 0.5 = twice), as in 'kvmesh bench' (default 1)")
-    p.add_argument("--max-output-tokens", type=int, default=None,
+    p.add_argument("--max-output-tokens", type=positive_int("--max-output-tokens"), default=None,
                    help="cap on each request's output tokens (default: the trace's output lengths)")
-    p.add_argument("--max-requests", type=int, default=None, help="simulate the first N requests (default: all)")
-    p.add_argument("--prefill-s-per-token", type=float, default=CostModel.prefill_s_per_token,
+    p.add_argument("--max-requests", type=positive_int("--max-requests"), default=None, help="simulate the first N requests (default: all)")
+    p.add_argument("--prefill-s-per-token", type=positive_float("--prefill-s-per-token"), default=CostModel.prefill_s_per_token,
                    help=f"cost model: seconds per computed prefill token (default {CostModel.prefill_s_per_token:.3g})")
-    p.add_argument("--decode-s-per-step", type=float, default=CostModel.decode_s_per_step,
+    p.add_argument("--decode-s-per-step", type=positive_float("--decode-s-per-step"), default=CostModel.decode_s_per_step,
                    help=f"cost model: seconds per decode step (default {CostModel.decode_s_per_step:g})")
     p.add_argument("--calibrate", action="store_true",
                    help="measure the cost model on this machine's engine (built-in model) first")

@@ -1,6 +1,8 @@
 """bench.route_sweep: workload conversion and one small sweep row."""
 from __future__ import annotations
 
+import pytest
+
 from kvmesh.bench import route_sweep
 from kvmesh.bench.sim import prepare
 from kvmesh.bench.trace import block_token_lengths
@@ -83,3 +85,27 @@ def test_agent_sessions_extend_their_own_context_step_by_step():
         firsts.setdefault(r.hash_ids[0], set()).add(r.hash_ids[:1] + r.hash_ids[1:2])
     assert len(firsts) < len(reqs) // 10  # few tool prompts, many sessions each
     assert table["agents"].make(20, 0.7)[-1].timestamp_ms < 2 * reqs[-1].timestamp_ms  # rate grows with the fleet
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--workers", "0"], "--workers"),
+    (["--workers", "10,,x"], "--workers"),
+    (["--load", "-0.5"], "--load"),
+    (["--pressure", "0"], "--pressure"),
+    (["--mooncake-requests", "0"], "--mooncake-requests"),
+    (["--kv-aware", '{"bogus": 1}'], "bogus"),
+    (["--kv-aware", "[1]"], "--kv-aware"),
+    (["--policies", "kv_aware,nope"], "nope"),
+])
+def test_bad_sweep_arguments_are_usage_errors_before_any_replay(argv, named, capsys, monkeypatch):
+    monkeypatch.setattr(route_sweep, "run_sweep", lambda *a, **k: pytest.fail("replayed despite a bad argument"))
+    with pytest.raises(SystemExit) as exc:
+        route_sweep.main(["--workloads", "bursty", "--quiet", *argv])
+    assert exc.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_an_unwritable_json_path_is_refused_before_the_sweep(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(route_sweep, "run_sweep", lambda *a, **k: pytest.fail("replayed despite a bad --json"))
+    with pytest.raises(SystemExit) as exc:
+        route_sweep.main(["--workloads", "bursty", "--quiet", "--json", str(tmp_path / "missing" / "x.json")])
+    assert exc.value.code == 2 and "--json" in capsys.readouterr().err

@@ -275,6 +275,16 @@ def test_cli_sim_needs_a_capacity(tmp_path, capsys):
     assert "capacity" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag,value", [("--workers", "0"), ("--time-scale", "0"), ("--max-requests", "-1"),
+                                        ("--concurrency", "0"), ("--decode-s-per-step", "nan")])
+def test_cli_sim_names_a_bad_number_flag(flag, value, capsys):
+    from kvmesh.services.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["sim", "--trace", str(DEFAULT_SAMPLE), "--unbounded", flag, value])
+    assert exc.value.code == 2 and f"argument {flag}: {flag} must be" in capsys.readouterr().err
+
+
 def test_time_scale_multiplies_the_gaps_between_timestamps():
     # Two cold 1-block prompts 1 s apart (plus an offset that must not matter); each takes
     # 512 ms. Gaps x 0.25: the second arrives 250 ms after the first and waits 262 ms.
