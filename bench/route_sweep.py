@@ -473,6 +473,16 @@ def sweep_markdown(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: What the printed table's columns mean (printed under it).
+LEGEND = """
+pooled: one LRU cache of the whole fleet's capacity behind one queue (a reference, not a bound).
+best field: the field router (sglang_cache_aware, ray_prefix_affinity, dynamo_kv, llmd_precise)
+with the most hits, @ its imbalance (max over mean of per-worker request counts).
+hit: kv_aware's hit rate >= the best field router's; hit (balanced field): >= the best among
+field routers with imbalance <= 1.10 (none: no such router); bal: kv_aware's imbalance <= 1.10;
+p99: kv_aware's TTFT p99 <= the lowest field router's."""
+
+
 def _fleets(text: str) -> list[int]:
     """argparse type of ``--workers``: comma-separated fleet sizes, each >= 1."""
     parse = positive_int("--workers")
@@ -542,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     print(sweep_markdown(rows), end="")
+    print(LEGEND)
     return 0
 
 
