@@ -83,6 +83,35 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest a peer fetch may take before the request recomputes (seconds, default 2)")
 
 
+def engine_worker_args(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[str]:
+    """The `kvmesh worker` flags that give a worker the engine and tier options in ``args``:
+    every flag `_add_engine_args` defines whose parsed value differs from its default (the
+    worker's default is the same), in definition order. For launchers (`kvmesh up`,
+    `kvmesh ray`) that parse the same flags and start the workers; ``skip`` names
+    destinations (e.g. ``"model"``, ``"disk_dir"``) the launcher passes its own way.
+
+    Raises:
+        TypeError: a flag kind this function cannot write back as command-line text.
+    """
+    probe = argparse.ArgumentParser(add_help=False)
+    _add_engine_args(probe)
+    out: list[str] = []
+    for action in probe._actions:
+        value = getattr(args, action.dest, action.default)
+        if action.dest in skip or value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(action, argparse._StoreConstAction):  # store_true / store_false / store_const
+            out.append(flag)
+        elif isinstance(action, argparse._StoreAction) and action.nargs is None:
+            out += [flag, str(value)]
+        else:
+            raise TypeError(f"{flag}: cannot pass a {type(action).__name__} flag on to a worker")
+    return out
+
+
 _BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 

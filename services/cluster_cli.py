@@ -61,32 +61,24 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+#: engine flags of `up` that `ClusterSpec` carries itself (``--disk-dir``: one subfolder per worker)
+_SPEC_ENGINE_FLAGS = ("model", "block_size", "num_blocks", "max_batched_tokens", "threads", "disk_dir")
+
+
 def _spec_from_args(args: argparse.Namespace, policy: str | None = None):
+    """The `ClusterSpec` of parsed `up` flags: every worker flag `up --help` lists reaches
+    each worker (`services.cli.engine_worker_args`)."""
+    from kvmesh.services.cli import engine_worker_args
     from kvmesh.services.launcher import ClusterSpec
 
     return ClusterSpec(num_workers=args.workers, router_port=getattr(args, "port", 0) or 0,
                        redis_url=args.redis_url, policy=policy or args.policy, model=args.model,
                        block_size=args.block_size, num_blocks=args.num_blocks,
                        max_batched_tokens=args.max_batched_tokens, threads_per_worker=args.threads,
-                       extra_worker_args=["--device", args.device, "--max-seqs", str(args.max_seqs),
-                                          *(["--max-model-len", str(args.max_model_len)]
-                                            if args.max_model_len else []),
-                                          *_tier_worker_args(args)],
+                       extra_worker_args=engine_worker_args(args, skip=_SPEC_ENGINE_FLAGS),
                        disk_dir=args.disk_dir, cluster=getattr(args, "cluster", None),
                        http_port=None if getattr(args, "http_port", -1) in (None, -1) else args.http_port,
                        secure=not getattr(args, "insecure", True))
-
-
-def _tier_worker_args(args: argparse.Namespace) -> list[str]:
-    """Tier flags passed through to every worker (each gets its own --disk-dir subdirectory)."""
-    out = ["--host-bytes", str(args.host_bytes), "--host-codec", args.host_codec, "--disk-codec", args.disk_codec,
-           "--disk-write-mode", args.disk_write_mode, "--peer-bytes", str(args.peer_bytes),
-           "--peer-fetch", args.peer_fetch, "--peer-fetch-max-s", str(args.peer_fetch_max_s)]
-    if args.disk_dir:
-        out += ["--disk-bytes", str(args.disk_bytes)]
-    if args.remote_bytes:
-        out += ["--remote-bytes", str(args.remote_bytes), "--remote-codec", args.remote_codec]
-    return out
 
 
 def _tier_flag_problem(args: argparse.Namespace) -> str | None:

@@ -72,15 +72,11 @@ class RaySpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RaySpec":
-        from kvmesh.services.cluster_cli import _tier_worker_args
+        from kvmesh.services.cli import engine_worker_args
 
-        engine = ["--device", args.device, "--block-size", str(args.block_size),
-                  "--num-blocks", str(args.num_blocks), "--max-batched-tokens", str(args.max_batched_tokens),
-                  "--max-seqs", str(args.max_seqs),
-                  # torch threads: the worker's CPU bundle unless --threads says otherwise
-                  "--threads", str(args.threads or max(1, int(args.cpus_per_worker))),
-                  *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
-                  *_tier_worker_args(args)]
+        # torch threads: the worker's CPU bundle unless --threads says otherwise
+        engine = ["--threads", str(args.threads or max(1, int(args.cpus_per_worker))),
+                  *engine_worker_args(args, skip=("model", "disk_dir", "threads"))]
         return cls(address=args.address, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
                    cpus_per_worker=args.cpus_per_worker, strategy=args.strategy, router_port=args.router_port,
                    worker_port=args.worker_port, redis_url=args.redis_url, cluster=args.cluster,

@@ -297,6 +297,73 @@ def test_up_prints_a_failing_childs_last_error_line(tmp_path):
     assert "cluster up" not in res.stdout
 
 
+# ---------------------------------------------------------------------------- flags reach the processes
+
+
+_UP_WORKER_FLAG_VALUES = {  # a value other than the default for every worker flag `up --help` lists
+    "--model": "MODEL", "--block-size": "32", "--num-blocks": "100", "--device": "cuda:1",
+    "--max-batched-tokens": "512", "--max-seqs": "5", "--max-model-len": "40", "--max-waiting": "7",
+    "--threads": "3", "--compute-dtype": "float32", "--long-prefill-token-threshold": "0",
+    "--max-num-partial-prefills": "3", "--host-bytes": "8M", "--host-codec": "fp8", "--disk-dir": "DISK",
+    "--disk-bytes": "1G", "--disk-codec": "int4", "--disk-write-mode": "back", "--remote-bytes": "2M",
+    "--remote-codec": "fp8", "--peer-bytes": "1M", "--peer-fetch": "always", "--peer-fetch-max-s": "0.5",
+}
+
+
+def test_up_passes_every_worker_flag_it_accepts_to_its_workers(tmp_path):
+    """Each worker flag `up` accepts reaches every worker's command line with its value
+    (--compute-dtype, --max-waiting and the partial-prefill flags were parsed, then dropped)."""
+    import argparse
+
+    from kvmesh.services.cli import _add_engine_args, build_parser
+    from kvmesh.services.cluster_cli import _spec_from_args
+    from kvmesh.services.launcher import LocalCluster
+
+    probe = argparse.ArgumentParser(add_help=False)
+    _add_engine_args(probe)
+    engine = probe._actions
+    assert sorted(a.option_strings[0] for a in engine) == sorted(_UP_WORKER_FLAG_VALUES)  # a new flag needs a value
+    paths = {"MODEL": str(tmp_path / "m"), "DISK": str(tmp_path / "d")}
+    argv = [paths.get(v, v) for item in _UP_WORKER_FLAG_VALUES.items() for v in item]
+    parser = build_parser()
+    up = parser.parse_args(["up", *argv])
+    spec = _spec_from_args(up)
+    spec.log_dir = str(tmp_path / "logs")
+    cluster = LocalCluster(spec)
+    cluster.redis_url = "redis://127.0.0.1:1/0"
+    cmd = cluster.worker_cmd("worker-0", 1234)
+    worker = parser.parse_args(cmd[cmd.index("worker"):])
+    for a in engine:
+        expected = getattr(up, a.dest)
+        assert expected != a.default, a.option_strings[0]
+        if a.dest == "disk_dir":
+            expected = os.path.join(expected, "worker-0")  # one folder per worker
+        assert getattr(worker, a.dest) == expected, (a.option_strings[0], cmd)
+
+
+@pytest.mark.slow
+def test_up_workers_compute_in_the_dtype_up_was_given(tmp_path):
+    """A real `up --compute-dtype`: the worker's start line names that dtype, not the checkpoint's."""
+    up = subprocess.Popen([KVMESH, "up", "--insecure", "--workers", "1", "--threads", "1", "--num-blocks", "64",
+                           "--http-port", "-1", "--compute-dtype", "bfloat16"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        while "cluster up" not in (line := up.stdout.readline()):
+            assert line, up.stderr.read() if up.poll() is not None else line
+        log_dir = re.search(r"logs in (\S+)", line).group(1)
+        with open(os.path.join(log_dir, "worker-0.log"), encoding="utf-8") as fh:
+            start = next(ln for ln in fh if ln.startswith("kvmesh worker worker-0:"))
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+    assert "float32 checkpoint computed in bfloat16" in start, start
+
+
 # ---------------------------------------------------------------------------- success means success
 
 
