@@ -30,7 +30,8 @@ group, SIGCONT after; ``--no-freeze-peer`` leaves them running): an idle vLLM se
 polling (about 0.2 of a core on a 2-core box), which slowed kvmesh's steps by 25-40 % there,
 while kvmesh's idle engine thread sleeps on a condition variable and costs vLLM nothing.
 Before its turn each side answers four short unrecorded requests (vLLM right after SIGCONT,
-then a second's sleep; kvmesh right before its measured call): the first steps after a second
+then a second's sleep; kvmesh right before its measured call; with ``--no-freeze-peer`` only
+kvmesh does): the first steps after a second
 of idleness run up to 2.4x slow on a 2-core VM, whatever the engine, and vLLM's polling keeps
 its cores busy through its settling second where kvmesh's sleeping engine thread does not.
 
@@ -326,8 +327,9 @@ def run(vllm_python: str | None = None, rounds: int = 3, threads: int = 2, cold_
 
     def turns():
         """The sides in order; with ``freeze_peer`` the vLLM server is stopped during kvmesh's
-        turn. Each side settles before its turn as the peer does after SIGCONT (`VllmSide.resume`):
-        kvmesh answers the same four short unrecorded requests first, since its cores sat idle
+        turn. kvmesh settles before its turn as the peer does after SIGCONT (`VllmSide.resume`;
+        with ``freeze_peer`` off the peer is never stopped and so never settles): kvmesh
+        answers the same four short unrecorded requests first, since its cores sat idle
         through the peer's turn (on a 2-core VM the first steps after a second of idleness ran
         up to 2.4x slow, torch alone included, while the peer's own polling keeps its cores
         busy through its settling second)."""

@@ -46,6 +46,8 @@ class SplitEvery(RoutingPolicy):
     A request's group is its first block hash (the shared prefix of the sweep's grouped
     workloads); requests with no full block form one group. Keeps one entry per group seen.
 
+    It keeps the groups it has seen: use one instance per replay.
+
     Args:
         pace: requests per worker a group may take before it opens another (requests),
             > 0; ``math.inf``: never split.
@@ -161,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         paces = [_pace(x) for x in args.paces.split(",") if x.strip()]
     except argparse.ArgumentTypeError as exc:
         p.error(str(exc))
-    for name in [x.strip() for x in args.workloads.split(",") if x.strip()]:
+    names = [x.strip() for x in args.workloads.split(",") if x.strip()]
+    if not paces or not names:
+        p.error("--paces and --workloads must each name at least one value")
+    for name in names:
         try:
             res = frontier(name, args.workers, args.load, paces=paces)
         except ValueError as exc:

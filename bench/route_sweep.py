@@ -298,8 +298,10 @@ def _agents(n_req: int = 3000, tools: int = 24, s: float = 1.0, steps: tuple[int
             think_s: tuple[float, float] = (0.2, 3.0), seed: int = 0):
     """Tool-using agent sessions: a Zipf-popular tool prompt (tool definitions, shared across
     sessions), the session's task, then one request per step, each carrying every earlier
-    step's tool output; a step is sent when the previous one has finished plus a short
-    gap (a tool call), so a session's requests follow each other within seconds."""
+    step's tool output. Arrivals are fixed in advance: a step follows the previous one by
+    an estimate of its prefill and decode at the cost model's speed plus a short gap (a
+    tool call), so a session's requests come within seconds of each other (under queueing
+    a step can arrive before the previous one has finished)."""
     def make(workers: int, load: float) -> list[TraceRequest]:
         rng = random.Random(11 + seed)
         n_tool, n = tools * _scale(workers), n_req * _scale(workers)
@@ -522,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     for x in args.workloads.split(","):
         x = x.strip()
         names.extend(TUNING if x == "tuning" else HELD_OUT if x == "held-out" else [x] if x else [])
+    if not names:
+        p.error("--workloads names no workload (give 'tuning', 'held-out' or names, comma-separated)")
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     unknown = [x for x in policies if x not in POLICIES and x != POOLED]
     if unknown or not policies:
