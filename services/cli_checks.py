@@ -102,12 +102,13 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
-def busy_port_problem(host: str, port: int) -> str | None:
-    """A message naming ``--port`` when ``host:port`` cannot be bound now, else None."""
+def busy_port_problem(host: str, port: int, flag: str = "--port") -> str | None:
+    """A message naming ``flag`` (e.g. ``--http-port``) when ``host:port`` cannot be bound
+    now, else None."""
     reason = port_in_use(host, port)
     if reason:
-        return (f"--port {port}: could not bind {host}:{port} ({reason}); pick another port, "
-                "or pass --port 0 for a free one")
+        return (f"{flag} {port}: could not bind {host}:{port} ({reason}); pick another port, "
+                f"or pass {flag} 0 for a free one")
     return None
 
 
@@ -261,8 +262,9 @@ def exited_message(name: str, proc, when: str = "") -> str:
 def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str | None:
     """Everything `kvmesh up` can check before it starts Redis or any process: worker count,
     routing policy, engine and tier flags (``tier_problem``: the tier check's message),
-    model folder, device, whether ``--port`` is free and ``--redis-url`` answers. Returns the
-    first problem."""
+    model folder, device, whether ``--port`` and ``--http-port`` (the router's HTTP front; -1 =
+    off) are valid, distinct and free on 127.0.0.1, and whether ``--redis-url`` answers.
+    Returns the first problem."""
     def workers():
         if args.workers < 1:
             return f"--workers must be >= 1 (got {args.workers}): a cluster needs a worker to serve requests"
@@ -270,6 +272,16 @@ def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str
 
     def port():
         return busy_port_problem("127.0.0.1", args.port) if args.port else None
+
+    def http_port():
+        http = getattr(args, "http_port", -1)
+        if not -1 <= http < 65536:
+            return f"--http-port must be a port in [0, 65535], or -1 for no HTTP front (got {http})"
+        if http <= 0:
+            return None
+        if http == args.port:
+            return f"--http-port {http} is the router's --port too; give the HTTP front another port (0: a free one)"
+        return busy_port_problem("127.0.0.1", http, "--http-port")
 
     def redis_reachable():
         if not args.redis_url:
@@ -286,7 +298,7 @@ def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str
     return first_problem(workers, lambda: policy_problem(args.policy), lambda: engine_flag_problem(args),
                          lambda: with_flag_names(tier_problem) if tier_problem else None,
                          lambda: model_problem(args.model, getattr(args, "max_model_len", None)),
-                         lambda: device_problem(args.device), port,
+                         lambda: device_problem(args.device), port, http_port,
                          redis_reachable)
 
 

@@ -102,8 +102,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     from kvmesh.services.launcher import LocalCluster
 
     problem = up_problem(args, _tier_flag_problem(args))  # before anything starts
-    if not problem and not -1 <= args.http_port < 65536:
-        problem = f"--http-port must be a port in [0, 65535], or -1 for no HTTP front (got {args.http_port})"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -208,7 +206,8 @@ def register(sub) -> None:
     p.add_argument("--policy", default="kv_aware", metavar="NAME",
                    help=f"routing policy of the router, one of: {policies} (default kv_aware)")
     p.add_argument("--http-port", type=int, default=0, metavar="PORT",
-                   help="port of the router's OpenAI-compatible HTTP front (default 0: a free one; -1: off)")
+                   help="port of the router's OpenAI-compatible HTTP front on 127.0.0.1, checked free before "
+                        "anything starts (default 0: a free one; -1: off)")
     p.add_argument("--insecure", action="store_true",
                    help="no TLS and no API keys (default: mTLS and keys generated in the cluster's run directory)")
     _add_engine_args(p)

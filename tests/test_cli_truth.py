@@ -144,14 +144,28 @@ def test_cluster_commands_check_flags_before_starting_a_cluster(tmp_path, argv, 
     assert not (tmp_path / "out").exists()
 
 
-def test_up_on_a_busy_port_fails_with_the_bind_error(tmp_path):
+@pytest.mark.parametrize("flag", ["--port", "--http-port"])
+def test_up_on_a_busy_port_fails_with_the_bind_error(tmp_path, flag):
+    """Either port `up` binds on request is checked before redis-server or a worker starts
+    (a busy --http-port failed only once the router started, after the workers loaded)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        res = kvmesh("up", "--port", str(port), env={"TMPDIR": str(tmp_path)})
+        res = kvmesh("up", flag, str(port), env={"TMPDIR": str(tmp_path)})
     assert res.returncode == 2 and "cluster up" not in res.stdout
-    assert f"--port {port}" in res.stderr and "in use" in res.stderr
+    assert res.stderr.startswith(f"error: {flag} {port}: ") and "in use" in res.stderr, res.stderr
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv", [["--port", "PORT", "--http-port", "PORT"], ["--http-port", "70000"],
+                                  ["--http-port", "-2"]])
+def test_up_refuses_an_http_port_it_cannot_serve_on_before_starting(tmp_path, argv):
+    from kvmesh.services.procs import free_port
+
+    port = str(free_port())
+    res = kvmesh("up", *[port if a == "PORT" else a for a in argv], env={"TMPDIR": str(tmp_path)})
+    assert res.returncode == 2 and "--http-port" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert os.listdir(tmp_path) == []
 
 
