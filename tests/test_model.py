@@ -577,3 +577,19 @@ def test_packed_weights_follow_the_weights():
         packs.clear()
         after = packs.linear("param", x, param)
     assert before.abs().sum() > 0 and torch.equal(after, torch.zeros_like(after))
+
+
+def test_a_saved_checkpoint_is_readable_as_any_new_file_is(tmp_path):
+    """The weights get the umask's mode as config.json does, not safetensors' owner-only 0600."""
+    import os
+    import stat
+
+    from kvmesh.workers.loader import save_tiny_checkpoint
+
+    old = os.umask(0o022)
+    try:
+        save_tiny_checkpoint(str(tmp_path))
+    finally:
+        os.umask(old)
+    modes = {name: stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("model.safetensors", "config.json")}
+    assert modes == {"model.safetensors": 0o644, "config.json": 0o644}

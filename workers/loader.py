@@ -216,7 +216,13 @@ def save_tiny_checkpoint(directory: str, config: ModelConfig | None = None, seed
         else:
             hf_name = "model." + name
         tensors[hf_name] = tensor.detach().clone().contiguous()
-    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(directory, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    # safetensors writes the file owner-only (0600); give it the mode any new file gets under
+    # the umask, as config.json does, so that a server running as another user can read it
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(config.to_hf_dict(), fh, indent=2, sort_keys=True)
         fh.write("\n")
