@@ -194,6 +194,21 @@ def load_model(
     return config, model.requires_grad_(False).eval()
 
 
+def _umask() -> int:
+    """This process's file-creation mask, read without changing it (Linux: /proc/self/status;
+    elsewhere os.umask set and restored, which other threads could briefly see)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
 def save_tiny_checkpoint(directory: str, config: ModelConfig | None = None, seed: int = 0) -> str:
     """Write an HF-layout checkpoint (config.json + model.safetensors) with seeded random weights.
 
@@ -220,9 +235,7 @@ def save_tiny_checkpoint(directory: str, config: ModelConfig | None = None, seed
     save_file(tensors, weights, metadata={"format": "pt"})
     # safetensors writes the file owner-only (0600); give it the mode any new file gets under
     # the umask, as config.json does, so that a server running as another user can read it
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(weights, 0o666 & ~umask)
+    os.chmod(weights, 0o666 & ~_umask())
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(config.to_hf_dict(), fh, indent=2, sort_keys=True)
         fh.write("\n")
