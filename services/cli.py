@@ -19,17 +19,43 @@ from kvmesh.services.security import add_client_args, add_server_args, client_ch
 from kvmesh.services.cli_checks import host_port, port_number, positive_float, positive_int
 
 
-def _int_at_least(low: int, flag: str):
-    """argparse type: an integer >= ``low``; the error names ``flag``."""
+def _int_at_least(low: int, flag: str, below: int | None = None):
+    """argparse type: an integer >= ``low`` (and < ``below`` when given); the error names ``flag``."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} takes an integer, got {text!r}") from None
+        if below is not None and not low <= value < below:
+            raise argparse.ArgumentTypeError(f"{flag} must be in [{low}, {below}), got {value}")
         if value < low:
             raise argparse.ArgumentTypeError(f"{flag} must be >= {low}, got {value}")
         return value
     return parse
+
+
+def _temperature(text: str) -> float:
+    """argparse type of ``generate --temperature``: a finite number >= 0 (0 = greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--temperature takes a number, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"--temperature must be a finite number >= 0 (0 = greedy), got {text}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    """argparse type of ``generate --top-p``: a number in (0, 1]. 1 turns nucleus sampling
+    off; 0 is refused, since the wire format reads a top_p of 0 as 1 (off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--top-p takes a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"--top-p must be in (0, 1], got {text} (1 keeps every token: nucleus "
+                                         "sampling off; a small P such as 0.01 keeps only the likeliest)")
+    return value
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -264,17 +290,35 @@ def peer_options(args: argparse.Namespace) -> dict:
 
 
 def parse_token_ids(text: str) -> list[int]:
-    """Parse "1,2,3" into [1, 2, 3]; raises ValueError naming the bad item."""
+    """Parse "1,2,3" into [1, 2, 3] (spaces around an item are allowed).
+
+    Raises:
+        ValueError: an empty item ("1,,2", a trailing comma, or no ids at all) or an item
+            that is not an integer; the message names ``--token-ids`` and the item.
+    """
     out = []
-    for item in text.split(","):
+    for n, item in enumerate(text.split(","), 1):
         item = item.strip()
         if not item:
-            continue
+            raise ValueError(f"--token-ids: item {n} of {text!r} is empty (expected e.g. 1,2,3)")
         try:
             out.append(int(item))
         except ValueError:
             raise ValueError(f"--token-ids: {item!r} is not an integer (expected e.g. 1,2,3)") from None
     return out
+
+
+def _token_ids_arg(text: str) -> list[int]:
+    """argparse type of ``generate --token-ids``: `parse_token_ids`, each id a uint32 as the
+    wire format carries it."""
+    try:
+        ids = parse_token_ids(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--token-ids: ")) from None  # argparse names it
+    bad = next((t for t in ids if not 0 <= t < 2**32), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"{bad} is out of range [0, {2**32})")
+    return ids
 
 
 def generate(target: str, prompt: str | None = None, token_ids: list[int] | None = None, max_tokens: int = 16,
@@ -314,21 +358,6 @@ def generate(target: str, prompt: str | None = None, token_ids: list[int] | None
     return out.to_dict()
 
 
-def _check_generate_args(args: argparse.Namespace, ids: list[int] | None) -> None:
-    """Range checks the wire format imposes (uint32/uint64 fields); ValueError says what to fix."""
-    u32 = 2**32
-    bad = next((t for t in ids or () if not 0 <= t < u32), None)
-    if bad is not None:
-        raise ValueError(f"--token-ids: {bad} is out of range [0, {u32})")
-    if not 1 <= args.max_tokens < u32:
-        raise ValueError(f"--max-tokens must be in [1, {u32}) (got {args.max_tokens})")
-    if not 0 <= args.seed < 2**64:
-        raise ValueError(f"--seed must be in [0, 2**64) (got {args.seed})")
-    for name in ("temperature", "top_p"):
-        if not math.isfinite(getattr(args, name)):
-            raise ValueError(f"--{name.replace('_', '-')} must be a finite number")
-
-
 def _print_error(args: argparse.Namespace, code: str, message: str) -> None:
     from kvmesh.services.ops_cli import connect_hint
 
@@ -339,16 +368,15 @@ def _print_error(args: argparse.Namespace, code: str, message: str) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    try:
-        ids = parse_token_ids(args.token_ids) if args.token_ids is not None else None
-        _check_generate_args(args, ids)
-    except ValueError as exc:  # caught before sending: the server would say the same
-        _print_error(args, "INVALID_ARGUMENT", str(exc))
-        return 2
+    from kvmesh.services.security import channel_credentials
+
     stream = args.stream if args.stream is not None else (sys.stdout.isatty() and not args.json)
-    if stream and args.json:
-        _print_error(args, "INVALID_ARGUMENT", "--stream prints text as it comes; --json prints one object at the end: "
-                     "pick one")
+    try:  # usage errors, found before dialing (the flags' own ranges are their argparse types)
+        if stream and args.json:
+            raise ValueError("--stream prints text as it comes; --json prints one object at the end: pick one")
+        channel_credentials(**client_options(args))  # e.g. --tls-cert without --tls-ca, an unreadable file
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
 
     def show(text: str) -> None:
@@ -356,12 +384,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        out = generate(args.target, prompt=args.prompt, token_ids=ids, max_tokens=args.max_tokens,
+        out = generate(args.target, prompt=args.prompt, token_ids=args.token_ids, max_tokens=args.max_tokens,
                        tenant=args.tenant, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                        ignore_eos=args.ignore_eos, timeout=args.timeout, on_text=show if stream else None,
                        **client_options(args))
-    except ValueError as exc:  # credentials flags
-        _print_error(args, "INVALID_ARGUMENT", str(exc))
+    except ValueError as exc:  # a local check of the client's
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
         code = exc.code().name if hasattr(exc, "code") and exc.code() else "UNKNOWN"
@@ -452,16 +480,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, type=host_port, help="HOST:PORT of a worker or router")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text")
-    g.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--max-tokens", type=int, default=16, help="most tokens to generate (default 16)")
+    g.add_argument("--token-ids", type=_token_ids_arg, help="comma-separated token ids, each in [0, 2**32), "
+                   "e.g. 1,2,3")
+    p.add_argument("--max-tokens", type=_int_at_least(1, "--max-tokens", 2**32), default=16,
+                   help="most tokens to generate, >= 1 (default 16)")
     p.add_argument("--tenant", default="", help="cache salt: splits the prefix cache of your tenant (the tenant "
                    "itself comes from --api-key; default: none)")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=_temperature, default=0.0,
                    help="sampling temperature, >= 0; 0 = greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0,
+    p.add_argument("--top-p", type=_top_p, default=1.0,
                    help="nucleus sampling: keep the smallest set of tokens whose probability reaches P, "
-                        "in (0, 1] (default 1: all)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed, for reproducible sampling (default 0)")
+                        "in (0, 1] (default 1: every token, nucleus sampling off)")
+    p.add_argument("--seed", type=_int_at_least(0, "--seed", 2**64), default=0,
+                   help="sampling seed in [0, 2**64), for reproducible sampling (default 0)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past end-of-sequence tokens until --max-tokens (default: stop at EOS)")
     p.add_argument("--timeout", type=positive_float("--timeout"), default=600.0,

@@ -116,12 +116,18 @@ def channel_credentials(tls_ca: str | None, api_key: str | None, tls_cert: str |
         return None
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
-    read = lambda path, flag: open(path, "rb").read() if path else None  # noqa: E731
-    try:
-        ca = read(tls_ca, "--tls-ca")
-        cert, key = read(tls_cert, "--tls-cert"), read(tls_key, "--tls-key")
-    except OSError as exc:
-        raise ValueError(f"cannot read {exc.filename}: {exc.strerror} (--tls-ca / --tls-cert / --tls-key)") from None
+
+    def read(path: str | None, flag: str) -> bytes | None:
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as fh:
+                return fh.read()
+        except OSError as exc:
+            raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
+
+    ca = read(tls_ca, "--tls-ca")
+    cert, key = read(tls_cert, "--tls-cert"), read(tls_key, "--tls-key")
     creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
     if api_key:
         creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(api_key))

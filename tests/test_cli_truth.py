@@ -222,16 +222,40 @@ def test_worker_errors_are_one_line_naming_the_flag(capsys):
     (["status", "--target", "127.0.0.1:5", "--timeout", "-3"], "--timeout"),
     (["status", "--target", "127.0.0.1:5", "--timeout", "nan"], "--timeout"),
     (["status", "--target", "127.0.0.1:5", "--timeout", "soon"], "--timeout"),
+    (["generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--max-tokens", "0"], "--max-tokens"),
+    (["generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--max-tokens", str(2**32)], "--max-tokens"),
+    (["generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--temperature", "-1"], "--temperature"),
+    (["generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--temperature", "nan"], "--temperature"),
+    (["generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--top-p", "0"], "--top-p"),  # the wire's "off"
+    (["generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--top-p", "1.5"], "--top-p"),
+    (["generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--seed", "-1"], "--seed"),
+    (["generate", "--target", "127.0.0.1:5", "--token-ids", "1,,2"], "--token-ids"),  # was read as [1, 2]
+    (["generate", "--target", "127.0.0.1:5", "--token-ids", "1,2,"], "--token-ids"),
+    (["generate", "--target", "127.0.0.1:5", "--token-ids", "1,x"], "--token-ids"),
+    (["generate", "--target", "127.0.0.1:5", "--token-ids", str(2**32)], "--token-ids"),
 ])
 def test_client_flags_are_checked_before_dialing(capsys, argv, flag):
-    """A bad ``--target`` or ``--timeout`` is a usage error naming the flag, not a connection
-    error to some other port."""
+    """A bad ``--target``, ``--timeout`` or sampling flag is a usage error naming the flag, not
+    a connection error to some other port, nor a gRPC status for a check made here."""
     from kvmesh.services.cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and flag in err and "UNAVAILABLE" not in err, err
+    assert "INVALID_ARGUMENT" not in err, err
+
+
+def test_generate_credential_flags_are_a_usage_error(tmp_path, monkeypatch):
+    """A client certificate without ``--tls-ca`` is told as a usage error, not as a gRPC
+    status: nothing was sent."""
+    for name in ("KVMESH_TLS_CA", "KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for argv, flag in [(["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")], "--tls-ca"),
+                       (["--tls-ca", str(tmp_path / "missing-ca.pem")], "--tls-ca")]:
+        res = kvmesh("generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--json", *argv)
+        assert res.returncode == 2 and res.stderr.startswith("error: --"), res.stderr
+        assert flag in res.stderr and "INVALID_ARGUMENT" not in res.stderr and res.stdout == "", res.stderr
 
 
 def test_a_missing_file_is_one_line_naming_its_flag():
