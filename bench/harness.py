@@ -522,7 +522,9 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
         timeout_s: deadline of each request, seconds.
         service: "auto", "worker" or "router" (which gRPC service to call).
         progress: show a progress bar on stderr.
-        connect_timeout_s: how long to wait for the target to accept a connection.
+        connect_timeout_s: how long to wait (seconds) for the target to accept a connection;
+            a refused connection is retried until then (a server may still be starting), with
+            one line on stderr (when ``progress``) saying why after a few seconds.
         plots: also write the PNG plots of this run into ``out_dir``.
         api: "grpc" (``target`` is HOST:PORT of the gRPC API, through
             `services.client.AsyncKvmeshClient`) or "openai" (``target`` is the HTTP
@@ -565,7 +567,9 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
             client = await stack.enter_async_context(AsyncKvmeshClient(target, timeout=timeout_s,
                                                                           **(credentials or {})))
             try:
-                await client.wait_ready(connect_timeout_s)
+                await client.wait_ready(connect_timeout_s, on_wait=lambda why: print(
+                    f"bench: {target} not reachable yet: {why}; retrying for up to {connect_timeout_s:g} s",
+                    file=sys.stderr, flush=True) if progress else None)
             except TimeoutError as exc:
                 raise TargetUnreachable(str(exc)) from None
             channel = client.channel

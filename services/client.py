@@ -289,6 +289,33 @@ class KvmeshClient(_Base):
                                         metadata=self.metadata).ids)
 
 
+async def _tcp_reason(target: str, timeout: float, tls: bool = False) -> str | None:
+    """Why a gRPC channel to ``target`` is not up, from one plain TCP connect (closed at
+    once): "connection refused: ...", the OS error, or a hint about TLS when TCP connects;
+    None when ``target`` is not HOST:PORT (a name resolver's URI, a unix socket).
+    ``timeout``: seconds for the connect."""
+    import contextlib
+
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or "/" in host:
+        return None
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+    except ConnectionRefusedError:
+        return "connection refused: nothing listens on that port"
+    except asyncio.TimeoutError:
+        return f"a TCP connect got no answer within {timeout:g} s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    if tls:
+        return ("TCP connects but the TLS channel does not come up: is it a plain server, or one whose "
+                "certificate --tls-ca did not sign?")
+    return "TCP connects but the gRPC channel does not come up: a TLS server needs --tls-ca"
+
+
 class AsyncKvmeshClient(_Base):
     """asyncio client (``grpc.aio``); same arguments as `KvmeshClient`. Use ``async with``."""
 
@@ -311,16 +338,40 @@ class AsyncKvmeshClient(_Base):
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def wait_ready(self, timeout: float) -> None:
-        """Wait until the channel connects.
+    async def wait_ready(self, timeout: float, on_wait=None, notice_after_s: float = 3.0) -> None:
+        """Wait until the channel connects, for a server that may still be starting: a refused
+        connection is retried until ``timeout`` (seconds) runs out. While waiting, a plain TCP
+        connect to ``target`` (HOST:PORT) about once a second finds why the channel is not up
+        (e.g. "connection refused"); ``on_wait(reason)``, if given, is called once with that
+        reason when the channel is still down after ``notice_after_s`` seconds.
 
         Raises:
-            TimeoutError: not connected within ``timeout`` seconds.
+            TimeoutError: not connected within ``timeout`` seconds; the message gives the
+                reason of the last attempt when one is known.
         """
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + timeout
+        ready = asyncio.ensure_future(self.channel.channel_ready())
+        reason = None
         try:
-            await asyncio.wait_for(self.channel.channel_ready(), timeout=timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"cannot reach {self.target} within {timeout:g} s") from None
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                done, _ = await asyncio.wait({ready}, timeout=min(1.0, left))
+                if done:
+                    ready.result()
+                    return
+                reason = await _tcp_reason(self.target, min(1.0, max(0.05, deadline - loop.time())),
+                                           tls=self._creds is not None)
+                if on_wait is not None and reason and loop.time() - start >= notice_after_s:
+                    on_wait(reason)
+                    on_wait = None
+        finally:
+            if not ready.done():
+                ready.cancel()
+        raise TimeoutError(f"cannot reach {self.target} within {timeout:g} s" + (f": {reason}" if reason else ""))
 
     def generate_call(self, request: pb.GenerateRequest, timeout: float | None = None):
         """The raw ``Generate`` call (an async iterator of ``GenerateResponse``; no retries),

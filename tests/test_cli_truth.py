@@ -460,6 +460,47 @@ def test_bench_fails_when_requests_fail_unless_allowed(cluster, tmp_path):
     assert res.returncode == 2 and "--max-error-rate" in res.stderr
 
 
+def test_bench_says_the_target_refused_the_connection(tmp_path, capsys):
+    """Nothing on the port: bench keeps waiting (a cluster may still be starting), says so on
+    stderr after a few seconds, and its error says the connection was refused, not only that
+    the target could not be reached in time."""
+    import asyncio
+
+    from kvmesh.bench.harness import TargetUnreachable, run_bench
+    from kvmesh.services.procs import free_port
+
+    target = f"127.0.0.1:{free_port()}"
+    with pytest.raises(TargetUnreachable) as err:
+        asyncio.run(run_bench(target, None, tmp_path / "o", max_requests=1, progress=True, connect_timeout_s=4))
+    assert str(err.value) == (f"cannot reach {target} within 4 s: connection refused: nothing listens on that port")
+    assert f"bench: {target} not reachable yet: connection refused" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_connects_to_a_server_that_starts_while_it_waits(tmp_path):
+    """Refused connections are retried until the timeout: a worker that binds its port only
+    after its model loads is still reached (bench started next to a starting cluster)."""
+    import asyncio
+
+    from kvmesh.services.client import AsyncKvmeshClient
+    from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process
+
+    port = free_port()
+    reasons: list[str] = []
+
+    async def wait() -> None:
+        async with AsyncKvmeshClient(f"127.0.0.1:{port}") as client:
+            await client.wait_ready(120, on_wait=reasons.append, notice_after_s=0)
+
+    worker = spawn(python_cmd("worker", "--port", str(port), "--threads", "1", "--num-blocks", "16"),
+                   str(tmp_path / "w.log"))
+    try:
+        asyncio.run(wait())
+    finally:
+        stop_process(worker)
+    assert reasons == ["connection refused: nothing listens on that port"]  # refused first, then reached
+
+
 def test_ttft_plot_counts_failed_requests(tmp_path, monkeypatch):
     from kvmesh.bench import plots
 
