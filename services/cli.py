@@ -374,7 +374,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:  # usage errors, found before dialing (the flags' own ranges are their argparse types)
         if stream and args.json:
             raise ValueError("--stream prints text as it comes; --json prints one object at the end: pick one")
-        channel_credentials(**client_options(args))  # e.g. --tls-cert without --tls-ca, an unreadable file
+        # the TLS files as the client reads them (the API key is metadata): --tls-cert without --tls-ca,
+        # half a key pair, an unreadable file
+        channel_credentials(args.tls_ca, None, args.tls_cert, args.tls_key)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
