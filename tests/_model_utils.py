@@ -67,3 +67,17 @@ def greedy(
         logits = logits.reshape(-1)
         pos += 1
     return out
+
+
+def needs_kernel_mark():
+    """pytest mark for tests of the C++ attention kernel: skipped, with the reason, where it
+    is not built (no C++ compiler at set-up), unless ``KVMESH_REQUIRE_KERNEL=1`` (as CI sets
+    it): then they run, and fail, so that a broken build cannot pass as skipped tests."""
+    import os
+
+    import pytest
+
+    from kvmesh.workers import attn_kernel
+
+    missing = attn_kernel.get() is None and os.environ.get("KVMESH_REQUIRE_KERNEL") != "1"
+    return pytest.mark.skipif(missing, reason=attn_kernel.status())

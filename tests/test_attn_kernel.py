@@ -18,7 +18,9 @@ import torch
 
 from kvmesh.workers import attn_kernel
 
-needs_kernel = pytest.mark.skipif(attn_kernel.get() is None, reason=attn_kernel.status())
+from tests._model_utils import needs_kernel_mark
+
+needs_kernel = needs_kernel_mark()
 
 
 def _pool(num_blocks: int, kv_heads: int, block_size: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -20,6 +20,8 @@ from kvmesh.workers.loader import init_random_weights
 from kvmesh.workers import attn_kernel
 from kvmesh.workers.model import AttentionMetadata, DecoderModel, allocate_kv_cache
 
+from tests._model_utils import needs_kernel_mark
+
 
 def _model(window: int | None, heads: int = 8, kv_heads: int = 2) -> DecoderModel:
     cfg = dataclasses.replace(ModelConfig.tiny(), num_hidden_layers=2, num_attention_heads=heads,
@@ -72,9 +74,10 @@ def _reference(model, x, kv_cache, meta) -> torch.Tensor:
 
 
 #: Both attention backends of workers.model: the C++ kernel and torch's SDPA. The kernel's
-#: cases are skipped (with the reason) where it is not built, e.g. no C++ compiler at set-up.
+#: cases are skipped (with the reason) where it is not built, e.g. no C++ compiler at set-up
+#: (not under KVMESH_REQUIRE_KERNEL=1, as in CI: `needs_kernel_mark`).
 BACKENDS = [
-    pytest.param("kernel", marks=pytest.mark.skipif(attn_kernel.get() is None, reason=attn_kernel.status())),
+    pytest.param("kernel", marks=needs_kernel_mark()),
     "torch",
 ]
 
