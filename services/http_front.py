@@ -61,6 +61,7 @@ from aiohttp import web
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.services.chat_template import ChatTemplate, ChatTemplateError
+from kvmesh.workers.grpc_guard import clip
 
 log = logging.getLogger(__name__)
 
@@ -339,11 +340,12 @@ class HttpFront:
             raise HttpError(400, "request body must be a JSON object")
         accepted = accepted_fields(route)
         unknown = [name for name in body if name not in accepted]
-        if unknown:
-            names = ", ".join(repr(n) for n in unknown)
+        if unknown:  # names come from the caller: the first few, each cut short
+            names = ", ".join(repr(clip(n, 60)) for n in unknown[:5]) + (
+                f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
             raise HttpError(400, f"unknown field{'s' if len(unknown) > 1 else ''} {names} in the request body of "
                                  f"{request.path}; it accepts {', '.join(HONOURED[route])} (and ignores "
-                                 f"{', '.join(IGNORED)})", param=unknown[0])
+                                 f"{', '.join(IGNORED)})", param=clip(unknown[0], 60))
         for name in UNSUPPORTED_CHAT if route == "chat" else ():
             if body.get(name) not in (*_NEUTRAL, ["text"]):
                 raise HttpError(400, f"{name} is not supported by kvmesh; remove it from the request", param=name)

@@ -49,6 +49,7 @@ from kvmesh.services.membership import Compatibility
 from kvmesh.services.shared_load import SharedLoad, matched_prefix
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
 from kvmesh.workers.config import ModelConfig
+from kvmesh.workers.grpc_guard import clip
 from kvmesh.workers.model_identity import base_model_id
 from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, ChannelPool, GrpcHost
 from kvmesh.workers import limits
@@ -187,10 +188,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
         served = sorted({model_id, base_model_id(model_id)})
         if request.model_id and request.model_id not in served:  # a client's error: refused here, not logged
-            wanted = request.model_id if len(request.model_id) <= 200 else request.model_id[:200] + "..."
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"model_id {wanted!r} is not served here; the workers serve {' or '.join(map(repr, served))}: "
+                f"model_id {clip(request.model_id)!r} is not served here; the workers serve {' or '.join(map(repr, served))}: "
                 f"send one of these, or leave model_id empty for whatever is served")
         if request.WhichOneof("prompt") == "text" and base_model_id(model_id) != self.config.model_id:
             await context.abort(

@@ -60,9 +60,14 @@ class LogLimiter:
 _limiter = LogLimiter()
 
 
+def clip(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters (then "..."), for caller input echoed in a log
+    line or an error message."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _reason(exc: Exception) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if len(text) <= 200 else text[:200] + "..."
+    return clip(str(exc) or type(exc).__name__)
 
 
 def _guard(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

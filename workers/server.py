@@ -37,7 +37,7 @@ from kvmesh.cache_store.block_record import RECORD_FORMAT_VERSION
 from kvmesh.cache_store.fresh_thread import run_on_fresh_thread, to_fresh_thread
 from kvmesh.cache_store.hashing import HASH_BYTES
 from kvmesh.workers.engine import Engine
-from kvmesh.workers.grpc_guard import LogLimiter
+from kvmesh.workers.grpc_guard import LogLimiter, clip
 from kvmesh.workers.grpc_host import GrpcHost
 from kvmesh.workers.peer_fetch import MAX_FETCH_BLOCKS, PeerFetcher
 from kvmesh.workers.request import InvalidRequest, Overloaded, RequestOutput
@@ -186,7 +186,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         configuration, so it is logged as a WARNING, at most `grpc_guard.LOG_BURST` lines per
         `grpc_guard.LOG_WINDOW_S` seconds (`grpc_guard.LogLimiter`)."""
         mine = self.engine.kv_model_id
-        wanted = model_id if len(model_id) <= 200 else model_id[:200] + "..."  # the id is input: bounded
+        wanted = clip(model_id)  # the id is input: bounded
         self._foreign_model_log.warn("refused a request for model %r from %s: this worker serves %r",
                                      wanted, context.peer(), mine)
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
