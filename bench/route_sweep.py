@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -531,11 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not policies:
         p.error(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {POOLED}, "
                 f"{', '.join(sorted(POLICIES))}")
-    if args.json:
-        try:  # before the sweep, not after it
-            Path(args.json).open("a").close()
-        except OSError as exc:
-            p.error(f"--json {args.json}: {exc.strerror or exc}")
+    if args.json:  # checked before the sweep (without creating the file), not after it
+        parent = Path(args.json).resolve().parent
+        if Path(args.json).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+            p.error(f"--json {args.json}: not a file that can be written here (is its folder missing or read-only?)")
     total = len(names) * len(fleets) * len(policies)
     done = [0]
     t0 = time.monotonic()
