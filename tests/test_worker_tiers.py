@@ -97,8 +97,21 @@ def workers(tmp_path_factory):
         b.stop()
 
 
-def test_peer_fetch_hit_equals_cold(workers):
-    a, b = workers
+@pytest.fixture(scope="module")
+def always_fetcher(tmp_path_factory, workers):
+    """A fetcher that always pulls the whole prefix (no race against its recompute estimate)
+    within a deadline far above any loopback transfer, so the test below sees every block
+    come from the peer however busy the machine is."""
+    w = Worker("fetcher-always", tmp_path_factory.mktemp("logs-always"), tmp_path_factory.mktemp("disk-c"),
+               extra=("--peer-fetch", "always", "--peer-fetch-max-s", "60")).start()
+    try:
+        yield w.wait()
+    finally:
+        w.stop()
+
+
+def test_peer_fetch_hit_equals_cold(workers, always_fetcher):
+    a, b = workers[0], always_fetcher
     prompt = toks(1, 1024)
     ref = cold(b.address, prompt + [5, 6])  # reference on the fetcher itself, then forget it
     clear(b.address)
@@ -112,6 +125,23 @@ def test_peer_fetch_hit_equals_cold(workers):
     again = generate(b.address, prompt + [5, 6], location=loc)
     assert again["usage"]["cached_tokens_by_tier"]["device"] == len(prompt)
     assert again["token_ids"] == ref["token_ids"]
+
+
+def test_auto_fetch_partial_or_whole_equals_cold(workers):
+    """In ``auto`` mode the fetch races the fetcher's recompute estimate, so on a busy
+    machine only its first blocks may arrive before the deadline; whatever arrived is
+    reused and the rest recomputed, and the output is the cold run's either way."""
+    a, b = workers
+    prompt = toks(5, 1024)
+    ref = cold(b.address, prompt + [7])
+    clear(b.address)
+    generate(a.address, prompt + [1])
+    loc = pb.PrefixLocation(worker_id=a.name, address=a.address, num_blocks=len(prompt) // BS)
+    out = generate(b.address, prompt + [7], location=loc)
+    peer = out["usage"]["cached_tokens_by_tier"]["peer"]
+    assert peer % BS == 0 and 0 <= peer <= len(prompt)
+    assert out["usage"]["cached_tokens"] == peer
+    assert out["token_ids"] == ref["token_ids"]
 
 
 def test_unreachable_holder_falls_back_to_recompute(workers):
