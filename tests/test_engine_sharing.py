@@ -22,11 +22,14 @@ def _toks(rng: random.Random, n: int) -> list[int]:
 
 
 class _Collector:
-    """Collects one request's outputs and the monotonic time of its first token and finish."""
+    """Collects one request's outputs, the monotonic time of its first token and, given the
+    engine, the index of the engine step that produced it (``Engine.steps`` during that step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: Engine | None = None) -> None:
+        self.engine = engine
         self.tokens: list[int] = []
         self.first: float | None = None
+        self.first_step: int | None = None
         self.usage: dict | None = None
         self.timing: dict | None = None
         self.done = threading.Event()
@@ -34,6 +37,7 @@ class _Collector:
     def __call__(self, out: RequestOutput) -> None:
         if out.new_token_ids and self.first is None:
             self.first = time.monotonic()
+            self.first_step = self.engine.steps if self.engine is not None else None
         self.tokens.extend(out.new_token_ids)
         if out.finished:
             assert not out.error, out.error
@@ -91,20 +95,22 @@ def test_different_prefixes_do_not_wait(engine):
         assert c.usage["cached_tokens"] == 0
 
 
-def _long_and_short(threshold: int) -> tuple[_Collector, _Collector, float]:
+def _long_and_short(threshold: int) -> tuple[_Collector, _Collector, int]:
     """A 4,096-token prompt, then a 4-token one sent once the long prefill has started.
 
-    Returns the two collectors and the time the short request was sent.
+    Returns the two collectors and the engine's step index when the short request was sent
+    (the step then running, or the next one). Waits are counted in engine steps, not seconds,
+    so a busy machine slows every step alike and cannot change the outcome.
     """
     eng = Engine(block_size=BLOCK, num_blocks=256, max_num_batched_tokens=512,
                  long_prefill_token_threshold=threshold)
     try:
         rng = random.Random(14)
-        long_c, short_c = _Collector(), _Collector()
+        long_c, short_c = _Collector(eng), _Collector(eng)
         eng.submit(_toks(rng, 4096), SamplingParams(max_tokens=1), long_c)
         eng.step()  # the long prefill's first chunk (alone: the whole budget)
         eng.start()
-        sent = time.monotonic()
+        sent = eng.steps
         eng.submit(_toks(rng, 4), SamplingParams(max_tokens=1), short_c)
         assert long_c.done.wait(120) and short_c.done.wait(120)
         return long_c, short_c, sent
@@ -116,15 +122,18 @@ def test_short_request_not_queued_behind_long_prefill():
     long_c, short_c, sent = _long_and_short(threshold=64)
     assert long_c.usage["prompt_tokens"] == 4096
     assert short_c.first < long_c.first  # answered while the long prompt is still in prefill
-    short_wait = short_c.first - sent
-    long_rest = long_c.first - sent
-    assert short_wait < 0.3 * long_rest, (short_wait, long_rest)
+    # admitted at the next step at the latest: the step running when it was sent, or the next
+    assert short_c.first_step - sent <= 1, (short_c.first_step, sent)
+    # while the long prompt still needs 3,584 tokens: at most 64 of them (the threshold) go
+    # beside the short one, and the rest at 512 per step (the budget) take 6 more steps
+    assert long_c.first_step - sent >= (4096 - 512 - 2 * 64) // 512, (long_c.first_step, sent)
 
 
 def test_without_threshold_short_request_waits_for_long_prefill():
     """Control: with the cap off, the long prompt takes every step's whole budget."""
     long_c, short_c, _ = _long_and_short(threshold=0)
     assert short_c.first >= long_c.first
+    assert short_c.first_step >= long_c.first_step
 
 
 def test_scheduler_rejects_bad_limits(engine):
