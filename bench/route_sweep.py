@@ -58,7 +58,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from kvmesh.bench.sim import DEFAULT_TRACE, POOLED, CostModel, prepare, simulate
+from kvmesh.bench.sim import (DEFAULT_TRACE, POOLED, CostModel, PeerFetch, add_peer_fetch_args, peer_fetch_from_args,
+                              prepare, simulate)
 from kvmesh.bench.trace import TraceRequest, load_mooncake
 from kvmesh.services.cli_checks import positive_float, positive_int
 from kvmesh.services.policies import POLICIES, make_policy
@@ -395,7 +396,8 @@ HELD_OUT = tuple(n for n in WORKLOADS if n.startswith("ho-"))
 # ---------------------------------------------------------------------- sweep
 def run_sweep(names: Sequence[str], fleets: Sequence[int], load: float = 0.7, pressure: float = 0.3,
               policies: Sequence[str] = (POOLED, "kv_aware", *FIELD), mooncake_requests: int | None = None,
-              policy_kwargs: dict | None = None, seed: int = 0, progress=None) -> list[dict]:
+              policy_kwargs: dict | None = None, seed: int = 0, progress=None,
+              peer_fetch: PeerFetch | None = None) -> list[dict]:
     """Run every (workload, fleet) and return one row per pair.
 
     Each row: ``workload``, ``workers``, ``requests``, ``capacity_tokens``, and
@@ -403,7 +405,9 @@ def run_sweep(names: Sequence[str], fleets: Sequence[int], load: float = 0.7, pr
     sim_seconds}}, plus the target checks ``hit_ok``, ``hit_ok_balanced``, ``balance_ok``,
     ``p99_ok``, ``best_field`` (the field policy with the highest hit rate) and
     ``best_balanced_field`` (the same among field policies with imbalance <= 1.10; None
-    when there is none).
+    when there is none). ``peer_fetch`` (a `bench.sim.PeerFetch`) runs every policy with
+    kvmesh's peer tier; each result then also has ``peer_hit_rate_blocks`` (the hit rates
+    judged stay those of each worker's own cache).
     """
     rows = []
     table = {w.name: w for w, _ in workloads(mooncake_requests, pressure)}
@@ -419,10 +423,12 @@ def run_sweep(names: Sequence[str], fleets: Sequence[int], load: float = 0.7, pr
             res = {}
             for p in policies:
                 r = simulate(wl, p, workers, cap, seed=seed,
-                             policy_kwargs=policy_kwargs if p == "kv_aware" else None)
+                             policy_kwargs=policy_kwargs if p == "kv_aware" else None, peer_fetch=peer_fetch)
                 res[p] = {"hit_rate_blocks": r["hit_rate_blocks"], "imbalance": r["imbalance"],
                           "ttft_p50_ms": r["ttft_ms"]["p50"], "ttft_p99_ms": r["ttft_ms"]["p99"],
                           "sim_seconds": r["sim_seconds"]}
+                if peer_fetch is not None:
+                    res[p]["peer_hit_rate_blocks"] = r["peer_hit_rate_blocks"]
                 if progress is not None:
                     progress(name, workers, p)
             rows.append(_judge({"workload": name, "workers": workers, "requests": len(reqs),
@@ -451,12 +457,15 @@ def _judge(row: dict) -> dict:
 
 
 def sweep_markdown(rows: Sequence[dict]) -> str:
-    """The sweep as a Markdown table (hit rates in %, p99 in ms, ✓/✗ per target)."""
+    """The sweep as a Markdown table (hit rates in %, p99 in ms, ✓/✗ per target); with a
+    "from a peer" column (kv_aware's / the best field router's) when the peer tier ran."""
     def mark(ok):
         return "—" if ok is None else ("✓" if ok else "✗")
+    peer = any("peer_hit_rate_blocks" in r for row in rows for r in row["results"].values())
     lines = ["| workload | workers | pooled | kv_aware | best field | best field at imbalance <= 1.10 | "
+             + ("from a peer (kv / best field) | " if peer else "") +
              "kv imbalance | kv p99 (ms) | lowest field p99 (ms) | hit | hit (balanced field) | bal | p99 |",
-             "|---|---:|---:|---:|---|---|---:|---:|---:|:-:|:-:|:-:|:-:|"]
+             "|---|---:|---:|---:|---|---|" + ("---:|" if peer else "") + "---:|---:|---:|:-:|:-:|:-:|:-:|"]
     for row in rows:
         res = row["results"]
         kv = res.get("kv_aware", {})
@@ -465,14 +474,16 @@ def sweep_markdown(rows: Sequence[dict]) -> str:
         bal = row.get("best_balanced_field")
         bal_cell = "none" if bal is None else f"{bal} {res[bal]['hit_rate_blocks']:.2%} @{res[bal]['imbalance']:.2f}"
         field_p99 = min((res[p]["ttft_p99_ms"] for p in FIELD if p in res), default=math.nan)
+        peer_cell = (f"{kv.get('peer_hit_rate_blocks', math.nan):.2%} / "
+                     f"{res[best].get('peer_hit_rate_blocks', math.nan):.2%} | ") if peer and best else ""
         lines.append(
             f"| {row['workload']} | {row['workers']} | "
             f"{'—' if pooled is None else f'{pooled:.2%}'} | {kv.get('hit_rate_blocks', math.nan):.2%} | "
-            f"{best} {res[best]['hit_rate_blocks']:.2%} @{res[best]['imbalance']:.2f} | {bal_cell} | "
+            f"{best} {res[best]['hit_rate_blocks']:.2%} @{res[best]['imbalance']:.2f} | {bal_cell} | {peer_cell}"
             f"{kv.get('imbalance', math.nan):.3f} | {kv.get('ttft_p99_ms', math.nan):,.0f} | {field_p99:,.0f} | "
             f"{mark(row.get('hit_ok'))} | {mark(row.get('hit_ok_balanced'))} | {mark(row.get('balance_ok'))} | "
             f"{mark(row.get('p99_ok'))} |"
-            if best else f"| {row['workload']} | {row['workers']} |" + " |" * 11)
+            if best else f"| {row['workload']} | {row['workers']} |" + " |" * (12 if peer else 11))
     return "\n".join(lines) + "\n"
 
 
@@ -510,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default=",".join((POOLED, "kv_aware", *FIELD)),
                    help="comma-separated (default: pooled, kv_aware and the four field routers)")
     p.add_argument("--kv-aware", default="{}", help="JSON of kv_aware constructor arguments (default: {})")
+    add_peer_fetch_args(p)
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = p.parse_args(argv)
@@ -549,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
     try:
         rows = run_sweep(names, fleets, args.load, args.pressure, policies, args.mooncake_requests, kw,
-                         progress=progress)
+                         progress=progress, peer_fetch=peer_fetch_from_args(args))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

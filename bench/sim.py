@@ -41,6 +41,13 @@ batched with other work, so it does not hold the stream). A request's life:
 4. **Finish** after ``decode_s_per_step * output_tokens`` more seconds: its blocks are
    released (chain tails first) and stay cached until evicted.
 
+With ``peer_fetch`` (`PeerFetch`, ``--peer-fetch-gbps``), step 1 also does what kvmesh's
+router and worker do when the chosen worker lacks blocks another one holds: the router names
+that holder and the worker fetches the blocks the holder's cache has now, if the transfer
+beats recomputing them, before the request joins its queue. The fetched blocks are a hit of
+the ``peer`` medium at step 2 if they still join the worker's own hit; they count in
+``peer_hit_rate_*``, not in the hit rates of the worker's own cache.
+
 Cost model (`CostModel`)::
 
     prefill_s = prefill_s_per_token * (prompt_tokens - cached_tokens)
@@ -86,7 +93,8 @@ from kvmesh.cache_store.hashing import Namespace, hash_blocks
 from kvmesh.cache_store.prefix_cache import PrefixCache
 from kvmesh.services.cli_checks import positive_float, positive_int
 from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
-from kvmesh.services.policies import POLICIES, RoutedShare, RouteRequest, RoutingPolicy, WorkerView, make_policy
+from kvmesh.services.policies import (POLICIES, RoutedShare, RouteRequest, RoutingPolicy, WorkerView, make_policy,
+                                      prefix_holder)
 from kvmesh.services.shortlist import shortlist
 
 __all__ = [
@@ -96,6 +104,7 @@ __all__ = [
     "DEFAULT_TRACE",
     "SPECULATIVE_TTL_S",
     "CostModel",
+    "PeerFetch",
     "Workload",
     "calibrate",
     "prepare",
@@ -121,7 +130,7 @@ DEFAULT_POLICIES = (POOLED, "kv_aware", "dynamo_kv", "llmd_precise", "sglang_cac
 #: The full Mooncake conversation trace shipped in the repository (see bench/data/README.md).
 DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_trace.jsonl.gz"
 
-_ARRIVE, _PREFILL_DONE, _FINISH = 0, 1, 2
+_ARRIVE, _PREFILL_DONE, _FINISH, _FETCHED = 0, 1, 2, 3
 
 
 # --------------------------------------------------------------------------- cost model
@@ -138,6 +147,49 @@ class CostModel:
     def __post_init__(self):
         if not (self.prefill_s_per_token > 0 and self.decode_s_per_step >= 0):
             raise ValueError("prefill_s_per_token must be > 0 and decode_s_per_step >= 0")
+
+
+@dataclass(frozen=True)
+class PeerFetch:
+    """What fetching a prefix from the worker the router names costs (kvmesh's peer tier).
+
+    When the chosen worker lacks blocks another worker holds, kvmesh's router names that
+    holder in ``prefix_location`` (`services.policies.prefix_holder`, for every policy) and
+    the worker pulls the blocks before queueing the request (`workers.peer_fetch`): the
+    fetch does not occupy its prefill stream, and what arrives is a hit of the ``peer``
+    medium. As the worker's ``auto`` mode, a fetch happens only when::
+
+        transfer_s = latency_s + fetched_tokens * kv_bytes_per_token / bytes_per_s
+
+    is below the recompute time (``prefill_s_per_token * fetched_tokens``), and it stops at
+    ``max_fetch_s`` (``--peer-fetch-max-s``) with the blocks that arrived by then.
+
+    ``kv_bytes_per_token`` defaults to an 8B Llama-3-shaped model in bf16 (32 layers x 8 KV
+    heads x 128 dims x 2 (K and V) x 2 bytes = 131,072 bytes, as Llama-3-8B's config.json);
+    there is no default bandwidth: pass the fleet's (``kvmesh sim --peer-fetch-gbps``).
+
+    Raises:
+        ValueError: a non-positive size, bandwidth or cap, or a negative latency.
+    """
+
+    bytes_per_s: float
+    kv_bytes_per_token: int = 131072
+    latency_s: float = 0.002
+    max_fetch_s: float = 2.0
+
+    def __post_init__(self):
+        if not (self.bytes_per_s > 0 and self.kv_bytes_per_token > 0 and self.max_fetch_s > 0
+                and self.latency_s >= 0):
+            raise ValueError("peer fetch needs bytes_per_s, kv_bytes_per_token and max_fetch_s > 0 "
+                             "and latency_s >= 0")
+
+    def tokens_within(self, seconds: float) -> float:
+        """Tokens of KV that arrive within ``seconds`` of the call."""
+        return max(0.0, seconds - self.latency_s) * self.bytes_per_s / self.kv_bytes_per_token
+
+    def seconds_for(self, tokens: int) -> float:
+        """Seconds to fetch ``tokens`` tokens of KV."""
+        return self.latency_s + tokens * self.kv_bytes_per_token / self.bytes_per_s
 
 
 def calibrate(prompt_tokens: Sequence[int] = (256, 512, 1024), decode_steps: int = 32, rounds: int = 3,
@@ -319,6 +371,9 @@ class _Job:
     ids: list = field(default_factory=list)
     held: int = 0
     allocated: bool = False
+    fetch_from: int = 0           # peer fetch: first and end cache block staged from the holder
+    fetch_to: int = 0
+    peer: int = 0                 # cache blocks of the hit that came from the peer
 
 
 class _Worker:
@@ -357,7 +412,7 @@ class _Routed:
         for wid in self.ids:
             self.routed.track(wid)
 
-    def route(self, spec: _Spec, now: float, block: int, rng: random.Random) -> tuple[_Worker, int]:
+    def route(self, spec: _Spec, now: float, block: int, rng: random.Random) -> tuple[_Worker, int, _Worker | None]:
         routed_mean = common = None
         if self.policy.uses_shortlist:
             matches = shortlist(self.index, self.routed, spec.route_hashes, now, self.ids, rng)
@@ -383,7 +438,8 @@ class _Routed:
         w = self.by_id[chosen.worker_id]
         self.index.add_speculative(w.worker_id, spec.route_hashes, now, SPECULATIVE_TTL_S)
         self.routed.note(w.worker_id)
-        return w, chosen.matched_blocks
+        holder = prefix_holder(chosen, views)
+        return w, chosen.matched_blocks, (self.by_id[holder.worker_id] if holder is not None else None)
 
     def counts(self) -> list[int]:
         return [w.stream_counts[0] for w in self.workers]
@@ -395,9 +451,9 @@ class _Pooled:
     def __init__(self, policy: str, num_workers: int, capacity: int, block_size: int, policy_kwargs: dict | None):
         self.workers = [_Worker("pooled", capacity * num_workers, num_workers, block_size, None)]
 
-    def route(self, spec: _Spec, now: float, block: int, rng: random.Random) -> tuple[_Worker, int]:
+    def route(self, spec: _Spec, now: float, block: int, rng: random.Random) -> tuple[_Worker, int, None]:
         w = self.workers[0]
-        return w, len(w.cache.index.match(spec.route_hashes, spec.chain.block_tokens).values)
+        return w, len(w.cache.index.match(spec.route_hashes, spec.chain.block_tokens).values), None
 
     def counts(self) -> list[int]:
         return list(self.workers[0].stream_counts)
@@ -421,7 +477,8 @@ def simulate(reqs, policy: str | RoutingPolicy, num_workers: int, capacity_token
              num_blocks: int | None = None, block_tokens: int = TRACE_BLOCK_TOKENS, block_size: int | None = None,
              concurrency: int | None = None, time_scale: float = 1.0, cost: CostModel | None = None,
              max_output_tokens: int | None = None, seed: int = 0, policy_kwargs: dict | None = None,
-             unbounded: bool = False, progress: Callable[[int], None] | None = None) -> dict:
+             unbounded: bool = False, progress: Callable[[int], None] | None = None,
+             peer_fetch: PeerFetch | None = None) -> dict:
     """Replay a trace through ``policy`` on ``num_workers`` simulated workers.
 
     Args:
@@ -448,11 +505,17 @@ def simulate(reqs, policy: str | RoutingPolicy, num_workers: int, capacity_token
         policy_kwargs: constructor arguments of the policy.
         progress: called with the number of requests finished so far, every 256 requests
             and at the end.
+        peer_fetch: model kvmesh's peer tier (`PeerFetch`): a request sent away from the
+            worker holding more of its prefix fetches the blocks it lacks from that worker
+            when the transfer beats recomputing them. None (the default): every miss is
+            recomputed, as with the field's routers alone.
 
     Returns:
-        ``policy``, ``num_requests``, ``hit_rate_blocks``, ``hit_rate_tokens``, ``ttft_ms``
-        {p50, p99}, ``imbalance``, ``prefill_tokens_saved``, ``prefill_tokens_computed``,
-        ``worker_requests``, ``sim_seconds``.
+        ``policy``, ``num_requests``, ``hit_rate_blocks``, ``hit_rate_tokens`` (hits in the
+        chosen worker's own cache), ``peer_hit_rate_blocks``, ``peer_hit_rate_tokens`` and
+        ``peer_fetches`` (what came from a peer instead; zero without ``peer_fetch``),
+        ``ttft_ms`` {p50, p99}, ``imbalance``, ``prefill_tokens_saved`` (own and peer hits),
+        ``prefill_tokens_computed``, ``worker_requests``, ``sim_seconds``.
 
     Raises:
         ValueError: no capacity given, or a bad count.
@@ -493,7 +556,35 @@ def simulate(reqs, policy: str | RoutingPolicy, num_workers: int, capacity_token
             order += 1
     ttfts: list[float] = []
     hit_blocks = total_blocks = hit_tokens = total_tokens = 0
+    peer_blocks = peer_tokens = fetches = 0
     finished = 0
+
+    def plan_fetch(job: _Job, w: _Worker, holder: _Worker, now: float) -> float:
+        """Stage the blocks ``holder`` has beyond ``w``'s own hit (the worker's ``auto``
+        rule, see `PeerFetch`); returns when the request joins ``w``'s queue."""
+        spec = job.spec
+        cap = spec.route_hashes[:spec.reuse_cap]
+        local = len(w.cache.index.match(cap, spec.chain.block_tokens).values)
+        have = len(holder.cache.index.match(cap, spec.chain.block_tokens).values)
+        if have <= local:
+            return now
+        base = wl.hit_of(spec, local)[1]
+        tokens = wl.hit_of(spec, have)[1] - base
+        recompute = cost.prefill_s_per_token * tokens
+        transfer = peer_fetch.seconds_for(tokens)
+        if transfer >= recompute:
+            return now
+        deadline = min(recompute, peer_fetch.max_fetch_s)
+        end, took = have, transfer
+        if transfer > deadline:  # cut off at the deadline with the blocks that arrived
+            arrived = peer_fetch.tokens_within(deadline)
+            end = local
+            while end < have and wl.hit_of(spec, end + 1)[1] - base <= arrived:
+                end += 1
+            took = deadline
+        if end > local:
+            job.fetch_from, job.fetch_to = local, end
+        return now + took
 
     def start(w: _Worker, now: float) -> None:
         nonlocal order
@@ -509,7 +600,10 @@ def simulate(reqs, policy: str | RoutingPolicy, num_workers: int, capacity_token
             job.held = len(held)
             job.allocated = new is not None
             job.ids = held + new if new is not None else held
-            _, cached = wl.hit_of(spec, job.held)
+            # staged peer blocks extend the own hit if they still join it (and have room)
+            if job.allocated and job.fetch_from <= job.held < job.fetch_to:
+                job.peer = job.fetch_to - job.held
+            _, cached = wl.hit_of(spec, job.held + job.peer)
             heapq.heappush(events, (now + cost.prefill_s_per_token * (spec.num_tokens - cached), order,
                                     _PREFILL_DONE, (w, s, job)))
             order += 1
@@ -518,10 +612,19 @@ def simulate(reqs, policy: str | RoutingPolicy, num_workers: int, capacity_token
         now, _, kind, payload = heapq.heappop(events)
         if kind == _ARRIVE:
             job = payload
-            w, matched = cluster.route(job.spec, now, block, rng)
+            w, matched, holder = cluster.route(job.spec, now, block, rng)
             job.est_prefill = max(1, job.spec.num_tokens - matched * block)
             w.queued_prefill += job.est_prefill
             w.inflight += 1
+            ready = now if peer_fetch is None or holder is None else plan_fetch(job, w, holder, now)
+            if ready > now:
+                heapq.heappush(events, (ready, order, _FETCHED, (w, job)))
+                order += 1
+            else:
+                w.queue.append(job)
+                start(w, now)
+        elif kind == _FETCHED:
+            w, job = payload
             w.queue.append(job)
             start(w, now)
         elif kind == _PREFILL_DONE:
@@ -544,6 +647,11 @@ def simulate(reqs, policy: str | RoutingPolicy, num_workers: int, capacity_token
             hit_blocks += hit
             total_blocks += spec.trace_blocks
             hit_tokens += cached
+            if job.peer:
+                hit_p, cached_p = wl.hit_of(spec, job.held + job.peer)
+                peer_blocks += hit_p - hit
+                peer_tokens += cached_p - cached
+                fetches += 1
             total_tokens += spec.num_tokens
             finished += 1
             if progress is not None and not finished % 256:
@@ -561,10 +669,13 @@ def simulate(reqs, policy: str | RoutingPolicy, num_workers: int, capacity_token
         "num_requests": len(wl.specs),
         "hit_rate_blocks": hit_blocks / max(1, total_blocks),
         "hit_rate_tokens": hit_tokens / max(1, total_tokens),
+        "peer_hit_rate_blocks": peer_blocks / max(1, total_blocks),
+        "peer_hit_rate_tokens": peer_tokens / max(1, total_tokens),
+        "peer_fetches": fetches,
         "ttft_ms": {"p50": round(_percentile(ttfts, 50), 3), "p99": round(_percentile(ttfts, 99), 3)},
         "imbalance": max(counts) / mean if mean else 0.0,
-        "prefill_tokens_saved": hit_tokens,
-        "prefill_tokens_computed": total_tokens - hit_tokens,
+        "prefill_tokens_saved": hit_tokens + peer_tokens,
+        "prefill_tokens_computed": total_tokens - hit_tokens - peer_tokens,
         "hit_blocks": hit_blocks,
         "total_blocks": total_blocks,
         "worker_requests": counts,
@@ -606,7 +717,7 @@ def run_policies(reqs, policies: Sequence[str] = DEFAULT_POLICIES, **kwargs) -> 
 
 
 # ------------------------------------------------------------------------------ report
-_FIELDS = ("hit_rate_blocks", "hit_rate_tokens", "ttft_ms", "imbalance", "prefill_tokens_saved")
+_FIELDS = ("hit_rate_blocks", "hit_rate_tokens", "peer_hit_rate_blocks", "ttft_ms", "imbalance", "prefill_tokens_saved")
 
 
 def summary(results: dict[str, dict]) -> dict[str, dict]:
@@ -625,12 +736,15 @@ def results_markdown(results: dict[str, dict], title: str = "", settings: dict |
         lines += [f"Generated by `{command}`.", ""]
     if settings:
         lines += [f"- {k}: {v}" for k, v in settings.items()] + [""]
-    head = "| policy | hit rate (blocks) | of pooled | hit rate (tokens) | TTFT p50 (ms) | TTFT p99 (ms) | " \
-           "imbalance | prefill tokens saved | sim time (s) |"
-    lines += [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    peer = any(r.get("peer_fetches") for r in results.values())  # a column only when the peer tier ran
+    head = "| policy | hit rate (blocks) | of pooled | hit rate (tokens) | " + \
+           ("from a peer (blocks) | " if peer else "") + \
+           "TTFT p50 (ms) | TTFT p99 (ms) | imbalance | prefill tokens saved | sim time (s) |"
+    lines += [head, "|---|---:|---:|---:|" + ("---:|" if peer else "") + "---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         frac = f"{r['hit_rate_blocks'] / pooled:.1%}" if pooled else "—"
-        lines.append(f"| {name} | {r['hit_rate_blocks']:.2%} | {frac} | {r['hit_rate_tokens']:.2%} | "
+        peer_cell = f"{r.get('peer_hit_rate_blocks', 0.0):.2%} | " if peer else ""
+        lines.append(f"| {name} | {r['hit_rate_blocks']:.2%} | {frac} | {r['hit_rate_tokens']:.2%} | {peer_cell}"
                      f"{r['ttft_ms']['p50']:,.0f} | {r['ttft_ms']['p99']:,.0f} | {r['imbalance']:.3f} | "
                      f"{r['prefill_tokens_saved']:,} | {r['sim_seconds']:.1f} |")
     return "\n".join(lines) + "\n"
@@ -694,6 +808,25 @@ class _SimProgress:
 
 
 # --------------------------------------------------------------------------------- CLI
+def add_peer_fetch_args(p: argparse.ArgumentParser) -> None:
+    """``--peer-fetch-gbps`` and ``--kv-bytes-per-token`` (see `peer_fetch_from_args`)."""
+    p.add_argument("--peer-fetch-gbps", type=positive_float("--peer-fetch-gbps"), default=None,
+                   help="model kvmesh's peer tier: a request sent away from the worker holding more of its "
+                        "prefix fetches it from there at this many gigabits per second when that beats "
+                        "recomputing it (default: off, every miss is recomputed)")
+    p.add_argument("--kv-bytes-per-token", type=positive_int("--kv-bytes-per-token"),
+                   default=PeerFetch.kv_bytes_per_token,
+                   help=f"with --peer-fetch-gbps: KV bytes per token (default {PeerFetch.kv_bytes_per_token:,}, "
+                        "an 8B Llama-3-shaped model in bf16)")
+
+
+def peer_fetch_from_args(args: argparse.Namespace) -> PeerFetch | None:
+    """The `PeerFetch` the flags of `add_peer_fetch_args` ask for, or None (off)."""
+    if args.peer_fetch_gbps is None:
+        return None
+    return PeerFetch(bytes_per_s=args.peer_fetch_gbps * 1e9 / 8, kv_bytes_per_token=args.kv_bytes_per_token)
+
+
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=str(DEFAULT_TRACE),
                    help="Mooncake-format JSONL, optionally .gz (default: the bundled full conversation trace)")
@@ -729,6 +862,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help=f"cost model: seconds per computed prefill token (default {CostModel.prefill_s_per_token:.3g})")
     p.add_argument("--decode-s-per-step", type=positive_float("--decode-s-per-step"), default=CostModel.decode_s_per_step,
                    help=f"cost model: seconds per decode step (default {CostModel.decode_s_per_step:g})")
+    add_peer_fetch_args(p)
     p.add_argument("--calibrate", action="store_true",
                    help="measure the cost model on this machine's engine (built-in model) first")
     p.add_argument("--seed", type=int, default=0, help="seed of the policies' random choices (default 0)")
@@ -772,7 +906,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
                                    num_blocks=args.num_blocks, block_tokens=args.block_tokens,
                                    block_size=args.block_size, concurrency=args.concurrency,
                                    time_scale=args.time_scale, cost=cost, max_output_tokens=args.max_output_tokens,
-                                   seed=args.seed, unbounded=args.unbounded, progress=bar.policy)
+                                   seed=args.seed, unbounded=args.unbounded, progress=bar.policy,
+                                   peer_fetch=peer_fetch_from_args(args))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -786,6 +921,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         "max_output_tokens": args.max_output_tokens,
         "cost_model": asdict(cost), "seed": args.seed,
     }
+    if args.peer_fetch_gbps is not None:
+        settings["peer_fetch"] = asdict(peer_fetch_from_args(args))
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ __all__ = [
     "PrefixPolicy",
     "KVAwarePolicy",
     "RoutedShare",
+    "prefix_holder",
 ]
 
 
@@ -470,6 +471,22 @@ class KVAwarePolicy(RoutingPolicy):
         # Round away float noise so equal estimates tie and the tie-break is random.
         # Equal estimates go to the worker with the smallest recent share, then at random.
         return _argmin(workers, [(round(c, 6), round(w.routed_recent, 6)) for c, w in zip(costs, workers)], rng)
+
+
+def prefix_holder(chosen: WorkerView, views: list[WorkerView], min_extra_blocks: int = 1) -> WorkerView | None:
+    """The worker to name in ``prefix_location`` for a request sent to ``chosen``, or None.
+
+    That is the other worker holding the most leading blocks of the request (any tier),
+    when it holds at least ``min_extra_blocks`` more than ``chosen``; ties go to the
+    first in ``views``. Pure.
+    """
+    best = None
+    for v in views:
+        if v.worker_id != chosen.worker_id and (best is None or v.matched_blocks > best.matched_blocks):
+            best = v
+    if best is None or best.matched_blocks < chosen.matched_blocks + min_extra_blocks:
+        return None
+    return best
 
 
 # Other routers' policies (sglang_cache_aware, ray_prefix_affinity, dynamo_kv, llmd_precise,

@@ -47,7 +47,7 @@ from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
 from kvmesh.services.index_subscriber import IndexSubscriber
 from kvmesh.services.membership import Compatibility
 from kvmesh.services.shared_load import SharedLoad, matched_prefix
-from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
+from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy, prefix_holder
 from kvmesh.workers.config import ModelConfig
 from kvmesh.workers.grpc_guard import clip
 from kvmesh.workers.model_identity import base_model_id
@@ -299,22 +299,6 @@ class WorkerFacade(pb_grpc.WorkerServicer):
 
     async def Tokenize(self, request, context):
         return pb.TokenizeResponse(ids=self.router.tokenizer.encode(request.text))
-
-
-def prefix_holder(chosen: WorkerView, views: list[WorkerView], min_extra_blocks: int = 1) -> WorkerView | None:
-    """The worker to name in ``prefix_location`` for a request sent to ``chosen``, or None.
-
-    That is the other worker holding the most leading blocks of the request (any tier),
-    when it holds at least ``min_extra_blocks`` more than ``chosen``; ties go to the
-    first in ``views``. Pure.
-    """
-    best = None
-    for v in views:
-        if v.worker_id != chosen.worker_id and (best is None or v.matched_blocks > best.matched_blocks):
-            best = v
-    if best is None or best.matched_blocks < chosen.matched_blocks + min_extra_blocks:
-        return None
-    return best
 
 
 def _load_config(model_dir: str | None) -> ModelConfig:

@@ -46,6 +46,21 @@ def test_a_sweep_row_compares_kv_aware_with_the_field(capsys):
     assert route_sweep.main(["--workloads", "nope", "--quiet"]) == 2
 
 
+def test_a_sweep_with_the_peer_tier_reports_what_came_from_a_peer(capsys):
+    rc = route_sweep.main(["--workloads", "agents", "--workers", "4", "--quiet", "--peer-fetch-gbps", "100",
+                           "--policies", "pooled,kv_aware,dynamo_kv"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "from a peer (kv / best field)" in out
+    row = [line for line in out.splitlines() if line.startswith("| agents | 4 |")]
+    assert len(row) == 1 and row[0].count("|") == 15
+    rows = route_sweep.run_sweep(["agents"], [4], policies=["kv_aware", "dynamo_kv"],
+                                 peer_fetch=route_sweep.PeerFetch(bytes_per_s=12.5e9))
+    # dynamo_kv's load term sends steps away from their session's holder: those fetch their context
+    assert rows[0]["results"]["dynamo_kv"]["peer_hit_rate_blocks"] > 0.01
+    assert all(0 <= r["peer_hit_rate_blocks"] < 1 for r in rows[0]["results"].values())
+
+
 def test_the_balanced_comparison_skips_field_routers_over_the_balance_target():
     def res(hit, imb):
         return {"hit_rate_blocks": hit, "imbalance": imb, "ttft_p99_ms": 100.0}
@@ -96,6 +111,8 @@ def test_agent_sessions_extend_their_own_context_step_by_step():
     (["--kv-aware", '{"bogus": 1}'], "bogus"),
     (["--kv-aware", "[1]"], "--kv-aware"),
     (["--policies", "kv_aware,nope"], "nope"),
+    (["--peer-fetch-gbps", "0"], "--peer-fetch-gbps"),
+    (["--kv-bytes-per-token", "-1"], "--kv-bytes-per-token"),
 ])
 def test_bad_sweep_arguments_are_usage_errors_before_any_replay(argv, named, capsys, monkeypatch):
     monkeypatch.setattr(route_sweep, "run_sweep", lambda *a, **k: pytest.fail("replayed despite a bad argument"))

@@ -261,7 +261,8 @@ def test_cli_sim_prints_every_policy_as_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert list(out) == ["pooled", "kv_aware", "round_robin"]
     for fields in out.values():
-        assert set(fields) == {"hit_rate_blocks", "hit_rate_tokens", "ttft_ms", "imbalance", "prefill_tokens_saved"}
+        assert set(fields) == {"hit_rate_blocks", "hit_rate_tokens", "peer_hit_rate_blocks", "ttft_ms", "imbalance",
+                               "prefill_tokens_saved"}
         assert set(fields["ttft_ms"]) == {"p50", "p99"}
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["settings"]["workers"] == 2 and set(saved["results"]) == set(out)
@@ -362,3 +363,60 @@ def test_a_replay_with_a_shortlist_repeats_across_processes():
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
                            env=dict(os.environ, PYTHONHASHSEED=seed)).stdout for seed in ("1", "2")}
     assert len(outs) == 1, outs
+
+
+# ------------------------------------------------------------------ peer tier
+_FAST_LINK = dict(bytes_per_s=1e7, kv_bytes_per_token=1000, latency_s=0.002)
+
+
+def _spilled_pair():
+    """A (3 blocks) on w0, then B (A's 3 blocks + 1) sent by round_robin to w1, which lacks them."""
+    return [req([1, 2, 3]), req([1, 2, 3, 4], ts_ms=10_000)]
+
+
+def test_a_request_sent_away_from_the_holder_fetches_its_prefix():
+    pf = sim.PeerFetch(**_FAST_LINK)
+    r = simulate(_spilled_pair(), "round_robin", 2, num_blocks=10, cost=SLOW_COST, peer_fetch=pf)
+    fetch_ms = 1000 * (0.002 + 1536 * 1000 / 1e7)  # 3 blocks of 512 tokens over the link
+    assert r["worker_requests"] == [1, 1] and r["peer_fetches"] == 1
+    assert r["hit_blocks"] == 0 and r["peer_hit_rate_blocks"] == pytest.approx(3 / 7)  # own cache: none
+    assert r["prefill_tokens_saved"] == 1536 and r["prefill_tokens_computed"] == 1536 + 512
+    # B's TTFT is the fetch, then one block's prefill (1 ms per token)
+    assert r["ttft_ms"]["p99"] == pytest.approx(1536 + (fetch_ms + 512 - 1536) * 0.01, rel=1e-6)
+    assert r["ttft_ms"]["p50"] == pytest.approx((1536 + fetch_ms + 512) / 2)
+
+
+def test_without_the_peer_tier_or_over_a_slow_link_the_prefix_is_recomputed():
+    off = simulate(_spilled_pair(), "round_robin", 2, num_blocks=10, cost=SLOW_COST)
+    slow = simulate(_spilled_pair(), "round_robin", 2, num_blocks=10, cost=SLOW_COST,
+                    peer_fetch=sim.PeerFetch(bytes_per_s=1e6, kv_bytes_per_token=1000))  # 1.54 s > 1.54 s - 2 ms
+    for r in (off, slow):
+        assert r["peer_fetches"] == 0 and r["peer_hit_rate_blocks"] == 0
+        assert r["ttft_ms"]["p50"] == pytest.approx((1536 + 2048) / 2)
+
+
+def test_a_fetch_cut_off_at_its_cap_keeps_the_whole_blocks_that_arrived():
+    pf = sim.PeerFetch(**_FAST_LINK, max_fetch_s=0.1)  # 980 tokens arrive: one 512-token block
+    r = simulate(_spilled_pair(), "round_robin", 2, num_blocks=10, cost=SLOW_COST, peer_fetch=pf)
+    assert r["peer_fetches"] == 1 and r["peer_hit_rate_blocks"] == pytest.approx(1 / 7)
+    assert r["ttft_ms"]["p50"] == pytest.approx((1536 + 100 + 2048 - 512) / 2)
+
+
+def test_peer_fetch_rejects_nonsense():
+    for bad in (dict(bytes_per_s=0), dict(bytes_per_s=1, kv_bytes_per_token=0), dict(bytes_per_s=1, latency_s=-1),
+                dict(bytes_per_s=1, max_fetch_s=0)):
+        with pytest.raises(ValueError):
+            sim.PeerFetch(**bad)
+
+
+def test_cli_sim_peer_fetch_adds_the_peer_column(capsys):
+    assert sim.main(["--trace", str(DEFAULT_SAMPLE), "--workers", "4", "--capacity-tokens", str(100 * 512),
+                     "--max-requests", "200", "--policies", "round_robin,kv_aware", "--no-progress",
+                     "--peer-fetch-gbps", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "from a peer (blocks)" in out and "peer_fetch" in out
+    rows = [line for line in out.splitlines() if line.startswith("| round_robin")]
+    assert len(rows) == 1 and rows[0].split("|")[5].strip().endswith("%")
+    assert sim.main(["--trace", str(DEFAULT_SAMPLE), "--workers", "2", "--capacity-tokens", "10000",
+                     "--max-requests", "5", "--policies", "kv_aware", "--no-progress"]) == 0
+    assert "from a peer" not in capsys.readouterr().out
