@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 
@@ -101,6 +102,25 @@ async def wait_until(cond, timeout=5.0):
         await asyncio.sleep(0.01)
 
 
+class HungRedis:
+    """Stands in for a publisher's Redis client: every call blocks until ``release`` is set
+    (or, as a last resort against a deadlocked test, 30 s pass, recorded in ``expired``),
+    then fails like a dropped connection."""
+
+    def __init__(self):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.expired: list[str] = []
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.entered.set()
+            if not self.release.wait(30):
+                self.expired.append(name)
+            raise redis.ConnectionError("hung redis released")
+        return call
+
+
 # ------------------------------------------------------------------ publisher
 def test_publisher_numbers_batches_in_order_and_splits_large_ones(shared_redis, cluster, rclient):
     pub = KVEventPublisher(shared_redis.url, "w1", cluster=cluster, flush_interval_s=0.5, max_batch_events=3)
@@ -129,13 +149,22 @@ def test_publisher_survives_redis_outage_and_drops_oldest_keeping_numbering(clus
     port = free_port()
     url = f"redis://:outage-test-pw@127.0.0.1:{port}/0"
     pub = KVEventPublisher(url, "w1", cluster=cluster, flush_interval_s=0.01, max_queued_batches=2)
+    real_client = pub._redis
+    hung = HungRedis()
     server = None
     try:
-        t0 = time.monotonic()
+        # The publisher thread is stuck inside a Redis call (as with a Redis that accepts and
+        # never answers) until this test lets it go, which it does only after the engine-side
+        # calls returned: had any of them waited for that call, it would have returned only
+        # once the hang timed out by itself, which the hang records.
+        pub._redis = hung
+        assert hung.entered.wait(30), "the publisher thread never called Redis"
         for i in range(5):
             pub.sink(stored([i]))
             assert pub.flush_now() == i + 1
-        assert time.monotonic() - t0 < 0.5  # the engine side never waits for Redis
+        assert hung.expired == [], "the engine side waited for Redis"  # it never waits for Redis
+        pub._redis = real_client  # from here on an unreachable Redis: each call fails at once
+        hung.release.set()
         assert not pub.wait_published(0.2)
         assert pub.stats()["dropped"] == 3
         server = RedisServer(port=port, password="outage-test-pw")
@@ -147,6 +176,8 @@ def test_publisher_survives_redis_outage_and_drops_oldest_keeping_numbering(clus
         stats = pub.stats()
         assert stats["published"] == 2 and stats["errors"] >= 1
     finally:
+        pub._redis = real_client
+        hung.release.set()
         pub.close(timeout=1.0)
         if server is not None:
             server.stop()
@@ -407,7 +438,10 @@ def test_restarted_worker_replaces_its_entries(shared_redis, cluster):
 
 
 # ---------------------------------------------------------------------- lease
-def test_lapsed_lease_removes_the_workers_entries_within_ttl_plus_poll(shared_redis, cluster):
+def test_lapsed_lease_removes_the_workers_entries_within_ttl_plus_poll(shared_redis, cluster, rclient):
+    """A dead worker's lease key expires in Redis ``ttl`` after its last heartbeat, and the
+    subscriber drops its entries at the next registry poll after that. Counted in polls
+    (the subscriber's own clock), not seconds, so a busy machine cannot stretch it."""
     ttl = 0.6
 
     async def main():
@@ -424,10 +458,16 @@ def test_lapsed_lease_removes_the_workers_entries_within_ttl_plus_poll(shared_re
             await sub.wait_synced(5.0)
             assert index.num_blocks("a") == 2
             a.close(delete=False)  # dies: no more heartbeats, the key just expires
-            gone_at = time.monotonic()
-            await wait_until(lambda: "a" not in index.workers(), timeout=5.0)
-            elapsed = time.monotonic() - gone_at
-            assert elapsed <= ttl + POLL + 0.3, elapsed
+            # within ttl: the last heartbeat set the key to expire at most ttl later (Redis's clock)
+            left_ms = rclient.pttl(lease_key("a", cluster))  # -2: expired already, -1: never would
+            assert left_ms == -2 or 0 < left_ms <= ttl * 1000, left_ms
+            await wait_until(lambda: not rclient.exists(lease_key("a", cluster)), timeout=30.0)
+            # plus one poll: a poll that started after the key expired no longer lists "a". The
+            # poll under way now may have read the lease just before, so allow that one too.
+            expired_at_poll = sub._polls
+            await wait_until(lambda: "a" not in index.workers() or sub._polls >= expired_at_poll + 2,
+                             timeout=30.0)
+            assert "a" not in index.workers(), f"still indexed {sub._polls - expired_at_poll} polls after expiry"
             assert set(sub.live_workers()) == {"b"}
             assert index.holders(H(1)) == {"b": "device"} and index.num_blocks("a") == 0
             assert index.match([H(1), H(2)], now=0.0).keys() == {"b"}
@@ -450,20 +490,29 @@ def test_stop_is_prompt_even_when_a_read_swallows_the_cancel(shared_redis, clust
         sub = IndexSubscriber(shared_redis.url, index, resync, cluster=cluster, poll_interval_s=POLL)
         real = sub._read_once
         swallowed = []
+        inside = []
 
         async def swallowing(next_poll):
+            inside.append(True)
             try:
                 await real(next_poll)
             except asyncio.CancelledError:
+                if swallowed:  # only the first: a failing test must still be able to end
+                    raise
                 swallowed.append(True)
+            finally:
+                inside.clear()
 
         sub._read_once = swallowing
         sub.start()
         await sub.wait_synced(5.0)
-        await asyncio.sleep(2 * POLL)  # inside a read now
-        t0 = time.monotonic()
-        await sub.stop(timeout=3.0)
-        assert time.monotonic() - t0 < 2.0
+        while not inside:  # the loop is single-threaded: seen here, the task is parked in a read
+            await asyncio.sleep(0.005)
+        task = sub._task
+        # stop's timeout is only a backstop: it ends at once when the task ends. A subscriber
+        # that kept running after the lost cancel would be abandoned still running at it.
+        await sub.stop(timeout=30.0)
+        assert task.done(), "stop gave up on a subscriber task that was still running"
         assert swallowed == [True]  # the fault was injected: the cancel arrived during a read
         assert sub._task is None
 

@@ -149,19 +149,22 @@ def test_engine_load_does_not_wait_for_a_step():
     engine = Engine(num_blocks=64)
     holding = threading.Event()
     release = threading.Event()
+    held = []  # True while the lock is held; the holder lets go only once released (or after 30 s)
 
     def hold():
         with engine._lock:
+            held.append(True)
             holding.set()
-            release.wait(10)
+            release.wait(30)
+            held.clear()  # still under the lock: a load() that waited for it sees this
 
     th = threading.Thread(target=hold)
     th.start()
     try:
-        assert holding.wait(5)
-        t = time.monotonic()
+        assert holding.wait(30)
         load = engine.load()
-        assert time.monotonic() - t < 0.5
+        # answered while the lock was still held (it is released only below), not after
+        assert held == [True], "load() waited for the engine lock"
         assert load["total_blocks"] == 64 and load["free_blocks"] == 64
     finally:
         release.set()

@@ -323,11 +323,12 @@ def test_silent_redis_costs_one_timeout_per_cooldown():
         start = time.monotonic()
         assert t.get_run(hashes(its)) == []  # waits one timeout
         first = time.monotonic() - start
-        start = time.monotonic()
+        assert first >= 0.25  # it did wait for the timeout
         for _ in range(20):
             assert t.get_run(hashes(its)) == [] and t.put_many(its) == (0, [])
             assert t.contains(hashes(its)) == [False, False]
-        assert time.monotonic() - start < 0.2 < first
+        # answered at once: counted, not timed -- none of these 60 calls (nor stats) reached
+        # Redis, so none could wait for it; the only error is the first call's timeout
         st = t.stats()
         assert st["remote_errors"] == 1 and st["remote_skipped"] == 61 and st["remote_blocks"] is None
         time.sleep(1.0)

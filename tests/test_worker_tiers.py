@@ -7,6 +7,7 @@ run on either is the reference for both.
 from __future__ import annotations
 
 import random
+import re
 import socket
 import threading
 import time
@@ -69,6 +70,17 @@ def generate(address: str, ids, max_tokens=8, location: pb.PrefixLocation | None
                 out["timing"] = wire.timing_from_proto(msg.timing)
     out["wall_s"] = time.monotonic() - t0
     return out
+
+
+_FETCH_LINE = re.compile(r"peer fetch: (.*), staged (\d+) block\(s\), ([0-9.]+) ms")
+
+
+def fetches(worker: Worker) -> list[tuple[str, int, float]]:
+    """``(outcome, blocks staged, ms)`` of each peer fetch the worker logged, oldest first:
+    the worker's own account of why each fetch ended and how long it took (it logs one
+    line per fetch before the request goes on, so it is there when the request ends)."""
+    with open(worker.log, encoding="utf-8", errors="replace") as f:
+        return [(m[1], int(m[2]), float(m[3])) for m in _FETCH_LINE.finditer(f.read())]
 
 
 def clear(address: str) -> None:
@@ -144,15 +156,20 @@ def test_auto_fetch_partial_or_whole_equals_cold(workers):
     assert out["token_ids"] == ref["token_ids"]
 
 
-def test_unreachable_holder_falls_back_to_recompute(workers):
-    _, b = workers
+def test_unreachable_holder_falls_back_to_recompute(always_fetcher):
+    """On the fetcher whose fetches may take 60 s: a holder that refuses the connection
+    ends the fetch with that error, not at the deadline, and the request recomputes."""
+    b = always_fetcher
     prompt = toks(2, 512)
     ref = cold(b.address, prompt)
     clear(b.address)
     dead = pb.PrefixLocation(worker_id="gone", address=f"127.0.0.1:{free_port()}", num_blocks=32)
-    out = generate(b.address, prompt, location=dead)
+    before = len(fetches(b))
+    out = generate(b.address, prompt, location=dead, timeout=120)
     assert out["usage"]["cached_tokens"] == 0 and out["token_ids"] == ref["token_ids"]
-    assert out["wall_s"] < ref["wall_s"] + 2.5  # refused at once, not waited for
+    # refused at once, not waited for: the fetch ended on the refusal (UNAVAILABLE), which
+    # came before its 60 s deadline; waiting for the peer would have ended it as "deadline"
+    assert [f[:2] for f in fetches(b)[before:]] == [("rpc error UNAVAILABLE", 0)]
 
 
 def test_silent_holder_hits_the_deadline_then_recomputes(workers):
@@ -181,16 +198,20 @@ def test_silent_holder_hits_the_deadline_then_recomputes(workers):
         ref = cold(b.address, prompt)
         clear(b.address)
         loc = pb.PrefixLocation(worker_id="silent", address=f"127.0.0.1:{silent.getsockname()[1]}", num_blocks=64)
+        before = len(fetches(b))
         first = generate(b.address, prompt, location=loc, timeout=30)
         assert first["usage"]["cached_tokens"] == 0 and first["token_ids"] == ref["token_ids"]
-        # the server's timing counts the fetch wait (queue_ms: arrival -> first scheduled)
-        waited_ms = first["timing"]["queue_ms"]
-        assert 20 < waited_ms < 2000 + 500  # it waited, and no longer than the 2 s cap
-        assert first["wall_s"] < ref["wall_s"] + 2.0 + 1.0
+        # it waited, and the wait ended at the fetch's own deadline (the call's timeout), not
+        # on an error or a reply; the worker's measure of that fetch alone (no queueing or
+        # compute in it) is within the 2 s cap, plus a quarter for a late wake-up on a busy host
+        [(outcome, staged, fetch_ms)] = fetches(b)[before:]
+        assert (outcome, staged) == ("deadline", 0)
+        assert fetch_ms <= 1.25 * 2000, fetch_ms
         clear(b.address)
         second = generate(b.address, prompt, location=loc, timeout=30)
         assert second["token_ids"] == ref["token_ids"]
-        assert second["timing"]["queue_ms"] < waited_ms / 2  # the silent peer priced itself out
+        # the silent peer priced itself out: the next request decides not to fetch at all
+        assert [f[:2] for f in fetches(b)[before + 1:]] == [("transfer slower than recompute", 0)]
     finally:
         stop.set()
         t.join(2)
