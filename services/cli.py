@@ -374,9 +374,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:  # usage errors, found before dialing (the flags' own ranges are their argparse types)
         if stream and args.json:
             raise ValueError("--stream prints text as it comes; --json prints one object at the end: pick one")
-        # the TLS files as the client reads them (the API key is metadata): --tls-cert without --tls-ca,
-        # half a key pair, an unreadable file
-        channel_credentials(args.tls_ca, None, args.tls_cert, args.tls_key)
+        # the TLS files as the client reads them: --tls-cert without --tls-ca, half a key pair, an
+        # unreadable file, and an API key without TLS (it would cross the network in clear)
+        channel_credentials(args.tls_ca, args.api_key, args.tls_cert, args.tls_key)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -22,7 +22,9 @@ Behaviour:
   environment variable ``KVMESH_TLS_CA`` / ``KVMESH_TLS_CERT`` / ``KVMESH_TLS_KEY``.
   Without a CA the channel is plaintext (loopback and private networks).
 * ``api_key`` (default: the ``KVMESH_API_KEY`` environment variable) is sent as
-  ``authorization: Bearer KEY`` metadata on every call.
+  ``authorization: Bearer KEY`` metadata on every call, and only over TLS: a key without
+  a CA raises ValueError rather than cross the network in clear (unless the caller passes
+  its own ``channel``).
 
 Errors are `grpc.RpcError` with the server's status code and message.
 
@@ -166,6 +168,13 @@ class _Base:
                                    tls_cert if tls_cert is not None else env("KVMESH_TLS_CERT") or None,
                                    tls_key if tls_key is not None else env("KVMESH_TLS_KEY") or None)
 
+    def _refuse_key_in_clear(self, channel) -> None:
+        """An API key never goes over a plaintext channel this client makes itself."""
+        if channel is None and self.metadata is not None and self._creds is None:
+            raise ValueError("an API key (--api-key or KVMESH_API_KEY) needs TLS: pass --tls-ca (or set "
+                             "KVMESH_TLS_CA; `kvmesh up`'s client.env sets both); without it the key would "
+                             "cross the network in clear")
+
     def _backoff(self, attempt: int) -> float:
         return random.uniform(0.0, min(self.max_backoff_s, self.backoff_s * (2 ** attempt)))
 
@@ -221,11 +230,12 @@ class KvmeshClient(_Base):
         channel: use this channel instead of making one (it is not closed by `close`).
 
     Raises:
-        ValueError: unreadable or inconsistent TLS files, or a bad number.
+        ValueError: unreadable or inconsistent TLS files, an API key without TLS, or a bad number.
     """
 
     def __init__(self, target: str, *, channel: grpc.Channel | None = None, **kwargs):
         super().__init__(target, **kwargs)
+        self._refuse_key_in_clear(channel)
         self._own = channel is None
         if channel is None:
             channel = (grpc.secure_channel(target, self._creds, options=_OPTIONS) if self._creds is not None
@@ -321,6 +331,7 @@ class AsyncKvmeshClient(_Base):
 
     def __init__(self, target: str, *, channel: grpc.aio.Channel | None = None, **kwargs):
         super().__init__(target, **kwargs)
+        self._refuse_key_in_clear(channel)
         self._own = channel is None
         if channel is None:
             channel = (grpc.aio.secure_channel(target, self._creds, options=_OPTIONS) if self._creds is not None

@@ -59,7 +59,8 @@ def router_status(target: str, timeout: float = 10.0, api_key: str | None = None
 
     Raises:
         grpc.RpcError: the router answered with an error (UNIMPLEMENTED: not a router).
-        ValueError: a TLS file cannot be read, or a client certificate without its key or CA.
+        ValueError: a TLS file cannot be read, a client certificate without its key or CA, or an
+            API key without TLS.
     """
     import grpc
 
@@ -69,6 +70,9 @@ def router_status(target: str, timeout: float = 10.0, api_key: str | None = None
     from kvmesh.services.client import _credentials
 
     creds = _credentials(tls_ca or None, tls_cert or None, tls_key or None)
+    if api_key and creds is None:
+        raise ValueError("--api-key needs --tls-ca (or KVMESH_TLS_CA): without TLS the key would cross "
+                         "the network in clear")
     channel = grpc.secure_channel(target, creds) if creds is not None else grpc.insecure_channel(target)
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
     with channel:

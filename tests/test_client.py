@@ -55,7 +55,10 @@ def serve():
 
 def test_retries_unavailable_with_backoff_and_sends_the_api_key(serve):
     svc = Flaky(failures=2)
-    with KvmeshClient(serve(svc), api_key="k1", backoff_s=0.01) as c:
+    target = serve(svc)
+    # the test server is plaintext: the key goes over a channel the caller made (the client
+    # itself sends keys only over TLS)
+    with grpc.insecure_channel(target) as ch, KvmeshClient(target, channel=ch, api_key="k1", backoff_s=0.01) as c:
         out = c.generate("abcd", max_tokens=3)
     assert svc.calls == 3
     assert out.token_ids == [1, 2, 3] and out.text == "abc" and out.finish_reason == "length"
@@ -92,7 +95,8 @@ def test_async_client_retries_too(serve):
     target = serve(svc)
 
     async def run():
-        async with AsyncKvmeshClient(target, backoff_s=0.01, api_key="k2") as c:
+        async with grpc.aio.insecure_channel(target) as ch, \
+                AsyncKvmeshClient(target, channel=ch, backoff_s=0.01, api_key="k2") as c:
             return await c.generate(token_ids=[1, 2, 3, 4], max_tokens=3)
 
     out = asyncio.run(run())
@@ -103,9 +107,29 @@ def test_async_client_retries_too(serve):
 def test_api_key_from_the_environment(serve, monkeypatch):
     monkeypatch.setenv("KVMESH_API_KEY", "envkey")
     svc = Flaky()
-    with KvmeshClient(serve(svc)) as c:
+    target = serve(svc)
+    with grpc.insecure_channel(target) as ch, KvmeshClient(target, channel=ch) as c:
         c.generate("x")
     assert svc.metadata[0]["authorization"] == "Bearer envkey"
+
+
+def test_an_api_key_is_never_sent_in_clear(serve, monkeypatch, capsys):
+    svc = Flaky()
+    target = serve(svc)
+    with pytest.raises(ValueError, match="--tls-ca"):
+        KvmeshClient(target, api_key="secret")
+    with pytest.raises(ValueError, match="in clear"):
+        AsyncKvmeshClient(target, api_key="secret")
+    monkeypatch.setenv("KVMESH_API_KEY", "envsecret")  # a forgotten client.env: key set, CA not
+    with pytest.raises(ValueError, match="KVMESH_API_KEY"):
+        KvmeshClient(target)
+    from kvmesh.services.cli import main
+
+    assert main(["generate", "--target", target, "--prompt", "hi", "--api-key", "secret"]) == 2
+    assert "--tls-ca" in capsys.readouterr().err
+    assert main(["status", "--target", target, "--api-key", "secret"]) == 2
+    assert "in clear" in capsys.readouterr().err
+    assert svc.calls == 0 and svc.metadata == []  # nothing reached the server
 
 
 def test_option_errors_say_what_to_fix(tmp_path):
