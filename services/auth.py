@@ -239,6 +239,17 @@ class Gate:
                                 f"{what} is cluster-internal: only peers holding a certificate of the cluster CA "
                                 "(--tls-ca) may call it")
 
+    async def require_caller(self, context, what: str) -> None:
+        """Abort with UNAUTHENTICATED unless the caller is a cluster peer or has credentials
+        that map to a tenant (the same ones a Generate needs; anyone in open mode)."""
+        caller = self.caller(context)
+        if caller.is_peer:
+            return
+        try:
+            self.auth.tenant_for(_metadata(context, "authorization"), caller.name if caller.kind == "client" else None)
+        except Unauthenticated as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{what}: {exc}")
+
     async def tenant(self, context, request, edge: bool = False) -> tuple[str, str]:
         """(tenant, cache salt) of a Generate request; aborts the RPC on a refusal.
 

@@ -298,6 +298,7 @@ class WorkerFacade(pb_grpc.WorkerServicer):
             yield msg
 
     async def Tokenize(self, request, context):
+        await self.router.gate.require_caller(context, "Tokenize")
         return pb.TokenizeResponse(ids=self.router.tokenizer.encode(request.text))
 
 

@@ -110,7 +110,8 @@ def channel_credentials(tls_ca: str | None, api_key: str | None, tls_cert: str |
     """
     if not tls_ca:
         if api_key:
-            raise ValueError("--api-key needs --tls-ca (or KVMESH_TLS_CA): gRPC sends keys only over TLS")
+            raise ValueError("--api-key needs --tls-ca (or KVMESH_TLS_CA): without TLS the key would cross the network "
+                             "in clear")
         if tls_cert or tls_key:
             raise ValueError("--tls-cert/--tls-key need --tls-ca")
         return None

@@ -237,6 +237,36 @@ def test_absent_or_unknown_api_key_is_unauthenticated(cluster):
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (target, creds)
 
 
+def test_worker_loads_are_for_peers_and_info_needs_credentials(cluster):
+    """A client certificate without a key gets nothing a Generate would not give it:
+    Tokenize and GetInfo say UNAUTHENTICATED; a worker's load (what the router's Status
+    withholds from non-peers) is PERMISSION_DENIED even with a key; a peer reads it."""
+    worker = worker_address(cluster, 0)
+    no_key = {k: v for k, v in client(cluster).items() if k != "api_key"}
+    for target in (cluster.router_address, worker):
+        with client_channel(target, **no_key) as ch, pytest.raises(grpc.RpcError) as err:
+            pb_grpc.WorkerStub(ch).Tokenize(pb.TokenizeRequest(text="hello"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, target
+        with client_channel(target, **client(cluster)) as ch:
+            assert list(pb_grpc.WorkerStub(ch).Tokenize(pb.TokenizeRequest(text="hello"), timeout=10).ids)
+    with client_channel(worker, **no_key) as ch:
+        stub = pb_grpc.WorkerStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetInfo(pb.WorkerInfoRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetLoad(pb.LoadRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with client_channel(worker, **client(cluster)) as ch:
+        stub = pb_grpc.WorkerStub(ch)
+        assert stub.GetInfo(pb.WorkerInfoRequest(), timeout=10).worker_id == "worker-0"
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetLoad(pb.LoadRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "peers" in err.value.details()
+    with cluster.peer_channel(worker) as ch:
+        assert pb_grpc.WorkerStub(ch).GetLoad(pb.LoadRequest(), timeout=10).total_blocks == 256
+
+
 def test_http_front_asks_for_a_key_on_every_route(cluster):
     """The router's HTTPS front: the model listing, like completions, needs an API key."""
     import json
@@ -452,11 +482,15 @@ def test_a_client_without_tls_is_told_which_flags_to_pass(cluster, monkeypatch, 
     gRPC's `Socket closed`."""
     from kvmesh.services.cli import main
 
-    for name in ("KVMESH_TLS_CA", "KVMESH_TLS_CERT", "KVMESH_TLS_KEY"):
+    for name in ("KVMESH_TLS_CA", "KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_API_KEY"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("KVMESH_API_KEY", cluster.credentials.api_key)
     extra = ["--prompt", "hello", "--max-tokens", "1"] if command == "generate" else []
     capsys.readouterr()
     assert main([command, "--target", cluster.router_address, "--timeout", "30", *extra]) == 1
     err = capsys.readouterr().err
     assert "UNAVAILABLE" in err and "--tls-ca" in err and "--tls-cert" in err and "client.env" in err, err
+    # with the key in the environment but no CA (half of client.env), nothing is sent at all
+    monkeypatch.setenv("KVMESH_API_KEY", cluster.credentials.api_key)
+    assert main([command, "--target", cluster.router_address, "--timeout", "30", *extra]) == 2
+    err = capsys.readouterr().err
+    assert "--tls-ca" in err and "in clear" in err, err

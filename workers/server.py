@@ -14,9 +14,10 @@ the leading run of the asked-for chain this worker holds, streamed in batches of
 ``FETCH_BATCH`` blocks so that memory stays bounded and the engine lock is held briefly.
 
 Access (``gate``, a `kvmesh.services.auth.Gate` built by the CLI): FetchBlocks,
-GetSnapshot and ClearCache, and the request fields ``prefix_location`` and ``tenant``, are
-for cluster peers only (PERMISSION_DENIED otherwise); anyone else's tenant comes from their
-credentials. Without a gate (no TLS) every caller is trusted, as on a private network.
+GetSnapshot, ClearCache and GetLoad, and the request fields ``prefix_location`` and
+``tenant``, are for cluster peers only (PERMISSION_DENIED otherwise); GetInfo and Tokenize
+need a peer or credentials a Generate would accept (UNAUTHENTICATED otherwise); anyone
+else's tenant comes from their credentials. Without a gate (no TLS) every caller is trusted, as on a private network.
 """
 from __future__ import annotations
 
@@ -236,16 +237,24 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 return
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
+        if self.gate is not None:
+            await self.gate.require_caller(context, "Tokenize")
         return pb.TokenizeResponse(ids=self.engine.tokenizer.encode(request.text))
 
     async def GetInfo(self, request, context):
+        if self.gate is not None:
+            await self.gate.require_caller(context, "GetInfo")
         e = self.engine
         return pb.WorkerInfo(worker_id=self.worker_id, model_id=e.kv_model_id, block_size=e.block_size,
                              num_blocks=e.num_blocks, vocab_size=e.config.vocab_size,
                              max_model_len=e.max_model_len, device=str(e.device))
 
     # Control plane: the engine publishes its load each step; reading it never waits on one.
+    # Loads and pool sizes are for the cluster's own components, as the router's Status
+    # shows them to peers only.
     async def GetLoad(self, request, context):
+        if self.gate is not None:
+            await self.gate.require_peer(context, "GetLoad")
         return wire.load_to_proto(self.engine.load())
 
     # The engine lock is held for a whole model step: these run on a thread so the event
