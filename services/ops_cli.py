@@ -30,10 +30,13 @@ def connect_hint(code: str, message: str) -> str:
 
     A TLS server (``kvmesh up`` without ``--insecure``) closes a plaintext connection, and a
     router with ``--client-ca`` closes one without a client certificate; gRPC then reports only
-    ``UNAVAILABLE ... Socket closed`` or a failed handshake, which names no flag.
+    ``UNAVAILABLE ... Socket closed`` or a failed handshake, which names no flag. A stream
+    that gRPC removed after it started ("Stream removed") was connected: no hint then.
     """
     text = message.lower()
     if code != "UNAVAILABLE" or not any(s in text for s in ("socket closed", "handshake", "ssl", "tls")):
+        return ""
+    if "stream removed" in text:  # the call had been running: the server (or a worker) went away
         return ""
     return (" (the server closed the connection: it may require TLS and a client certificate; pass --tls-ca, "
             "--tls-cert and --tls-key, or source the client.env that kvmesh up printed)")

@@ -143,3 +143,14 @@ def test_option_errors_say_what_to_fix(tmp_path):
         KvmeshClient("127.0.0.1:1", tls_ca=str(tmp_path / "missing.pem"))
     with pytest.raises(ValueError, match="exactly one"):
         KvmeshClient("127.0.0.1:1").generate()
+
+
+def test_the_tls_hint_is_for_refused_connections_not_for_streams_cut_short():
+    from kvmesh.services.ops_cli import connect_hint
+
+    refused = "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed"
+    assert "--tls-ca" in connect_hint("UNAVAILABLE", refused)
+    assert "--tls-ca" in connect_hint("UNAVAILABLE", "Ssl handshake failed: SSL_ERROR_SSL")
+    # a worker killed mid-stream on a plaintext cluster: the connection had worked
+    assert connect_hint("UNAVAILABLE", "Stream removed (Socket closed)") == ""
+    assert connect_hint("DEADLINE_EXCEEDED", "Socket closed") == ""
