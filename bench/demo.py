@@ -108,7 +108,10 @@ def run_demo(workers: int = 2, max_requests: int | None = None, tokens_per_block
     from kvmesh.services.launcher import ClusterSpec, LocalCluster
 
     trace = trace or DEFAULT_SAMPLE
-    reqs = load_mooncake(trace, max_requests)
+    try:
+        reqs = load_mooncake(trace, max_requests)
+    except ValueError as exc:  # malformed, truncated or corrupt: name the flag it came from
+        raise ValueError(f"--trace {trace}: {exc}") from None
     if num_blocks is None:
         num_blocks = max(256, math.ceil(DEFAULT_POOL_FRACTION * distinct_blocks(reqs, tokens_per_block, block_size)
                                         / workers))

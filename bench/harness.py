@@ -53,6 +53,7 @@ import grpc
 
 from kvmesh.bench import report
 from kvmesh.bench.arrivals import ARRIVALS, ArrivalSpec, release_offsets
+from kvmesh.bench.cli_args import existing_file, float_in, http_url, int_at_least, output_dir, target_problem
 from kvmesh.bench.trace import DEFAULT_SAMPLE
 from kvmesh.bench.workloads import (
     WORKLOADS,
@@ -65,6 +66,7 @@ from kvmesh.bench.workloads import (
     shared_prefix_workload,
 )
 from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.services.cli_checks import positive_float, positive_int
 from kvmesh.services.security import client_options
 
 SERVICES = ("auto", "worker", "router")
@@ -91,11 +93,14 @@ def _details(exc: grpc.RpcError) -> str:
         return str(exc)
 
 
-async def detect_service(channel: grpc.aio.Channel, service: str = "auto", timeout_s: float = 10.0) -> dict:
+async def detect_service(channel: grpc.aio.Channel, service: str = "auto", timeout_s: float = 10.0,
+                         metadata=None) -> dict:
     """Find out whether ``channel`` leads to a Router or a Worker.
 
     Asks ``Router/Status`` first; UNIMPLEMENTED there means a worker, which is then asked
-    ``Worker/GetInfo``. With ``service`` "worker" or "router" only that one is asked.
+    ``Worker/GetInfo`` (with ``metadata``, the client's API key: a secure worker answers
+    GetInfo only to callers a Generate would accept). With ``service`` "worker" or "router"
+    only that one is asked.
     Returns ``{"service": "router"|"worker", "policy": str, "worker_id": str,
     "vocab_size": int, "max_model_len": int}`` (0 / "" where unknown).
     """
@@ -107,7 +112,7 @@ async def detect_service(channel: grpc.aio.Channel, service: str = "auto", timeo
                                      request_serializer=pb.RouterStatusRequest.SerializeToString,
                                      response_deserializer=pb.RouterStatus.FromString)
         try:
-            st = await status(pb.RouterStatusRequest(), timeout=timeout_s)
+            st = await status(pb.RouterStatusRequest(), timeout=timeout_s, metadata=metadata)
             info.update(service="router", policy=st.policy)
             return info
         except grpc.aio.AioRpcError as exc:
@@ -125,7 +130,7 @@ async def detect_service(channel: grpc.aio.Channel, service: str = "auto", timeo
                                    request_serializer=pb.WorkerInfoRequest.SerializeToString,
                                    response_deserializer=pb.WorkerInfo.FromString)
     try:
-        wi = await get_info(pb.WorkerInfoRequest(), timeout=timeout_s)
+        wi = await get_info(pb.WorkerInfoRequest(), timeout=timeout_s, metadata=metadata)
         info.update(service="worker", worker_id=wi.worker_id, vocab_size=int(wi.vocab_size),
                     max_model_len=int(wi.max_model_len))
     except grpc.aio.AioRpcError as exc:
@@ -573,7 +578,7 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
             except TimeoutError as exc:
                 raise TargetUnreachable(str(exc)) from None
             channel = client.channel
-            info = await detect_service(channel, service)
+            info = await detect_service(channel, service, metadata=client.metadata)
             if info["vocab_size"] and vocab_size > info["vocab_size"]:
                 raise ValueError(f"vocab_size {vocab_size} exceeds the worker's vocabulary ({info['vocab_size']})")
             svc = "Router" if info["service"] == "router" else "Worker"
@@ -819,88 +824,88 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="comma-separated routing policies: start a fresh local cluster per policy "
                             "(e.g. round_robin,kv_aware) and compare them")
     cl = p.add_argument_group("local cluster (with --policies)")
-    cl.add_argument("--workers", type=int, default=None, help="workers per cluster (default 2)")
-    cl.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default 4096)")
-    cl.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
-    cl.add_argument("--max-batched-tokens", type=int, default=None, help="token budget per engine step (default 1024)")
-    cl.add_argument("--threads", type=int, default=None, help="torch threads per worker (default cores / workers)")
+    cl.add_argument("--workers", type=positive_int("--workers"), default=None, help="workers per cluster (default 2)")
+    cl.add_argument("--num-blocks", type=positive_int("--num-blocks"), default=None, help="KV blocks per worker (default 4096)")
+    cl.add_argument("--block-size", type=positive_int("--block-size"), default=None, help="tokens per KV block (default 16)")
+    cl.add_argument("--max-batched-tokens", type=positive_int("--max-batched-tokens"), default=None, help="token budget per engine step (default 1024)")
+    cl.add_argument("--threads", type=positive_int("--threads"), default=None, help="torch threads per worker (default cores / workers)")
     cl.add_argument("--model", default=None, help="local HF model directory (default: the built-in model)")
     cl.add_argument("--device", default=None, help="torch device of the workers: cpu or cuda[:N] (default cpu)")
-    cl.add_argument("--max-seqs", type=int, default=None, help="running requests per worker (default 32)")
+    cl.add_argument("--max-seqs", type=positive_int("--max-seqs"), default=None, help="running requests per worker (default 32)")
 
     wl = p.add_argument_group("workload")
     wl.add_argument("--workload", default="mooncake", choices=WORKLOADS, help="what to send (default mooncake)")
-    wl.add_argument("--trace", default=str(DEFAULT_SAMPLE),
+    wl.add_argument("--trace", default=str(DEFAULT_SAMPLE), type=existing_file("--trace", "Mooncake-format JSON Lines trace"),
                     help="mooncake: JSON Lines trace (default: the bundled conversation sample)")
-    wl.add_argument("--tokens-per-block", type=int, default=16,
+    wl.add_argument("--tokens-per-block", type=positive_int("--tokens-per-block"), default=16,
                     help="synthesized tokens per 512-token trace block; for the other workloads the block unit "
                          "of hit_rate_blocks (default 16)")
-    wl.add_argument("--max-output-tokens", type=int, default=None,
+    wl.add_argument("--max-output-tokens", type=positive_int("--max-output-tokens"), default=None,
                     help="cap on each request's output length, tokens (default: the workload's)")
     wl.add_argument("--seed", type=int, default=0, help="seed of generated prompts and Poisson gaps (default 0)")
-    wl.add_argument("--gsp-num-groups", type=int, default=None, help="shared-prefix: groups (default 8)")
-    wl.add_argument("--gsp-prompts-per-group", type=int, default=None,
+    wl.add_argument("--gsp-num-groups", type=positive_int("--gsp-num-groups"), default=None, help="shared-prefix: groups (default 8)")
+    wl.add_argument("--gsp-prompts-per-group", type=positive_int("--gsp-prompts-per-group"), default=None,
                     help="shared-prefix: prompts per group (default 8)")
-    wl.add_argument("--gsp-system-prompt-len", type=int, default=None,
+    wl.add_argument("--gsp-system-prompt-len", type=int_at_least(0, "--gsp-system-prompt-len", "tokens"), default=None,
                     help="shared-prefix: system prompt tokens, shared within a group (default 512)")
-    wl.add_argument("--gsp-question-len", type=int, default=None,
+    wl.add_argument("--gsp-question-len", type=positive_int("--gsp-question-len"), default=None,
                     help="shared-prefix: question tokens per prompt (default 64)")
-    wl.add_argument("--gsp-output-len", type=int, default=None, help="shared-prefix: output tokens (default 16)")
+    wl.add_argument("--gsp-output-len", type=positive_int("--gsp-output-len"), default=None, help="shared-prefix: output tokens (default 16)")
     wl.add_argument("--gsp-ordered", action="store_true",
                     help="shared-prefix: send group by group instead of shuffled")
-    wl.add_argument("--mt-conversations", type=int, default=None, help="multi-turn: conversations (default 8)")
-    wl.add_argument("--mt-turns", type=int, default=None, help="multi-turn: turns per conversation (default 4)")
-    wl.add_argument("--mt-system-len", type=int, default=None,
+    wl.add_argument("--mt-conversations", type=positive_int("--mt-conversations"), default=None, help="multi-turn: conversations (default 8)")
+    wl.add_argument("--mt-turns", type=positive_int("--mt-turns"), default=None, help="multi-turn: turns per conversation (default 4)")
+    wl.add_argument("--mt-system-len", type=int_at_least(0, "--mt-system-len", "tokens"), default=None,
                     help="multi-turn: system prompt tokens shared by all conversations (default 256)")
-    wl.add_argument("--mt-user-len", type=int, default=None, help="multi-turn: new user tokens per turn (default 64)")
-    wl.add_argument("--mt-output-len", type=int, default=None, help="multi-turn: output tokens per turn (default 16)")
+    wl.add_argument("--mt-user-len", type=positive_int("--mt-user-len"), default=None, help="multi-turn: new user tokens per turn (default 64)")
+    wl.add_argument("--mt-output-len", type=positive_int("--mt-output-len"), default=None, help="multi-turn: output tokens per turn (default 16)")
 
     ar = p.add_argument_group("arrivals and bounds")
     ar.add_argument("--arrival", default=None, choices=ARRIVALS,
                     help="closed (fixed concurrency), poisson (--rate) or trace (timestamps x --time-scale); "
                          "default: poisson with --rate, trace with --time-scale, else closed")
-    ar.add_argument("--concurrency", type=int, default=4, help="closed loop: requests in flight (default 4)")
-    ar.add_argument("--rate", type=float, default=None, help="poisson: mean requests per second (inf: all at once)")
-    ar.add_argument("--time-scale", type=float, default=None,
+    ar.add_argument("--concurrency", type=positive_int("--concurrency"), default=4, help="closed loop: requests in flight (default 4)")
+    ar.add_argument("--rate", type=float_in("--rate", 0, low_open=True, allow_inf=True, what="requests per second"), default=None, help="poisson: mean requests per second (inf: all at once)")
+    ar.add_argument("--time-scale", type=positive_float("--time-scale"), default=None,
                     help="trace: multiply the trace's inter-arrival times by this (0.1 = 10x faster; default 1)")
-    ar.add_argument("--max-concurrency", type=int, default=None,
+    ar.add_argument("--max-concurrency", type=positive_int("--max-concurrency"), default=None,
                     help="open loop: cap on requests in flight (default: no cap)")
-    ar.add_argument("--max-requests", type=int, default=None,
+    ar.add_argument("--max-requests", type=int_at_least(0, "--max-requests", "requests"), default=None,
                     help="use only the first N requests of the workload, warm-up included (default: all)")
-    ar.add_argument("--warmup-requests", type=int, default=0,
+    ar.add_argument("--warmup-requests", type=int_at_least(0, "--warmup-requests", "requests"), default=0,
                     help="send the first N requests first, as a closed loop, and leave them out of the metrics "
                          "(default 0)")
-    ar.add_argument("--duration-s", type=float, default=None,
+    ar.add_argument("--duration-s", type=positive_float("--duration-s"), default=None,
                     help="stop sending after this many seconds of the measured run (default: no time bound)")
-    ar.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
+    ar.add_argument("--grace-s", type=float_in("--grace-s", 0, what="seconds"), default=None,
                     help=f"with --duration-s: seconds in-flight requests may still run before they are cancelled "
                          f"(default {DEFAULT_GRACE_S:g})")
 
     slo = p.add_argument_group("SLOs for goodput (requests/s meeting all of them)")
-    slo.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT bound, ms (default: none)")
-    slo.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT bound, ms (default: none)")
-    slo.add_argument("--slo-e2e-ms", type=float, default=None, help="E2E latency bound, ms (default: none)")
+    slo.add_argument("--slo-ttft-ms", type=positive_float("--slo-ttft-ms"), default=None, help="TTFT bound, ms (default: none)")
+    slo.add_argument("--slo-tpot-ms", type=positive_float("--slo-tpot-ms"), default=None, help="TPOT bound, ms (default: none)")
+    slo.add_argument("--slo-e2e-ms", type=positive_float("--slo-e2e-ms"), default=None, help="E2E latency bound, ms (default: none)")
 
     out = p.add_argument_group("output and client")
-    out.add_argument("--out", required=True, help="output folder")
+    out.add_argument("--out", required=True, type=output_dir("--out"), help="output folder")
     out.add_argument("--policy-label", default="", help="with --target: name of the run (default: detected)")
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     out.add_argument("--service", default="auto", choices=SERVICES,
                      help="with --target: gRPC service to call (default: auto-detect)")
-    out.add_argument("--vocab-size", type=int, default=256, help="token ids lie in [0, N) (default 256)")
+    out.add_argument("--vocab-size", type=int_at_least(2, "--vocab-size"), default=256, help="token ids lie in [0, N) (default 256)")
     out.add_argument("--tenant", default="", help="cache salt sent with every request (default: none)")
     from kvmesh.services.security import add_client_args
 
     add_client_args(p)  # --api-key, --tls-ca, ... for a --target started secure (kvmesh up)
-    out.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds (default 600)")
-    out.add_argument("--max-error-rate", type=float, default=0.0, metavar="FRACTION",
+    out.add_argument("--timeout", type=positive_float("--timeout"), default=600.0, help="deadline of each request, seconds (default 600)")
+    out.add_argument("--max-error-rate", type=float_in("--max-error-rate", 0, 1), default=0.0, metavar="FRACTION",
                      help="exit 1 when more than this fraction of the measured requests failed (default 0: any "
                           "failed request fails the run; requests cancelled at a --duration-s bound do not count)")
     out.add_argument("--api", default="grpc", choices=("grpc", "openai"),
                      help="with --target: grpc (HOST:PORT of the gRPC API, default) or openai (the HTTP front: "
                           "http://HOST:PORT/v1 or HOST:PORT)")
-    out.add_argument("--metrics-url", action="append", default=[], metavar="URL",
+    out.add_argument("--metrics-url", action="append", type=http_url("--metrics-url"), default=[], metavar="URL",
                      help="with --target: a /metrics endpoint to scrape around the run (repeat for each worker); "
                           "the report then shows the server-side hit rate beside the client-side one "
                           "(default: none)")
@@ -938,9 +943,16 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         return defaults[name] if v is None else v
 
     if args.workload == "mooncake":
-        return mooncake_workload(args.trace, max_requests=args.max_requests,
-                                 tokens_per_block=args.tokens_per_block, max_output_tokens=args.max_output_tokens,
-                                 vocab_size=args.vocab_size, seed=0)
+        try:
+            w = mooncake_workload(args.trace, max_requests=args.max_requests,
+                                  tokens_per_block=args.tokens_per_block, max_output_tokens=args.max_output_tokens,
+                                  vocab_size=args.vocab_size, seed=0)
+        except (OSError, ValueError) as exc:  # unreadable, truncated or malformed
+            raise ValueError(f"--trace {args.trace}: {getattr(exc, 'strerror', None) or exc}") from None
+        if not w.items and args.max_requests != 0:
+            raise ValueError(f"--trace {args.trace} holds no requests (an empty file, or only blank lines); give a "
+                             "Mooncake-format JSON Lines trace with at least one request")
+        return w
     if args.workload == "shared-prefix":
         w = shared_prefix_workload(*(value(n, _GSP_DEFAULTS) for n in _GSP_FLAGS), vocab_size=args.vocab_size,
                                    seed=args.seed, shuffle=not args.gsp_ordered,
@@ -989,6 +1001,9 @@ def _check_mode(args: argparse.Namespace) -> None:
                          if getattr(args, d) is not None]
         if cluster_given:
             raise ValueError(_only(cluster_given, "with --policies (a local cluster)"))
+        problem = target_problem(args.target, args.api)  # before waiting for a connection to it
+        if problem:
+            raise ValueError(problem)
     elif args.policy_label or args.service != "auto" or args.api != "grpc" or args.metrics_url:
         raise ValueError("--policy-label, --service, --api and --metrics-url only apply with --target "
                          "(with --policies each local cluster's metrics are scraped on their own)")
@@ -1047,6 +1062,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if not 0.0 <= args.max_error_rate <= 1.0:
             raise ValueError(f"--max-error-rate must be a fraction in [0, 1], got {args.max_error_rate}")
         _check_mode(args)
+        if args.grace_s is not None and args.duration_s is None:
+            raise ValueError(_only(["--grace-s"], "with --duration-s (a time-bounded run)"))
         if args.policies is not None:  # the workers' device and model, before any cluster starts
             from kvmesh.services.cli_checks import device_problem, model_problem
 
@@ -1057,7 +1074,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         arrival = arrival_from_args(args)
         slo = report.make_slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
         common = dict(tokens_per_block=args.tokens_per_block, warmup_requests=args.warmup_requests,
-                      duration_s=args.duration_s, grace_s=args.grace_s, slo=slo, vocab_size=args.vocab_size,
+                      duration_s=args.duration_s, grace_s=DEFAULT_GRACE_S if args.grace_s is None else args.grace_s,
+                      slo=slo, vocab_size=args.vocab_size,
                       tenant=args.tenant, timeout_s=args.timeout)
         if args.target is not None:
             result, _ = asyncio.run(run_workload(args.target, workload, args.out, arrival,

@@ -49,8 +49,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import inspect
 import math
-import os
 import random
 import sys
 import time
@@ -60,6 +60,7 @@ from typing import Callable, Sequence
 
 from kvmesh.bench.sim import (DEFAULT_TRACE, POOLED, CostModel, PeerFetch, add_peer_fetch_args, peer_fetch_from_args,
                               prepare, simulate)
+from kvmesh.bench.cli_args import numeric_kwargs, output_file_problem
 from kvmesh.bench.trace import TraceRequest, load_mooncake
 from kvmesh.services.cli_checks import positive_float, positive_int
 from kvmesh.services.policies import POLICIES, make_policy
@@ -527,10 +528,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     fleets = args.workers
     try:
-        kw = json.loads(args.kv_aware)
-        if not isinstance(kw, dict):
-            raise ValueError(f"got {type(kw).__name__}")
-        make_policy("kv_aware", **kw)  # unknown or out-of-range arguments, before any replay
+        kw = numeric_kwargs(args.kv_aware, "--kv-aware")  # finite numbers only: no NaN, strings or null
+    except ValueError as exc:
+        p.error(str(exc))
+    known = [n for n in inspect.signature(POLICIES["kv_aware"]).parameters if n != "self"]
+    unknown = [k for k in kw if k not in known]
+    if unknown:
+        p.error(f"--kv-aware: unknown argument(s) {', '.join(unknown)}; kv_aware takes {', '.join(known)}")
+    try:
+        make_policy("kv_aware", **kw)  # out-of-range arguments, before any replay
     except (ValueError, TypeError) as exc:
         p.error(f"--kv-aware takes a JSON object of kv_aware's constructor arguments: {exc}")
     names = []
@@ -544,10 +550,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not policies:
         p.error(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {POOLED}, "
                 f"{', '.join(sorted(POLICIES))}")
-    if args.json:  # checked before the sweep (without creating the file), not after it
-        parent = Path(args.json).resolve().parent
-        if Path(args.json).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
-            p.error(f"--json {args.json}: not a file that can be written here (is its folder missing or read-only?)")
+    if args.json:  # checked before the sweep (a temporary file in its folder, removed), not after it
+        problem = output_file_problem(args.json, "--json")
+        if problem:
+            p.error(problem)
     total = len(names) * len(fleets) * len(policies)
     done = [0]
     t0 = time.monotonic()
@@ -566,7 +572,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        try:
+            Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        except OSError as exc:
+            print(f"error: --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     print(sweep_markdown(rows), end="")
     print(LEGEND)
     return 0

@@ -872,19 +872,49 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
+def _capacity_problem(args: argparse.Namespace) -> str | None:
+    """Exactly one of --capacity-tokens, --num-blocks and --unbounded, or what is wrong."""
+    given = [flag for flag, on in (("--capacity-tokens", args.capacity_tokens is not None),
+                                   ("--num-blocks", args.num_blocks is not None),
+                                   ("--unbounded", args.unbounded)) if on]
+    if not given:
+        return "give --capacity-tokens, --num-blocks or --unbounded (the KV capacity of each worker)"
+    if len(given) > 1:
+        return f"{' and '.join(given)} exclude each other; give one of them"
+    return None
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
+    from kvmesh.bench.cli_args import output_file_problem
     from kvmesh.bench.trace import load_mooncake
 
-    if args.capacity_tokens is None and args.num_blocks is None and not args.unbounded:
-        print("error: give --capacity-tokens, --num-blocks or --unbounded", file=sys.stderr)
-        return 2
+    problem = None
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    cost = calibrate() if args.calibrate else CostModel(args.prefill_s_per_token, args.decode_s_per_step)
+    if not policies:
+        problem = (f"--policies {args.policies!r} names no policy; give comma-separated names, e.g. "
+                   f"{','.join(DEFAULT_POLICIES[:3])}")
+    unknown = [name for name in policies if name not in POLICIES and name not in _LAYOUTS]
+    if not problem and unknown:
+        problem = (f"--policies: unknown policy {', '.join(map(repr, unknown))}; known: "
+                   f"{', '.join(sorted([*POLICIES, *_LAYOUTS]))}")
+    problem = problem or _capacity_problem(args)
+    if not problem and args.out:  # checked before the replay (temporary files, removed), not after it
+        out = Path(args.out)
+        problem = output_file_problem(out.with_suffix(".json"), "--out", make_parents=True) or \
+            output_file_problem(out.with_suffix(".md"), "--out", make_parents=True)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         reqs = load_mooncake(args.trace, args.max_requests)
     except (OSError, ValueError) as exc:
         print(f"error: --trace {args.trace}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 2
+    if not reqs:
+        print(f"error: --trace {args.trace} holds no requests (an empty file, or only blank lines); give a "
+              "Mooncake-format JSON Lines trace with at least one request", file=sys.stderr)
+        return 2
+    cost = calibrate() if args.calibrate else CostModel(args.prefill_s_per_token, args.decode_s_per_step)
     work = reqs
     if args.backend == "vllm":  # blocks named by vLLM's published keys (bench.vllm_sim)
         from kvmesh.bench.vllm_sim import prepare_vllm
@@ -925,12 +955,16 @@ def cmd_sim(args: argparse.Namespace) -> int:
         settings["peer_fetch"] = asdict(peer_fetch_from_args(args))
     if args.out:
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         command = _command(args)
-        out.with_suffix(".json").write_text(json.dumps({"command": command, "settings": settings, "results": results},
-                                                       indent=2) + "\n")
-        out.with_suffix(".md").write_text(results_markdown(results, title=args.title, settings=settings,
-                                                           command=command))
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.with_suffix(".json").write_text(json.dumps({"command": command, "settings": settings,
+                                                            "results": results}, indent=2) + "\n")
+            out.with_suffix(".md").write_text(results_markdown(results, title=args.title, settings=settings,
+                                                               command=command))
+        except OSError as exc:
+            print(f"error: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(summary(results), indent=2))
     else:

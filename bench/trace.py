@@ -18,6 +18,7 @@ import gzip
 import json
 import math
 import struct
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -99,21 +100,34 @@ def load_mooncake(path: str | Path, max_requests: int | None = None) -> list[Tra
     ending in ``.gz`` is read through gzip.
 
     Raises:
-        ValueError: a malformed line, naming the file and its 1-based line number.
+        ValueError: a malformed line, naming the file and its 1-based line number; a
+            truncated or corrupt .gz file; bytes that are not UTF-8 text.
         OSError: the file cannot be read.
     """
     if max_requests is not None and max_requests < 0:
         raise ValueError(f"max_requests must be >= 0, got {max_requests}")
     path = Path(path)
     out: list[TraceRequest] = []
-    opener = gzip.open if path.suffix == ".gz" else open  # a .gz file is read decompressed
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if max_requests is not None and len(out) >= max_requests:
-                break
-            if not line.strip():
-                continue
-            out.append(parse_line(line, where=f"{path.name}:line {lineno}"))
+    gz = path.suffix == ".gz"
+    opener = gzip.open if gz else open  # a .gz file is read decompressed
+    lineno = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if max_requests is not None and len(out) >= max_requests:
+                    break
+                if not line.strip():
+                    continue
+                out.append(parse_line(line, where=f"{path.name}:line {lineno}"))
+    except EOFError:  # gzip: the stream stops before its end marker
+        raise ValueError(f"{path.name}: the gzip file is truncated (it ends after line {lineno}); "
+                         "download or copy it again") from None
+    except (gzip.BadGzipFile, zlib.error) as exc:
+        raise ValueError(f"{path.name}: not a valid gzip file ({exc}); a path ending in .gz must be "
+                         "gzip-compressed JSON Lines") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path.name}: not UTF-8 text ({exc.reason}) after line {lineno}"
+                         + ("" if gz else "; a compressed trace must end in .gz")) from None
     return out
 
 

@@ -54,24 +54,86 @@ def test_arrival_inference():
     (["--policies", "kv_aware,kv_aware"], "repeat a name"),
     (["--target", "h:1", "--gsp-num-groups", "2"], "--gsp-num-groups only applies to --workload shared-prefix"),
     (["--target", "h:1", "--workload", "shared-prefix", "--mt-turns", "2"], "only applies to --workload multi-turn"),
-    (["--target", "h:1", "--workload", "multi-turn", "--trace", "t.jsonl"], "--trace only applies"),
+    (["--target", "h:1", "--workload", "multi-turn", "--trace", __file__], "--trace only applies"),
     (["--target", "h:1", "--arrival", "poisson"], "needs --rate"),
     (["--target", "h:1", "--rate", "1", "--arrival", "closed"], "--rate only applies"),
     (["--target", "h:1", "--max-concurrency", "2"], "a closed loop uses --concurrency"),
     (["--target", "h:1", "--arrival", "trace", "--workload", "shared-prefix"], "need a timestamp"),
-    (["--target", "h:1", "--slo-tpot-ms", "-3"], "SLO tpot_ms"),
-    (["--target", "h:1", "--duration-s", "0"], "duration_s must be"),
     (["--target", "h:1", "--max-requests", "3", "--warmup-requests", "3"], "leave nothing to measure"),
     (["--policies", "kv_aware", "--max-requests", "3", "--warmup-requests", "5"], "leave nothing to measure"),
-    (["--policies", "kv_aware", "--grace-s", "-1", "--duration-s", "3"], "grace_s must be"),
-    (["--target", "h:1", "--max-output-tokens", "0"], "--max-output-tokens must be >= 1"),
-    (["--target", "h:1", "--trace", "/nonexistent/t.jsonl"], "No such file"),
+    (["--target", "h:1", "--grace-s", "5"], "--grace-s only applies with --duration-s"),
+    (["--target", "nonsense"], "--target 'nonsense' is not HOST:PORT"),
+    (["--target", "h:0"], "is not HOST:PORT"),
+    (["--target", "http://127.0.0.1:1/v1"], "pass --api openai"),
+    (["--target", "ftp://h:1", "--api", "openai"], "is not an http:// or https:// URL"),
+    (["--target", "nonsense", "--api", "openai"], "is neither HOST:PORT"),
 ])
 def test_bad_flags_exit_2_with_a_message(argv, message, tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err, err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--concurrency", "0"], "--concurrency must be"),
+    (["--rate", "0"], "--rate must be a number > 0"),
+    (["--rate", "nan"], "--rate must be a number > 0"),
+    (["--gsp-num-groups", "0"], "--gsp-num-groups must be"),
+    (["--gsp-system-prompt-len", "-1"], "--gsp-system-prompt-len must be an integer >= 0"),
+    (["--mt-turns", "0"], "--mt-turns must be"),
+    (["--vocab-size", "1"], "--vocab-size must be an integer >= 2"),
+    (["--duration-s", "0"], "--duration-s must be"),
+    (["--duration-s", "3", "--grace-s", "-1"], "--grace-s must be a number >= 0"),
+    (["--tokens-per-block", "0"], "--tokens-per-block must be"),
+    (["--slo-ttft-ms", "-5"], "--slo-ttft-ms must be"),
+    (["--slo-tpot-ms", "nan"], "--slo-tpot-ms must be"),
+    (["--timeout", "0"], "--timeout must be"),
+    (["--max-output-tokens", "0"], "--max-output-tokens must be"),
+    (["--max-requests", "-1"], "--max-requests must be an integer >= 0"),
+    (["--max-error-rate", "1.5"], "--max-error-rate must be a number >= 0 and <= 1"),
+    (["--trace", "/nonexistent/t.jsonl"], "--trace /nonexistent/t.jsonl: no such file"),
+    (["--metrics-url", "notaurl"], "--metrics-url 'notaurl' is not an http:// or https:// URL"),
+    (["--metrics-url", "http://h:99999/metrics"], "--metrics-url 'http://h:99999/metrics' is not a valid URL"),
+])
+def test_bad_values_are_argparse_errors_that_name_the_flag(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--target", "h:1", *argv, "--out", str(tmp_path / "o"), "--no-progress"])
+    err = capsys.readouterr().err
+    flag = argv[-2] if argv[-2].startswith("--") else argv[0]
+    assert exc.value.code == 2 and f"argument {flag}: {message}" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_an_out_that_is_a_file_or_cannot_be_written_is_refused(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("x")
+    for out, message in ((tmp_path / "a-file", "a file of that name exists"),
+                         (tmp_path / "a-file" / "sub", "is not a folder"),
+                         ("/proc/kvmesh-bench-out", "cannot write in /proc")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--target", "h:1", "--out", str(out), "--no-progress"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"argument --out: --out {out}: " in err and message in err, err
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
+def test_a_truncated_or_empty_trace_names_the_flag(tmp_path, capsys):
+    from kvmesh.bench.trace import DEFAULT_SAMPLE
+
+    cut = tmp_path / "t.jsonl.gz"
+    cut.write_bytes((DEFAULT_SAMPLE.parent / "mooncake_conversation_trace.jsonl.gz").read_bytes()[:1000])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    for trace, message in ((cut, "truncated"), (empty, "holds no requests")):
+        assert main(["--target", "h:1", "--trace", str(trace), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --trace {trace}") and message in err, err
+
+
+def test_grace_s_applies_with_duration_s():
+    args = _parse("--target", "h:1", "--duration-s", "2", "--grace-s", "5")
+    assert args.grace_s == 5.0 and _parse("--target", "h:1").grace_s is None
 
 
 def test_comparison_markdown_heading_and_plots():

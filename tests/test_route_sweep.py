@@ -110,6 +110,14 @@ def test_agent_sessions_extend_their_own_context_step_by_step():
     (["--mooncake-requests", "0"], "--mooncake-requests"),
     (["--kv-aware", '{"bogus": 1}'], "bogus"),
     (["--kv-aware", "[1]"], "--kv-aware"),
+    (["--kv-aware", '{"share_cap": NaN}'], "--kv-aware: share_cap must be a finite number"),
+    (["--kv-aware", '{"share_cap": Infinity}'], "--kv-aware: share_cap must be a finite number"),
+    (["--kv-aware", '{"share_cap": "0.1"}'], "--kv-aware: share_cap must be a number"),
+    (["--kv-aware", '{"widely_held": null}'], "--kv-aware: widely_held must be a number"),
+    (["--kv-aware", '{"share_cap": true}'], "--kv-aware: share_cap must be a number"),
+    (["--kv-aware", '{"share_cap": [1]}'], "--kv-aware: share_cap must be a number"),
+    (["--kv-aware", '{"bogus": 1}'], "--kv-aware: unknown argument(s) bogus"),
+    (["--kv-aware", "{share_cap: 1}"], "--kv-aware is not valid JSON"),
     (["--policies", "kv_aware,nope"], "nope"),
     (["--peer-fetch-gbps", "0"], "--peer-fetch-gbps"),
     (["--kv-bytes-per-token", "-1"], "--kv-bytes-per-token"),
@@ -126,3 +134,24 @@ def test_an_unwritable_json_path_is_refused_before_the_sweep(tmp_path, capsys, m
     with pytest.raises(SystemExit) as exc:
         route_sweep.main(["--workloads", "bursty", "--quiet", "--json", str(tmp_path / "missing" / "x.json")])
     assert exc.value.code == 2 and "--json" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_a_json_path_in_a_folder_that_takes_no_files_is_refused_before_the_sweep(tmp_path, capsys, monkeypatch):
+    # /proc passes os.access(W_OK) for root but takes no new files: only a real try tells.
+    monkeypatch.setattr(route_sweep, "run_sweep", lambda *a, **k: pytest.fail("replayed despite a bad --json"))
+    (tmp_path / "a-file").write_text("x")
+    for path in ("/proc/kvmesh-sweep.json", str(tmp_path / "a-file" / "x.json"), str(tmp_path)):
+        with pytest.raises(SystemExit) as exc:
+            route_sweep.main(["--workloads", "bursty", "--quiet", "--json", path])
+        assert exc.value.code == 2 and f"--json {path}" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
+def test_a_writable_json_path_is_checked_without_leaving_a_file(tmp_path, capsys, monkeypatch):
+    def sweep(*a, **k):
+        assert list(tmp_path.iterdir()) == []  # the check's temporary file is gone, and x.json not made yet
+        return []
+    monkeypatch.setattr(route_sweep, "run_sweep", sweep)
+    assert route_sweep.main(["--workloads", "bursty", "--quiet", "--json", str(tmp_path / "x.json")]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]

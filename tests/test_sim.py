@@ -420,3 +420,59 @@ def test_cli_sim_peer_fetch_adds_the_peer_column(capsys):
     assert sim.main(["--trace", str(DEFAULT_SAMPLE), "--workers", "2", "--capacity-tokens", "10000",
                      "--max-requests", "5", "--policies", "kv_aware", "--no-progress"]) == 0
     assert "from a peer" not in capsys.readouterr().out
+
+
+def _no_replay(monkeypatch):
+    monkeypatch.setattr(sim, "run_policies", lambda *a, **k: pytest.fail("replayed despite a bad flag"))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--unbounded", "--policies", ""], "--policies '' names no policy"),
+    (["--unbounded", "--policies", " , "], "names no policy"),
+    (["--unbounded", "--policies", "pooled,nope"], "--policies: unknown policy 'nope'"),
+    (["--unbounded", "--capacity-tokens", "100"], "--capacity-tokens and --unbounded exclude each other"),
+    (["--capacity-tokens", "100", "--num-blocks", "10"], "--capacity-tokens and --num-blocks exclude each other"),
+    (["--num-blocks", "10", "--unbounded"], "--num-blocks and --unbounded exclude each other"),
+])
+def test_cli_sim_refuses_conflicting_or_empty_flags(argv, message, capsys, monkeypatch):
+    _no_replay(monkeypatch)
+    assert sim.main(["--trace", str(DEFAULT_SAMPLE), "--no-progress", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_sim_refuses_an_empty_trace(tmp_path, capsys, monkeypatch):
+    _no_replay(monkeypatch)
+    for text in ("", "\n\n  \n"):
+        trace = tmp_path / "empty.jsonl"
+        trace.write_text(text)
+        assert sim.main(["--trace", str(trace), "--unbounded", "--no-progress"]) == 2
+        assert f"--trace {trace} holds no requests" in capsys.readouterr().err
+
+
+def test_cli_sim_names_a_truncated_gzip_trace(tmp_path, capsys, monkeypatch):
+    _no_replay(monkeypatch)
+    trace = tmp_path / "t.jsonl.gz"
+    trace.write_bytes(DEFAULT_TRACE.read_bytes()[:1000])
+    assert sim.main(["--trace", str(trace), "--unbounded", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --trace {trace}: ") and "truncated" in err
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_cli_sim_refuses_an_unwritable_out_before_the_replay(tmp_path, capsys, monkeypatch):
+    _no_replay(monkeypatch)
+    (tmp_path / "file").write_text("x")
+    for out in ("/proc/kvmesh-sim-out", str(tmp_path / "file" / "r")):
+        assert sim.main(["--trace", str(DEFAULT_SAMPLE), "--unbounded", "--no-progress", "--out", out]) == 2
+        assert f"error: --out {out}" in capsys.readouterr().err
+    (tmp_path / "r.json").mkdir()
+    assert sim.main(["--trace", str(DEFAULT_SAMPLE), "--unbounded", "--no-progress", "--out", str(tmp_path / "r")]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "r.json"]  # no check file left behind
+
+
+def test_cli_sim_out_creates_missing_folders(tmp_path, capsys):
+    out = tmp_path / "a" / "b" / "r"
+    assert sim.main(["--trace", str(DEFAULT_SAMPLE), "--unbounded", "--no-progress", "--max-requests", "5",
+                     "--policies", "round_robin", "--json", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.parent.iterdir()) == ["r.json", "r.md"]

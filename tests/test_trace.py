@@ -77,6 +77,43 @@ def test_load_stops_before_a_bad_line_past_max_requests(tmp_path):
     assert len(load_mooncake(p, max_requests=2)) == 2
 
 
+def test_a_truncated_or_corrupt_gzip_trace_is_a_value_error_not_an_eof_error(tmp_path):
+    import gzip
+
+    whole = gzip.compress(("\n".join(_line(ts=i) for i in range(400)) + "\n").encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"cut\.jsonl\.gz: the gzip file is truncated"):
+        load_mooncake(cut)
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(b"not gzip at all")
+    with pytest.raises(ValueError, match=r"bad\.jsonl\.gz: not a valid gzip file"):
+        load_mooncake(bad)
+    corrupt = tmp_path / "corrupt.jsonl.gz"
+    corrupt.write_bytes(whole[:20] + bytes(b ^ 0xFF for b in whole[20:60]) + whole[60:])
+    with pytest.raises(ValueError, match=r"corrupt\.jsonl\.gz: not a valid gzip file"):
+        load_mooncake(corrupt)
+    plain = tmp_path / "gz-without-suffix.jsonl"
+    plain.write_bytes(whole)
+    with pytest.raises(ValueError, match=r"not UTF-8 text.*must end in \.gz"):
+        load_mooncake(plain)
+
+
+def test_the_demo_names_its_trace_flag_for_a_truncated_trace_before_any_cluster(tmp_path, monkeypatch):
+    import gzip
+
+    from kvmesh.bench import demo
+    from kvmesh.services import launcher
+
+    monkeypatch.setattr(launcher, "LocalCluster", lambda *a, **k: pytest.fail("started a cluster"))
+    whole = gzip.compress(("\n".join(_line(ts=i) for i in range(400)) + "\n").encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=rf"^--trace {re.escape(str(cut))}: .*truncated"):
+        demo.run_demo(trace=str(cut), out_dir=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------- synthesis
 
 
