@@ -12,11 +12,13 @@ import time
 
 import grpc
 import pytest
+import redis
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.services.cli import generate
 from kvmesh.services.launcher import ClusterSpec, LocalCluster
+from kvmesh.workers.kv_publisher import lease_key
 
 pytestmark = pytest.mark.slow
 BS = 16
@@ -44,6 +46,11 @@ def clear_worker(address: str) -> None:
 def toks(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(256) for _ in range(n)]
+
+
+def router_polls(rc: redis.Redis) -> int:
+    """Registry polls of the router's index subscriber so far, as Redis counted them."""
+    return int(rc.info("commandstats").get("cmdstat_smembers", {}).get("calls", 0))
 
 
 def wait_for(pred, timeout: float, what: str):
@@ -139,15 +146,28 @@ def test_sigkill_worker_mid_run(cluster):
     # the router forwarded the request, which then retries the 2000-token run elsewhere
     assert streaming.wait(30), "the long request never started streaming"
     assert outcome.get("worker_id") == victim, outcome  # same prefix: routed to its holder
-    killed_at = time.monotonic()
-    cluster.kill_worker(victim)
+    cluster.kill_worker(victim)  # returns once the process is gone: no heartbeat after this
+    rc = redis.Redis.from_url(cluster.redis_url)
+    lease = lease_key(victim, cluster.cluster)
+    # the lease lapses within its TTL: its last heartbeat set it to expire at most that much
+    # later (Redis's clock; -2: already gone)
+    left_ms = rc.pttl(lease)
+    assert left_ms == -2 or 0 < left_ms <= LEASE_TTL_S * 1000, left_ms
     t.join(30)
     assert not t.is_alive(), "in-flight request hung after its worker was killed"
     assert "result" in outcome or outcome.get("code") == grpc.StatusCode.UNAVAILABLE
-    # entries leave the index within the lease (+ one poll of the subscriber)
-    wait_for(lambda: all(w.worker_id != victim for w in status(target).workers), LEASE_TTL_S + 3,
-             "the killed worker's lease to lapse")
-    assert time.monotonic() - killed_at <= LEASE_TTL_S + 3
+    # entries leave the index within the lease (+ one poll of the subscriber): counted in
+    # the router's registry polls (each one SMEMBERS, which only the router's subscriber
+    # sends; Redis counts them), not in seconds a busy machine could stretch
+    wait_for(lambda: not rc.exists(lease), 60, "the killed worker's lease to lapse")  # only against a hang
+    expired_at = router_polls(rc)
+    # a poll that starts after the expiry no longer lists the victim; the one under way may
+    # have read the lease just before. Once a second poll has started, the first is done.
+    wait_for(lambda: all(w.worker_id != victim for w in status(target).workers)
+                    or router_polls(rc) >= expired_at + 2, 60, "the router's next polls")
+    assert all(w.worker_id != victim for w in status(target).workers), \
+        f"the killed worker is still routed to {router_polls(rc) - expired_at} polls after its lease lapsed"
+    rc.close()
     # later requests, even with the victim's prefix, go to survivors and succeed
     for i in range(3):
         out = generate(target, token_ids=prompt + toks(40 + i, 8), max_tokens=2, timeout=30)

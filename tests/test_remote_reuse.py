@@ -273,59 +273,160 @@ def test_silent_redis_delays_only_the_prefetch_and_never_the_engine(cold_engine)
 
 
 @pytest.mark.slow
+class HangingRedis:
+    """A Redis that completes each client's connection handshake and then never answers a
+    command (as one SIGSTOPped once its clients are connected): every call waits for the
+    client's own timeout. It records the commands each connection sent, connections in the
+    order they arrived, so a test counts the calls that reached it (each of which waited).
+
+    ``barrier()`` marks a point in that order: every connection made before it is counted
+    from then on, however late a busy machine lets this process read it."""
+
+    HANDSHAKE = {"HELLO", "CLIENT", "SELECT", "AUTH"}
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self._srv = socket.socket()
+        self._srv.bind(("127.0.0.1", 0))
+        self._srv.listen(128)
+        self.port = self._srv.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.conns: list[dict] = []  # arrival order: {"cmds": [command names], "eof": bool}
+        self._socks: list = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        self._srv.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._srv.accept()
+            except OSError:
+                continue
+            rec = {"cmds": [], "eof": False}
+            with self._lock:
+                self.conns.append(rec)
+                self._socks.append(conn)
+            threading.Thread(target=self._serve, args=(conn, rec), daemon=True).start()
+
+    def _serve(self, conn, rec: dict) -> None:
+        f = conn.makefile("rb")
+        try:
+            while True:
+                head = f.readline()
+                if not head.startswith(b"*"):
+                    return  # closed (or not RESP)
+                args = []
+                for _ in range(int(head[1:])):
+                    size = int(f.readline()[1:])
+                    args.append(f.read(size + 2)[:-2])
+                name = args[0].decode().upper()
+                rec["cmds"].append(name)
+                if name == "HELLO":
+                    conn.sendall(b"%1\r\n+proto\r\n:3\r\n")
+                elif name in self.HANDSHAKE:
+                    conn.sendall(b"+OK\r\n")
+                # anything else: no answer, ever
+        except (OSError, ValueError, IndexError):
+            return
+        finally:
+            rec["eof"] = True
+
+    def barrier(self, timeout: float = 30.0) -> int:
+        """Index in ``conns`` of a connection made now, once every connection made before it
+        was read up to its first real command (or its end). ``timeout`` only against a hang."""
+        import socket
+
+        deadline = time.monotonic() + timeout
+        with socket.create_connection(("127.0.0.1", self.port)) as s:
+            s.sendall(b"*1\r\n$7\r\nBARRIER\r\n")
+            while True:
+                with self._lock:
+                    conns = list(self.conns)
+                mark = next((i for i, c in enumerate(conns) if c["cmds"] == ["BARRIER"]), None)
+                if mark is not None and all(c["eof"] or set(c["cmds"]) - self.HANDSHAKE for c in conns[:mark]):
+                    c = conns[mark]
+                    c["cmds"] = ["BARRIER-DONE"]  # never matched again
+                    return mark
+                assert time.monotonic() < deadline, "the stand-in Redis did not read its connections"
+                time.sleep(0.01)
+
+    def count(self, command: str, start: int, stop: int) -> int:
+        """``command``s sent on the connections ``start:stop`` (arrival order)."""
+        with self._lock:
+            return sum(c["cmds"].count(command) for c in self.conns[start:stop])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._srv.close()
+        with self._lock:
+            for c in self._socks:
+                c.close()
+
+
 def test_worker_with_a_hung_redis_keeps_answering_concurrent_requests(tmp_path):
     """The cluster's Redis accepts connections and never answers (as if SIGSTOPped). Eight
     concurrent requests to a worker using it as its remote tier all finish in about one
-    Redis timeout, not one timeout each in a queue."""
-    import socket
+    Redis timeout, not one timeout each in a queue; once the tier cools down, in none.
+
+    Counted, not timed: each remote-tier read that reached Redis is one MGET the stand-in
+    saw, and each waited for the timeout. The worker's prefetch pool runs at most
+    ``PREFETCH_THREADS`` reads at once, and after a timeout the tier tries Redis again only
+    once its cool-down is over, which the worker logs ("not trying Redis for"). So the
+    reads that waited number at most one per prefetch thread per cool-down opened (all
+    waiting together: about one timeout), and a round inside a cool-down makes none."""
+    import re
     import threading
 
     from tests.test_worker_tiers import generate
 
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(64)
-    held, stop = [], threading.Event()
-
-    def accept():
-        srv.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                held.append(srv.accept()[0])
-            except OSError:
-                pass
-
-    threading.Thread(target=accept, daemon=True).start()
+    prefetch_threads = 4  # kvmesh.workers.server.WorkerServicer's prefetch pool
+    hung = HangingRedis()
     port = free_port()
+    log = tmp_path / "w.log"
     cmd = python_cmd("worker", "--port", str(port), "--worker-id", "w", "--threads", "1", "--num-blocks", "160",
-                     "--host-bytes", "8M", "--remote-bytes", "64M", "--redis-url",
-                     f"redis://127.0.0.1:{srv.getsockname()[1]}/0", "--cluster", "hung")
-    proc = spawn(cmd, str(tmp_path / "w.log"))
+                     "--host-bytes", "8M", "--remote-bytes", "64M", "--redis-url", hung.url, "--cluster", "hung")
+    proc = spawn(cmd, str(log))
+
+    def cooldowns_opened() -> int:  # the worker's own account, one line per cool-down opened
+        return len(re.findall(r"remote tier \(hung\): .*; not trying Redis for", log.read_text(errors="replace")))
+
     try:
         wait_healthy(f"127.0.0.1:{port}", proc=proc, timeout=120)
-        walls = []
+        mark, opened = hung.barrier(), cooldowns_opened()
+        rounds = []  # (remote-tier reads that reached Redis, cool-downs opened) per round
+        for rnd in range(6):
+            answered = []
 
-        def one(seed):
-            walls.append(generate(f"127.0.0.1:{port}", rand_prompt(seed, 120), max_tokens=2)["wall_s"])
+            def one(seed):
+                answered.append(len(generate(f"127.0.0.1:{port}", rand_prompt(seed, 120), max_tokens=2)["token_ids"]))
 
-        took = []
-        for rounds in range(2):  # the second round finds the tier cooling down: no wait at all
-            walls.clear()
-            threads = [threading.Thread(target=one, args=(10 * rounds + i,)) for i in range(8)]
-            t0 = time.monotonic()
+            threads = [threading.Thread(target=one, args=(10 * rnd + i,)) for i in range(8)]
             for t in threads:
                 t.start()
             for t in threads:
-                t.join(60)
-            took.append(time.monotonic() - t0)
-            assert len(walls) == 8, walls
-        assert took[0] < 6.0 and took[1] < 2.0, took
+                t.join(120)  # only against a hang
+            assert answered == [2] * 8, answered
+            end, now_opened = hung.barrier(), cooldowns_opened()
+            reads, opens = hung.count("MGET", mark, end), now_opened - opened
+            mark, opened = end, now_opened
+            rounds.append((reads, opens))
+            # never more waits than one per prefetch thread per cool-down opened
+            assert reads <= prefetch_threads * opens, f"reads that waited for Redis, cool-downs opened: {rounds}"
+            if rnd == 0:
+                assert reads >= 1 and opens >= 1, rounds  # Redis was tried, timed out and cools down
+            elif opens == 0:
+                break  # a round inside the cool-down: no read reached Redis (asserted above)
+            # else: a very slow machine outlasted the cool-down (10 s); the next round is inside one
+        assert rounds[-1] == (0, 0), f"no round ran inside a cool-down: {rounds}"
     finally:
         stop_process(proc)
-        stop.set()
-        srv.close()
-        for c in held:
-            c.close()
+        hung.close()
 
 
 def test_record_of_the_wrong_payload_size_is_a_miss_and_is_deleted(redis_server, cold_engine):
