@@ -220,20 +220,26 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    from kvmesh.services.cli_checks import busy_port_problem
+    from kvmesh.services.cli_checks import server_ports_problem, worker_resource_problem
     from kvmesh.services.procs import free_port
 
     bind_host = args.host if args.host not in ("", "::", "[::]") else "0.0.0.0"
+    # every port before the model loads and a lease names this one (--http-port, --metrics-port too)
+    problem = server_ports_problem(bind_host, args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.port == 0:  # pick a free port now, so the lease and the peers get the real one
         args.port = free_port(bind_host)
-    elif busy_port_problem(bind_host, args.port):  # before the model loads and a lease names this port
-        print(f"error: {busy_port_problem(bind_host, args.port)}", file=sys.stderr)
-        return 2
     worker_id = args.worker_id or f"{socket.gethostname()}:{args.port}"
     try:
         tier_config(args).validate()
     except ValueError as exc:
         print(f"error: {with_flag_names(exc)}", file=sys.stderr)
+        return 2
+    problem = worker_resource_problem(args)  # disk folder, tier sizes, KV pool memory: before allocating
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     peer = peer_options(args)
     from kvmesh.services.observability import server_ports
@@ -246,17 +252,41 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     secure = {"tls": gate.tls, "gate": gate, "reflection": args.reflection}
+
+    def serve(engine) -> int:
+        from kvmesh.services.cli_checks import bind_error_problem
+
+        try:
+            asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
+                                     advertise=advertise, **ports, **secure))
+        except RuntimeError as exc:  # a port taken since it was checked: still a usage error naming its flag
+            problem = bind_error_problem(exc, args.port)
+            if problem is None:
+                raise
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+        return 0
+
     if not args.redis_url:
         try:
             engine = make_engine(args)
         except ValueError as exc:  # a setting that only the model's shape can check
             print(f"error: {with_flag_names(exc)}", file=sys.stderr)
             return 2
-        asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
-                                 advertise=advertise, **ports, **secure))
-        return 0
-    from kvmesh.workers.kv_publisher import KVEventPublisher, WorkerLease
+        return serve(engine)
+    from kvmesh.workers.kv_publisher import KVEventPublisher, WorkerLease, live_lease_holder
 
+    try:  # two processes under one id would overwrite each other's lease and KV event stream
+        holder = live_lease_holder(args.redis_url, worker_id, cluster=args.cluster)
+    except Exception as exc:  # Redis down at start: the publisher and the lease retry on their own
+        logging.getLogger("kvmesh.worker").warning("could not check whether worker id %s is in use (%s)",
+                                                   worker_id, exc)
+        holder = None
+    if holder is not None:
+        print(f"error: --worker-id {worker_id} is in use in cluster {args.cluster!r}: a live worker at "
+              f"{holder.get('address', '?')} renews its lease; give this worker another --worker-id, or stop "
+              "that one first", file=sys.stderr)
+        return 2
     publisher = KVEventPublisher(args.redis_url, worker_id, cluster=args.cluster)
     try:
         engine = make_engine(args, event_sink=publisher.sink)
@@ -274,14 +304,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
         peer["holder_check"] = LeaseCheck(args.redis_url, cluster=args.cluster)
     try:
-        asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
-                                 advertise=advertise, **ports, **secure))
+        return serve(engine)
     finally:
         lease.close()
         publisher.close()
         if "holder_check" in peer:
             peer["holder_check"].close()
-    return 0
 
 
 def peer_options(args: argparse.Namespace) -> dict:

@@ -67,6 +67,8 @@ def _positive(kind: type, flag: str):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} must be {noun} (got {text!r})") from None
+        if kind is float and not abs(value) < float("inf"):  # inf, -inf, nan
+            raise argparse.ArgumentTypeError(f"{flag} must be a finite number > 0 (got {text})")
         if not 0 < value < float("inf"):
             raise argparse.ArgumentTypeError(f"{flag} must be {'>= 1' if kind is int else '> 0'} (got {value})")
         return value
@@ -84,6 +86,23 @@ def positive_float(flag: str):
     (0, negative, NaN, inf, not a number) raises ``argparse.ArgumentTypeError`` naming
     ``flag`` (argparse exits 2 with it)."""
     return _positive(float, flag)
+
+
+#: What a ``--cluster`` name may be: it becomes part of every Redis key of the cluster.
+CLUSTER_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def cluster_name(text: str) -> str:
+    """argparse type of ``--cluster``: 1-64 letters, digits, ``.``, ``_`` or ``-`` (the name
+    is part of the cluster's Redis keys).
+
+    Raises:
+        argparse.ArgumentTypeError: an empty name, another character, or over 64 characters.
+    """
+    if not CLUSTER_NAME_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a cluster name: use 1-64 letters, digits, '.', '_' or '-' "
+                                         "(it becomes part of the cluster's Redis keys), e.g. kvmesh-v1")
+    return text
 
 
 def port_in_use(host: str, port: int) -> str | None:
@@ -109,6 +128,225 @@ def busy_port_problem(host: str, port: int, flag: str = "--port") -> str | None:
     if reason:
         return (f"{flag} {port}: could not bind {host}:{port} ({reason}); pick another port, "
                 f"or pass {flag} 0 for a free one")
+    return None
+
+
+def server_ports_problem(host: str, args: argparse.Namespace, grpc_flag: str | None = "--port") -> str | None:
+    """A message naming the flag when a port a `worker` or `router` binds on ``host`` is
+    taken: ``args.port`` (``grpc_flag``; None: not checked here), ``--http-port`` and
+    ``--metrics-port`` (None = off, 0 = a free one: neither is checked), or when two of them
+    name the same port. None when every port can be bound now."""
+    bind = host if host not in ("", "::", "[::]") else "0.0.0.0"
+    ports = [(grpc_flag, getattr(args, "port", None))] if grpc_flag else []
+    ports += [("--http-port", getattr(args, "http_port", None)),
+              ("--metrics-port", getattr(args, "metrics_port", None))]
+    seen: dict[int, str] = {}
+    for flag, port in ports:
+        if not port or not 0 < port < 65536:  # off, a free one, or out of range (checked where it is parsed)
+            continue
+        if port in seen:
+            return f"{flag} {port} is the {seen[port]} too; give each server its own port (0: a free one)"
+        seen[port] = flag
+        problem = busy_port_problem(bind, port, flag)
+        if problem:
+            return problem
+    return None
+
+
+def disk_dir_problem(path: str | None, flag: str = "--disk-dir") -> str | None:
+    """Why the disk tier cannot use folder ``path`` (an existing file, a path under a file,
+    a parent that refuses new folders, a folder that refuses new files), or None (also for
+    None). Probes by creating, then removing, a temporary file or folder: ``access()`` says
+    yes to root even where the kernel then refuses (``/proc``)."""
+    import tempfile
+
+    if not path:
+        return None
+    full = os.path.abspath(path)
+    if os.path.exists(full):
+        if not os.path.isdir(full):
+            return f"{flag} {path}: exists and is not a folder; name a folder (it is created if missing)"
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".kvmesh-probe-", dir=full)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            return (f"{flag} {path}: the folder is not writable ({exc.strerror or exc}); name a folder this user "
+                    "can write")
+        return None
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):  # the nearest existing ancestor: the one makedirs starts from
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{flag} {path}: cannot be created, {parent} is a file, not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvmesh-probe-", dir=parent))
+    except OSError as exc:
+        return (f"{flag} {path}: cannot be created: making a folder in {parent} fails ({exc.strerror or exc}); "
+                "name a folder this user can create")
+    return None
+
+
+#: Bytes per element of the dtypes a KV pool can have (`workers.config.SUPPORTED_DTYPES`).
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def model_shape(model: str | None):
+    """The `ModelConfig` the worker will load for ``--model`` (None: the built-in one);
+    call after `model_problem` found nothing. Imports torch for a folder (`loader`)."""
+    if model is None:
+        from kvmesh.workers.config import ModelConfig
+
+        return ModelConfig.tiny()
+    from kvmesh.workers.loader import read_config
+
+    return read_config(model)
+
+
+def kv_block_bytes(cfg, block_size: int) -> int:
+    """Bytes one block takes in the worker's KV pool, as `workers.model.allocate_kv_cache`
+    allocates it: layers x 2 (K, V) x kv heads x block_size x head_dim x bytes of the
+    checkpoint's dtype (the pool keeps it whatever the compute dtype)."""
+    return (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * block_size * cfg.head_dim
+            * _DTYPE_BYTES[cfg.dtype])
+
+
+def available_memory(device: str) -> tuple[int, str] | None:
+    """(bytes free for a new allocation on ``device``, where that figure comes from), or None
+    when unknown. CPU: ``MemAvailable`` of /proc/meminfo, lowered to the cgroup's
+    ``memory.max - memory.current`` when that is smaller; CUDA: free bytes of
+    ``torch.cuda.mem_get_info``."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        try:
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
+        except (RuntimeError, AssertionError, ValueError):
+            return None
+        return int(free), f"free on {device}"
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            avail = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    where = "MemAvailable"
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as fh:
+            limit = fh.read().strip()
+        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as fh:
+            used = int(fh.read().strip())
+        if limit != "max" and int(limit) - used < avail:
+            avail, where = max(0, int(limit) - used), "left under this cgroup's memory.max"
+    except (OSError, ValueError):
+        pass
+    return avail, where
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def kv_pool_problem(args: argparse.Namespace, cfg, workers: int = 1) -> str | None:
+    """A message naming ``--num-blocks`` and ``--block-size`` when the KV pool of ``workers``
+    workers (``cfg``: the model's `ModelConfig`) needs more memory than ``args.device`` has
+    free now, with both figures; else None."""
+    per_worker = kv_block_bytes(cfg, args.block_size) * args.num_blocks
+    need = per_worker * workers
+    free = available_memory(args.device)
+    if free is None or need <= free[0]:
+        return None
+    each = f" per worker x {workers} workers = {need:,} bytes ({_gib(need)})" if workers > 1 else ""
+    return (f"--num-blocks {args.num_blocks} x --block-size {args.block_size}: the KV pool needs {per_worker:,} bytes "
+            f"({_gib(per_worker)}){each} of {args.device} memory ({cfg.num_hidden_layers} layers x 2 x "
+            f"{cfg.num_key_value_heads} kv heads x {cfg.head_dim} head_dim x {_DTYPE_BYTES[cfg.dtype]} bytes "
+            f"({cfg.dtype}) per token), but {free[0]:,} bytes ({_gib(free[0])}) are available ({free[1]}); "
+            "lower --num-blocks or --block-size")
+
+
+def tier_block_bytes(cfg, block_size: int, codec: str) -> int:
+    """Bytes one block takes in a host tier with ``codec`` (its payload, scales included);
+    torch is imported only for a codec other than ``none``."""
+    pool = kv_block_bytes(cfg, block_size)
+    if codec == "none":
+        return pool
+    import torch
+
+    from kvmesh.cache_store.kv_codec import make_codec
+
+    shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, block_size, cfg.head_dim)
+    return int(make_codec(codec, shape, getattr(torch, cfg.dtype)).payload_bytes)
+
+
+def tier_size_problem(args: argparse.Namespace, cfg) -> str | None:
+    """A message naming ``--host-bytes``, ``--disk-bytes`` or ``--remote-bytes`` when it is
+    set (> 0) but cannot hold one block of the model ``cfg`` in its codec: a host tier of 0
+    slots, a disk tier whose one-block segment is over its capacity, a remote tier smaller
+    than one record. None otherwise."""
+    host = getattr(args, "host_bytes", 0) or 0
+    if host > 0:
+        need = tier_block_bytes(cfg, args.block_size, args.host_codec)
+        if host < need:
+            return (f"--host-bytes {host} cannot hold one block: a block of {args.block_size} tokens takes {need:,} "
+                    f"bytes with --host-codec {args.host_codec}; give at least {need} (e.g. {_size_hint(need)})")
+    disk = getattr(args, "disk_bytes", 0) or 0
+    remote = getattr(args, "remote_bytes", 0) or 0
+    if not (disk > 0 and getattr(args, "disk_dir", None)) and not remote > 0:
+        return None
+    from kvmesh.cache_store.block_record import HEADER_BYTES  # imports torch
+
+    if disk > 0 and getattr(args, "disk_dir", None):
+        from kvmesh.cache_store.disk_tier import SEGMENT_HEADER_BYTES
+
+        need = (SEGMENT_HEADER_BYTES + HEADER_BYTES + 4 * args.block_size
+                + tier_block_bytes(cfg, args.block_size, args.disk_codec))
+        if disk < need:
+            return (f"--disk-bytes {disk} cannot hold one block: a segment with one block of {args.block_size} tokens "
+                    f"takes {need:,} bytes with --disk-codec {args.disk_codec}; give at least {need} "
+                    f"(e.g. {_size_hint(need)})")
+    if remote > 0:  # as `cache_store.tier_store.TierStore` checks it, once the engine is built
+        need = HEADER_BYTES + 4 * args.block_size + tier_block_bytes(cfg, args.block_size, args.remote_codec)
+        if remote < need:
+            return (f"--remote-bytes {remote} cannot hold one block record: one of {args.block_size} tokens takes "
+                    f"{need:,} bytes with --remote-codec {args.remote_codec}; give at least {need} "
+                    f"(e.g. {_size_hint(need)})")
+    return None
+
+
+def _size_hint(n: int) -> str:
+    """``n`` bytes rounded up to a whole K, M or G as the size flags take it."""
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size:
+            return f"{-(-n // size)}{unit}"
+    return str(n)
+
+
+def worker_resource_problem(args: argparse.Namespace, workers: int = 1) -> str | None:
+    """The checks of a worker's resources made before it starts (or `up` starts ``workers``
+    of them): ``--disk-dir`` usable, the KV pool within the device's free memory,
+    ``--host-bytes`` / ``--disk-bytes`` / ``--remote-bytes`` at least one block. Call after the flag, model and device
+    checks passed."""
+    problem = disk_dir_problem(getattr(args, "disk_dir", None))
+    if problem:
+        return problem
+    try:
+        cfg = model_shape(args.model)
+    except ValueError as exc:
+        return f"--model: {exc}"
+    try:
+        return kv_pool_problem(args, cfg, workers) or tier_size_problem(args, cfg)
+    except ValueError as exc:  # a codec that cannot encode this model's blocks
+        return with_flag_names(exc)
+
+
+def bind_error_problem(exc: BaseException, port: int, flag: str = "--port") -> str | None:
+    """A server's own bind failure (a port taken between the check and the bind) as a
+    message naming the flag, or None when ``exc`` is not one. `GrpcHost.start` says "could
+    not bind HOST:PORT: ..."; the HTTP and metrics servers already name their flag."""
+    text = str(exc)
+    if text.startswith("could not bind"):
+        return f"{flag} {port}: {text}; pick another port, or pass {flag} 0 for a free one"
+    if text.startswith(("--http-port ", "--metrics-port ")) and "could not bind" in text:
+        return text
     return None
 
 
@@ -262,7 +500,9 @@ def exited_message(name: str, proc, when: str = "") -> str:
 def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str | None:
     """Everything `kvmesh up` can check before it starts Redis or any process: worker count,
     routing policy, engine and tier flags (``tier_problem``: the tier check's message),
-    model folder, device, whether ``--port`` and ``--http-port`` (the router's HTTP front; -1 =
+    model folder, device, the workers' resources (`worker_resource_problem`: ``--disk-dir``
+    usable, tier sizes of at least one block, every worker's KV pool within free memory),
+    whether ``--port`` and ``--http-port`` (the router's HTTP front; -1 =
     off) are valid, distinct and free on 127.0.0.1, and whether ``--redis-url`` answers.
     Returns the first problem."""
     def workers():
@@ -298,7 +538,8 @@ def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str
     return first_problem(workers, lambda: policy_problem(args.policy), lambda: engine_flag_problem(args),
                          lambda: with_flag_names(tier_problem) if tier_problem else None,
                          lambda: model_problem(args.model, getattr(args, "max_model_len", None)),
-                         lambda: device_problem(args.device), port, http_port,
+                         lambda: device_problem(args.device),
+                         lambda: worker_resource_problem(args, args.workers), port, http_port,
                          redis_reachable)
 
 

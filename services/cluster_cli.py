@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 
+from kvmesh.services.cli_checks import cluster_name
 from kvmesh.services.security import redact_url
 
 
@@ -47,17 +48,28 @@ def cmd_router(args: argparse.Namespace) -> int:
     from kvmesh.services.router import serve_router
     from kvmesh.services.security import server_gate
 
-    problem = policy_problem(args.policy) or model_problem(args.model)
+    from kvmesh.services.cli_checks import bind_error_problem, server_ports_problem
+
+    problem = (policy_problem(args.policy) or model_problem(args.model)
+               or server_ports_problem(args.host, args))  # --port, --http-port, --metrics-port free
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         gate = server_gate(args)
+        ports = server_ports(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve_router(args.port, args.redis_url, policy=args.policy, host=args.host, model_dir=args.model,
-                             cluster=args.cluster, seed=args.seed, gate=gate, reflection=args.reflection, **server_ports(args)))
+    try:
+        asyncio.run(serve_router(args.port, args.redis_url, policy=args.policy, host=args.host, model_dir=args.model,
+                                 cluster=args.cluster, seed=args.seed, gate=gate, reflection=args.reflection, **ports))
+    except RuntimeError as exc:  # a port taken since it was checked: still a usage error naming its flag
+        problem = bind_error_problem(exc, args.port)
+        if problem is None:
+            raise
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -163,7 +175,8 @@ def add_worker_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=_env_redis_url(), type=redis_url, help="publish KV events and a lease to "
                    "this Redis, redis://:PASSWORD@HOST:PORT/DB (default env KVMESH_REDIS_URL; omit for a standalone "
                    "worker)")
-    p.add_argument("--cluster", default="default", help="Redis key namespace of the cluster (default 'default')")
+    p.add_argument("--cluster", default="default", type=cluster_name,
+                   help="Redis key namespace of the cluster: 1-64 of A-Z a-z 0-9 . _ - (default 'default')")
 
 
 def register(sub) -> None:
@@ -179,8 +192,9 @@ def register(sub) -> None:
     p.add_argument("--redis-url", default=_env_redis_url(), type=redis_url,
                    help="the cluster's Redis, where workers publish leases and KV events, "
                         "redis://:PASSWORD@HOST:PORT/DB (default env KVMESH_REDIS_URL)")
-    p.add_argument("--cluster", default="default",
-                   help="Redis key namespace shared with the workers' --cluster (default 'default')")
+    p.add_argument("--cluster", default="default", type=cluster_name,
+                   help="Redis key namespace shared with the workers' --cluster: 1-64 of A-Z a-z 0-9 . _ - "
+                        "(default 'default')")
     p.add_argument("--policy", default="kv_aware", metavar="NAME",
                    help=f"routing policy, one of: {policies} (default kv_aware)")
     p.add_argument("--model", default=None, help="model directory (for its tokenizer); default built-in")
@@ -200,9 +214,9 @@ def register(sub) -> None:
     p.add_argument("--workers", type=int, default=2, help="worker processes to start, >= 1 (default 2)")
     p.add_argument("--port", type=port_number, default=0, help="router port, 1-65535 (default: a free one)")
     p.add_argument("--redis-url", default=None, type=redis_url, help="use this Redis instead of starting one")
-    p.add_argument("--cluster", default=None,
-                   help="Redis key namespace (default: a new one per run; name one to share a --redis-url's "
-                        "remote tier across runs)")
+    p.add_argument("--cluster", default=None, type=cluster_name,
+                   help="Redis key namespace, 1-64 of A-Z a-z 0-9 . _ - (default: a new one per run; name one to "
+                        "share a --redis-url's remote tier across runs)")
     p.add_argument("--policy", default="kv_aware", metavar="NAME",
                    help=f"routing policy of the router, one of: {policies} (default kv_aware)")
     p.add_argument("--http-port", type=int, default=0, metavar="PORT",

@@ -13,7 +13,7 @@ STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
 
 def register(sub) -> argparse.ArgumentParser:
     from kvmesh.services.cli import _add_engine_args
-    from kvmesh.services.cli_checks import policy_names
+    from kvmesh.services.cli_checks import cluster_name, policy_names
     from kvmesh.services.cluster_cli import redis_url
 
     p = sub.add_parser(
@@ -38,7 +38,8 @@ def register(sub) -> argparse.ArgumentParser:
                    help="port of every worker on its node (default 0: a free one per worker)")
     p.add_argument("--redis-url", default=None, type=redis_url,
                    help="Redis of the cluster (default: start redis-server on the head node)")
-    p.add_argument("--cluster", default="default", help="Redis key namespace of the kvmesh cluster (default 'default')")
+    p.add_argument("--cluster", default="default", type=cluster_name,
+                   help="Redis key namespace of the kvmesh cluster: 1-64 of A-Z a-z 0-9 . _ - (default 'default')")
     p.add_argument("--policy", default="kv_aware", metavar="NAME",
                    help=f"routing policy of the router, one of: {', '.join(policy_names())} (default kv_aware)")
     p.add_argument("--max-restarts", type=int, default=-1,
@@ -79,6 +80,8 @@ def check_args(args: argparse.Namespace) -> str | None:
     for flag in ("router_port", "worker_port"):
         if not 0 <= getattr(args, flag) < 65536:
             return f"--{flag.replace('_', '-')} must be in 0..65535"
+    if args.address != "auto" and _host_port(args.address) is None:
+        return f"--address {args.address!r} is not auto, HOST:PORT or ray://HOST:PORT (e.g. 10.0.0.5:6379)"
     if args.status_interval <= 0:
         return "--status-interval must be > 0 seconds"
     from kvmesh.services.cluster_cli import _tier_flag_problem
@@ -86,11 +89,78 @@ def check_args(args: argparse.Namespace) -> str | None:
     return _tier_flag_problem(args)
 
 
+#: Seconds `ray_address_problem` waits for a TCP connection to the cluster's address.
+CONNECT_TIMEOUT_S = 5.0
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of ``HOST:PORT``, ``[V6]:PORT`` or ``ray://HOST:PORT``; None when it is none of them."""
+    rest = address.removeprefix("ray://")
+    if rest != address and not rest.rpartition(":")[2].isdigit():
+        rest += ":10001"  # Ray Client's default port
+    host, sep, port = rest.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
+def resolve_address(address: str) -> str:
+    """The ``HOST:PORT`` (or ``ray://HOST:PORT``) ``ray.init(address=...)`` would dial: for
+    ``auto``, ``RAY_ADDRESS`` when set, else the cluster this node last started (Ray's own lookup).
+
+    Raises:
+        ConnectionError: ``auto`` finds no running Ray cluster.
+    """
+    import os
+
+    env = os.environ.get("RAY_ADDRESS")
+    if env and address == "auto":  # as ray.init: the variable stands in for auto
+        address = env
+    if address != "auto":
+        return address
+    from ray._private.services import canonicalize_bootstrap_address
+
+    found = canonicalize_bootstrap_address("auto")
+    if not found:
+        raise ConnectionError("found no running Ray cluster on this node")
+    return found
+
+
+def ray_address_problem(address: str, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
+    """Why the Ray cluster at ``--address`` cannot be reached, or None: a plain TCP connect
+    to its GCS (or Ray Client) port within ``timeout`` seconds, before ``ray.init``, which
+    retries an unreachable GCS for minutes."""
+    import socket
+
+    try:
+        target = resolve_address(address)
+    except (ConnectionError, ValueError) as exc:
+        return (f"--address {address}: {str(exc).rstrip('.')}; start one (ray start --head) or pass --address "
+                "HOST:PORT of its head")
+    hp = _host_port(target)
+    shown = address if target == address else f"{address} ({target})"
+    if hp is None:
+        return f"--address {shown} is not auto, HOST:PORT or ray://HOST:PORT (e.g. 10.0.0.5:6379)"
+    try:
+        with socket.create_connection(hp, timeout=timeout):
+            pass
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, socket.timeout) else (exc.strerror or str(exc))
+        return (f"--address {shown}: could not reach the Ray cluster there ({reason} within {timeout:g} s); "
+                "check that its head node is running (ray status) and the address and port")
+    return None
+
+
 def cmd_ray(args: argparse.Namespace) -> int:
     problem = check_args(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    problem = ray_address_problem(args.address)  # ray.init would retry an unreachable GCS for minutes
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
     from kvmesh.services.ray_cluster import RaySpec, run_until_stopped
 
     return run_until_stopped(RaySpec.from_args(args))

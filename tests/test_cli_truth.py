@@ -326,12 +326,30 @@ def test_model_without_tokenizer_json_says_what_is_missing(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_up_prints_a_failing_childs_last_error_line(tmp_path):
-    """A remote tier too small for one block record is only known once the worker has the
-    model's shape: the worker fails after start, and up shows its reason, not only a path."""
+    """Weights that do not match config.json are only found when the worker loads them: the
+    worker fails after start, and up shows its reason, not only a path. (A remote tier too
+    small for one block record, the earlier example, is now refused before anything starts.)"""
+    import glob
+
+    import torch
+    from safetensors.torch import save_file
+
+    from kvmesh.workers.config import ModelConfig
+    from kvmesh.workers.loader import save_tiny_checkpoint
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     res = kvmesh("up", "--workers", "1", "--threads", "1", "--host-bytes", "8M", "--remote-bytes", "32K",
-                 env={"TMPDIR": str(tmp_path)}, timeout=180)
+                 env={"TMPDIR": str(tmp)}, timeout=180)
+    assert res.returncode == 2 and res.stderr.startswith("error: --remote-bytes 32768 "), res.stderr
+    assert "cannot hold one block record" in res.stderr and os.listdir(tmp) == []
+    model = save_tiny_checkpoint(str(tmp_path / "m"), ModelConfig.tiny())
+    for f in glob.glob(os.path.join(model, "*.safetensors")):
+        os.remove(f)
+    save_file({"unrelated": torch.zeros(2)}, os.path.join(model, "model.safetensors"))
+    res = kvmesh("up", "--workers", "1", "--threads", "1", "--model", model, env={"TMPDIR": str(tmp)}, timeout=180)
     assert res.returncode == 1, res.stderr
-    assert "cannot hold one block record" in res.stderr and "worker-0" in res.stderr
+    assert "does not match config.json" in res.stderr and "worker-0" in res.stderr
     assert "cluster up" not in res.stdout
 
 

@@ -517,3 +517,36 @@ def test_stop_is_prompt_even_when_a_read_swallows_the_cancel(shared_redis, clust
         assert sub._task is None
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------ duplicate worker ids
+def test_a_second_process_under_a_live_workers_id_is_refused(shared_redis, cluster):
+    """Two processes under one --worker-id would overwrite each other's lease and event
+    stream (the router's index flips between them); the second one exits 2 before it
+    publishes anything. A lease a dead worker left behind does not stop a restart."""
+    import subprocess
+
+    from kvmesh.services.procs import python_cmd
+    from kvmesh.workers.kv_publisher import live_lease_holder
+
+    live = WorkerLease(shared_redis.url, "wB", "127.0.0.1:1111", {}, lambda: {}, cluster=cluster,
+                       ttl_s=3.0, interval_s=0.2)
+    r = redis.Redis.from_url(shared_redis.url)
+    try:
+        deadline = time.monotonic() + 60  # against a hang only: waits for the first beat
+        while not r.exists(lease_key("wB", cluster)):
+            assert time.monotonic() < deadline, "the lease was never written"
+            time.sleep(0.02)
+        holder = live_lease_holder(shared_redis.url, "wB", cluster=cluster)
+        assert holder is not None and holder["address"] == "127.0.0.1:1111"
+        res = subprocess.run(python_cmd("worker", "--port", str(free_port()), "--worker-id", "wB", "--redis-url",
+                                        shared_redis.url, "--cluster", cluster),
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert "--worker-id wB is in use" in res.stderr and "127.0.0.1:1111" in res.stderr
+        assert r.xlen(stream_key("wB", cluster)) == 0  # it published nothing
+    finally:
+        live.close(delete=False)  # dies: the lease lapses, never renewed
+        r.close()
+    assert live_lease_holder(shared_redis.url, "wB", cluster=cluster, ttl_s=3.0, interval_s=0.2) is None
+    assert live_lease_holder(shared_redis.url, "nobody", cluster=cluster) is None

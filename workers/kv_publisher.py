@@ -43,6 +43,7 @@ __all__ = [
     "workers_key",
     "KVEventPublisher",
     "WorkerLease",
+    "live_lease_holder",
 ]
 
 log = logging.getLogger(__name__)
@@ -376,6 +377,41 @@ class WorkerLease:
                 log.warning("lease of %s not deleted (expires by itself): %s", self.worker_id, exc)
         if not self._thread.is_alive():
             self._redis.close()
+
+
+def live_lease_holder(redis_url: str, worker_id: str, cluster: str = DEFAULT_CLUSTER, ttl_s: float = 3.0,
+                      interval_s: float = 1.0, poll_s: float = 0.1) -> dict | None:
+    """The lease of another live process using ``worker_id`` in ``cluster``, or None.
+
+    A lease left by a worker that died (or was stopped without deleting it) lapses within
+    ``ttl_s`` and is never renewed; a live worker rewrites it every ``interval_s``. So the
+    key is watched until it vanishes (None: the id is free) or is rewritten (its value, a
+    dict with ``address``: the id is in use). Takes at most ``ttl_s + interval_s`` seconds,
+    none when no lease exists. Blocking.
+
+    Raises:
+        redis.RedisError: Redis could not be reached.
+    """
+    r = _client(redis_url)
+    try:
+        key = lease_key(worker_id, cluster)
+        first = r.get(key)
+        if first is None:
+            return None
+        deadline = time.monotonic() + ttl_s + interval_s
+        while time.monotonic() < deadline:
+            time.sleep(poll_s)
+            now = r.get(key)
+            if now is None:
+                return None
+            if now != first:
+                try:
+                    return dict(json.loads(now))
+                except (ValueError, TypeError):
+                    return {"address": "?"}
+        return None  # never rewritten: a lapsing lease (its TTL is Redis's business)
+    finally:
+        r.close()
 
 
 class LeaseCheck:

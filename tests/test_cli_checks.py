@@ -1,0 +1,283 @@
+"""Flags a new user got wrong are usage errors (exit 2, one line naming the flag), found
+before anything starts: a --disk-dir that cannot be a folder, a KV pool larger than the
+memory there is, tiers smaller than one block, a busy router/HTTP port, a --cluster name
+that cannot be part of a Redis key, an infinite --timeout, and an unreachable Ray cluster.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+KVMESH = os.path.join(os.path.dirname(sys.executable), "kvmesh")
+
+
+def kvmesh(*args: str, timeout: float = 90, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The entry point as a process; a check that is missing shows as a timeout (the command
+    starts serving) rather than a hang."""
+    return subprocess.run([KVMESH, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def _usage_error(res: subprocess.CompletedProcess, *words: str) -> str:
+    err = res.stderr
+    assert res.returncode == 2, (res.returncode, err[-3000:])
+    assert "Traceback" not in err and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    for word in words:
+        assert word in err, (word, err)
+    return err
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:  # bound, never listening: a connect is refused
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------ 1. --disk-dir
+
+
+def _bad_disk_dirs(tmp_path) -> list[str]:
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    out = [str(file), str(file / "sub")]
+    if os.path.isdir("/proc/self"):
+        out.append("/proc/kvmesh-no-such-folder")  # root passes access(), mkdir still fails
+    return out
+
+
+def test_disk_dir_problem_names_the_flag(tmp_path):
+    from kvmesh.services.cli_checks import disk_dir_problem
+
+    msgs = [disk_dir_problem(p) for p in _bad_disk_dirs(tmp_path)]
+    assert "exists and is not a folder" in msgs[0]
+    assert all(m and m.startswith("--disk-dir ") and "cannot be created" in m for m in msgs[1:]), msgs
+    assert disk_dir_problem(str(tmp_path / "new" / "deeper")) is None  # created later by the tier
+    assert disk_dir_problem(str(tmp_path)) is None
+    assert sorted(os.listdir(tmp_path)) == ["a-file"]  # the probes left nothing behind
+
+
+def test_worker_with_a_disk_dir_that_is_a_file_exits_2(tmp_path):
+    file = tmp_path / "existing-file"
+    file.write_text("x")
+    res = kvmesh("worker", "--port", "0", "--threads", "1", "--host-bytes", "1M", "--disk-dir", str(file),
+                 "--disk-bytes", "1M")
+    _usage_error(res, "--disk-dir", "not a folder")
+
+
+def test_up_checks_the_disk_dir_before_starting_anything(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    bad = "/proc/x" if os.path.isdir("/proc/self") else str(tmp_path / "f" / "x")
+    if not bad.startswith("/proc"):
+        (tmp_path / "f").write_text("x")
+    res = kvmesh("up", "--disk-dir", bad, "--host-bytes", "1M", "--disk-bytes", "1M", env={"TMPDIR": str(tmp)})
+    _usage_error(res, "--disk-dir")
+    assert "cluster up" not in res.stdout and os.listdir(tmp) == []  # no redis-server, worker or log folder
+
+
+# ------------------------------------------------------------------ 2. KV pool larger than memory
+
+
+def test_kv_block_bytes_is_what_the_engine_allocates():
+    import dataclasses
+
+    from kvmesh.services.cli_checks import kv_block_bytes
+    from kvmesh.workers.config import ModelConfig
+    from kvmesh.workers.model import allocate_kv_cache
+
+    for cfg in (ModelConfig.tiny(), dataclasses.replace(ModelConfig.tiny(), dtype="bfloat16")):
+        pool = allocate_kv_cache(cfg, 3, 5)
+        assert kv_block_bytes(cfg, 5) * 3 == pool.numel() * pool.element_size()
+
+
+@pytest.mark.parametrize("argv", [["--block-size", "100000"], ["--num-blocks", "100000000"]])
+def test_worker_pool_larger_than_memory_exits_2_with_both_figures(argv):
+    res = kvmesh("worker", "--port", "0", "--threads", "1", *argv)
+    err = _usage_error(res, "--num-blocks", "--block-size", "available")
+    assert "enforce fail" not in err and ("MemAvailable" in err or "memory.max" in err), err
+
+
+def test_up_checks_the_pool_before_starting_anything(tmp_path):
+    res = kvmesh("up", "--num-blocks", "100000000", env={"TMPDIR": str(tmp_path)})
+    _usage_error(res, "--num-blocks", "x 2 workers", "available")
+    assert "cluster up" not in res.stdout and os.listdir(tmp_path) == []
+
+
+def test_up_counts_the_pool_of_every_worker(monkeypatch):
+    from kvmesh.services import cli_checks
+    from kvmesh.services.cli import build_parser
+    from kvmesh.services.cluster_cli import _tier_flag_problem
+
+    per_worker = cli_checks.kv_block_bytes(cli_checks.model_shape(None), 16) * 1000
+    monkeypatch.setattr(cli_checks, "available_memory", lambda device: (per_worker * 2, "MemAvailable"))
+    args = build_parser().parse_args(["up", "--workers", "2", "--num-blocks", "1000"])
+    assert cli_checks.up_problem(args, _tier_flag_problem(args)) is None
+    args = build_parser().parse_args(["up", "--workers", "3", "--num-blocks", "1000"])
+    msg = cli_checks.up_problem(args, _tier_flag_problem(args))
+    assert msg and "--num-blocks 1000" in msg and f"x 3 workers = {per_worker * 3:,} bytes" in msg, msg
+    assert f"{per_worker * 2:,} bytes" in msg
+
+
+def test_cuda_pool_is_checked_against_free_device_memory(monkeypatch):
+    import argparse
+
+    import torch
+
+    from kvmesh.services import cli_checks
+    from kvmesh.workers.config import ModelConfig
+
+    seen = []
+
+    def mem_get_info(device=None):
+        seen.append(device)
+        return 1 << 30, 2 << 30
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    args = argparse.Namespace(device="cuda:0", block_size=16, num_blocks=1 << 15)  # 2 GiB of pool
+    msg = cli_checks.kv_pool_problem(args, ModelConfig.tiny())
+    assert msg and "--num-blocks 32768" in msg and f"{1 << 30:,} bytes" in msg and "free on cuda:0" in msg
+    assert seen and str(seen[0]) == "cuda:0"
+    args.num_blocks = 1 << 13  # 512 MiB
+    assert cli_checks.kv_pool_problem(args, ModelConfig.tiny()) is None
+
+
+# ------------------------------------------------------------------ 3. tiers smaller than one block
+
+
+def test_tier_minimum_is_exactly_one_block():
+    import argparse
+
+    import torch
+
+    from kvmesh.cache_store.host_tier import HostTier
+    from kvmesh.cache_store.kv_codec import make_codec
+    from kvmesh.services.cli_checks import tier_block_bytes, tier_size_problem
+    from kvmesh.workers.config import ModelConfig
+
+    cfg = ModelConfig.tiny()
+    shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 16, cfg.head_dim)
+    for codec in ("none", "fp8", "int4"):
+        need = tier_block_bytes(cfg, 16, codec)
+        assert HostTier(need, make_codec(codec, shape, torch.float32)).num_slots == 1
+        args = argparse.Namespace(block_size=16, host_bytes=need - 1, host_codec=codec, peer_bytes=0)
+        assert f"give at least {need}" in tier_size_problem(args, cfg)
+        args.host_bytes = need
+        assert tier_size_problem(args, cfg) is None
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--host-bytes", "1"], "--host-bytes"),
+    (["--host-bytes", "1M", "--disk-dir", "DIR", "--disk-bytes", "1"], "--disk-bytes"),
+])
+def test_worker_tier_smaller_than_one_block_exits_2(tmp_path, argv, flag):
+    argv = [str(tmp_path / "disk") if a == "DIR" else a for a in argv]
+    res = kvmesh("worker", "--port", "0", "--threads", "1", *argv)
+    _usage_error(res, flag, "at least")
+    assert not (tmp_path / "disk").exists()
+
+
+# ------------------------------------------------------------------ 4. busy ports
+
+
+def test_router_on_a_busy_port_exits_2(busy_port):
+    res = kvmesh("router", "--port", str(busy_port), "--redis-url", "redis://127.0.0.1:1/0")
+    _usage_error(res, f"--port {busy_port}", "in use")
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--metrics-port"])
+def test_router_on_a_busy_http_or_metrics_port_exits_2(busy_port, flag):
+    res = kvmesh("router", "--port", "0", flag, str(busy_port), "--redis-url", "redis://127.0.0.1:1/0")
+    _usage_error(res, f"{flag} {busy_port}")
+
+
+def test_worker_on_a_busy_http_port_exits_2_before_loading(busy_port):
+    res = kvmesh("worker", "--port", "0", "--threads", "1", "--http-port", str(busy_port))
+    _usage_error(res, f"--http-port {busy_port}", "in use")
+
+
+def test_a_bind_lost_after_the_check_still_names_the_flag():
+    from kvmesh.services.cli_checks import bind_error_problem
+
+    msg = bind_error_problem(RuntimeError("could not bind 127.0.0.1:5000: is another process using it?"), 5000)
+    assert msg.startswith("--port 5000: could not bind")
+    assert bind_error_problem(RuntimeError("something else"), 5000) is None
+
+
+# ------------------------------------------------------------------ 5. --cluster
+
+
+@pytest.mark.parametrize("command", [
+    ["worker", "--port", "0"], ["router", "--port", "0", "--redis-url", "redis://127.0.0.1:1/0"], ["up"], ["ray"],
+])
+@pytest.mark.parametrize("name", ["", "a b*", "x" * 65, "a:b", "ü"])
+def test_cluster_name_is_checked_by_every_command(capsys, command, name):
+    from kvmesh.services.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:  # parsing only: an accepted name would start the command
+        build_parser().parse_args([*command, "--cluster", name])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--cluster" in err and "A-Za-z" not in err and "letters, digits" in err, err
+
+
+@pytest.mark.parametrize("name", ["default", "t", "kvmesh-v1", "c1234-56789012", "tenants", "a.b_c-D9", "x" * 64])
+def test_cluster_names_in_use_are_accepted(name):
+    from kvmesh.services.cli import build_parser
+
+    parser = build_parser()
+    for command in (["worker", "--port", "0"], ["router"], ["up"], ["ray"]):
+        assert parser.parse_args([*command, "--cluster", name]).cluster == name
+
+
+# ------------------------------------------------------------------ 6. --timeout inf
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "Infinity"])
+def test_an_infinite_timeout_says_it_must_be_finite(capsys, value):
+    from kvmesh.services.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--target", "127.0.0.1:5", "--prompt", "hi", f"--timeout={value}"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--timeout must be a finite number > 0" in err, err
+
+
+# ------------------------------------------------------------------ 7. kvmesh ray, unreachable
+
+
+def test_ray_with_an_unreachable_address_fails_fast():
+    port = _closed_port()
+    t0 = time.monotonic()
+    res = kvmesh("ray", "--address", f"127.0.0.1:{port}", "--workers", "1", timeout=60,
+                 env={"RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"})
+    took = time.monotonic() - t0
+    assert res.returncode in (1, 2), res.stderr[-3000:]
+    assert f"--address 127.0.0.1:{port}" in res.stderr and "could not reach the Ray cluster" in res.stderr
+    assert "Traceback" not in res.stderr and took < 30, (took, res.stderr[-3000:])
+
+
+def test_ray_address_problem(monkeypatch):
+    from kvmesh.services.ray_cli import _host_port, ray_address_problem
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert _host_port("ray://head") == ("head", 10001) and _host_port("[::1]:6379") == ("::1", 6379)
+    assert _host_port("nohost") is None and _host_port("h:99999") is None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert ray_address_problem(f"127.0.0.1:{s.getsockname()[1]}") is None  # reachable: ray.init's turn
+    port = _closed_port()
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")  # what auto means to ray.init
+    assert f"127.0.0.1:{port}" in ray_address_problem("auto")
