@@ -6,7 +6,6 @@ code. Errors from a server exit with status 1 and print the gRPC status code nam
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import math
@@ -254,18 +253,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     secure = {"tls": gate.tls, "gate": gate, "reflection": args.reflection}
 
     def serve(engine) -> int:
-        from kvmesh.services.cli_checks import bind_error_problem
+        from kvmesh.services.cli_checks import run_server
 
-        try:
-            asyncio.run(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
-                                     advertise=advertise, **ports, **secure))
-        except RuntimeError as exc:  # a port taken since it was checked: still a usage error naming its flag
-            problem = bind_error_problem(exc, args.port)
-            if problem is None:
-                raise
-            print(f"error: {problem}", file=sys.stderr)
-            return 2
-        return 0
+        # a port taken since it was checked is still a usage error naming its flag
+        return run_server(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
+                                       advertise=advertise, **ports, **secure), args.port)
 
     if not args.redis_url:
         try:

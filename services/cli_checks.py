@@ -350,6 +350,24 @@ def bind_error_problem(exc: BaseException, port: int, flag: str = "--port") -> s
     return None
 
 
+def run_server(coro, port: int) -> int:
+    """``asyncio.run(coro)`` for a server listening on ``--port`` ``port``: 0 when it ends;
+    2, with `bind_error_problem`'s message on stderr, when a port was taken between the
+    check and the bind. Any other error propagates."""
+    import asyncio
+    import sys
+
+    try:
+        asyncio.run(coro)
+    except RuntimeError as exc:
+        problem = bind_error_problem(exc, port)
+        if problem is None:
+            raise
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def device_problem(device: str) -> str | None:
     """What keeps torch from using ``--device`` here, or None (imports torch unless "cpu")."""
     if device == "cpu":

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import signal
@@ -48,7 +47,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from kvmesh.services.router import serve_router
     from kvmesh.services.security import server_gate
 
-    from kvmesh.services.cli_checks import bind_error_problem, server_ports_problem
+    from kvmesh.services.cli_checks import run_server, server_ports_problem
 
     problem = (policy_problem(args.policy) or model_problem(args.model)
                or server_ports_problem(args.host, args))  # --port, --http-port, --metrics-port free
@@ -61,16 +60,10 @@ def cmd_router(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        asyncio.run(serve_router(args.port, args.redis_url, policy=args.policy, host=args.host, model_dir=args.model,
-                                 cluster=args.cluster, seed=args.seed, gate=gate, reflection=args.reflection, **ports))
-    except RuntimeError as exc:  # a port taken since it was checked: still a usage error naming its flag
-        problem = bind_error_problem(exc, args.port)
-        if problem is None:
-            raise
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    return 0
+    # a port taken since it was checked is still a usage error naming its flag
+    return run_server(serve_router(args.port, args.redis_url, policy=args.policy, host=args.host, model_dir=args.model,
+                                   cluster=args.cluster, seed=args.seed, gate=gate, reflection=args.reflection,
+                                   **ports), args.port)
 
 
 #: engine flags of `up` that `ClusterSpec` carries itself (``--disk-dir``: one subfolder per worker)
