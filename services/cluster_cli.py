@@ -42,23 +42,21 @@ def cmd_router(args: argparse.Namespace) -> int:
     if args.port is None or not args.redis_url:
         args.router_parser.error("the router needs --port and --redis-url (or env KVMESH_REDIS_URL), "
                                  "or --backend vllm")
-    from kvmesh.services.cli_checks import model_problem, policy_problem
+    from kvmesh.services.cli_checks import model_problem, policy_problem, run_server, server_ports_problem
     from kvmesh.services.observability import server_ports
     from kvmesh.services.router import serve_router
     from kvmesh.services.security import server_gate
 
-    from kvmesh.services.cli_checks import run_server, server_ports_problem
-
-    problem = (policy_problem(args.policy) or model_problem(args.model)
-               or server_ports_problem(args.host, args))  # --port, --http-port, --metrics-port free
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    try:
+    try:  # first: a non-loopback bind without TLS is refused whatever else is wrong
         gate = server_gate(args)
         ports = server_ports(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    problem = (policy_problem(args.policy) or model_problem(args.model)
+               or server_ports_problem(args.host, args))  # --port, --http-port, --metrics-port free
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     # a port taken since it was checked is still a usage error naming its flag
     return run_server(serve_router(args.port, args.redis_url, policy=args.policy, host=args.host, model_dir=args.model,
