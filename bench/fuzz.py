@@ -296,14 +296,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pid", type=int, default=None, help="server process id, for RSS and liveness (optional)")
     p.add_argument("--deadline-s", type=float, default=10.0, help="per-request deadline in seconds (default 10)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    p.add_argument("--tls-ca", default=None, help="CA certificate (PEM) to verify the server; enables TLS")
-    p.add_argument("--tls-cert", default=None, help="client certificate (PEM) for mTLS")
-    p.add_argument("--tls-key", default=None, help="client private key (PEM) for mTLS")
+    p.add_argument("--tls-ca", default=os.environ.get("KVMESH_TLS_CA"),
+                   help="CA certificate (PEM) to verify the server; enables TLS (default: env KVMESH_TLS_CA)")
+    p.add_argument("--tls-cert", default=os.environ.get("KVMESH_TLS_CERT"),
+                   help="client certificate (PEM) for mTLS (default: env KVMESH_TLS_CERT)")
+    p.add_argument("--tls-key", default=os.environ.get("KVMESH_TLS_KEY"),
+                   help="client private key (PEM) for mTLS (default: env KVMESH_TLS_KEY)")
     p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
                    help="API key, sent as 'authorization: Bearer KEY' metadata (default: env KVMESH_API_KEY)")
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
                    help="extra call metadata, repeatable")
     args = p.parse_args(argv)
+    if args.api_key and not args.tls_ca:
+        p.error("--api-key (or KVMESH_API_KEY) needs --tls-ca (or KVMESH_TLS_CA): without TLS the key would "
+                "cross the network in clear")
     creds = None
     if args.tls_ca:
         def read(path):

@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 import time
 
@@ -16,6 +17,12 @@ import grpc
 
 from kvmesh.services.security import add_client_args, add_server_args, client_channel, client_options, server_gate
 from kvmesh.services.cli_checks import host_port, port_number, positive_float, positive_int
+
+
+#: How long a starting worker waits for another process renewing a lease under its
+#: --worker-id to stop (a predecessor draining) before it refuses to start (seconds);
+#: environment variable ``KVMESH_DUPLICATE_ID_WAIT_S`` overrides it.
+DUPLICATE_ID_WAIT_S = 60.0
 
 
 def _int_at_least(low: int, flag: str, below: int | None = None):
@@ -268,16 +275,26 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return serve(engine)
     from kvmesh.workers.kv_publisher import KVEventPublisher, WorkerLease, live_lease_holder
 
-    try:  # two processes under one id would overwrite each other's lease and KV event stream
-        holder = live_lease_holder(args.redis_url, worker_id, cluster=args.cluster)
-    except Exception as exc:  # Redis down at start: the publisher and the lease retry on their own
-        logging.getLogger("kvmesh.worker").warning("could not check whether worker id %s is in use (%s)",
-                                                   worker_id, exc)
-        holder = None
+    # Two processes under one id would overwrite each other's lease and KV event stream. A
+    # predecessor that is still draining (Ray restarts an actor while the old process shuts
+    # down) renews its lease until it stops: wait for that, refuse only a worker that outlives it.
+    wlog = logging.getLogger("kvmesh.worker")
+    wait_s = float(os.environ.get("KVMESH_DUPLICATE_ID_WAIT_S", DUPLICATE_ID_WAIT_S))
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            holder = live_lease_holder(args.redis_url, worker_id, cluster=args.cluster)
+        except Exception as exc:  # Redis down at start: the publisher and the lease retry on their own
+            wlog.warning("could not check whether worker id %s is in use (%s)", worker_id, exc)
+            holder = None
+        if holder is None or time.monotonic() >= deadline:
+            break
+        wlog.warning("worker id %s: a worker at %s still renews its lease; waiting up to %.0f s for it to stop",
+                     worker_id, holder.get("address", "?"), max(0.0, deadline - time.monotonic()))
     if holder is not None:
         print(f"error: --worker-id {worker_id} is in use in cluster {args.cluster!r}: a live worker at "
-              f"{holder.get('address', '?')} renews its lease; give this worker another --worker-id, or stop "
-              "that one first", file=sys.stderr)
+              f"{holder.get('address', '?')} has renewed its lease for {wait_s:.0f} s; give this "
+              "worker another --worker-id, or stop that one first", file=sys.stderr)
         return 2
     publisher = KVEventPublisher(args.redis_url, worker_id, cluster=args.cluster)
     try:

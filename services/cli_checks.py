@@ -214,16 +214,21 @@ def kv_block_bytes(cfg, block_size: int) -> int:
 def available_memory(device: str) -> tuple[int, str] | None:
     """(bytes free for a new allocation on ``device``, where that figure comes from), or None
     when unknown. CPU: ``MemAvailable`` of /proc/meminfo, lowered to the cgroup's
-    ``memory.max - memory.current`` when that is smaller; CUDA: free bytes of
-    ``torch.cuda.mem_get_info``."""
+    ``memory.max`` minus its working set (``memory.current`` less ``inactive_file``) when that
+    is smaller; CUDA: ``nvidia-smi``'s free memory (no CUDA context is opened here)."""
     if str(device).startswith("cuda"):
-        import torch
+        # nvidia-smi, not torch.cuda.mem_get_info: that would open a CUDA context in this
+        # process (hundreds of MiB, for as long as `kvmesh up` supervises its workers)
+        import subprocess
 
+        index = str(device).partition(":")[2] or "0"
         try:
-            free, _ = torch.cuda.mem_get_info(torch.device(device))
-        except (RuntimeError, AssertionError, ValueError):
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits",
+                                  "-i", index], capture_output=True, text=True, timeout=10)
+            free_mib = int(out.stdout.strip().splitlines()[0])
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
             return None
-        return int(free), f"free on {device}"
+        return free_mib * 2**20, f"free on {device}, from nvidia-smi"
     try:
         with open("/proc/meminfo", encoding="ascii") as fh:
             avail = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
@@ -235,6 +240,11 @@ def available_memory(device: str) -> tuple[int, str] | None:
             limit = fh.read().strip()
         with open("/sys/fs/cgroup/memory.current", encoding="ascii") as fh:
             used = int(fh.read().strip())
+        try:  # page cache the kernel can drop does not count, as in the kubelet's working set
+            with open("/sys/fs/cgroup/memory.stat", encoding="ascii") as fh:
+                used -= next(int(line.split()[1]) for line in fh if line.startswith("inactive_file "))
+        except (OSError, StopIteration, ValueError, IndexError):
+            pass
         if limit != "max" and int(limit) - used < avail:
             avail, where = max(0, int(limit) - used), "left under this cgroup's memory.max"
     except (OSError, ValueError):

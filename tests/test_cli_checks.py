@@ -134,6 +134,8 @@ def test_up_counts_the_pool_of_every_worker(monkeypatch):
 def test_cuda_pool_is_checked_against_free_device_memory(monkeypatch):
     import argparse
 
+    import subprocess
+
     import torch
 
     from kvmesh.services import cli_checks
@@ -141,15 +143,19 @@ def test_cuda_pool_is_checked_against_free_device_memory(monkeypatch):
 
     seen = []
 
-    def mem_get_info(device=None):
-        seen.append(device)
-        return 1 << 30, 2 << 30
+    def nvidia_smi(cmd, **kw):  # 1 GiB free on GPU 0
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="1024\n", stderr="")
 
-    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    def no_context(*a, **k):
+        raise AssertionError("the check opened a CUDA context (torch.cuda.mem_get_info)")
+
+    monkeypatch.setattr(subprocess, "run", nvidia_smi)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_context)
     args = argparse.Namespace(device="cuda:0", block_size=16, num_blocks=1 << 15)  # 2 GiB of pool
     msg = cli_checks.kv_pool_problem(args, ModelConfig.tiny())
     assert msg and "--num-blocks 32768" in msg and f"{1 << 30:,} bytes" in msg and "free on cuda:0" in msg
-    assert seen and str(seen[0]) == "cuda:0"
+    assert seen and seen[0][0] == "nvidia-smi" and seen[0][-2:] == ["-i", "0"]
     args.num_blocks = 1 << 13  # 512 MiB
     assert cli_checks.kv_pool_problem(args, ModelConfig.tiny()) is None
 

@@ -154,3 +154,15 @@ def test_the_tls_hint_is_for_refused_connections_not_for_streams_cut_short():
     # a worker killed mid-stream on a plaintext cluster: the connection had worked
     assert connect_hint("UNAVAILABLE", "Stream removed (Socket closed)") == ""
     assert connect_hint("DEADLINE_EXCEEDED", "Socket closed") == ""
+
+
+def test_the_fuzzer_never_sends_a_key_in_clear(monkeypatch, capsys):
+    from kvmesh.bench import fuzz
+
+    for name in ("KVMESH_TLS_CA", "KVMESH_TLS_CERT", "KVMESH_TLS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KVMESH_API_KEY", "secret")  # half of a sourced client.env
+    monkeypatch.setattr(fuzz, "run_fuzz", lambda *a, **k: pytest.fail("fuzzed with a key over plaintext"))
+    with pytest.raises(SystemExit) as exc:
+        fuzz.main(["--target", "127.0.0.1:1"])
+    assert exc.value.code == 2 and "in clear" in capsys.readouterr().err

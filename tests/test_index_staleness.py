@@ -103,9 +103,11 @@ async def converged(index: ClusterIndex, sub: IndexSubscriber, workers: list[Wor
     down with everything else). Returns the polls it took."""
     await leases_settled(workers)
     start = sub._polls
+    backstop = time.monotonic() + 60.0  # only if the subscriber stopped polling altogether
     while True:
         if all(index.worker_blocks(w.worker_id) == w.truth() for w in workers):
             return sub._polls - start
+        assert time.monotonic() < backstop, f"the subscriber made {sub._polls - start} polls in 60 s"
         if sub._polls >= start + polls:
             got = {w.worker_id: len(index.worker_blocks(w.worker_id)) for w in workers}
             want = {w.worker_id: len(w.blocks) for w in workers}

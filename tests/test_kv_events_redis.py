@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 import uuid
@@ -506,7 +507,9 @@ def test_stop_is_prompt_even_when_a_read_swallows_the_cancel(shared_redis, clust
         sub._read_once = swallowing
         sub.start()
         await sub.wait_synced(5.0)
+        backstop = time.monotonic() + 60.0  # only if the subscriber never reads at all
         while not inside:  # the loop is single-threaded: seen here, the task is parked in a read
+            assert time.monotonic() < backstop, "the subscriber never entered a read"
             await asyncio.sleep(0.005)
         task = sub._task
         # stop's timeout is only a backstop: it ends at once when the task ends. A subscriber
@@ -539,9 +542,10 @@ def test_a_second_process_under_a_live_workers_id_is_refused(shared_redis, clust
             time.sleep(0.02)
         holder = live_lease_holder(shared_redis.url, "wB", cluster=cluster)
         assert holder is not None and holder["address"] == "127.0.0.1:1111"
+        env = {**os.environ, "KVMESH_DUPLICATE_ID_WAIT_S": "2"}
         res = subprocess.run(python_cmd("worker", "--port", str(free_port()), "--worker-id", "wB", "--redis-url",
                                         shared_redis.url, "--cluster", cluster),
-                             capture_output=True, text=True, timeout=120)
+                             capture_output=True, text=True, timeout=120, env=env)
         assert res.returncode == 2, res.stderr[-2000:]
         assert "--worker-id wB is in use" in res.stderr and "127.0.0.1:1111" in res.stderr
         assert r.xlen(stream_key("wB", cluster)) == 0  # it published nothing
@@ -550,3 +554,38 @@ def test_a_second_process_under_a_live_workers_id_is_refused(shared_redis, clust
         r.close()
     assert live_lease_holder(shared_redis.url, "wB", cluster=cluster, ttl_s=3.0, interval_s=0.2) is None
     assert live_lease_holder(shared_redis.url, "nobody", cluster=cluster) is None
+
+
+def test_a_restart_waits_for_a_draining_predecessor(shared_redis, cluster, tmp_path):
+    """Ray restarts an actor while the old process still drains (and renews its lease): the
+    new worker waits for that lease to stop instead of refusing, then serves."""
+    from kvmesh.services.procs import python_cmd, spawn, stop_process, wait_healthy
+
+    old = WorkerLease(shared_redis.url, "wR", "127.0.0.1:2222", {}, lambda: {}, cluster=cluster,
+                      ttl_s=3.0, interval_s=0.2)
+    r = redis.Redis.from_url(shared_redis.url)
+    proc = None
+    try:
+        deadline = time.monotonic() + 60  # against a hang only
+        while not r.exists(lease_key("wR", cluster)):
+            assert time.monotonic() < deadline, "the lease was never written"
+            time.sleep(0.02)
+        port = free_port()
+        log = tmp_path / "wR.log"
+        proc = spawn(python_cmd("--log-level", "INFO", "worker", "--port", str(port), "--worker-id", "wR",
+                                "--redis-url", shared_redis.url, "--cluster", cluster), str(log))
+        while "still renews its lease" not in log.read_text(errors="replace"):  # it saw the live lease
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
+            time.sleep(0.05)
+        old.close()  # the predecessor finishes draining: its lease goes
+        wait_healthy(f"127.0.0.1:{port}", proc=proc, timeout=120)
+        assert proc.poll() is None
+        deadline = time.monotonic() + 60
+        while json.loads(r.get(lease_key("wR", cluster)) or "{}").get("address") != f"127.0.0.1:{port}":
+            assert time.monotonic() < deadline, "the new worker never took the lease"
+            time.sleep(0.05)
+    finally:
+        old.close()
+        if proc is not None:
+            stop_process(proc)
+        r.close()

@@ -272,7 +272,6 @@ def test_silent_redis_delays_only_the_prefetch_and_never_the_engine(cold_engine)
             c.close()
 
 
-@pytest.mark.slow
 class HangingRedis:
     """A Redis that completes each client's connection handshake and then never answers a
     command (as one SIGSTOPped once its clients are connected): every call waits for the
@@ -369,6 +368,7 @@ class HangingRedis:
                 c.close()
 
 
+@pytest.mark.slow
 def test_worker_with_a_hung_redis_keeps_answering_concurrent_requests(tmp_path):
     """The cluster's Redis accepts connections and never answers (as if SIGSTOPped). Eight
     concurrent requests to a worker using it as its remote tier all finish in about one

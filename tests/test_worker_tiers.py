@@ -149,11 +149,16 @@ def test_auto_fetch_partial_or_whole_equals_cold(workers):
     clear(b.address)
     generate(a.address, prompt + [1])
     loc = pb.PrefixLocation(worker_id=a.name, address=a.address, num_blocks=len(prompt) // BS)
+    before = len(fetches(b))
     out = generate(b.address, prompt + [7], location=loc)
     peer = out["usage"]["cached_tokens_by_tier"]["peer"]
     assert peer % BS == 0 and 0 <= peer <= len(prompt)
     assert out["usage"]["cached_tokens"] == peer
     assert out["token_ids"] == ref["token_ids"]
+    # the first fetch from this holder is a probe: it did run, and what it staged was used
+    [(outcome, staged, _)] = fetches(b)[before:]
+    assert outcome in ("complete", "projected past deadline", "deadline"), outcome
+    assert staged * BS == peer
 
 
 def test_unreachable_holder_falls_back_to_recompute(always_fetcher):
