@@ -32,7 +32,6 @@ import argparse
 import collections
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -288,6 +287,8 @@ def run_fuzz(target: str, count: int, router: bool = False, seed: int = 0, pid: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvmesh.services.security import add_client_args
+
     p = argparse.ArgumentParser(prog="python -m kvmesh.bench.fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="HOST:PORT of the worker or router")
     p.add_argument("--router", action="store_true", help="the target is a router (default: a worker)")
@@ -296,14 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pid", type=int, default=None, help="server process id, for RSS and liveness (optional)")
     p.add_argument("--deadline-s", type=float, default=10.0, help="per-request deadline in seconds (default 10)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    p.add_argument("--tls-ca", default=os.environ.get("KVMESH_TLS_CA"),
-                   help="CA certificate (PEM) to verify the server; enables TLS (default: env KVMESH_TLS_CA)")
-    p.add_argument("--tls-cert", default=os.environ.get("KVMESH_TLS_CERT"),
-                   help="client certificate (PEM) for mTLS (default: env KVMESH_TLS_CERT)")
-    p.add_argument("--tls-key", default=os.environ.get("KVMESH_TLS_KEY"),
-                   help="client private key (PEM) for mTLS (default: env KVMESH_TLS_KEY)")
-    p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
-                   help="API key, sent as 'authorization: Bearer KEY' metadata (default: env KVMESH_API_KEY)")
+    add_client_args(p)  # --api-key, --tls-ca, --tls-cert, --tls-key, each defaulting to its KVMESH_* variable
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
                    help="extra call metadata, repeatable")
     args = p.parse_args(argv)
