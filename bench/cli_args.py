@@ -9,25 +9,9 @@ import argparse
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 
-
-def _can_create_in(folder: Path) -> str | None:
-    """Why a file cannot be created in ``folder`` (an existing folder), or None.
-
-    Creates and removes a temporary file there: permission bits alone do not tell (root,
-    read-only mounts, /proc and /sys)."""
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".kvmesh-write-check-")
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    os.close(fd)
-    try:
-        os.unlink(tmp)
-    except OSError:
-        pass
-    return None
+from kvmesh.services.cli_checks import can_create_in
 
 
 def output_file_problem(path: str | os.PathLike, flag: str, make_parents: bool = False) -> str | None:
@@ -49,7 +33,7 @@ def output_file_problem(path: str | os.PathLike, flag: str, make_parents: bool =
         return f"{flag} {path}: folder {folder} does not exist; create it first or pick another path"
     if not folder.is_dir():
         return f"{flag} {path}: {folder} is not a folder; pick another path"
-    reason = _can_create_in(folder)
+    reason = can_create_in(folder)
     if reason:
         return f"{flag} {path}: cannot create a file in {folder} ({reason}); pick a writable folder"
     return None
@@ -66,7 +50,7 @@ def output_dir_problem(path: str | os.PathLike, flag: str) -> str | None:
         folder = folder.parent
     if not folder.is_dir():
         return f"{flag} {path}: {folder} is not a folder; pick another path"
-    reason = _can_create_in(folder)
+    reason = can_create_in(folder)
     if reason:
         return f"{flag} {path}: cannot write in {folder} ({reason}); pick a writable folder"
     return None

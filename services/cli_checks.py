@@ -153,6 +153,24 @@ def server_ports_problem(host: str, args: argparse.Namespace, grpc_flag: str | N
     return None
 
 
+def can_create_in(folder: str | os.PathLike) -> str | None:
+    """Why a file cannot be created in the existing folder ``folder``, or None. Creates and
+    removes a temporary file there: ``access()`` says yes to root even where the kernel then
+    refuses (``/proc``, read-only mounts)."""
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvmesh-probe-", dir=folder)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    try:
+        os.unlink(probe)
+    except OSError:
+        pass
+    return None
+
+
 def disk_dir_problem(path: str | None, flag: str = "--disk-dir") -> str | None:
     """Why the disk tier cannot use folder ``path`` (an existing file, a path under a file,
     a parent that refuses new folders, a folder that refuses new files), or None (also for
@@ -166,13 +184,9 @@ def disk_dir_problem(path: str | None, flag: str = "--disk-dir") -> str | None:
     if os.path.exists(full):
         if not os.path.isdir(full):
             return f"{flag} {path}: exists and is not a folder; name a folder (it is created if missing)"
-        try:
-            fd, probe = tempfile.mkstemp(prefix=".kvmesh-probe-", dir=full)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as exc:
-            return (f"{flag} {path}: the folder is not writable ({exc.strerror or exc}); name a folder this user "
-                    "can write")
+        reason = can_create_in(full)
+        if reason:
+            return f"{flag} {path}: the folder is not writable ({reason}); name a folder this user can write"
         return None
     parent = os.path.dirname(full)
     while not os.path.exists(parent):  # the nearest existing ancestor: the one makedirs starts from
