@@ -347,8 +347,8 @@ def _size_hint(n: int) -> str:
 def worker_resource_problem(args: argparse.Namespace, workers: int = 1) -> str | None:
     """The checks of a worker's resources made before it starts (or `up` starts ``workers``
     of them): ``--disk-dir`` usable, the KV pool within the device's free memory,
-    ``--host-bytes`` / ``--disk-bytes`` / ``--remote-bytes`` at least one block. Call after the flag, model and device
-    checks passed."""
+    ``--host-bytes`` / ``--disk-bytes`` / ``--remote-bytes`` at least one block. Call after
+    the flag, model and device checks passed."""
     problem = disk_dir_problem(getattr(args, "disk_dir", None))
     if problem:
         return problem

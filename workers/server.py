@@ -17,7 +17,8 @@ Access (``gate``, a `kvmesh.services.auth.Gate` built by the CLI): FetchBlocks,
 GetSnapshot, ClearCache and GetLoad, and the request fields ``prefix_location`` and
 ``tenant``, are for cluster peers only (PERMISSION_DENIED otherwise); GetInfo and Tokenize
 need a peer or credentials a Generate would accept (UNAUTHENTICATED otherwise); anyone
-else's tenant comes from their credentials. Without a gate (no TLS) every caller is trusted, as on a private network.
+else's tenant comes from their credentials. Without a gate (no TLS) every caller is
+trusted, as on a private network.
 """
 from __future__ import annotations
 
