@@ -560,7 +560,8 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
         if api == "openai":
             from kvmesh.bench.openai_target import OpenAITarget
 
-            front = await stack.enter_async_context(OpenAITarget(target))
+            front = await stack.enter_async_context(OpenAITarget(
+                target, **{k: v for k, v in (credentials or {}).items() if v}))
             try:
                 info = await front.detect(connect_timeout_s)
             except ConnectionError as exc:

@@ -38,9 +38,9 @@ class HttpCallError(grpc.RpcError):
         return self._message
 
 
-def base_url(target: str) -> str:
-    """``http://HOST:PORT/v1`` from a base URL or a bare ``HOST:PORT``."""
-    url = target if "://" in target else f"http://{target}"
+def base_url(target: str, tls: bool = False) -> str:
+    """``http://HOST:PORT/v1`` (``https`` when ``tls``) from a base URL or a bare ``HOST:PORT``."""
+    url = target if "://" in target else f"{'https' if tls else 'http'}://{target}"
     url = url.rstrip("/")
     return url if url.endswith("/v1") else url + "/v1"
 
@@ -111,11 +111,40 @@ class _Call:
 class OpenAITarget:
     """An HTTP front to bench. Use ``async with``; `detect` before `generate`."""
 
-    def __init__(self, target: str, api_key: str | None = None):
-        self.url = base_url(target)
+    def __init__(self, target: str, api_key: str | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None):
+        """``target``: base URL or ``HOST:PORT`` (https when ``tls_ca`` is given); ``api_key``
+        is sent as ``Authorization: Bearer KEY``; ``tls_ca`` (PEM path) verifies the server;
+        ``tls_cert``/``tls_key`` present a client certificate.
+
+        Raises:
+            ValueError: an API key without TLS (it would cross the network in clear), an
+                ``http://`` URL with TLS options, half a key pair, or an unreadable file.
+        """
+        self.url = base_url(target, tls=bool(tls_ca))
         self.model = ""
+        https = self.url.startswith("https://")
+        if (tls_ca or tls_cert or tls_key) and not https:
+            raise ValueError(f"{target} is plain http: --tls-ca/--tls-cert/--tls-key need an https:// target")
+        if api_key and not https:
+            raise ValueError("an API key (--api-key or KVMESH_API_KEY) needs TLS: pass --tls-ca (or set "
+                             "KVMESH_TLS_CA) and an https:// target; without it the key would cross the network "
+                             "in clear")
+        if bool(tls_cert) != bool(tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        ssl_context = None
+        if https:
+            import ssl
+
+            try:
+                ssl_context = ssl.create_default_context(cafile=tls_ca) if tls_ca else ssl.create_default_context()
+                if tls_cert:
+                    ssl_context.load_cert_chain(tls_cert, tls_key)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"cannot load the TLS files ({tls_ca}, {tls_cert}): {exc}") from None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
+        self.session = aiohttp.ClientSession(headers=headers,
+                                             connector=aiohttp.TCPConnector(limit=0, ssl=ssl_context))
 
     async def __aenter__(self) -> "OpenAITarget":
         return self

@@ -285,3 +285,52 @@ def test_the_bench_openai_target_is_accepted():
     assert [t for m in msgs for t in m.token_ids] == [7, 8] and msgs[-1].finished
     assert len(seen) == 1 and seen[0].cache_salt == "salty" and seen[0].sampling.ignore_eos
     assert list(seen[0].token_ids.ids) == [1, 2, 3] and seen[0].sampling.seed == 11
+
+
+def test_the_bench_openai_target_sends_its_key_over_https_only(tmp_path):
+    """`kvmesh bench --api openai --api-key K --tls-ca CA` reaches an HTTPS front with the key
+    (the tenant the front maps it to reaches Generate); a key without TLS, or TLS options with
+    an http:// URL, is refused before anything is sent."""
+    from kvmesh.bench.openai_target import OpenAITarget
+    from kvmesh.services.credentials import generate_cluster_credentials
+    from kvmesh.workers.tls import TlsConfig
+
+    creds = generate_cluster_credentials(str(tmp_path / "run"))
+    tls = TlsConfig.from_files(creds.cert, creds.key, creds.ca)
+    seen = []
+
+    async def generate(req, ctx):
+        seen.append(req.cache_salt)
+        yield _final()
+
+    def authenticate(header):
+        if header != f"Bearer {creds.api_key}":
+            raise PermissionError("unknown API key")
+        return "tenant-9"
+
+    async def run():
+        front = HttpFront(generate, load_tokenizer(None, ModelConfig.tiny()), "m", authenticate=authenticate)
+        port = await front.start("127.0.0.1", 0, ssl_context=tls.server_ssl_context())
+        try:
+            async with OpenAITarget(f"127.0.0.1:{port}", api_key=creds.api_key, tls_ca=creds.ca) as target:
+                assert target.url == f"https://127.0.0.1:{port}/v1"
+                await target.detect(5)
+                req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=1))
+                req.token_ids.ids.extend([1, 2, 3])
+                return [m async for m in target.generate(req, timeout=10)]
+        finally:
+            await front.stop()
+
+    msgs = asyncio.run(run())
+    assert msgs[-1].finished and seen == ["tenant-9"]  # the tenant the key maps to
+    for kwargs, match in (({"api_key": "k"}, "needs TLS"),
+                          ({"api_key": "k", "tls_ca": creds.ca, "target": "http://127.0.0.1:1"}, "plain http"),
+                          ({"tls_ca": creds.ca, "tls_cert": creds.client_cert}, "go together"),
+                          ({"tls_ca": str(tmp_path / "missing.pem")}, "cannot load")):
+        target = kwargs.pop("target", "127.0.0.1:1")
+
+        async def make():
+            OpenAITarget(target, **kwargs)
+
+        with pytest.raises(ValueError, match=match):
+            asyncio.run(make())
