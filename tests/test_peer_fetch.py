@@ -152,3 +152,41 @@ def test_tampered_blocks_are_refused(pair):
     other = fetcher.namespace(cache_salt="tenant-b")  # the right bytes under another namespace
     with pytest.raises(RecordError):
         _verify(msgs[0], 0, hash_blocks(prompt, BS, other.root_hash()), other.root_hash(), fetcher)
+
+
+
+def _first_stop(arrivals, expected, deadline):
+    """Replays block arrival times (seconds) through `FetchPace`; the block count at which
+    an ``auto`` fetch would stop, or None if it runs to the end."""
+    from kvmesh.workers.peer_fetch import FetchPace
+
+    pace = FetchPace()
+    for now in arrivals:
+        pace.arrived(now)
+        if pace.past_deadline(expected, deadline):
+            return pace.received
+    return None
+
+
+def test_one_late_block_does_not_end_a_fetch_that_would_finish_in_time():
+    """A busy host holds up the second block by 0.3 s; the other 31 blocks arrive 1 ms apart,
+    so the fetch ends at 0.33 s, inside its 0.5 s deadline. Projected from the rate since the
+    first block it would stop (0.1 s per block x 28 blocks to go, at the fourth block); the
+    pace without the longest interval goes on and completes."""
+    arrivals = [0.0, 0.3] + [0.3 + 0.001 * i for i in range(1, 31)]
+    assert arrivals[-1] < 0.5
+    assert _first_stop(arrivals, expected=32, deadline=0.5) is None
+    # late blocks scattered through the fetch: two outliers are not one; it stops
+    assert _first_stop([0.0, 0.3, 0.6, 0.601, 0.602] + [0.602 + 0.001 * i for i in range(1, 28)],
+                       expected=32, deadline=0.7) is not None
+
+
+def test_a_peer_slower_than_the_deadline_is_abandoned_after_a_few_blocks():
+    from kvmesh.workers.peer_fetch import PROJECT_AFTER_BLOCKS
+
+    arrivals = [0.01 + 0.1 * i for i in range(32)]  # 0.1 s per block: 3.11 s for 32 blocks
+    assert _first_stop(arrivals, expected=32, deadline=1.0) == PROJECT_AFTER_BLOCKS
+    # the same peer and a deadline it meets: never stopped
+    assert _first_stop(arrivals, expected=32, deadline=4.0) is None
+    # a fetch of fewer blocks than the probe is never projected (its deadline still bounds it)
+    assert _first_stop(arrivals[:3], expected=3, deadline=0.05) is None

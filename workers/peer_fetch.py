@@ -14,8 +14,10 @@ computing them:
 
 In ``auto`` mode the fetch happens only when the transfer estimate is below
 the recompute estimate. A peer with no history gets a fetch whose first blocks
-are the probe: once two blocks have arrived the worker projects the finishing
-time from the measured rate and stops early if it would miss the deadline.
+are the probe: once `PROJECT_AFTER_BLOCKS` blocks have arrived the worker projects
+the finishing time from the pace of the blocks since the first and stops early if
+it would miss the deadline (`FetchPace`), leaving the longest interval out, so that one
+late block on a busy host does not end a fetch that would have finished in time.
 
 Every fetch has a deadline: the recompute estimate (in ``auto``; past it a
 fetch cannot win any more), capped by ``max_fetch_s`` and by the request's own
@@ -44,7 +46,8 @@ from kvmesh.cache_store.fresh_thread import to_fresh_thread
 from kvmesh.cache_store.hashing import hash_blocks
 from kvmesh.workers.grpc_host import ChannelPool
 
-__all__ = ["TransferModel", "FetchDecision", "PeerFetcher", "FETCH_MODES", "decide", "MAX_FETCH_BLOCKS"]
+__all__ = ["TransferModel", "FetchDecision", "PeerFetcher", "FETCH_MODES", "decide", "FetchPace",
+           "MAX_FETCH_BLOCKS", "PROJECT_AFTER_BLOCKS"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,9 @@ log = logging.getLogger(__name__)
 FETCH_MODES = ("auto", "never", "always")
 #: Most blocks one FetchBlocks call may ask for.
 MAX_FETCH_BLOCKS = 4096
+#: Blocks an ``auto`` fetch receives before it projects its finishing time (three
+#: intervals after the first block, which also carries the call's latency).
+PROJECT_AFTER_BLOCKS = 4
 
 
 class TransferModel:
@@ -135,6 +141,40 @@ def decide(mode: str, nbytes: int, ntokens: int, prefill_tokens_per_s: float, mo
     if est is not None and est >= recompute:
         return FetchDecision(False, 0.0, "transfer slower than recompute", est, recompute)
     return FetchDecision(deadline > 0, deadline, "probe" if est is None else "transfer faster", est, recompute)
+
+
+class FetchPace:
+    """Block arrival times of one fetch in progress, and the finishing time they project.
+
+    The pace is the mean interval between blocks after the first (whose own time includes
+    the call's latency), leaving out the single longest interval: one block held up on a
+    busy host does not make a fast peer look slow, and a peer that is slow throughout still
+    projects slow. Nothing is projected before `PROJECT_AFTER_BLOCKS` blocks have arrived.
+    """
+
+    def __init__(self):
+        self.received = 0
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self.longest_gap = 0.0
+
+    def arrived(self, now: float) -> None:
+        """One more block arrived at ``now`` (monotonic seconds)."""
+        if self.first_at is None:
+            self.first_at = now
+        else:
+            self.longest_gap = max(self.longest_gap, now - self.last_at)
+        self.last_at = now
+        self.received += 1
+
+    def past_deadline(self, expected: int, deadline: float) -> bool:
+        """Whether the remaining ``expected - received`` blocks, at this pace, arrive after
+        ``deadline`` (monotonic seconds); False until `PROJECT_AFTER_BLOCKS` have arrived
+        (or when all have)."""
+        if self.received < min(PROJECT_AFTER_BLOCKS, expected) or self.received >= expected:
+            return False
+        per_block = max(self.last_at - self.first_at - self.longest_gap, 0.0) / (self.received - 2)
+        return self.last_at + (expected - self.received) * per_block > deadline
 
 
 @dataclass
@@ -237,6 +277,7 @@ class PeerFetcher:
         t0 = time.monotonic()
         first_at: float | None = None
         deadline = t0 + dec.deadline_s
+        pace = FetchPace()
         expected = len(hashed.hashes[local:want])
         call = None
         try:
@@ -258,11 +299,10 @@ class PeerFetcher:
                 pos += 1
                 if pos >= want:
                     break
-                if self.mode == "auto" and res.received >= 2:
-                    bw = (res.nbytes - len(verified[0][1])) / max(now - first_at, 1e-6)
-                    if now + (expected - res.received) * block_bytes / max(bw, 1e-9) > deadline:
-                        res.outcome = "projected past deadline"
-                        break
+                pace.arrived(now)
+                if self.mode == "auto" and pace.past_deadline(expected, deadline):
+                    res.outcome = "projected past deadline"
+                    break
             res.outcome = res.outcome or ("complete" if pos >= want else "holder has fewer blocks")
         except RecordError as exc:
             res.outcome = f"verification failed: {exc}"
