@@ -550,6 +550,9 @@ def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str
     def workers():
         if args.workers < 1:
             return f"--workers must be >= 1 (got {args.workers}): a cluster needs a worker to serve requests"
+        restarts = getattr(args, "max_restarts", 0)
+        if restarts < -1:
+            return f"--max-restarts must be -1 (always), 0 (never) or more (got {restarts})"
         return None
 
     def port():

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from kvmesh.services.cli_checks import cluster_name
 from kvmesh.services.security import redact_url
@@ -100,9 +101,44 @@ def _tier_flag_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _supervise(cluster, policy, stop: threading.Event, poll_s: float = 0.5) -> int:
+    """`kvmesh up`'s watch over its children until ``stop`` is set: a worker or the router
+    that exits is started again on its port after the `RestartPolicy`'s backoff; one that
+    crash-loops past the policy, or redis-server exiting (the index and leases are gone),
+    ends the watch. Returns 0 when stopped, 1 when a part of the cluster is lost."""
+    from kvmesh.services.cli_checks import exited_message
+
+    due: dict[str, float] = {}  # name -> monotonic time of its restart
+    while not stop.wait(poll_s):
+        now = time.monotonic()
+        for name, proc in cluster.exited():
+            if name in due:
+                continue
+            delay = None if name == "redis-server" else policy.next_delay(name, now)
+            if delay is None:  # a cluster missing a part is not "up"
+                why = ("" if name == "redis-server" or policy.max_restarts == 0
+                       else f"; not restarted: {policy.count(name)} restarts within {policy.window_s:g} s")
+                print(f"error: {exited_message(name, proc)}{why}", file=sys.stderr, flush=True)
+                return 1
+            print(f"warning: {exited_message(name, proc)}; restarting it in {delay:g} s "
+                  f"(restart {policy.count(name)}{'' if policy.max_restarts < 0 else f' of {policy.max_restarts}'})",
+                  file=sys.stderr, flush=True)
+            due[name] = now + delay
+        for name, at in sorted(due.items()):
+            if now >= at:
+                del due[name]
+                try:
+                    proc = cluster.restart(name)
+                except (OSError, RuntimeError, ValueError) as exc:
+                    print(f"error: cannot restart {name}: {exc}", file=sys.stderr, flush=True)
+                    return 1
+                print(f"{name} restarted (pid {proc.pid})", flush=True)
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    from kvmesh.services.cli_checks import exited_message, up_problem
-    from kvmesh.services.launcher import LocalCluster
+    from kvmesh.services.cli_checks import up_problem
+    from kvmesh.services.launcher import LocalCluster, RestartPolicy
 
     problem = up_problem(args, _tier_flag_problem(args))  # before anything starts
     if problem:
@@ -130,11 +166,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                   f"clients: set -a; . {c.client_env}; set +a   (or pass --tls-ca {c.ca} --tls-cert "
                   f"{c.client_cert} --tls-key {c.client_key} --api-key KEY; the key is in {c.client_env})\n"
                   f"  e.g. kvmesh generate --target {cluster.router_address} --prompt hello", flush=True)
-        while not stop.is_set() and not rc:
-            stop.wait(0.5)
-            for name, proc in cluster.exited():  # a cluster missing a part is not "up"
-                print(f"error: {exited_message(name, proc)}", file=sys.stderr, flush=True)
-                rc = 1
+        rc = _supervise(cluster, RestartPolicy(args.max_restarts), stop)
     except RuntimeError as exc:  # a process that did not start: its reason, then stop the rest
         print(f"error: {exc}", file=sys.stderr, flush=True)
         rc = 1
@@ -215,6 +247,10 @@ def register(sub) -> None:
                         "anything starts (default 0: a free one; -1: off)")
     p.add_argument("--insecure", action="store_true",
                    help="no TLS and no API keys (default: mTLS and keys generated in the cluster's run directory)")
+    p.add_argument("--max-restarts", type=int, default=5, metavar="N",
+                   help="a worker or the router that dies is started again on its port after 1, 2, 4, ... s, "
+                        "up to N times per process in 10 minutes; past that, or if redis-server dies, up stops "
+                        "the cluster and exits 1 (default 5; 0: never restart; -1: always)")
     _add_engine_args(p)
     p.set_defaults(func=cmd_up)
 

@@ -37,6 +37,46 @@ class ClusterSpec:
     run_dir: str | None = None           # where secure credentials go (default LOG_DIR/credentials)
 
 
+class RestartPolicy:
+    """When `kvmesh up` restarts a worker or router that died: after 1, 2, 4, ... seconds
+    (at most ``max_backoff_s``), up to ``max_restarts`` times per process within any
+    ``window_s`` seconds. A process that dies more often is crash-looping and is not
+    restarted again (`next_delay` returns None). ``max_restarts`` 0: never restart; -1:
+    always (Kubernetes' ``restartPolicy: Always`` backs off the same way, 10 s to 5 min).
+
+    Raises:
+        ValueError: ``max_restarts`` < -1, or a non-positive window or backoff.
+    """
+
+    def __init__(self, max_restarts: int = 5, window_s: float = 600.0, first_backoff_s: float = 1.0,
+                 max_backoff_s: float = 30.0):
+        if max_restarts < -1:
+            raise ValueError(f"max_restarts must be -1 (always), 0 (never) or more, got {max_restarts}")
+        if not (window_s > 0 and 0 < first_backoff_s <= max_backoff_s):
+            raise ValueError("window_s and the backoffs must be > 0, first_backoff_s <= max_backoff_s")
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.first_backoff_s = first_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._restarts: dict[str, list[float]] = {}
+
+    def next_delay(self, name: str, now: float) -> float | None:
+        """Seconds to wait before restarting ``name``, which died at ``now`` (monotonic
+        seconds), or None when it must not be restarted. Records the restart."""
+        if self.max_restarts == 0:
+            return None
+        recent = [t for t in self._restarts.get(name, []) if now - t < self.window_s]
+        if self.max_restarts > 0 and len(recent) >= self.max_restarts:
+            return None
+        recent.append(now)
+        self._restarts[name] = recent
+        return min(self.max_backoff_s, self.first_backoff_s * 2 ** (len(recent) - 1))
+
+    def count(self, name: str) -> int:
+        """Restarts of ``name`` in the current window (as of its last `next_delay`)."""
+        return len(self._restarts.get(name, []))
+
+
 class LocalCluster:
     """Starts and stops the processes of a `ClusterSpec`.
 
@@ -123,7 +163,8 @@ class LocalCluster:
             wait_healthy(address, proc=proc, tls=self.tls)
         return address
 
-    def start_router(self, port: int | None = None) -> str:
+    def start_router(self, port: int | None = None, wait: bool = True) -> str:
+        """Start (or restart) the router; returns its address (once healthy, if ``wait``)."""
         s = self.spec
         port = port or s.router_port or free_port()
         cmd = python_cmd("router", "--port", str(port), *self._secure_args(), "--policy", s.policy,
@@ -137,7 +178,8 @@ class LocalCluster:
             self.http_url = f"{'https' if s.secure else 'http'}://127.0.0.1:{http}/v1"
         self.router_proc = spawn(cmd, os.path.join(self.log_dir, "router.log"), env=self._env())
         self.router_address = f"127.0.0.1:{port}"
-        wait_healthy(self.router_address, proc=self.router_proc, tls=self.tls)
+        if wait:
+            wait_healthy(self.router_address, proc=self.router_proc, tls=self.tls)
         return self.router_address
 
     def start(self) -> "LocalCluster":
@@ -198,6 +240,29 @@ class LocalCluster:
         _, proc = self.workers[worker_id]
         proc.kill()
         proc.wait(timeout=10)
+
+    def restart(self, name: str) -> object:
+        """Start again a worker or the router that has exited, on the same port and with the
+        same worker id, without waiting for it (`kvmesh up`'s supervision). Returns the new
+        Popen.
+
+        Raises:
+            ValueError: ``name`` is not a worker id or "router" (redis-server is not restarted:
+                the index and the leases it held are gone).
+            RuntimeError: it is still running.
+        """
+        if name == "router":
+            if self.router_proc is not None and self.router_proc.poll() is None:
+                raise RuntimeError("the router is still running")
+            self.start_router(int(self.router_address.rsplit(":", 1)[1]), wait=False)
+            return self.router_proc
+        if name not in self.workers:
+            raise ValueError(f"{name!r} is neither a worker of this cluster nor the router")
+        address, proc = self.workers[name]
+        if proc.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self.start_worker(name, int(address.rsplit(":", 1)[1]), wait=False)
+        return self.workers[name][1]
 
     def restart_router(self) -> str:
         port = int(self.router_address.rsplit(":", 1)[1])

@@ -287,3 +287,29 @@ def test_ray_address_problem(monkeypatch):
     port = _closed_port()
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")  # what auto means to ray.init
     assert f"127.0.0.1:{port}" in ray_address_problem("auto")
+
+
+def test_up_restart_policy_backs_off_and_stops_a_crash_loop():
+    """`kvmesh up --max-restarts N`: 1, 2, 4, ... s between restarts (capped), at most N per
+    process within the window; a process dying more often is not restarted; 0 never, -1 always."""
+    from kvmesh.services.launcher import RestartPolicy
+
+    p = RestartPolicy(max_restarts=3, window_s=100.0, first_backoff_s=1.0, max_backoff_s=3.0)
+    assert [p.next_delay("worker-0", t) for t in (0.0, 5.0, 10.0)] == [1.0, 2.0, 3.0]
+    assert p.next_delay("worker-0", 20.0) is None            # a fourth death inside 100 s
+    assert p.next_delay("worker-1", 20.0) == 1.0             # counted per process
+    assert p.next_delay("worker-0", 104.0) == 3.0            # the first restart left the window: 3 again
+    assert RestartPolicy(0).next_delay("router", 0.0) is None
+    always = RestartPolicy(-1, max_backoff_s=30.0)
+    assert [always.next_delay("w", float(t)) for t in range(8)][-1] == 30.0
+    with pytest.raises(ValueError):
+        RestartPolicy(-2)
+
+
+def test_up_refuses_a_max_restarts_below_minus_one():
+    import argparse
+
+    from kvmesh.services.cli_checks import up_problem
+
+    args = argparse.Namespace(workers=1, max_restarts=-3)
+    assert "--max-restarts must be -1 (always), 0 (never) or more (got -3)" == up_problem(args)

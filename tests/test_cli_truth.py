@@ -439,23 +439,78 @@ def _cmdline(pid: int) -> str:
         return fh.read().replace(b"\0", b" ").decode()
 
 
+def _worker_pid(up_pid: int) -> int:
+    return next(c for c in _children(up_pid) if " worker " in _cmdline(c))
+
+
+def _read_until(stream, text: str, proc) -> str:
+    """Lines of ``stream`` up to the first that holds ``text`` (fails if the stream ends)."""
+    seen = []
+    while text not in (line := stream.readline()):
+        assert line, f"{text!r} never came; so far: {''.join(seen)}{proc.stderr.read() if proc.poll() else ''}"
+        seen.append(line)
+    return line
+
+
 @pytest.mark.slow
-def test_up_exits_non_zero_when_a_process_it_started_dies(tmp_path):
-    up = subprocess.Popen([KVMESH, "up", "--workers", "1", "--threads", "1", "--num-blocks", "64"],
+def test_up_restarts_a_worker_that_dies_then_gives_up_on_a_crash_loop(tmp_path):
+    """`kvmesh up --max-restarts 1`: a killed worker is started again on its port under its id,
+    registers with the router and serves; killed a second time within the window it is not
+    restarted, and up exits 1 saying why."""
+    from kvmesh.services.client import KvmeshClient
+
+    up = subprocess.Popen([KVMESH, "up", "--insecure", "--workers", "1", "--threads", "1", "--num-blocks", "64",
+                           "--http-port", "-1", "--max-restarts", "1"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
-        line = up.stdout.readline()
-        assert "cluster up" in line, up.stderr.read() if up.poll() is not None else line
-        worker = next(c for c in _children(up.pid) if " worker " in _cmdline(c))
-        os.kill(worker, signal.SIGKILL)
+        _read_until(up.stdout, "cluster up", up)
+        router = up.stdout.readline().strip()
+        first = _worker_pid(up.pid)
+        os.kill(first, signal.SIGKILL)
+        warning = _read_until(up.stderr, "worker-0 was killed", up)
+        assert "worker-0 was killed by SIGKILL" in warning and "restarting it in 1 s (restart 1 of 1)" in warning
+        restarted = _read_until(up.stdout, "worker-0 restarted", up)
+        second = int(re.search(r"pid (\d+)", restarted).group(1))
+        assert second != first
+        with KvmeshClient(router, timeout=120) as client:  # the router routes to it again
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    out = client.generate(token_ids=list(range(1, 40)), max_tokens=2, ignore_eos=True)
+                    break
+                except Exception:  # noqa: BLE001 - UNAVAILABLE until the new worker registers
+                    assert time.monotonic() < deadline, "the restarted worker never served"
+                    time.sleep(0.5)
+        assert out.usage.completion_tokens == 2 and out.worker_id == "worker-0"
+        os.kill(_worker_pid(up.pid), signal.SIGKILL)
         _, err = up.communicate(timeout=60)
     finally:
         if up.poll() is None:
             up.kill()
             up.wait()
     assert up.returncode == 1
-    assert "worker-0 was killed by SIGKILL" in err
+    assert "worker-0 was killed by SIGKILL" in err and "not restarted: 1 restarts within 600 s" in err, err
+
+
+@pytest.mark.slow
+def test_up_exits_non_zero_when_a_process_it_started_dies(tmp_path):
+    """`--max-restarts 0`: up does not restart anything; a dead worker ends it with exit 1."""
+    up = subprocess.Popen([KVMESH, "up", "--workers", "1", "--threads", "1", "--num-blocks", "64",
+                           "--max-restarts", "0"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        line = up.stdout.readline()
+        assert "cluster up" in line, up.stderr.read() if up.poll() is not None else line
+        os.kill(_worker_pid(up.pid), signal.SIGKILL)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 1
+    assert "worker-0 was killed by SIGKILL" in err and "restarting" not in err
 
 
 def _bench_multi_turn(target: str, out, *extra: str) -> subprocess.CompletedProcess:
