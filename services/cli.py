@@ -259,12 +259,22 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 2
     secure = {"tls": gate.tls, "gate": gate, "reflection": args.reflection}
 
-    def serve(engine) -> int:
+    def serve(engine, on_stopper=None) -> int:
+        """Serve until SIGINT/SIGTERM; ``on_stopper(fn)`` receives a thread-safe ``fn()`` that
+        stops the server too."""
+        import asyncio
+
         from kvmesh.services.cli_checks import run_server
 
-        # a port taken since it was checked is still a usage error naming its flag
-        return run_server(serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
-                                       advertise=advertise, **ports, **secure), args.port)
+        async def main():
+            stop = asyncio.Event()
+            if on_stopper is not None:
+                loop = asyncio.get_running_loop()
+                on_stopper(lambda: loop.call_soon_threadsafe(stop.set))
+            await serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
+                               advertise=advertise, stop=stop, **ports, **secure)
+
+        return run_server(main(), args.port)  # a port taken since it was checked: exit 2 naming its flag
 
     if not args.redis_url:
         try:
@@ -306,19 +316,37 @@ def cmd_worker(args: argparse.Namespace) -> int:
     engine.snapshot_seq_fn = publisher.flush_now
     info = {"model_id": engine.kv_model_id, "block_size": engine.block_size, "num_blocks": engine.num_blocks,
             "max_model_len": engine.max_model_len}
+    stopper: dict = {"stop": None, "lost": False}
+
+    def lost(holder: dict) -> None:  # another process took this id's lease: stop serving under it
+        stopper["lost"] = True
+        if stopper["stop"] is not None:
+            stopper["stop"]()
+
+    def on_stopper(stop) -> None:  # whichever of the two runs second stops the server
+        stopper["stop"] = stop
+        if stopper["lost"]:
+            stop()
+
     lease = WorkerLease(args.redis_url, worker_id, advertise, info, engine.load, cluster=args.cluster,
-                        fields_fn=publisher.lease_fields)
+                        fields_fn=publisher.lease_fields, on_lost=lost)
     if gate.tls is not None:  # fetch only from holders with a current lease (written with the cluster's Redis password)
         from kvmesh.workers.kv_publisher import LeaseCheck
 
         peer["holder_check"] = LeaseCheck(args.redis_url, cluster=args.cluster)
     try:
-        return serve(engine)
+        rc = serve(engine, on_stopper)
     finally:
         lease.close()
         publisher.close()
         if "holder_check" in peer:
             peer["holder_check"].close()
+    if lease.lost_to is not None:
+        print(f"error: another process took --worker-id {worker_id}'s lease in cluster {args.cluster!r} (a worker "
+              f"at {lease.lost_to.get('address', '?')}); this worker stopped so that the two do not serve and "
+              "publish KV events under one id. Give each worker its own --worker-id", file=sys.stderr)
+        return 1
+    return rc
 
 
 def peer_options(args: argparse.Namespace) -> dict:

@@ -589,3 +589,62 @@ def test_a_restart_waits_for_a_draining_predecessor(shared_redis, cluster, tmp_p
         if proc is not None:
             stop_process(proc)
         r.close()
+
+
+def test_a_lease_held_by_another_instance_is_never_overwritten(shared_redis, cluster, rclient):
+    """Fencing: two processes under one worker id that both passed the start-up check (they
+    started together, or one lost Redis past its TTL while a replacement took the id). The
+    second's beat finds the first's lease, writes nothing, stops beating and reports it once;
+    closing it leaves the first's lease in place."""
+    first = WorkerLease(shared_redis.url, "wF", "10.0.0.1:5000", {}, dict, cluster=cluster, ttl_s=3.0, interval_s=0.1)
+    reports = []
+    second = None
+    try:
+        deadline = time.monotonic() + 60  # against a hang only: waits for the first beat
+        while not rclient.exists(lease_key("wF", cluster)):
+            assert time.monotonic() < deadline, "the lease was never written"
+            time.sleep(0.02)
+        assert json.loads(rclient.get(lease_key("wF", cluster)))["instance"] == first.instance
+        second = WorkerLease(shared_redis.url, "wF", "10.0.0.2:5000", {}, dict, cluster=cluster, ttl_s=3.0,
+                             interval_s=0.1, on_lost=reports.append)
+        second._thread.join(timeout=60)  # its heartbeat ends on the first beat
+        assert not second._thread.is_alive()
+        assert [r["address"] for r in reports] == ["10.0.0.1:5000"] and second.lost_to["instance"] == first.instance
+        assert second.beat() is False  # and stays refused while the first renews
+        second.close()
+        lease = json.loads(rclient.get(lease_key("wF", cluster)))
+        assert lease["address"] == "10.0.0.1:5000" and lease["instance"] == first.instance
+    finally:
+        if second is not None:
+            second.close()
+        first.close()
+    assert rclient.get(lease_key("wF", cluster)) is None  # its own lease, deleted on close
+
+
+def test_a_worker_whose_id_another_process_takes_stops_with_exit_1(shared_redis, cluster, tmp_path):
+    """A real worker process; then a lease under its id from another instance (written as a
+    replacement would write it, renewed faster than the worker's TTL): the worker stops
+    serving, exits 1 and says why, and leaves the other's lease alone."""
+    from kvmesh.services.procs import python_cmd, spawn, stop_process, wait_healthy
+
+    port = free_port()
+    log = tmp_path / "wT.log"
+    proc = spawn(python_cmd("worker", "--port", str(port), "--worker-id", "wT", "--threads", "1",
+                            "--num-blocks", "64", "--redis-url", shared_redis.url, "--cluster", cluster), str(log))
+    r = redis.Redis.from_url(shared_redis.url)
+    other = json.dumps({"worker_id": "wT", "address": "10.9.9.9:5000", "instance": "another-process"})
+    try:
+        wait_healthy(f"127.0.0.1:{port}", proc=proc, timeout=120)
+        deadline = time.monotonic() + 120  # against a hang only
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, "the worker kept serving under a taken id"
+            r.set(lease_key("wT", cluster), other, px=3000)
+            time.sleep(0.2)
+        text = log.read_text(errors="replace")
+        assert proc.returncode == 1, text[-2000:]
+        assert "another process took --worker-id wT's lease" in text and "10.9.9.9:5000" in text
+        assert json.loads(r.get(lease_key("wT", cluster)))["instance"] == "another-process"
+    finally:
+        if proc.poll() is None:
+            stop_process(proc)
+        r.close()

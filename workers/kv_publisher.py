@@ -279,15 +279,49 @@ class KVEventPublisher:
                 self._done.notify_all()
 
 
+#: Write a lease unless another process holds it. KEYS: lease, workers set; ARGV: value,
+#: TTL (ms), this process's instance token, worker id. Returns the holder's lease (a string)
+#: when another instance wrote the key and it has not lapsed, else writes and returns false.
+_BEAT = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local ok, lease = pcall(cjson.decode, cur)
+  if ok and type(lease) == 'table' and lease['instance'] and lease['instance'] ~= ARGV[3] then
+    return cur
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[4])
+return false
+"""
+#: Delete a lease only if this instance holds it. KEYS: lease; ARGV: instance token.
+_RELEASE = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return 0 end
+local ok, lease = pcall(cjson.decode, cur)
+if ok and type(lease) == 'table' and lease['instance'] == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
 class WorkerLease:
     """Keeps a worker's lease key alive in Redis from a heartbeat thread.
 
     Every ``interval_s`` it writes ``kvmesh:{cluster}:worker:{worker_id}`` =
-    JSON ``{**info, "worker_id", "address", "load": load_fn(), "ts"}`` with
-    ``SET ... PX ttl_s*1000`` and adds the id to ``kvmesh:{cluster}:workers``.
+    JSON ``{**info, "worker_id", "address", "instance", "load": load_fn(), "ts"}``
+    with ``SET ... PX ttl_s*1000`` and adds the id to ``kvmesh:{cluster}:workers``.
     If the worker stops beating, readers see the key vanish after ``ttl_s``.
     Redis errors and ``load_fn`` errors are logged and retried on the next
     beat (the last good load is reused).
+
+    **Fencing.** ``instance`` is a random token of this process. A beat (one Lua script)
+    does not overwrite a lease another instance wrote and that has not lapsed: two
+    processes under one worker id (started at the same moment, or one that lost Redis
+    for longer than ``ttl_s`` while a replacement took its id) would otherwise interleave
+    their leases and event streams. The beat that finds one stops the heartbeat and calls
+    ``on_lost(holder_lease)`` once; closing deletes the key only while this instance holds it.
 
     Args:
         redis_url: Redis URL.
@@ -300,6 +334,9 @@ class WorkerLease:
         interval_s: heartbeat period (seconds), below ``ttl_s``.
         fields_fn: optional; returns more fields for each beat (e.g.
             `KVEventPublisher.lease_fields`: ``kv_seq``, ``kv_epoch``).
+        on_lost: optional; called once (from the heartbeat thread) with the other
+            process's lease (a dict; ``address`` says where it runs) when a beat finds that
+            another instance holds this worker id's lease.
 
     Raises:
         ValueError: ``interval_s`` is not in ``(0, ttl_s)``.
@@ -308,7 +345,8 @@ class WorkerLease:
     def __init__(self, redis_url: str, worker_id: str, address: str, info: dict,
                  load_fn: Callable[[], dict], cluster: str = DEFAULT_CLUSTER,
                  ttl_s: float = 3.0, interval_s: float = 1.0,
-                 fields_fn: Callable[[], dict] | None = None):
+                 fields_fn: Callable[[], dict] | None = None,
+                 on_lost: Callable[[dict], None] | None = None):
         if not 0 < interval_s < ttl_s:
             raise ValueError("interval_s must be positive and below ttl_s")
         self.worker_id = worker_id
@@ -320,7 +358,13 @@ class WorkerLease:
         self.set_key = workers_key(cluster)
         self.ttl_s = ttl_s
         self.interval_s = interval_s
+        self.instance = uuid.uuid4().hex
+        self.on_lost = on_lost
+        #: the other process's lease once a beat found one (the heartbeat has stopped)
+        self.lost_to: dict | None = None
         self._redis = _client(redis_url)
+        self._beat_script = self._redis.register_script(_BEAT)
+        self._release_script = self._redis.register_script(_RELEASE)
         self._load: dict = {}
         self._stop = threading.Event()
         self._closed = False
@@ -340,24 +384,40 @@ class WorkerLease:
             except Exception:
                 log.exception("fields_fn of worker %s failed; lease written without its fields", self.worker_id)
         return {**self.info, **extra, "worker_id": self.worker_id, "address": self.address,
-                "load": self._load, "ts": time.time()}
+                "instance": self.instance, "load": self._load, "ts": time.time()}
 
-    def beat(self) -> None:
-        """Write the lease once, now (the thread does this every ``interval_s``).
+    def beat(self) -> bool:
+        """Write the lease once, now (the thread does this every ``interval_s``). Returns
+        False, writing nothing, when another instance holds the lease (see ``lost_to``).
 
         Raises:
             redis.RedisError: Redis could not be reached.
         """
         value = json.dumps(self.lease_value(), separators=(",", ":"))
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.set(self.key, value, px=int(self.ttl_s * 1000))
-        pipe.sadd(self.set_key, self.worker_id)
-        pipe.execute()
+        holder = self._beat_script(keys=[self.key, self.set_key],
+                                   args=[value, int(self.ttl_s * 1000), self.instance, self.worker_id])
+        if not holder:
+            return True
+        try:
+            lease = json.loads(holder)
+            self.lost_to = lease if isinstance(lease, dict) else {}
+        except (ValueError, TypeError):
+            self.lost_to = {}
+        return False
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.beat()
+                if not self.beat():
+                    log.error("worker id %s: another process (instance %s at %s) holds its lease; this one "
+                              "(%s) stops renewing it", self.worker_id, self.lost_to.get("instance", "?"),
+                              self.lost_to.get("address", "?"), self.address)
+                    if self.on_lost is not None:
+                        try:
+                            self.on_lost(dict(self.lost_to))
+                        except Exception:  # noqa: BLE001 - the callback is the worker's
+                            log.exception("on_lost of worker %s failed", self.worker_id)
+                    return
             except redis.RedisError as exc:
                 log.warning("lease of %s not renewed: %s", self.worker_id, exc)
             self._stop.wait(self.interval_s)
@@ -372,7 +432,7 @@ class WorkerLease:
         self._thread.join(timeout=self.interval_s + 5.0)
         if delete:
             try:
-                self._redis.delete(self.key)
+                self._release_script(keys=[self.key], args=[self.instance])  # never another instance's lease
             except redis.RedisError as exc:
                 log.warning("lease of %s not deleted (expires by itself): %s", self.worker_id, exc)
         if not self._thread.is_alive():
