@@ -107,7 +107,8 @@ def _host_port(address: str) -> tuple[str, int] | None:
 
 def resolve_address(address: str) -> str:
     """The ``HOST:PORT`` (or ``ray://HOST:PORT``) ``ray.init(address=...)`` would dial: for
-    ``auto``, ``RAY_ADDRESS`` when set, else the cluster this node last started (Ray's own lookup).
+    ``auto``, ``RAY_ADDRESS`` when set, else the cluster this node last started (Ray's own lookup;
+    "auto" itself when this Ray version does not offer that lookup).
 
     Raises:
         ConnectionError: ``auto`` finds no running Ray cluster.
@@ -119,8 +120,10 @@ def resolve_address(address: str) -> str:
         address = env
     if address != "auto":
         return address
-    from ray._private.services import canonicalize_bootstrap_address
-
+    try:  # Ray's own lookup of the cluster this node started; not a public API, so guarded
+        from ray._private.services import canonicalize_bootstrap_address
+    except ImportError:
+        return "auto"  # this Ray version moved it: leave the lookup to ray.init
     found = canonicalize_bootstrap_address("auto")
     if not found:
         raise ConnectionError("found no running Ray cluster on this node")
@@ -138,6 +141,8 @@ def ray_address_problem(address: str, timeout: float = CONNECT_TIMEOUT_S) -> str
     except (ConnectionError, ValueError) as exc:
         return (f"--address {address}: {str(exc).rstrip('.')}; start one (ray start --head) or pass --address "
                 "HOST:PORT of its head")
+    if target == "auto":  # not resolvable before ray.init with this Ray version: no pre-check
+        return None
     hp = _host_port(target)
     shown = address if target == address else f"{address} ({target})"
     if hp is None:

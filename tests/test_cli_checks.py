@@ -287,6 +287,9 @@ def test_ray_address_problem(monkeypatch):
     port = _closed_port()
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")  # what auto means to ray.init
     assert f"127.0.0.1:{port}" in ray_address_problem("auto")
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setitem(sys.modules, "ray._private.services", None)  # a Ray without that private lookup
+    assert ray_address_problem("auto") is None  # no pre-check: ray.init looks the cluster up itself
 
 
 def test_up_restart_policy_backs_off_and_stops_a_crash_loop():
