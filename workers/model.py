@@ -259,9 +259,16 @@ PACK_BATCH_ROWS = 512
 
 @functools.lru_cache(maxsize=None)
 def _can_pack() -> bool:
-    """Whether torch's oneDNN weight prepacking (``mkldnn::_reorder_linear_weight``) is here."""
+    """Whether torch's oneDNN bf16 weight prepacking (``mkldnn::_reorder_linear_weight``) works
+    on this CPU: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, so it is tried once on a
+    small weight rather than assumed from the build."""
     try:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+            return False
+        w = torch.ones(16, 16, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 4)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(4, 16, dtype=torch.bfloat16), packed, None, "none", [], "")
+        return True
     except (AttributeError, RuntimeError):
         return False
 
