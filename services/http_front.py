@@ -293,6 +293,14 @@ class HttpFront:
                                   "owned_by": "kvmesh"})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text, on an open front only. With API keys the front faces tenants, and
+        counters such as cache hits per decision would tell one tenant (or a stranger, since
+        Prometheus sends no key) whether another's prompt was cached: those fronts answer 404,
+        and operators scrape ``--metrics-port`` (a port for Prometheus alone; see
+        docs/SECURITY.md)."""
+        if self.authenticate is not None or self.check_key is not None:
+            raise HttpError(404, "this front requires API keys and does not serve /metrics (they would reveal "
+                                 "other tenants' cache hits); scrape the process's --metrics-port", "not_found_error")
         if self.registry is None:
             raise HttpError(404, "metrics are not recorded by this process", "not_found_error")
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

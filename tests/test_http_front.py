@@ -334,3 +334,39 @@ def test_the_bench_openai_target_sends_its_key_over_https_only(tmp_path):
 
         with pytest.raises(ValueError, match=match):
             asyncio.run(make())
+
+
+def test_a_front_with_api_keys_does_not_serve_metrics():
+    """Counters that move with each request (cache hits, decisions) would tell a stranger or
+    another tenant whether a prompt was cached: a front that takes API keys answers 404 on
+    /metrics, with or without a key, and names --metrics-port; an open front serves them."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    registry = CollectorRegistry()
+    Counter("kvmesh_probe", "a counter", registry=registry).inc()
+
+    async def generate(req, ctx):
+        yield _final()
+
+    def authenticate(header):
+        if header != "Bearer good":
+            raise PermissionError("unknown API key")
+        return "tenant-1"
+
+    async def run():
+        out = []
+        for kw in ({"authenticate": authenticate}, {"check_key": authenticate}, {}):
+            front, url = await _serve(generate, registry=registry, **kw)
+            try:
+                async with aiohttp.ClientSession() as s:
+                    for headers in ({}, {"Authorization": "Bearer good"}):
+                        r = await s.get(url.removesuffix("/v1") + "/metrics", headers=headers)
+                        out.append((r.status, await r.text()))
+            finally:
+                await front.stop()
+        return out
+
+    (a0, a1, c0, c1, open0, open1) = asyncio.run(run())
+    for status, body in (a0, a1, c0, c1):
+        assert status == 404 and "--metrics-port" in body and "kvmesh_probe" not in body
+    assert open0[0] == open1[0] == 200 and "kvmesh_probe_total 1.0" in open0[1]
