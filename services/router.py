@@ -250,9 +250,11 @@ class RouterServicer(pb_grpc.RouterServicer):
                 code = exc.code()
                 retryable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
                 if retryable and not relayed and _attempt + 1 < self.max_attempts:
-                    last_error = f"worker {chosen.worker_id} at {chosen.address}: {code.name}: {exc.details()}"
+                    # the client sees the worker's id, as in every response, but not its address
+                    last_error = f"worker {chosen.worker_id}: {code.name}: {exc.details()}"
                     last_code = code
-                    log.warning("%s; trying another worker", last_error)
+                    log.warning("worker %s at %s: %s: %s; trying another worker", chosen.worker_id, chosen.address,
+                                code.name, exc.details())
                     continue
                 await context.abort(code, exc.details() or code.name)
             finally:

@@ -58,9 +58,21 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                 int_block_hashes=not args.vllm_bytes_hashes)
     except (ValueError, UnsupportedVllm) as exc:
         parser.error(str(exc))
+    from kvmesh.services.security import server_gate
+
+    try:  # a non-loopback bind without TLS, --api-keys without TLS: refused as for kvmesh's own router
+        gate = server_gate(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if gate.tls is not None and gate.tls.client_ca:
+        print("error: --client-ca: the vLLM router mode takes API keys, not client certificates", file=sys.stderr)
+        return 2
     try:
         asyncio.run(serve_vllm_router(servers, config, port, host=args.host, model_dir=args.model,
-                                      served_model=args.served_model_name, policy=args.policy, seed=args.seed))
+                                      served_model=args.served_model_name, policy=args.policy, seed=args.seed,
+                                      auth=gate.auth,
+                                      ssl_context=gate.tls.server_ssl_context() if gate.tls is not None else None))
     except ValueError as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2

@@ -133,6 +133,13 @@ class VllmRouter:
         seed: seed of the policy's tie-breaks.
         poll_s: how often each server's ``/health`` and ``/metrics`` are read (seconds).
         max_attempts: servers tried per request when one cannot be reached.
+        auth: the router's API keys (`services.auth.Authenticator`, ``--api-keys``); None or
+            open = every caller is trusted (loopback or behind an authenticating proxy). With
+            keys, each request's tenant comes from its key and the ``cache_salt`` sent to vLLM
+            is the tenant's (vLLM keeps blocks of different salts apart; the salt a client
+            sends only divides its own tenant's namespace), the caller's ``Authorization`` is
+            not passed on, ``/v1/models`` needs a key, and ``/health`` and ``/metrics`` keep
+            the servers' details to themselves (``/metrics`` is not served).
 
     Raises:
         ValueError: duplicate server names or unknown policy.
@@ -140,8 +147,9 @@ class VllmRouter:
 
     def __init__(self, servers: Sequence[VllmServerSpec], hash_config: VllmHashConfig,
                  model_dir: str | None = None, policy: str = "kv_aware", seed: int | None = None,
-                 poll_s: float = 0.5, max_attempts: int = 2):
+                 poll_s: float = 0.5, max_attempts: int = 2, auth=None):
         names = [s.name for s in servers]
+        self.auth = auth if auth is not None and auth.entries is not None else None
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"--vllm-server names must be unique and at least one is needed, got {names}")
         self.index = ClusterIndex()
@@ -313,10 +321,12 @@ class VllmRouter:
             raise _HttpError(400, "request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise _HttpError(400, "request body must be a JSON object")
-        ids = self._prompt_ids(path, body)
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise _HttpError(400, "'cache_salt' must be a string", "cache_salt")
+        if self.auth is not None:
+            salt = body["cache_salt"] = self._tenant_salt(request, salt or "")
+        ids = self._prompt_ids(path, body)
         served = self.served_model()
         if ids is None or (served is not None and body.get("model") not in (None, served)):
             keys: list[bytes] = []   # unknown tokens, or a LoRA adapter whose path the router cannot know
@@ -345,7 +355,8 @@ class VllmRouter:
             relayed = False
             try:
                 assert self._session is not None
-                headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "accept")}
+                passed = ("accept",) if self.auth is not None else ("authorization", "accept")
+                headers = {k: v for k, v in request.headers.items() if k.lower() in passed}
                 async with self._session.post(st.spec.url + path, json=body, headers=headers,
                                               timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0)) as r:
                     resp = web.StreamResponse(status=r.status)
@@ -363,14 +374,36 @@ class VllmRouter:
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 if relayed:
                     raise
-                last_error = f"vLLM server {chosen.worker_id} at {st.spec.url}: {type(exc).__name__}: {exc}"
-                log.warning("%s; trying another server", last_error)
+                last_error = f"vLLM server {chosen.worker_id}: {type(exc).__name__}"
+                log.warning("vLLM server %s at %s: %s: %s; trying another server", chosen.worker_id, st.spec.url,
+                            type(exc).__name__, exc)
                 st.live = False
             finally:
                 st.local_running = max(0, st.local_running - 1)
                 if not relayed:
                     st.local_prefill = max(0, st.local_prefill - prefill)
         raise _HttpError(503, f"no vLLM server could take the request: {last_error}", type_="service_unavailable")
+
+    def _tenant(self, request: web.Request) -> str:
+        """The caller's tenant from its API key. Raises `_HttpError` 401."""
+        from kvmesh.services.auth import Unauthenticated
+
+        try:
+            return self.auth.tenant_for(request.headers.get("Authorization"))
+        except Unauthenticated as exc:
+            raise _HttpError(401, f"{exc}", type_="authentication_error") from None
+
+    def _tenant_salt(self, request: web.Request, client_salt: str) -> str:
+        """The ``cache_salt`` vLLM gets for this caller: its tenant (or the shared namespace
+        its key may use) and its own salt within it, as one JSON string. Raises `_HttpError`
+        401 (no or unknown key) or 403 (the shared namespace without the ``shared`` option)."""
+        from kvmesh.services.auth import Forbidden
+
+        try:
+            tenant, salt = self.auth.scope(self._tenant(request), client_salt)
+        except Forbidden as exc:
+            raise _HttpError(403, f"{exc}", "cache_salt", type_="permission_error") from None
+        return json.dumps(["kvmesh-tenant", tenant, salt], separators=(",", ":"))
 
     def served_model(self) -> str | None:
         return self._model_name
@@ -402,8 +435,12 @@ class VllmRouter:
 
     async def _models(self, request: web.Request) -> web.Response:
         # the caller's key goes along, as on completions: a vLLM server started with
-        # --api-key answers the listing only to a caller holding a key
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        # --api-key answers the listing only to a caller holding a key; a router holding
+        # keys of its own checks the caller's and passes none on
+        if self.auth is not None:
+            self._tenant(request)
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() == "authorization" and self.auth is None}
         for st in self.servers.values():
             if st.live:
                 assert self._session is not None
@@ -413,6 +450,8 @@ class VllmRouter:
 
     async def _health(self, request: web.Request) -> web.Response:
         live = self.live_workers()
+        if self.auth is not None:  # probes need the status only; server URLs and errors are the operator's
+            return web.json_response({"status": "ok" if live else "no live server"}, status=200 if live else 503)
         status = {n: {"live": st.live, "error": st.last_error, "version": st.version,
                       "kv_event_batches": st.subscriber.batches, "kv_event_gaps": st.subscriber.gaps,
                       "hash_checks": st.subscriber.hash_checks, "hash_mismatches": st.subscriber.hash_mismatches}
@@ -425,11 +464,15 @@ class VllmRouter:
 
         if self.metrics is None:
             return web.Response(status=404, text="metrics off")
+        if self.auth is not None:  # per-decision counters would show who holds which prefix
+            raise _HttpError(404, "this router requires API keys and does not serve /metrics (they would reveal "
+                                  "other tenants' cache hits)", type_="not_found_error")
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def start(self, host: str, port: int) -> int:
-        """Connect the event subscribers, start polling and serve HTTP; returns the bound port."""
+    async def start(self, host: str, port: int, ssl_context=None) -> int:
+        """Connect the event subscribers, start polling and serve HTTP (HTTPS with
+        ``ssl_context``); returns the bound port."""
         from kvmesh.services.metrics import RouterMetrics
 
         self.metrics = RouterMetrics(self)
@@ -439,7 +482,7 @@ class VllmRouter:
         self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
         await site.start()
         return int(self._runner.addresses[0][1])
 
@@ -469,15 +512,16 @@ def _scrape(text: str, names: tuple[str, ...]) -> dict[str, float]:
 async def serve_vllm_router(servers: Sequence[VllmServerSpec], hash_config: VllmHashConfig, http_port: int,
                             host: str = "127.0.0.1", model_dir: str | None = None, served_model: str | None = None,
                             policy: str = "kv_aware", seed: int | None = None,
-                            stop: asyncio.Event | None = None) -> None:
-    """Serve the vLLM router mode on ``host:http_port`` until ``stop`` is set or SIGINT/SIGTERM."""
+                            stop: asyncio.Event | None = None, auth=None, ssl_context=None) -> None:
+    """Serve the vLLM router mode on ``host:http_port`` until ``stop`` is set or SIGINT/SIGTERM
+    (``auth``, ``ssl_context``: see `VllmRouter` and `VllmRouter.start`)."""
     import signal
 
-    router = VllmRouter(servers, hash_config, model_dir=model_dir, policy=policy, seed=seed)
+    router = VllmRouter(servers, hash_config, model_dir=model_dir, policy=policy, seed=seed, auth=auth)
     router._model_name = served_model
-    port = await router.start(host, http_port)
-    print(f"kvmesh router ({policy}, backend vllm, {len(servers)} servers) serving http://{host}:{port}/v1",
-          flush=True)
+    port = await router.start(host, http_port, ssl_context)
+    print(f"kvmesh router ({policy}, backend vllm, {len(servers)} servers) serving "
+          f"{'https' if ssl_context else 'http'}://{host}:{port}/v1", flush=True)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -92,3 +92,96 @@ def test_model_listing_passes_the_callers_key_to_the_server():
     (no_key, _), (with_key, body) = asyncio.run(run())
     assert no_key == 401
     assert with_key == 200 and body["data"][0]["id"] == "m"
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["--host", "0.0.0.0"], "TLS is off"),
+    (["--api-keys", "/nonexistent"], "--api-keys needs TLS"),
+])
+def test_the_vllm_mode_refuses_what_it_cannot_secure(argv, word, capsys):
+    """A non-loopback bind without TLS, or API keys without TLS, exit 2 as for kvmesh's own
+    router (the vLLM mode once served plain HTTP on any interface and dropped these flags)."""
+    from kvmesh.services.cli import build_parser
+
+    args = build_parser().parse_args(["router", "--backend", "vllm", "--http-port", "1", "--vllm-server",
+                                      "http://h:1,tcp://h:2", "--vllm-block-size", "16", *argv])
+    assert args.func(args) == 2
+    assert word in capsys.readouterr().err
+
+
+def test_with_api_keys_the_tenant_comes_from_the_key_over_https(tmp_path):
+    """`--backend vllm` with --api-keys and TLS: no key or a bad key gets 401 and reaches no
+    server; with a key, vLLM gets the tenant's cache_salt (whatever salt the client sent,
+    and two tenants' salts differ), not the caller's key; /metrics is not served and /health
+    tells only the status. The vLLM server is a stand-in that records what it was sent."""
+    import asyncio
+    import json
+
+    import aiohttp
+    from aiohttp import web
+
+    from kvmesh.services.auth import Authenticator
+    from kvmesh.services.credentials import generate_cluster_credentials
+    from kvmesh.services.vllm_compat import VllmHashConfig
+    from kvmesh.services.vllm_router import VllmRouter
+    from kvmesh.workers.tls import TlsConfig
+
+    creds = generate_cluster_credentials(str(tmp_path / "run"))
+    keys = tmp_path / "keys"
+    keys.write_text("alice  key-alice-0123456789\nbob  key-bob-0123456789\n")
+    seen = []
+
+    async def completions(request):
+        seen.append((await request.json(), request.headers.get("Authorization")))
+        return web.json_response({"choices": [{"text": "ok"}]})
+
+    async def run():
+        from kvmesh.services.vllm_compat import SUPPORTED_VERSIONS
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        async def metrics(request):  # what the router polls
+            return web.Response(text="")
+
+        async def version(request):
+            return web.json_response({"version": SUPPORTED_VERSIONS[-1]})
+
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/version", version)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        router = VllmRouter([VllmServerSpec("a", f"http://127.0.0.1:{port}", "tcp://127.0.0.1:1")], VllmHashConfig(),
+                            auth=Authenticator.from_file(str(keys)))
+        tls = TlsConfig.from_files(creds.cert, creds.key, creds.ca)
+        fport = await router.start("127.0.0.1", 0, tls.server_ssl_context())
+        await router.wait_live(60)
+        url = f"https://127.0.0.1:{fport}"
+        out = {}
+        try:
+            import ssl
+
+            ctx = ssl.create_default_context(cafile=creds.ca)
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as s:
+                body = {"prompt": [1, 2, 3], "max_tokens": 1, "cache_salt": "mine"}
+                for name, key in (("none", None), ("bad", "nope"), ("alice", "key-alice-0123456789"), ("bob", "key-bob-0123456789")):
+                    headers = {"Authorization": f"Bearer {key}"} if key else {}
+                    async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
+                        out[name] = r.status
+                for path in ("/metrics", "/health"):
+                    async with s.get(url + path, headers={"Authorization": "Bearer key-alice-0123456789"}) as r:
+                        out[path] = (r.status, await r.text())
+        finally:
+            await router.stop()
+            await runner.cleanup()
+        return out
+
+    out = asyncio.run(run())
+    assert out["none"] == out["bad"] == 401 and out["alice"] == out["bob"] == 200
+    assert len(seen) == 2 and all(auth is None for _, auth in seen)  # the router's keys stay with the router
+    salts = [body["cache_salt"] for body, _ in seen]
+    assert salts[0] != salts[1] and all("mine" in s for s in salts)
+    assert json.loads(salts[0])[1] == "alice" and json.loads(salts[1])[1] == "bob"
+    assert out["/metrics"][0] == 404
+    assert json.loads(out["/health"][1]).keys() == {"status"}
