@@ -117,7 +117,14 @@ class DiskTier:
         if capacity_bytes <= 0:
             raise ValueError(f"disk capacity must be > 0 bytes, got {capacity_bytes}")
         self.directory = os.path.abspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
+        # segments hold tenants' token ids and KV: readable by this user only
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        if os.stat(self.directory).st_mode & 0o077:
+            try:
+                os.chmod(self.directory, 0o700)
+            except OSError as exc:  # e.g. a mount point owned by another user
+                log.warning("disk tier %s is readable by other users and could not be made private (%s): "
+                            "its segments hold prompts' token ids", self.directory, exc)
         self.capacity_bytes = int(capacity_bytes)
         self.segment_bytes = int(min(segment_bytes, capacity_bytes))
         self.block_shape = tuple(block_shape)
@@ -243,7 +250,7 @@ class DiskTier:
         head += _SEG_SUM.pack(xxhash.xxh3_64_intdigest(head))
         final = os.path.join(self.directory, f"seg-{seg_id:016x}.kvs")
         tmp = os.path.join(self.directory, f"seg-{seg_id:016x}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             bufs: list = [head]
             for h, (_, payload) in zip(headers, items):

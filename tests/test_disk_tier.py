@@ -57,6 +57,22 @@ def test_write_scan_read(tmp_path):
     assert t2.used_bytes == sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path))
 
 
+def test_segments_are_readable_by_this_user_only(tmp_path):
+    """Segments hold prompts' token ids and KV: a new folder is 0700, a shared one is made
+    private, and segment files are 0600 (other local users, e.g. other tenants' jobs on a
+    shared host, cannot read them)."""
+    fresh = new_tier(tmp_path / "new" / "disk")
+    write(fresh, items(2))
+    assert os.stat(tmp_path / "new" / "disk").st_mode & 0o777 == 0o700
+    assert all(os.stat(tmp_path / "new" / "disk" / f).st_mode & 0o777 == 0o600
+               for f in os.listdir(tmp_path / "new" / "disk"))
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    new_tier(shared)
+    assert os.stat(shared).st_mode & 0o777 == 0o700
+
+
 def test_truncated_segment_is_dropped_at_start(tmp_path):
     t = new_tier(tmp_path)
     write(t, items(3, seed=1))
