@@ -144,6 +144,10 @@ class TierStore:
         self._sink = event_sink
         self.lock = threading.RLock()
         self._codecs: dict[str, KVCodec] = {}
+        #: codecs of the records this pool loads: exact KV, and the lossy codecs this worker's
+        #: own tier flags accept. A block another worker wrote to the shared remote tier (or
+        #: a peer exported) in another codec is a miss: it would change this worker's outputs.
+        self.accepted_codecs = frozenset({"none", config.host_codec, config.disk_codec, config.remote_codec})
         on_cuda = kv_cache.device.type == "cuda"
         self.host = (HostTier(config.host_bytes, self.codec(config.host_codec), pin_memory=on_cuda)
                      if config.host_bytes > 0 else None)
@@ -689,6 +693,11 @@ class TierStore:
                 log.warning("remote tier: block %s rejected: %s", hashes[i].hex()[:12], exc)
                 break
             try:
+                self.check_codec(meta)  # usable by workers that accept its codec: left in place
+            except RecordError as exc:
+                log.info("remote tier: block %s not used: %s", hashes[i].hex()[:12], exc)
+                break
+            try:
                 self.check_layout(meta)
             except RecordError as exc:  # stored under its own hash but unusable by anyone with this model
                 log.warning("remote tier: block %s unusable, deleting it: %s", hashes[i].hex()[:12], exc)
@@ -786,6 +795,13 @@ class TierStore:
         """Bumped by every :meth:`clear`; see :meth:`stage`."""
         return self._generation
 
+    def check_codec(self, meta: RecordMeta) -> None:
+        """Raise RecordError unless the record's codec is one this pool accepts
+        (``accepted_codecs``: exact, or a codec one of this worker's tiers is set to)."""
+        if meta.codec not in self.accepted_codecs:
+            raise RecordError(f"record is {meta.codec}-encoded; this worker's tiers keep "
+                              f"{'/'.join(sorted(self.accepted_codecs))} KV (--host/--disk/--remote-codec)")
+
     def check_layout(self, meta: RecordMeta) -> None:
         """Raise RecordError unless a record's dtype, block shape, codec and payload size fit this pool.
 
@@ -798,6 +814,7 @@ class TierStore:
                               f"{self.dtype_name} {self.block_shape}")
         if meta.codec not in CODECS:
             raise RecordError(f"unknown codec {meta.codec!r}")
+        self.check_codec(meta)
         want = self.codec(meta.codec).payload_bytes
         if meta.payload_len != want:
             raise RecordError(f"{meta.codec} payload of {meta.payload_len} bytes; this pool's is {want}")

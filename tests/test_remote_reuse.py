@@ -87,11 +87,15 @@ def test_local_tiers_first_then_remote_for_the_rest(redis_server, cold_engine):
 
 
 def test_compressed_remote_hit_within_documented_error(redis_server, cold_engine):
+    """A worker whose own remote tier is fp8 loads another's fp8 blocks (within the
+    documented error); a worker that keeps exact KV everywhere does not: for it they are a
+    miss, and its output is the cold run's exactly."""
     bound = DOCUMENTED_MAX_LOGIT_DIFF["fp8"]
     prompt = rand_prompt(3, 180)
     ref, ref_logits = run(cold_engine, prompt, SamplingParams(max_tokens=1))
     a = remote_engine(redis_server.url, codec="fp8")
-    b = remote_engine(redis_server.url)
+    b = remote_engine(redis_server.url, codec="fp8")
+    exact = remote_engine(redis_server.url)
     try:
         publish(a, prompt)
         out, logits = run(b, prompt, SamplingParams(max_tokens=1))
@@ -100,9 +104,14 @@ def test_compressed_remote_hit_within_documented_error(redis_server, cold_engine
         top = torch.topk(ref_logits[0], 2).values
         if float(top[0] - top[1]) > 2 * bound:
             assert out["token_ids"] == ref["token_ids"]
+        out, logits = run(exact, prompt, SamplingParams(max_tokens=1))
+        assert out["usage"]["cached_tokens"] == 0 and out["token_ids"] == ref["token_ids"]
+        assert max_diff(logits, ref_logits) < 1e-4
+        assert a.tier_stats()["remote_blocks"] >= cached_blocks(prompt)  # left in place for workers that accept fp8
     finally:
         a.stop()
         b.stop()
+        exact.stop()
 
 
 def test_damaged_remote_record_is_dropped_and_recomputed(redis_server, cold_engine):

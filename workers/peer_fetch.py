@@ -344,6 +344,7 @@ def _verify(msg, pos: int, hashed, root: bytes, engine) -> tuple[RecordMeta, byt
     tiers = engine.tiers
     parent = hashed.hashes[pos - 1] if pos > 0 else None
     meta.verify_for(hashed.hashes[pos], parent, hashed.block_tokens(pos), root, tiers.dtype_name, tiers.block_shape)
+    tiers.check_codec(meta)  # a lossy block only where this worker's own tiers accept that codec
     if len(msg.payload) != tiers.codec(meta.codec).payload_bytes:
         raise RecordError("payload size does not match its codec")
     verify_payload(meta, msg.payload)
