@@ -7,6 +7,14 @@ as the LRU order of cached blocks, after the design of vLLM's
 ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``): a block whose
 reference count drops to 0 joins the tail, allocation pops the head, and a
 cached block popped from the head is evicted.
+
+**Owners.** A cached block may carry an owner (the tenant whose request cached it).
+While more than one owner has cached blocks, an allocation takes an empty block wherever
+it sits in the queue before it evicts anything, and then evicts the least recently used
+block of the owner holding the most cached blocks (ties: the queue head's owner):
+max-min fair eviction, so a tenant that floods the pool evicts its own blocks once it
+holds more than another, and a tenant holding no more than any other never loses a
+block to another's requests. With one owner (or none) this is the plain queue order.
 """
 
 from __future__ import annotations
@@ -81,13 +89,34 @@ def kv_bytes_per_block(
 
 @dataclass(slots=True, eq=False)
 class Block:
-    """Per-block metadata; ``prev``/``next`` link it into the free queue."""
+    """Per-block metadata; ``prev``/``next`` link it into the free queue and, while it is
+    evictable, ``oprev``/``onext`` into its owner's LRU list."""
 
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
+    owner: object = None
+    oprev: Block | None = field(default=None, repr=False)
+    onext: Block | None = field(default=None, repr=False)
+
+
+#: key of the list of empty (ref 0, unhashed) blocks among the owner lists
+_EMPTY = object()
+
+
+class _OwnerLRU:
+    """One owner's evictable blocks (or, under `_EMPTY`, the empty blocks), in queue order."""
+
+    __slots__ = ("head", "tail", "count")
+
+    def __init__(self) -> None:
+        self.head = Block(-3)
+        self.tail = Block(-3)
+        self.head.onext = self.tail
+        self.tail.oprev = self.head
+        self.count = 0
 
 
 class BlockPool:
@@ -108,7 +137,8 @@ class BlockPool:
         ValueError: ``num_blocks`` < 1.
     """
 
-    __slots__ = ("num_blocks", "_blocks", "_head", "_tail", "_fresh", "_num_free", "_num_evictable", "_on_evict")
+    __slots__ = ("num_blocks", "_blocks", "_head", "_tail", "_fresh", "_num_free", "_num_evictable", "_on_evict",
+                 "_lru", "_held")
 
     def __init__(self, num_blocks: int, on_evict: Callable[[int, bytes], None] | None = None):
         _check_dims(num_blocks=num_blocks)
@@ -127,6 +157,56 @@ class BlockPool:
         self._tail.prev = self._fresh
         self._num_free = num_blocks
         self._num_evictable = 0
+        self._lru: dict[object, _OwnerLRU] = {}   # owners with evictable blocks
+        self._held: dict[object, int] = {}        # owner -> cached (hashed) blocks, held or not
+
+    # -- owner lists -------------------------------------------------------
+    def _olink(self, b: Block, front: bool = False) -> None:
+        key = b.owner if b.block_hash is not None else _EMPTY
+        q = self._lru.get(key)
+        if q is None:
+            q = self._lru[key] = _OwnerLRU()
+        if front:
+            p = q.head
+            n = p.onext
+        else:
+            n = q.tail
+            p = n.oprev
+        p.onext = b
+        b.oprev = p
+        b.onext = n
+        n.oprev = b
+        q.count += 1
+
+    def _ounlink(self, b: Block) -> None:
+        p, n = b.oprev, b.onext
+        p.onext = n
+        n.oprev = p
+        b.oprev = b.onext = None
+        key = b.owner if b.block_hash is not None else _EMPTY
+        q = self._lru[key]
+        q.count -= 1
+        if q.count == 0:
+            del self._lru[key]
+
+    def _drop_held(self, owner: object) -> None:
+        left = self._held[owner] - 1
+        if left:
+            self._held[owner] = left
+        else:
+            del self._held[owner]
+
+    def _victim(self, head: Block) -> Block:
+        """The evictable block to hand out next: the LRU block of the owner holding the
+        most cached blocks (``head``, the queue head, when its owner is among them)."""
+        best, most = head, self._held[head.owner]
+        for owner, q in self._lru.items():
+            if owner is _EMPTY:
+                continue
+            held = self._held[owner]
+            if held > most:
+                best, most = q.head.onext, held
+        return best
 
     # -- free queue primitives -------------------------------------------
     def _unlink(self, b: Block) -> None:
@@ -137,6 +217,7 @@ class BlockPool:
         self._num_free -= 1
         if b.block_hash is not None:
             self._num_evictable -= 1
+        self._ounlink(b)
 
     def _append(self, b: Block) -> None:
         t = self._tail
@@ -148,6 +229,7 @@ class BlockPool:
         self._num_free += 1
         if b.block_hash is not None:
             self._num_evictable += 1
+        self._olink(b)
 
     def _push_front(self, b: Block) -> None:
         h = self._head
@@ -157,6 +239,7 @@ class BlockPool:
         b.next = n
         n.prev = b
         self._num_free += 1
+        self._olink(b, front=True)
 
     def _block(self, block_id: int) -> Block:
         if not 0 <= block_id < self.num_blocks:
@@ -179,7 +262,8 @@ class BlockPool:
 
     # -- public API --------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[int] | None:
-        """Take ``n`` blocks from the head of the free queue (LRU first).
+        """Take ``n`` blocks from the head of the free queue (LRU first; between owners,
+        see the module docstring).
 
         Each returned block has ref 1 and no hash. A popped block that was
         cached is evicted: ``on_evict(block_id, hash)`` is called, then its
@@ -204,6 +288,9 @@ class BlockPool:
             if b is fresh:
                 out.append(self._take_fresh().block_id)
                 continue
+            if b.block_hash is not None and len(self._held) > 1:  # several owners: empties first, then fairness
+                empties = self._lru.get(_EMPTY)
+                b = empties.head.onext if empties is not None else self._victim(b)
             self._unlink(b)
             b.ref_cnt = 1
             h = b.block_hash
@@ -211,6 +298,8 @@ class BlockPool:
                 if on_evict is not None:
                     on_evict(b.block_id, h)
                 b.block_hash = None
+                self._drop_held(b.owner)
+                b.owner = None
             out.append(b.block_id)
         return out
 
@@ -259,8 +348,9 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self._append(b)
 
-    def set_hash(self, block_id: int, block_hash: bytes) -> None:
-        """Mark a held block as holding the KV of ``block_hash`` (set once).
+    def set_hash(self, block_id: int, block_hash: bytes, owner: object = None) -> None:
+        """Mark a held block as holding the KV of ``block_hash`` (set once), cached for
+        ``owner`` (any hashable, e.g. a tenant id; None: nobody in particular).
 
         Raises:
             IndexError: id out of range.
@@ -275,6 +365,8 @@ class BlockPool:
         if b.block_hash is not None:
             raise ValueError(f"block {block_id} already has a hash")
         b.block_hash = block_hash
+        b.owner = owner
+        self._held[owner] = self._held.get(owner, 0) + 1
 
     def clear_hash(self, block_id: int) -> bytes | None:
         """Forget a block's hash (its KV is no longer to be reused).
@@ -298,6 +390,8 @@ class BlockPool:
             self._push_front(b)
         else:
             b.block_hash = None
+        self._drop_held(b.owner)
+        b.owner = None
         return h
 
     def get_hash(self, block_id: int) -> bytes | None:
@@ -323,12 +417,17 @@ class BlockPool:
         """Blocks with ref > 0."""
         return self.num_blocks - self._num_free
 
+    def cached_by_owner(self) -> dict:
+        """Cached (hashed) blocks per owner, held or evictable."""
+        return dict(self._held)
+
     def usage(self) -> float:
         """Fraction of blocks in use, in [0, 1]."""
         return (self.num_blocks - self._num_free) / self.num_blocks
 
     def free_queue(self) -> list[int]:
-        """Block ids in the free queue, head (next handed out) first. O(num_blocks)."""
+        """Block ids in the free queue, head first: the hand-out order while one owner (or
+        none) holds the evictable blocks. O(num_blocks)."""
         out = []
         b = self._head.next
         while b is not self._tail:
@@ -402,6 +501,33 @@ class BlockPool:
         empty = ref0 - queued_hashed
         if empty + queued_hashed + self.num_in_use_blocks != self.num_blocks:
             errors.append("empty + evictable + in_use != num_blocks")
+        held: dict = {}
+        for blk in self._blocks:
+            if blk.block_hash is not None:
+                held[blk.owner] = held.get(blk.owner, 0) + 1
+            elif blk.owner is not None:
+                errors.append(f"empty block {blk.block_id} has owner {blk.owner!r}")
+        if held != self._held:
+            errors.append(f"cached blocks per owner {self._held} != {held}")
+        in_lists = empties = 0
+        for owner, q in self._lru.items():
+            n, o = 0, q.head.onext
+            while o is not q.tail and o is not None and n <= self.num_blocks:
+                wrong = (o.block_hash is not None or o.owner is not None) if owner is _EMPTY else (
+                    o.owner != owner or o.block_hash is None)
+                if wrong or o.ref_cnt != 0:
+                    errors.append(f"block {o.block_id} in {owner!r}'s list: owner {o.owner!r}, ref {o.ref_cnt}")
+                n, o = n + 1, o.onext
+            if n != q.count or n == 0:
+                errors.append(f"owner {owner!r}: list of {n} blocks, count {q.count}")
+            if owner is _EMPTY:
+                empties = n
+            else:
+                in_lists += n
+        if in_lists != queued_hashed:
+            errors.append(f"{in_lists} blocks in owner lists, {queued_hashed} evictable")
+        if empties != len(seen) - queued_hashed:
+            errors.append(f"{empties} blocks in the empty list, {len(seen) - queued_hashed} queued empty")
         if errors:
             raise RuntimeError("BlockPool integrity: " + "; ".join(errors))
 
@@ -423,7 +549,16 @@ class BlockPool:
         while b is not self._tail:
             if b.block_hash is not None and b is not self._fresh:
                 b.block_hash = None
+                b.owner = None
                 out.append(b.block_id)
             b = b.next
         self._num_evictable = 0
+        self._held.clear()
+        self._lru.clear()  # every queued block is empty now: one empty list, in queue order
+        b = self._head.next
+        while b is not self._tail:
+            if b is not self._fresh:
+                b.oprev = b.onext = None
+                self._olink(b)
+            b = b.next
         return out

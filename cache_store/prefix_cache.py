@@ -205,8 +205,11 @@ class PrefixCache:
         return n
 
     # -- registration ------------------------------------------------------------
-    def commit(self, block_hashes: BlockHashes, block_ids: Sequence[int], start: int, end: int) -> int:
-        """Register full blocks ``start .. end-1`` of a sequence as cached.
+    def commit(self, block_hashes: BlockHashes, block_ids: Sequence[int], start: int, end: int,
+               owner: object = None) -> int:
+        """Register full blocks ``start .. end-1`` of a sequence as cached, for ``owner`` (the
+        tenant whose request computed them: eviction is fair between owners, see
+        `BlockPool`).
 
         ``block_hashes`` is a ``BlockHashes`` or any object with the same
         members (``hashes``, ``block_size``, ``token_bytes``,
@@ -264,7 +267,7 @@ class PrefixCache:
         if not inserted:
             return 0
         for i in inserted:
-            pool.set_hash(block_ids[i], hashes[i])
+            pool.set_hash(block_ids[i], hashes[i], owner)
         lo, hi = inserted[0], inserted[-1] + 1
         assert hi - lo == len(inserted), "extend inserts one contiguous run"
         step = bs * 4

@@ -319,3 +319,100 @@ def test_pool_matches_reference_model(ops):
         assert p.num_free_blocks == m.ref.count(0)
         assert p.num_evictable_blocks == sum(1 for i in range(n) if m.ref[i] == 0 and m.hash[i] is not None)
         assert p.num_in_use_blocks == n - m.ref.count(0)
+
+
+# -- owners: max-min fair eviction --------------------------------------------------
+
+
+def test_the_owner_holding_most_is_evicted_first():
+    """Tenant "a" caches 6 blocks, "b" 2, b's freed first (older): a new allocation evicts
+    a's least recently used blocks, not b's, until a holds no more than b; then LRU."""
+    p = BlockPool(8)
+    ids = p.get_new_blocks(8)
+    for i, bid in enumerate(ids):
+        p.set_hash(bid, h(i), "b" if i < 2 else "a")
+    p.free(ids)  # b's blocks (0, 1) are the queue head: plain LRU would evict them first
+    assert p.cached_by_owner() == {"a": 6, "b": 2}
+    assert p.get_new_blocks(4) == [2, 3, 4, 5]  # a's oldest four: a now holds 2, as many as b
+    p.check_integrity()
+    assert p.cached_by_owner() == {"a": 2, "b": 2}
+    assert p.get_new_blocks(1) == [0]  # a tie: the queue head (b's oldest), plain LRU
+    assert p.get_new_blocks(1) == [6]  # a holds more again
+    p.check_integrity()
+
+
+class OwnerModelPool(ModelPool):
+    """Reference with owners: while several owners hold cached blocks, the queue's first
+    empty block, else the queue's first block of the owner holding the most cached
+    blocks (ties: the queue head's owner); with one owner, the queue head."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.owner = [None] * n
+
+    def held(self, o):
+        return sum(1 for i, hh in enumerate(self.hash) if hh is not None and self.owner[i] == o)
+
+    def get(self, k):
+        if k > len(self.queue):
+            return None
+        out = []
+        for _ in range(k):
+            b = self.queue[0]
+            owners = {self.owner[i] for i, hh in enumerate(self.hash) if hh is not None}
+            if self.hash[b] is not None and len(owners) > 1:
+                empty = [c for c in self.queue if self.hash[c] is None]
+                b = empty[0] if empty else None
+            if b is None:
+                b = self.queue[0]
+                best = self.owner[b]
+                for c in self.queue:
+                    if self.hash[c] is not None and self.held(self.owner[c]) > self.held(best):
+                        best = self.owner[c]
+                b = next(c for c in self.queue if self.hash[c] is not None and self.owner[c] == best)
+            self.queue.remove(b)
+            self.ref[b] = 1
+            if self.hash[b] is not None:
+                self.evicted.append((b, self.hash[b]))
+                self.hash[b] = None
+                self.owner[b] = None
+            out.append(b)
+        return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("gtfsc"), st.integers(0, 11), st.integers(0, 255)), max_size=60))
+def test_pool_with_owners_matches_reference_model(ops):
+    n = 10
+    evicted = []
+    p = BlockPool(n, on_evict=lambda b, hh: evicted.append((b, hh)))
+    m = OwnerModelPool(n)
+    for op, x, y in ops:
+        b = x % n
+        if op == "g":
+            assert p.get_new_blocks(x % 5) == m.get(x % 5)
+        elif op == "t" and not (m.ref[b] == 0 and m.hash[b] is None):
+            p.touch([b])
+            if m.ref[b] == 0:
+                m.queue.remove(b)
+            m.ref[b] += 1
+        elif op == "f" and m.ref[b] > 0:
+            p.free([b])
+            m.ref[b] -= 1
+            if m.ref[b] == 0:
+                m.queue.append(b)
+        elif op == "s" and m.ref[b] > 0 and m.hash[b] is None:
+            owner = (None, "a", "b")[y % 3]
+            p.set_hash(b, h(y), owner)
+            m.hash[b], m.owner[b] = h(y), owner
+        elif op == "c":
+            assert p.clear_hash(b) == m.hash[b]
+            if m.hash[b] is not None and m.ref[b] == 0:
+                m.queue.remove(b)
+                m.queue.insert(0, b)
+            m.hash[b], m.owner[b] = None, None
+        p.check_integrity()
+        assert p.free_queue() == m.queue
+        assert [p.get_hash(i) for i in range(n)] == m.hash
+        assert evicted == m.evicted
+        assert p.cached_by_owner() == {o: m.held(o) for o in (None, "a", "b") if m.held(o)}

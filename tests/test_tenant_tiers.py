@@ -86,3 +86,31 @@ def test_remote_tier_keeps_tenants_apart(redis_server):
         writer.stop()
         if reader is not None:
             reader.stop()
+
+
+def test_a_tenant_flooding_the_device_pool_evicts_its_own_blocks_first():
+    """Tenant A caches a 6-block prompt; tenant B then sends 20 distinct 6-block prompts
+    through a 32-block pool (far more than fits). Eviction is fair between tenants (the one
+    holding most loses first), so A's blocks survive B's flood: A's prompt is a full device
+    hit afterwards, and its output equals a cold run's."""
+    ids = prompt(7, 6 * BS + 1)
+    cold = Engine(num_blocks=32, block_size=BS).start()
+    e = Engine(num_blocks=32, block_size=BS).start()
+    try:
+        ref = cold.generate(ids, GREEDY, tenant="tenant-a")
+        e.generate(ids, GREEDY, tenant="tenant-a")
+        for i in range(20):
+            e.generate(prompt(100 + i, 6 * BS + 1), GREEDY, tenant="tenant-b")
+        held = e.cache.pool.cached_by_owner()
+        assert held["tenant-a"] == 6 and held["tenant-b"] > 6, held
+        again = e.generate(ids, GREEDY, tenant="tenant-a")
+        assert again["usage"]["cached_tokens_by_tier"]["device"] == 6 * BS, again["usage"]
+        assert again["token_ids"] == ref["token_ids"]
+        e.check_integrity()
+        # the same flood from tenant A itself is plain LRU: its old prompt goes
+        for i in range(20):
+            e.generate(prompt(200 + i, 6 * BS + 1), GREEDY, tenant="tenant-a")
+        assert e.generate(ids, GREEDY, tenant="tenant-a")["usage"]["cached_tokens"] == 0
+    finally:
+        e.stop()
+        cold.stop()

@@ -280,7 +280,7 @@ class Scheduler:
             self.cache.unlock(new[n:])
         block_ids.extend(new[:n])
         if n:
-            self.cache.commit(_ChainView(req), block_ids, start, start + n)
+            self.cache.commit(_ChainView(req), block_ids, start, start + n, req.namespace.tenant or None)
         return media
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
@@ -311,7 +311,8 @@ class Scheduler:
     def _commit_full_blocks(self, req: Request) -> None:
         full = min(req.num_computed // self.block_size, len(req.block_hashes))
         if full > req.num_committed_blocks:
-            self.cache.commit(_ChainView(req), req.block_table, req.num_committed_blocks, full)
+            self.cache.commit(_ChainView(req), req.block_table, req.num_committed_blocks, full,
+                              req.namespace.tenant or None)
             req.num_committed_blocks = full
 
 
