@@ -394,6 +394,10 @@ class BlockPool:
         b.owner = None
         return h
 
+    def get_owner(self, block_id: int) -> object:
+        """The owner a cached block was set with (`set_hash`), None if none. Raises IndexError."""
+        return self._block(block_id).owner
+
     def get_hash(self, block_id: int) -> bytes | None:
         """The block's hash, or None. Raises IndexError for a bad id."""
         return self._block(block_id).block_hash

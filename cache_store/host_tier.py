@@ -14,7 +14,13 @@ so runs are long.
 
 A slot can be *pinned* (a disk write or a load is reading it): an entry whose
 slot is pinned is never evicted, and a removed entry's slot is only reused
-once unpinned. Not thread-safe: :class:`cache_store.tier_store.TierStore`
+once unpinned.
+
+Eviction is fair between tenants, as in the device pool (`cache_store.block_pool`): a
+block's tenant is its identity's ``owner`` (``EvictedBlock.owner``; None for blocks read
+back from disk, the remote tier or a peer). While entries of several tenants are held,
+each eviction takes the least recently used unpinned entry of the tenant holding the most
+entries; with one tenant it is plain LRU. Not thread-safe: :class:`cache_store.tier_store.TierStore`
 serializes access under its lock.
 """
 
@@ -41,6 +47,10 @@ class BlockIdentity(Protocol):
     block_hash: bytes
     parent_hash: bytes | None
     token_bytes: bytes
+
+
+def _tenant(block: BlockIdentity) -> object:
+    return getattr(block, "owner", None)
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,6 +108,7 @@ class HostTier:
         self.slab = torch.empty((max(n, 1), codec.payload_bytes), dtype=torch.uint8, pin_memory=pin)
         self._slab_mv = memoryview(self.slab.numpy()).cast("B")  # flat zero-copy view: rows are slices
         self.entries: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, oldest first
+        self._by_tenant: dict[object, OrderedDict[bytes, int]] = {}  # the same entries per tenant
         self._free = list(range(n - 1, -1, -1))  # free slots; sorted descending when not _unsorted
         self._unsorted = False
         self._owner: list[bytes | None] = [None] * n  # hash of the entry on the slot; b"" = reserved
@@ -158,8 +169,10 @@ class HostTier:
     # -- LRU and pins ------------------------------------------------------------
     def touch(self, block_hash: bytes) -> None:
         """Mark an entry most recently used (no-op if absent)."""
-        if block_hash in self.entries:
+        slot = self.entries.get(block_hash)
+        if slot is not None:
             self.entries.move_to_end(block_hash)
+            self._by_tenant[_tenant(self._block[slot])].move_to_end(block_hash)
 
     def pin(self, slot: int) -> None:
         self._pins[slot] += 1
@@ -176,12 +189,15 @@ class HostTier:
         if self._pins[slot] == 0 and self._owner[slot] is None:
             self._give_back(slot)
 
-    def reserve(self, n: int, hold: Callable[[int], bool] | None = None
+    def reserve(self, n: int, hold: Callable[[int], bool] | None = None, incoming: dict | None = None
                 ) -> tuple[list[int], list[bytes], list[int]]:
         """Take up to ``n`` free slots, evicting unpinned LRU entries as needed.
 
         Args:
             n: slots wanted.
+            incoming: tenant -> blocks of it about to be inserted into these slots; counted
+                as that tenant's when eviction chooses between tenants (a tenant storing a
+                batch is charged for it before another loses a block to it).
             hold: for the slot of an entry about to be evicted, True keeps the
                 slot pinned (the caller still needs its bytes, e.g. to write it
                 to disk and then :meth:`unpin` it); such a slot does not count
@@ -198,18 +214,22 @@ class HostTier:
         if n > free_after:
             pins = self._pins
             victims = []
-            for h, slot in self.entries.items():  # oldest first
-                if free_after >= n:
-                    break
-                if pins[slot]:
-                    continue
-                keep = hold is not None and hold(slot)
-                victims.append((h, slot, keep))
-                if not keep:
-                    free_after += 1
-            entries, owner = self.entries, self._owner
+            if len(self._by_tenant) > 1:  # one tenant holds everything: plain LRU
+                free_after = self._fair_victims(n, free_after, hold, victims, incoming or {})
+            else:
+                for h, slot in self.entries.items():  # oldest first
+                    if free_after >= n:
+                        break
+                    if pins[slot]:
+                        continue
+                    keep = hold is not None and hold(slot)
+                    victims.append((h, slot, keep))
+                    if not keep:
+                        free_after += 1
+            entries, owner, blk = self.entries, self._owner, self._block
             for h, slot, keep in victims:
                 del entries[h]
+                self._drop_tenant_entry(_tenant(blk[slot]), h)
                 owner[slot] = None
                 evicted.append(h)
                 if keep:
@@ -228,6 +248,39 @@ class HostTier:
         for s in slots:
             self._owner[s] = b""  # reserved, not yet owned by an entry
         return slots, evicted, held
+
+    def _fair_victims(self, n: int, free_after: int, hold, victims: list, incoming: dict) -> int:
+        """Pick victims (appended to ``victims``) until ``n`` slots would be free: each the
+        oldest unpinned entry of the tenant with the most entries left, counting what each
+        has ``incoming``. Returns the free count after them."""
+        pins = self._pins
+        left = {t: len(d) for t, d in self._by_tenant.items()}
+        extra = {t: k for t, k in incoming.items() if t in left}
+        its = {t: iter(d.items()) for t, d in self._by_tenant.items()}
+        while free_after < n and left:
+            t = max(left, key=lambda u: left[u] + extra.get(u, 0))
+            for h, slot in its[t]:
+                if not pins[slot]:
+                    break
+            else:  # every remaining entry of this tenant is pinned
+                del left[t]
+                continue
+            left[t] -= 1
+            keep = hold is not None and hold(slot)
+            victims.append((h, slot, keep))
+            if not keep:
+                free_after += 1
+        return free_after
+
+    def _drop_tenant_entry(self, tenant: object, block_hash: bytes) -> None:
+        d = self._by_tenant[tenant]
+        del d[block_hash]
+        if not d:
+            del self._by_tenant[tenant]
+
+    def entries_by_tenant(self) -> dict:
+        """Entries held per tenant (``EvictedBlock.owner``; None: unknown)."""
+        return {t: len(d) for t, d in self._by_tenant.items()}
 
     def release(self, slots: list[int]) -> None:
         """Give back reserved slots that were not used."""
@@ -286,6 +339,13 @@ class HostTier:
         if origin is not None:
             self._origin_used = True
         index.update(zip(hashes, slots))
+        by_tenant = self._by_tenant
+        for b, h, slot in zip(blocks, hashes, slots):
+            t = _tenant(b)
+            d = by_tenant.get(t)
+            if d is None:
+                d = by_tenant[t] = OrderedDict()
+            d[h] = slot
 
     _ready_used = False  # set once a CUDA event was stored (CPU pools skip the per-slot store)
     _origin_used = False  # set once an origin was given (only staging areas pay the per-slot store)
@@ -295,6 +355,7 @@ class HostTier:
         slot = self.entries.pop(block_hash, None)
         if slot is None:
             return None
+        self._drop_tenant_entry(_tenant(self._block[slot]), block_hash)
         self._owner[slot] = None
         if self._pins[slot] == 0:
             self._give_back(slot)

@@ -58,12 +58,15 @@ class EvictedBlock(NamedTuple):
         block_hash: its 16-byte chained hash.
         parent_hash: the previous block's hash; None for block 0.
         token_bytes: its token ids as little-endian uint32.
+        owner: the tenant it was cached for (`BlockPool.set_hash`), None if none; lower
+            tiers evict fairly between owners too.
     """
 
     block_id: int
     block_hash: bytes
     parent_hash: bytes | None
     token_bytes: bytes
+    owner: object = None
 
 
 class PrefixCache:
@@ -175,7 +178,7 @@ class PrefixCache:
         )
         if self._on_offload is not None:
             parent = node.parent.block_hash if node.parent is not None else None
-            self._offload.append(EvictedBlock(block_id, block_hash, parent, node.tokens))
+            self._offload.append(EvictedBlock(block_id, block_hash, parent, node.tokens, self.pool.get_owner(block_id)))
         removed = self.index.remove(block_hash)
         self._evicted.append(block_hash)
         # A well-behaved caller never gets here with descendants left (see

@@ -51,7 +51,7 @@ import operator
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -239,7 +239,8 @@ class TierStore:
             if not fresh:
                 return
             back = self.disk is not None and self.config.write_mode == "back"
-            slots, dropped, held = host.reserve(len(fresh), hold=self._wants_disk if back else None)
+            slots, dropped, held = host.reserve(len(fresh), hold=self._wants_disk if back else None,
+                                                incoming=Counter(ev.owner for ev in fresh))
             if dropped:
                 self._emit_removed(dropped, "host")
             for slot in held:  # write-back: evicted from host, written to disk from its pinned slot
@@ -249,7 +250,7 @@ class TierStore:
                 fresh = fresh[:len(slots)]
             if not fresh:
                 return
-            block_ids, hashes, parents, tokens = zip(*fresh)  # columns, built once
+            block_ids, hashes, parents, tokens, _ = zip(*fresh)  # columns, built once
             ready = host.store(self.kv_cache, block_ids, slots)
             # checked: fresh holds distinct hashes (the pool's) that are not in the host tier
             host.insert_many(fresh, slots, ready, hashes=hashes, checked=True)

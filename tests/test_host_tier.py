@@ -111,3 +111,30 @@ def test_store_and_load_scattered_blocks(codec):
             assert float((out[d_id] - kv[s_id]).abs().max()) <= float(kv[s_id].abs().max()) / 8
     untouched = [i for i in range(10) if i not in dst]
     assert not out[untouched].any()
+
+
+def test_eviction_is_fair_between_tenants():
+    """Tenant "b" stored 2 blocks first (the oldest), "a" 6: making room for 4 evicts a's
+    oldest four (plain LRU would take b's two first); pinned entries are skipped; with
+    the tenants even, then the larger again. One tenant alone: plain LRU."""
+    t = tier(8)
+
+    def put(name: bytes, owner: str):
+        (slot,), _, _ = t.reserve(1)
+        t.insert(EvictedBlock(0, name.ljust(16, b"."), None, bytes(16), owner), slot)
+        return name.ljust(16, b".")
+
+    bs = [put(n, "b") for n in (b"b0", b"b1")]
+    as_ = [put(n, "a") for n in (b"a0", b"a1", b"a2", b"a3", b"a4", b"a5")]
+    t.pin(t.slot_of(as_[0]))
+    slots, evicted, _ = t.reserve(4)
+    assert evicted == as_[1:5] and len(slots) == 4  # a0 pinned: skipped
+    assert t.entries_by_tenant() == {"b": 2, "a": 2}
+    t.release(slots)
+    _, evicted, _ = t.reserve(5)  # 4 free; one more: a tie, the first tenant in order
+    assert len(evicted) == 1 and evicted[0] in (bs[0], as_[5])
+    solo = tier(3)
+    for n in (b"x", b"y", b"z"):
+        (slot,), _, _ = solo.reserve(1)
+        solo.insert(EvictedBlock(0, n.ljust(16, b"."), None, bytes(16), "only"), slot)
+    assert solo.reserve(1)[1] == [b"x".ljust(16, b".")]

@@ -114,3 +114,31 @@ def test_a_tenant_flooding_the_device_pool_evicts_its_own_blocks_first():
     finally:
         e.stop()
         cold.stop()
+
+
+def test_a_flood_does_not_push_another_tenants_blocks_out_of_the_host_tier():
+    """Tenant A's prompt is moved down to the host tier (room for 16 blocks); tenant B then
+    sends 20 distinct prompts, whose evicted blocks stream into the host tier. Host eviction
+    is fair between tenants too: A's blocks stay, its prompt is a full hit from the tiers,
+    equal to a cold run."""
+    ids = prompt(8, 6 * BS + 1)
+    cold = Engine(num_blocks=32, block_size=BS).start()
+    probe = Engine(num_blocks=32, block_size=BS, tiers=TierConfig(host_bytes=1 << 20, peer_bytes=0))
+    block_bytes = probe.tiers.codec("none").payload_bytes
+    e = Engine(num_blocks=32, block_size=BS, tiers=TierConfig(host_bytes=16 * block_bytes, peer_bytes=0)).start()
+    try:
+        ref = cold.generate(ids, GREEDY, tenant="tenant-a")
+        e.generate(ids, GREEDY, tenant="tenant-a")
+        e.offload_device_cache()
+        assert e.tiers.flush(30)
+        for i in range(20):
+            e.generate(prompt(300 + i, 6 * BS + 1), GREEDY, tenant="tenant-b")
+        assert e.tiers.flush(30)
+        assert e.tiers.host.entries_by_tenant().get("tenant-a") == 6, e.tiers.host.entries_by_tenant()
+        again = e.generate(ids, GREEDY, tenant="tenant-a")
+        assert again["usage"]["cached_tokens"] == 6 * BS, again["usage"]
+        assert again["token_ids"] == ref["token_ids"]
+        e.check_integrity()
+    finally:
+        e.stop()
+        cold.stop()
