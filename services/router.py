@@ -186,6 +186,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         live, block_size, model_id, why = self.compat.select(live)
         if not live:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        live = fitting_workers(live, len(ids))  # a worker of a shorter context would only refuse it
         served = sorted({model_id, base_model_id(model_id)})
         if request.model_id and request.model_id not in served:  # a client's error: refused here, not logged
             await context.abort(
@@ -310,6 +311,17 @@ def _load_config(model_dir: str | None) -> ModelConfig:
     from kvmesh.workers.loader import read_config
 
     return read_config(model_dir)
+
+
+def fitting_workers(live: dict[str, dict], num_tokens: int) -> dict[str, dict]:
+    """The workers whose context (``max_model_len`` in their lease) takes a prompt of
+    ``num_tokens`` tokens (`workers.limits.check_token_count`: fewer tokens than the
+    context); a lease that does not say counts as fitting. Pure."""
+    def fits(info: dict) -> bool:
+        n = info.get("max_model_len")
+        return not (isinstance(n, int) and n > 0 and num_tokens >= n)
+
+    return {wid: info for wid, info in live.items() if fits(info)}
 
 
 def context_limit(live: dict[str, dict], default: int) -> int:

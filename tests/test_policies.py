@@ -493,3 +493,16 @@ def test_cluster_index_common_depth_counts_holders_of_the_whole_chain():
     assert idx.common_depth(chain, 4) == 1
     assert idx.common_depth(chain, 5) == 0
     assert idx.common_depth([b"x"] + chain, 1) == 0  # the first block unknown: nothing is common
+
+
+def test_the_router_leaves_out_workers_whose_context_a_prompt_does_not_fit():
+    """A cluster whose workers serve contexts of 64 and 4,096 tokens: a 100-token prompt is
+    offered only to the long-context workers (the short one would refuse it, and kv_aware
+    sends cold prompts to empty workers); the longest context bounds what the router takes."""
+    from kvmesh.services.router import context_limit, fitting_workers
+
+    live = {"w1": {"max_model_len": 4096}, "w7": {"max_model_len": 64}, "old": {}}
+    assert sorted(fitting_workers(live, 100)) == ["old", "w1"]
+    assert sorted(fitting_workers(live, 63)) == ["old", "w1", "w7"]
+    assert sorted(fitting_workers(live, 64)) == ["old", "w1"]  # a prompt must leave room: 63 at most
+    assert context_limit(live, 2048) == 4096 and context_limit({"old": {}}, 2048) == 2048
