@@ -79,6 +79,8 @@ HTTP_STATUS = {
 }
 #: Default deadline of one HTTP request (seconds), as the CLI's gRPC default.
 DEFAULT_TIMEOUT_S = 600.0
+#: context (tokens) assumed when the front is not told the model's
+DEFAULT_CONTEXT_TOKENS = 4096
 #: Request fields refused because kvmesh would otherwise silently ignore them.
 UNSUPPORTED = ("stop", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "presence_penalty",
                "frequency_penalty", "tools", "tool_choice", "functions", "function_call", "response_format",
@@ -167,7 +169,7 @@ class _HttpContext:
         return False
 
 
-def _error_middleware():
+def _error_middleware(max_body_bytes: int = 0):
     @web.middleware
     async def middleware(request, handler):
         try:
@@ -179,6 +181,9 @@ def _error_middleware():
         except web.HTTPException as exc:  # 404 / 405 from the router: OpenAI's error body too
             if exc.status < 400:
                 raise
+            if exc.status == 413:
+                return HttpError(413, f"request body over {max_body_bytes:,} bytes: more than the model's context "
+                                      "could hold; shorten the prompt").response()
             return HttpError(exc.status, f"{request.method} {request.path}: {exc.reason}",
                              "not_found_error" if exc.status == 404 else "invalid_request_error").response()
         except Exception:  # noqa: BLE001 - one failed request never takes the front down
@@ -235,7 +240,13 @@ class HttpFront:
         self.timeout_s = timeout_s
         self.created = int(time.time())
         self._runner: web.AppRunner | None = None
-        self.app = web.Application(middlewares=[_error_middleware()], client_max_size=64 * 1024 * 1024)
+        # bodies capped as gRPC messages are (`workers.limits.request_bytes_limit`), twice over for
+        # JSON's own bytes: a body past it is refused (413) before it is read, let alone parsed
+        from kvmesh.workers.limits import request_bytes_limit
+
+        self.max_body_bytes = 2 * request_bytes_limit(max_model_len or DEFAULT_CONTEXT_TOKENS)
+        self.app = web.Application(middlewares=[_error_middleware(self.max_body_bytes)],
+                                   client_max_size=self.max_body_bytes)
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -449,7 +460,7 @@ class HttpFront:
         ids = ChatTemplate.encode(self.tokenizer, text)
         if not ids:
             raise HttpError(400, "the rendered chat prompt is empty", param="messages")
-        default_max = max(1, (self.max_model_len or 4096) - len(ids) - 1)
+        default_max = max(1, (self.max_model_len or DEFAULT_CONTEXT_TOKENS) - len(ids) - 1)
         req = self._request(body, tenant, "max_completion_tokens", min(default_max, 2**32 - 1))
         req.token_ids.ids.extend(ids)
         return await self._answer(request, body, req, chat=True)

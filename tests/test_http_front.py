@@ -370,3 +370,33 @@ def test_a_front_with_api_keys_does_not_serve_metrics():
     for status, body in (a0, a1, c0, c1):
         assert status == 404 and "--metrics-port" in body and "kvmesh_probe" not in body
     assert open0[0] == open1[0] == 200 and "kvmesh_probe_total 1.0" in open0[1]
+
+
+def test_a_body_larger_than_the_context_could_hold_is_refused_with_413():
+    """Bodies are capped like gRPC messages (twice `request_bytes_limit` of the context, for
+    JSON's own bytes): a 31-million-id prompt is refused before it is parsed, so one client
+    cannot stall the front for seconds; a prompt within the cap is served."""
+    from kvmesh.workers.limits import request_bytes_limit
+
+    seen = []
+
+    async def generate(req, ctx):
+        seen.append(len(req.token_ids.ids))
+        yield _final()
+
+    async def run():
+        front, url = await _serve(generate, max_model_len=2048)
+        try:
+            async with aiohttp.ClientSession() as s:
+                big = b'{"max_tokens": 1, "prompt": [' + b"1," * (front.max_body_bytes // 2) + b'1]}'
+                r = await s.post(f"{url}/completions", data=big, headers={"Content-Type": "application/json"})
+                refused = (r.status, await r.json())
+                r = await s.post(f"{url}/completions", json={"max_tokens": 1, "prompt": [1] * 2000})
+                return front.max_body_bytes, refused, r.status
+        finally:
+            await front.stop()
+
+    cap, (status, body), ok = asyncio.run(run())
+    assert cap == 2 * request_bytes_limit(2048)
+    assert status == 413 and "shorten the prompt" in body["error"]["message"], body
+    assert ok == 200 and seen == [2000]
