@@ -87,9 +87,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="another DNS name clients reach the router by, e.g. an Ingress host (repeatable)")
     p.add_argument("--days", type=int, default=365, help="validity of the CA and certificate (default 365)")
     p.add_argument("--out-dir", required=True, help="folder for ca.crt, ca.key and client.env (created 0700)")
+    p.add_argument("--force", action="store_true",
+                   help="replace a CA key and client.env already in --out-dir (the old CA and API keys are lost)")
     args = p.parse_args(argv)
     if args.days < 1:
         print(f"error: --days must be >= 1 (got {args.days})", file=sys.stderr)
+        return 2
+    there = [n for n in ("ca.key", "client.env") if os.path.exists(os.path.join(args.out_dir, n))]
+    if there and not args.force:
+        print(f"error: {args.out_dir} already holds {' and '.join(there)}: a new run makes a new CA and new API "
+              "keys, and the old ones (perhaps the only copy of the CA key) would be lost. Use another --out-dir, "
+              "or pass --force to replace them", file=sys.stderr)
         return 2
     try:
         objs, ca_pem, ca_key_pem, api_keys = cluster_secrets(args.namespace, tuple(args.tenant or ("default",)),

@@ -533,3 +533,19 @@ def test_k8s_secrets_generator(tmp_path, capsys):
     assert auth.tenant_for(f"Bearer {env['KVMESH_API_KEY']}") == "team-a"
     assert env["KVMESH_API_KEY"].encode() not in data["kvmesh-api-keys"]["api-keys"], "keys are stored hashed"
     assert main(["--tenant", "two words", "--out-dir", str(tmp_path / "x")]) == 2
+
+
+def test_k8s_secrets_never_replaces_a_ca_key_without_force(tmp_path, capsys):
+    """A second run into the same --out-dir would make a new CA and new API keys and lose the
+    old CA key (perhaps its only copy): it exits 2 and leaves the files; --force replaces them."""
+    from kvmesh.services.k8s_secrets import main
+
+    out_dir = tmp_path / "creds"
+    assert main(["--out-dir", str(out_dir)]) == 0
+    first = (out_dir / "ca.key").read_bytes()
+    capsys.readouterr()
+    assert main(["--tenant", "team-c", "--out-dir", str(out_dir)]) == 2
+    assert "already holds ca.key and client.env" in capsys.readouterr().err
+    assert (out_dir / "ca.key").read_bytes() == first
+    assert main(["--out-dir", str(out_dir), "--force"]) == 0
+    assert (out_dir / "ca.key").read_bytes() != first
