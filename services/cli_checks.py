@@ -416,6 +416,20 @@ def device_problem(device: str) -> str | None:
     return None
 
 
+def safetensors_problem(path: str) -> str | None:
+    """Why ``path`` is not a readable safetensors file (truncated, corrupt header, not one at
+    all), or None. Opens it as `safetensors.safe_open` does: header and sizes only."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            f.keys()
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: any means unusable
+        return (f"{os.path.basename(path)} is not a readable safetensors file ({str(exc).strip() or type(exc).__name__}); "
+                "copy the checkpoint again")
+    return None
+
+
 def model_problem(model: str | None, max_model_len: int | None = None) -> str | None:
     """What is wrong with a ``--model`` folder (missing, no config.json, no weights, no usable
     tokenizer), or with a ``--max-model-len`` (tokens) above the model's context
@@ -440,8 +454,13 @@ def model_problem(model: str | None, max_model_len: int | None = None) -> str | 
 
     try:
         cfg = read_config(model)
-        if not glob.glob(os.path.join(model, "*.safetensors")):
+        files = sorted(glob.glob(os.path.join(model, "*.safetensors")))
+        if not files:
             return f"--model {model}: no *.safetensors weight files in the folder"
+        for path in files:  # the header and its offsets against the file's size; no tensor is read
+            problem = safetensors_problem(path)
+            if problem:
+                return f"--model {model}: {problem}"
         load_tokenizer(model, cfg)
     except ValueError as exc:
         return f"--model: {exc}"

@@ -316,3 +316,23 @@ def test_up_refuses_a_max_restarts_below_minus_one():
 
     args = argparse.Namespace(workers=1, max_restarts=-3)
     assert "--max-restarts must be -1 (always), 0 (never) or more (got -3)" == up_problem(args)
+
+
+def test_a_truncated_safetensors_file_is_a_one_line_error(tmp_path):
+    """A checkpoint cut short in copying: `model_problem` names the file (header and sizes
+    checked, no tensor read), and `kvmesh worker --model` exits 2 with that line instead of
+    a traceback."""
+    from kvmesh.services.cli_checks import model_problem
+    from kvmesh.workers.config import ModelConfig
+    from kvmesh.workers.loader import save_tiny_checkpoint
+
+    model = save_tiny_checkpoint(str(tmp_path / "m"), ModelConfig.tiny())
+    assert model_problem(model) is None
+    path = next(p for p in (tmp_path / "m").iterdir() if p.suffix == ".safetensors")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    problem = model_problem(model)
+    assert problem and path.name in problem and "not a readable safetensors file" in problem
+    res = kvmesh("worker", "--port", "0", "--model", model, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "not a readable safetensors file" in res.stderr
