@@ -187,13 +187,23 @@ def make_engine(args: argparse.Namespace, event_sink=None):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return Engine(model_dir=args.model, device=args.device, block_size=args.block_size,
-                  num_blocks=args.num_blocks, max_num_batched_tokens=args.max_batched_tokens,
-                  max_num_seqs=args.max_seqs, max_model_len=args.max_model_len, event_sink=event_sink,
-                  max_waiting=getattr(args, "max_waiting", 512), tiers=tier_config(args),
-                  long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", None),
-                  max_num_partial_prefills=getattr(args, "max_num_partial_prefills", 2),
-                  compute_dtype=getattr(args, "compute_dtype", "auto"))
+    engine = Engine(model_dir=args.model, device=args.device, block_size=args.block_size,
+                    num_blocks=args.num_blocks, max_num_batched_tokens=args.max_batched_tokens,
+                    max_num_seqs=args.max_seqs, max_model_len=args.max_model_len, event_sink=event_sink,
+                    max_waiting=getattr(args, "max_waiting", 512), tiers=tier_config(args),
+                    long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", None),
+                    max_num_partial_prefills=getattr(args, "max_num_partial_prefills", 2),
+                    compute_dtype=getattr(args, "compute_dtype", "auto"))
+    tiers = engine.tiers
+    if tiers is not None and tiers.host is not None and (tiers.disk is not None or tiers.remote is not None) \
+            and tiers.host.num_slots < engine.num_blocks:
+        # disk and remote writes are made from host slots: what finds none is not cached below
+        logging.getLogger("kvmesh.worker").warning(
+            "--host-bytes holds %d blocks, fewer than the device pool's %d: blocks evicted while every host slot "
+            "is taken (or pinned by a pending disk write) are not written to disk or the remote tier either "
+            "(metric kvmesh:tier_blocks_not_stored{reason=\"offload\"}); give --host-bytes at least %d bytes",
+            tiers.host.num_slots, engine.num_blocks, engine.num_blocks * tiers.host.codec.payload_bytes)
+    return engine
 
 
 def advertised_address(host: str, port: int, advertise: str | None) -> str:

@@ -244,6 +244,14 @@ class _EngineCollector:
                                    "disk, peer staging or remote, in device format (bytes).")
         load.add_metric([], counters.get("loaded", 0) * block_bytes)
         yield load
+        skipped = CounterMetricFamily(_name("tier_blocks_not_stored"), "Blocks not stored in a lower tier, by "
+                                      "reason: offload (evicted from the device pool while no host slot was free: "
+                                      "not cached below at all), disk_queue and remote_queue (their write queue "
+                                      "was full) (blocks).", labels=["reason"])
+        skipped.add_metric(["offload"], counters.get("offload_skipped", 0))
+        skipped.add_metric(["disk_queue"], counters.get("writes_skipped", 0))
+        skipped.add_metric(["remote_queue"], counters.get("remote_puts_skipped", 0))
+        yield skipped
         disk_fail = CounterMetricFamily(_name("disk_write_failures"), "Disk tier segment writes that failed.")
         disk_fail.add_metric([], counters.get("write_errors", 0))
         yield disk_fail

@@ -184,3 +184,24 @@ def test_peer_fetch_outcomes(engine):
     assert s[("kvmesh:peer_fetch_decisions_total", (("decision", "recomputed"),))] == 1
     assert s[("kvmesh:peer_fetch_decisions_total", (("decision", "deadline"),))] == 2
     assert s[("kvmesh:peer_fetch_bytes_total", ())] == 4296
+
+
+def test_blocks_that_find_no_host_slot_are_counted_as_not_stored():
+    """A host tier of two blocks under a device pool evicting five or more: all but two are
+    not cached below at all, and the metric says so (reason "offload")."""
+    from kvmesh.cache_store.tier_store import TierConfig
+    from kvmesh.workers.engine import Engine
+
+    probe = Engine(num_blocks=8, block_size=16, tiers=TierConfig(host_bytes=1 << 20, peer_bytes=0))
+    payload = probe.tiers.host.codec.payload_bytes
+    e = Engine(num_blocks=32, block_size=16, tiers=TierConfig(host_bytes=2 * payload, peer_bytes=0)).start()
+    try:
+        m = WorkerMetrics(e, "w0")
+        e.generate(list(range(1, 82)), timeout=60)  # 81 tokens: 5 full blocks
+        offloaded = e.offload_device_cache()
+        s = samples(m.registry)
+        assert offloaded >= 5 and len(e.tiers.host) == 2
+        assert s[("kvmesh:tier_blocks_not_stored_total", (("reason", "offload"),))] == offloaded - 2
+        assert s[("kvmesh:tier_blocks_not_stored_total", (("reason", "disk_queue"),))] == 0
+    finally:
+        e.stop()
