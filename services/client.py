@@ -162,6 +162,9 @@ class _Base:
         self.backoff_s = float(backoff_s)
         self.max_backoff_s = float(max_backoff_s)
         key = api_key if api_key is not None else os.environ.get("KVMESH_API_KEY")
+        from kvmesh.services.security import check_api_key
+
+        check_api_key(key)
         self.metadata = (("authorization", f"Bearer {key}"),) if key else None
         env = os.environ.get
         self._creds = _credentials(tls_ca if tls_ca is not None else env("KVMESH_TLS_CA") or None,

@@ -38,6 +38,9 @@ def connect_hint(code: str, message: str) -> str:
         return ""
     if "stream removed" in text:  # the call had been running: the server (or a worker) went away
         return ""
+    if "certificate_verify_failed" in text or "certificate verify failed" in text:
+        return (" (the server's certificate is not signed by --tls-ca, or does not name this address: credentials "
+                "from another cluster or an earlier `kvmesh up`? Source the client.env the running one printed)")
     return (" (the server closed the connection: it may require TLS and a client certificate; pass --tls-ca, "
             "--tls-cert and --tls-key, or source the client.env that kvmesh up printed)")
 

@@ -129,10 +129,25 @@ def channel_credentials(tls_ca: str | None, api_key: str | None, tls_cert: str |
 
     ca = read(tls_ca, "--tls-ca")
     cert, key = read(tls_cert, "--tls-cert"), read(tls_key, "--tls-key")
+    for flag, path, data, marker in (("--tls-ca", tls_ca, ca, b"-----BEGIN CERTIFICATE-----"),
+                                     ("--tls-cert", tls_cert, cert, b"-----BEGIN CERTIFICATE-----"),
+                                     ("--tls-key", tls_key, key, b"PRIVATE KEY-----")):
+        if data is not None and marker not in data:
+            raise ValueError(f"{flag} {path}: not a PEM {'private key' if flag == '--tls-key' else 'certificate'} "
+                             "(expected a file like the ca.pem / client.pem / client.key that kvmesh up writes)")
+    check_api_key(api_key)
     creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
     if api_key:
         creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(api_key))
     return creds
+
+
+def check_api_key(api_key: str | None) -> None:
+    """Raise ValueError for an API key that cannot be a header value (a line break or NUL,
+    e.g. a key pasted with its newline), instead of gRPC's INTERNAL "Invalid metadata"."""
+    if api_key and any(c in api_key for c in "\r\n\0"):
+        raise ValueError("the API key (--api-key or KVMESH_API_KEY) contains a line break or NUL: copy it again "
+                         "without them")
 
 
 def client_channel(target: str, tls_ca: str | None = None, api_key: str | None = None,

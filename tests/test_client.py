@@ -143,6 +143,17 @@ def test_option_errors_say_what_to_fix(tmp_path):
         KvmeshClient("127.0.0.1:1", tls_ca=str(tmp_path / "missing.pem"))
     with pytest.raises(ValueError, match="exactly one"):
         KvmeshClient("127.0.0.1:1").generate()
+    with pytest.raises(ValueError, match="--tls-ca .*: not a PEM certificate"):  # "x" is no certificate
+        KvmeshClient("127.0.0.1:1", tls_ca=str(ca))
+
+
+def test_a_key_with_a_line_break_is_a_usage_error(tmp_path):
+    from kvmesh.services.credentials import generate_cluster_credentials
+
+    creds = generate_cluster_credentials(str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="line break"):
+        KvmeshClient("127.0.0.1:1", tls_ca=creds.ca, api_key=creds.api_key + "\n")
+    KvmeshClient("127.0.0.1:1", tls_ca=creds.ca, api_key=creds.api_key).close()  # the same key, clean: accepted
 
 
 def test_the_tls_hint_is_for_refused_connections_not_for_streams_cut_short():
@@ -154,6 +165,12 @@ def test_the_tls_hint_is_for_refused_connections_not_for_streams_cut_short():
     # a worker killed mid-stream on a plaintext cluster: the connection had worked
     assert connect_hint("UNAVAILABLE", "Stream removed (Socket closed)") == ""
     assert connect_hint("DEADLINE_EXCEEDED", "Socket closed") == ""
+    # credentials of another cluster: the server did not close anything, its certificate failed
+    stale = ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Ssl handshake failed "
+             "(TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:"
+             "CERTIFICATE_VERIFY_FAILED")
+    assert "not signed by --tls-ca" in connect_hint("UNAVAILABLE", stale)
+    assert "closed the connection" not in connect_hint("UNAVAILABLE", stale)
 
 
 def test_the_fuzzer_never_sends_a_key_in_clear(monkeypatch, capsys):
