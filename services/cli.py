@@ -519,7 +519,7 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
         "model": args.model, "tokens": args.tokens, "batch": args.batch, "dtype": args.dtype,
         "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
         "bytes": int(nbytes), "gib": round(nbytes / 2**30, 4),
-        "bytes_per_token": int(nbytes / max(1, args.tokens * args.batch)) if args.tokens else 0,
+        "bytes_per_token": nbytes // max(1, args.tokens * args.batch) if args.tokens else 0,
     }
     if args.json:
         print(json.dumps(result))

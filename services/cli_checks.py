@@ -51,6 +51,9 @@ def host_port(text: str) -> str:
     Raises:
         argparse.ArgumentTypeError: no host, no port, or a port outside that range.
     """
+    if "://" in text:  # grpc would fail later with "Misformatted domain name"
+        raise argparse.ArgumentTypeError(f"{text!r} is a URL; the gRPC API takes HOST:PORT (e.g. 127.0.0.1:50051), "
+                                         "and --tls-ca turns TLS on")
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT with a port in 1-65535 (e.g. 127.0.0.1:50051)")

@@ -265,6 +265,7 @@ def test_kv_cache_bytes_llama3_8b():
     assert kv_cache_bytes(shape, 8192, dtype="int4") == expected // 4
     assert kv_cache_bytes(shape, 1, dtype="int4") == 2 * 32 * 8 * 128 // 2
     assert shape.kv_bytes_per_token("bf16") == 131072
+    assert kv_cache_bytes(shape, 10**23, dtype="bf16") == 131072 * 10**23  # exact past float precision
     with pytest.raises(ValueError, match="unknown KV dtype"):
         kv_cache_bytes(shape, 1, dtype="fp6")
 

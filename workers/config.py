@@ -537,4 +537,4 @@ def kv_cache_bytes(cfg: ModelConfig, tokens: int, batch: int = 1, dtype: str = "
     if tokens < 0 or batch < 0:
         raise ValueError(f"tokens and batch must be >= 0, got tokens={tokens} batch={batch}")
     elements = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * int(tokens) * int(batch)
-    return math.ceil(elements * bits / 8)
+    return -(-elements * bits // 8)  # exact for any size (float division rounds past 2**53)
