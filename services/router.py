@@ -302,6 +302,11 @@ class WorkerFacade(pb_grpc.WorkerServicer):
 
     async def Tokenize(self, request, context):
         await self.router.gate.require_caller(context, "Tokenize")
+        max_len = context_limit(self.router.subscriber.live_workers(), self.router.config.max_position_embeddings)
+        try:
+            limits.check_text_size(request.text, max_len, "the workers' model")
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.TokenizeResponse(ids=self.router.tokenizer.encode(request.text))
 
 

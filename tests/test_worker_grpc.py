@@ -172,3 +172,24 @@ def test_second_worker_on_a_busy_port_fails(worker):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert "could not bind" in res.stderr
+
+
+def test_oversized_request_ids_and_tokenize_texts_are_invalid_arguments(worker):
+    """A request_id is echoed in every streamed message: over 256 characters it is refused,
+    as is a Tokenize text longer than the context could hold (Generate's own text cap); both
+    before any work, and the worker serves the next request."""
+    from kvmesh.workers.limits import MAX_REQUEST_ID_CHARS
+
+    with grpc.insecure_channel(worker) as ch:
+        stub = pb_grpc.WorkerStub(ch)
+        req = pb.GenerateRequest(request_id="r" * (MAX_REQUEST_ID_CHARS + 1), token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                                 sampling=pb.SamplingParams(max_tokens=1))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(req))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Tokenize(pb.TokenizeRequest(text="x" * (3 << 20)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text has" in err.value.details()
+        req.request_id = "r" * MAX_REQUEST_ID_CHARS
+        assert [m.request_id for m in stub.Generate(req)][-1] == req.request_id
+        assert list(stub.Tokenize(pb.TokenizeRequest(text="hello")).ids)

@@ -80,12 +80,38 @@ def check_prompt_size(request, max_model_len: int, where: str = "the model") -> 
                 f"prompt has {n} tokens but {where}'s context is {max_model_len} tokens: "
                 f"shorten it to at most {max_model_len - 1} tokens")
     elif kind == "text":
-        cap = MAX_TEXT_BYTES_PER_TOKEN * max_model_len
-        n = len(request.text.encode("utf-8", "surrogatepass")) if len(request.text) * 4 > cap else 0
-        if n > cap:
-            raise InvalidRequest(
-                f"prompt text has {n} bytes; {where}'s context is {max_model_len} tokens, so at most {cap} bytes "
-                f"of text ({MAX_TEXT_BYTES_PER_TOKEN} per token) are accepted: shorten the prompt")
+        check_text_size(request.text, max_model_len, where, "prompt text")
+    check_request_id(request.request_id)
+
+
+#: Longest ``request_id`` accepted (characters); it is echoed in every streamed message.
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_request_id(request_id: str) -> None:
+    """Refuse a ``request_id`` over `MAX_REQUEST_ID_CHARS` characters.
+
+    Raises:
+        InvalidRequest: too long.
+    """
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are "
+                             "accepted (or leave it empty for one the server makes)")
+
+
+def check_text_size(text: str, max_model_len: int, where: str = "the model", what: str = "text") -> None:
+    """Refuse a text over ``MAX_TEXT_BYTES_PER_TOKEN * max_model_len`` UTF-8 bytes, before
+    tokenizing it (a prompt or a Tokenize request).
+
+    Raises:
+        InvalidRequest: too long (the message gives the limit).
+    """
+    cap = MAX_TEXT_BYTES_PER_TOKEN * max_model_len
+    n = len(text.encode("utf-8", "surrogatepass")) if len(text) * 4 > cap else 0
+    if n > cap:
+        raise InvalidRequest(
+            f"{what} has {n} bytes; {where}'s context is {max_model_len} tokens, so at most {cap} bytes "
+            f"of text ({MAX_TEXT_BYTES_PER_TOKEN} per token) are accepted: shorten it")
 
 
 def check_token_count(num_tokens: int, max_model_len: int, where: str = "the model") -> None:

@@ -240,6 +240,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         if self.gate is not None:
             await self.gate.require_caller(context, "Tokenize")
+        try:
+            limits.check_text_size(request.text, self.engine.max_model_len)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.TokenizeResponse(ids=self.engine.tokenizer.encode(request.text))
 
     async def GetInfo(self, request, context):
