@@ -871,7 +871,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="trace: multiply the trace's inter-arrival times by this (0.1 = 10x faster; default 1)")
     ar.add_argument("--max-concurrency", type=positive_int("--max-concurrency"), default=None,
                     help="open loop: cap on requests in flight (default: no cap)")
-    ar.add_argument("--max-requests", type=int_at_least(0, "--max-requests", "requests"), default=None,
+    ar.add_argument("--max-requests", type=int_at_least(1, "--max-requests", "requests"), default=None,
                     help="use only the first N requests of the workload, warm-up included (default: all)")
     ar.add_argument("--warmup-requests", type=int_at_least(0, "--warmup-requests", "requests"), default=0,
                     help="send the first N requests first, as a closed loop, and leave them out of the metrics "

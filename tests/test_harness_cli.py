@@ -90,7 +90,8 @@ def test_bad_flags_exit_2_with_a_message(argv, message, tmp_path, capsys):
     (["--slo-tpot-ms", "nan"], "--slo-tpot-ms must be"),
     (["--timeout", "0"], "--timeout must be"),
     (["--max-output-tokens", "0"], "--max-output-tokens must be"),
-    (["--max-requests", "-1"], "--max-requests must be an integer >= 0"),
+    (["--max-requests", "-1"], "--max-requests must be an integer >= 1"),
+    (["--max-requests", "0"], "--max-requests must be an integer >= 1"),  # a run of nothing is no benchmark
     (["--max-error-rate", "1.5"], "--max-error-rate must be a number >= 0 and <= 1"),
     (["--trace", "/nonexistent/t.jsonl"], "--trace /nonexistent/t.jsonl: no such file"),
     (["--metrics-url", "notaurl"], "--metrics-url 'notaurl' is not an http:// or https:// URL"),
