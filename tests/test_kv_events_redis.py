@@ -648,3 +648,32 @@ def test_a_worker_whose_id_another_process_takes_stops_with_exit_1(shared_redis,
         if proc.poll() is None:
             stop_process(proc)
         r.close()
+
+
+def test_a_lease_that_cannot_be_renewed_is_reported_once_not_every_beat(monkeypatch, caplog):
+    """Redis down: the heartbeat keeps trying every interval but warns once per 30 s, and
+    says when it is renewed again."""
+    import logging
+
+    beats = []
+
+    def beat(self):  # fault injection: Redis refuses five times, then answers
+        beats.append(1)
+        if len(beats) <= 5:
+            raise redis.ConnectionError("Connection refused")
+        return True
+
+    monkeypatch.setattr(WorkerLease, "beat", beat)
+    caplog.set_level(logging.WARNING, logger="kvmesh.workers.kv_publisher")
+    lease = WorkerLease("redis://127.0.0.1:1", "wD", "127.0.0.1:1", {}, dict, ttl_s=3.0, interval_s=0.01)
+    try:
+        deadline = time.monotonic() + 60  # against a hang only
+        while len(beats) < 7:
+            assert time.monotonic() < deadline, "the heartbeat stopped"
+            time.sleep(0.01)
+    finally:
+        lease.close(delete=False)
+    lines = [r.getMessage() for r in caplog.records if "wD" in r.getMessage()]
+    assert [line for line in lines if "not renewed" in line] == [
+        "lease of wD not renewed (1 attempt(s) so far): Connection refused"]
+    assert "lease of wD renewed again after 5 failed attempt(s)" in lines

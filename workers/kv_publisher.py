@@ -306,6 +306,10 @@ return 0
 """
 
 
+#: Seconds between warnings while a worker's lease cannot be renewed (Redis down).
+LEASE_WARN_EVERY_S = 30.0
+
+
 class WorkerLease:
     """Keeps a worker's lease key alive in Redis from a heartbeat thread.
 
@@ -406,9 +410,14 @@ class WorkerLease:
         return False
 
     def _run(self) -> None:
+        failed, said_at = 0, None  # failed beats in a row; when the last warning went out
         while not self._stop.is_set():
             try:
-                if not self.beat():
+                ok = self.beat()
+                if failed:
+                    log.warning("lease of %s renewed again after %d failed attempt(s)", self.worker_id, failed)
+                    failed, said_at = 0, None
+                if not ok:
                     log.error("worker id %s: another process (instance %s at %s) holds its lease; this one "
                               "(%s) stops renewing it", self.worker_id, self.lost_to.get("instance", "?"),
                               self.lost_to.get("address", "?"), self.address)
@@ -419,7 +428,11 @@ class WorkerLease:
                             log.exception("on_lost of worker %s failed", self.worker_id)
                     return
             except redis.RedisError as exc:
-                log.warning("lease of %s not renewed: %s", self.worker_id, exc)
+                failed += 1
+                now = time.monotonic()
+                if said_at is None or now - said_at >= LEASE_WARN_EVERY_S:  # one line per 30 s, not per beat
+                    log.warning("lease of %s not renewed (%d attempt(s) so far): %s", self.worker_id, failed, exc)
+                    said_at = now
             self._stop.wait(self.interval_s)
 
     def close(self, delete: bool = True) -> None:
