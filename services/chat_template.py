@@ -69,9 +69,9 @@ def _read_template(model_dir: str | None) -> tuple[str | None, dict]:
 def normalize_messages(messages) -> list[dict]:
     """Check OpenAI chat messages and flatten content parts to text.
 
-    Each message needs a ``role`` in `ROLES` and a ``content`` that is a string, null
-    (an assistant turn with tool calls), or a list of ``{"type": "text", "text": ...}``
-    parts, which are joined.
+    Each message needs a ``role`` in `ROLES` and a ``content`` that is a string, a list of
+    ``{"type": "text", "text": ...}`` parts (joined), or, for an assistant turn only (one
+    with tool calls), null or absent.
 
     Raises:
         ChatTemplateError: anything else (the message says which message and field).
@@ -95,6 +95,8 @@ def normalize_messages(messages) -> list[dict]:
                 texts.append(part["text"])
             content = "".join(texts)
         elif content is None:
+            if role != "assistant":  # only an assistant turn (with tool calls) may go without content
+                raise ChatTemplateError(f"messages[{i}] ({role}) needs a content: a string or an array of text parts")
             content = ""
         elif not isinstance(content, str):
             raise ChatTemplateError(f"messages[{i}].content must be a string or an array of text parts")

@@ -81,6 +81,11 @@ def test_template_errors_are_client_errors(tmp_path):
         t.render([])
     with pytest.raises(ChatTemplateError, match="text parts"):
         t.render([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\] \(user\) needs a content"):
+        t.render([{"role": "user"}])
+    # an assistant turn with tool calls may have none
+    assert "a" in t.render([{"role": "user", "content": "a"}, {"role": "assistant", "content": None},
+                            {"role": "user", "content": "b"}])
 
 
 def test_broken_template_fails_at_start(tmp_path):
