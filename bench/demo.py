@@ -2,9 +2,10 @@
 
 For each policy (default: round_robin, then kv_aware) a fresh local cluster starts —
 private redis-server, N workers with the built-in model, one router — and the load
-harness replays the sample through the router. Then the pooled bound is computed: one
+harness replays the sample through the router. Then the pooled reference is computed: one
 LRU prefix cache holding all workers' blocks, fed the same requests in the same order
-(the same `PrefixCache` code the workers run, without a model). The comparison is
+(the same `PrefixCache` code the workers run, without a model). It is a reference, not an
+upper bound: a router that keeps some conversations apart from others' churn can beat it. The comparison is
 printed and written to ``OUT/comparison.json`` and ``OUT/comparison.md``.
 """
 from __future__ import annotations
@@ -149,7 +150,7 @@ def run_demo(workers: int = 2, max_requests: int | None = None, tokens_per_block
     comparison = {"results": results, "pooled": pooled, "checks": checks, "ok": ok,
                   "workers": workers, "num_blocks_per_worker": num_blocks}
     md = compare_markdown(results) + (
-        f"\nPooled bound (one LRU cache of {workers * num_blocks} blocks, same requests): "
+        f"\nPooled reference (one LRU cache of {workers * num_blocks} blocks, same requests; not a bound): "
         f"hit_rate_blocks {pooled['hit_rate_blocks']:.3f}, hit_rate_tokens {pooled['hit_rate_tokens']:.3f}\n")
     for name, value in checks.items():
         md += f"- {name}: {value if isinstance(value, bool) else round(value, 3)}\n"
