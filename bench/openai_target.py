@@ -132,6 +132,9 @@ class OpenAITarget:
                              "in clear")
         if bool(tls_cert) != bool(tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
+        from kvmesh.services.security import check_api_key
+
+        check_api_key(api_key)
         ssl_context = None
         if https:
             import ssl

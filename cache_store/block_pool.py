@@ -13,8 +13,10 @@ While more than one owner has cached blocks, an allocation takes an empty block 
 it sits in the queue before it evicts anything, and then evicts the least recently used
 block of the owner holding the most cached blocks (ties: the queue head's owner):
 max-min fair eviction, so a tenant that floods the pool evicts its own blocks once it
-holds more than another, and a tenant holding no more than any other never loses a
-block to another's requests. With one owner (or none) this is the plain queue order.
+holds more than another, and a tenant holding fewer cached blocks than the largest holder
+never loses one (between tenants holding equally many, the one whose block is at the queue
+head loses). Choosing the owner costs O(owners with evictable blocks) per evicted block.
+With one owner (or none) this is the plain queue order.
 """
 
 from __future__ import annotations

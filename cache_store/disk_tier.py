@@ -117,14 +117,10 @@ class DiskTier:
         if capacity_bytes <= 0:
             raise ValueError(f"disk capacity must be > 0 bytes, got {capacity_bytes}")
         self.directory = os.path.abspath(directory)
-        # segments hold tenants' token ids and KV: readable by this user only
+        # segments hold tenants' token ids and KV: a folder made here is this user's only, and
+        # segment files are 0600 wherever they are (a folder given, e.g. a shared mount, is
+        # left as it is)
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        if os.stat(self.directory).st_mode & 0o077:
-            try:
-                os.chmod(self.directory, 0o700)
-            except OSError as exc:  # e.g. a mount point owned by another user
-                log.warning("disk tier %s is readable by other users and could not be made private (%s): "
-                            "its segments hold prompts' token ids", self.directory, exc)
         self.capacity_bytes = int(capacity_bytes)
         self.segment_bytes = int(min(segment_bytes, capacity_bytes))
         self.block_shape = tuple(block_shape)
@@ -161,6 +157,11 @@ class DiskTier:
             m = _SEG_NAME.match(name)
             if m:
                 found.append((int(m.group(1), 16), path))
+                try:  # segments written before files were made private
+                    if os.stat(path).st_mode & 0o077:
+                        os.chmod(path, 0o600)
+                except OSError:
+                    pass
         for seg_id, path in sorted(found):
             self._next_id = max(self._next_id, seg_id + 1)
             try:

@@ -90,6 +90,10 @@ class Located:
     medium: str
 
 
+class CodecNotAccepted(RecordError):
+    """A sound record in a codec this worker's tiers do not accept (`TierStore.check_codec`)."""
+
+
 @dataclass(slots=True, eq=False)
 class _WriteJob:
     block_hash: bytes
@@ -563,8 +567,9 @@ class TierStore:
                     try:
                         meta.verify_for(h, parent, toks, root, self.dtype_name, self.block_shape)
                         self.check_layout(meta)
-                    except RecordError as exc:
-                        log.warning("%s tier: block %s rejected: %s", medium, h.hex()[:12], exc)
+                    except RecordError as exc:  # another codec: a plain miss here, not damage
+                        (log.debug if isinstance(exc, CodecNotAccepted) else log.warning)(
+                            "%s tier: block %s rejected: %s", medium, h.hex()[:12], exc)
                         src.release([handle])
                         continue
                     found = Located(src, handle, medium)
@@ -800,7 +805,7 @@ class TierStore:
         """Raise RecordError unless the record's codec is one this pool accepts
         (``accepted_codecs``: exact, or a codec one of this worker's tiers is set to)."""
         if meta.codec not in self.accepted_codecs:
-            raise RecordError(f"record is {meta.codec}-encoded; this worker's tiers keep "
+            raise CodecNotAccepted(f"record is {meta.codec}-encoded; this worker's tiers keep "
                               f"{'/'.join(sorted(self.accepted_codecs))} KV (--host/--disk/--remote-codec)")
 
     def check_layout(self, meta: RecordMeta) -> None:

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+import uuid
 
 import grpc
 
@@ -316,7 +317,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
               f"{holder.get('address', '?')} has renewed its lease for {wait_s:.0f} s; give this "
               "worker another --worker-id, or stop that one first", file=sys.stderr)
         return 2
-    publisher = KVEventPublisher(args.redis_url, worker_id, cluster=args.cluster)
+    instance = uuid.uuid4().hex  # this process's token: its lease and its stream writes are fenced with it
+    publisher = KVEventPublisher(args.redis_url, worker_id, cluster=args.cluster, instance=instance)
     try:
         engine = make_engine(args, event_sink=publisher.sink)
     except ValueError as exc:
@@ -329,6 +331,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     stopper: dict = {"stop": None, "lost": False}
 
     def lost(holder: dict) -> None:  # another process took this id's lease: stop serving under it
+        publisher.abandon()  # nothing more of ours goes into the stream the holder owns
         stopper["lost"] = True
         if stopper["stop"] is not None:
             stopper["stop"]()
@@ -339,7 +342,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             stop()
 
     lease = WorkerLease(args.redis_url, worker_id, advertise, info, engine.load, cluster=args.cluster,
-                        fields_fn=publisher.lease_fields, on_lost=lost)
+                        fields_fn=publisher.lease_fields, on_lost=lost, instance=instance)
     if gate.tls is not None:  # fetch only from holders with a current lease (written with the cluster's Redis password)
         from kvmesh.workers.kv_publisher import LeaseCheck
 

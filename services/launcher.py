@@ -149,7 +149,8 @@ class LocalCluster:
     def _metrics_args(self, name: str) -> list[str]:
         if not self.spec.metrics:
             return []
-        port = free_port()
+        url = self.metrics_urls.get(name)  # a restarted process keeps its endpoint
+        port = int(url.rsplit(":", 1)[1].split("/", 1)[0]) if url else free_port()
         self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
         return ["--metrics-port", str(port)]
 
@@ -173,7 +174,9 @@ class LocalCluster:
             cmd += ["--model", s.model]
         cmd += self._metrics_args("router")
         if s.http_port is not None:
-            http = s.http_port or free_port()
+            # a restarted router keeps the HTTP front's URL it printed
+            http = s.http_port or (int(self.http_url.rsplit(":", 1)[1].split("/", 1)[0]) if self.http_url
+                                   else free_port())
             cmd += ["--http-port", str(http)]
             self.http_url = f"{'https' if s.secure else 'http'}://127.0.0.1:{http}/v1"
         self.router_proc = spawn(cmd, os.path.join(self.log_dir, "router.log"), env=self._env())

@@ -186,7 +186,13 @@ class RouterServicer(pb_grpc.RouterServicer):
         live, block_size, model_id, why = self.compat.select(live)
         if not live:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
-        live = fitting_workers(live, len(ids))  # a worker of a shorter context would only refuse it
+        fitting = fitting_workers(live, len(ids))  # a worker of a shorter context would only refuse it
+        if not fitting:
+            limit = context_limit(live, self.config.max_position_embeddings)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt has {len(ids)} tokens but the workers serving this model take at most "
+                                f"{limit - 1} (context {limit} tokens): shorten it")
+        live = fitting
         served = sorted({model_id, base_model_id(model_id)})
         if request.model_id and request.model_id not in served:  # a client's error: refused here, not logged
             await context.abort(

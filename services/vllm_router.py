@@ -315,6 +315,8 @@ class VllmRouter:
         return self.chat_template.encode(self.tokenizer, text)
 
     async def forward(self, request: web.Request, path: str) -> web.StreamResponse:
+        if self.auth is not None:
+            self._tenant(request)  # a stranger gets 401 before its body is read
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -325,7 +327,7 @@ class VllmRouter:
         if salt is not None and not isinstance(salt, str):
             raise _HttpError(400, "'cache_salt' must be a string", "cache_salt")
         if self.auth is not None:
-            salt = body["cache_salt"] = self._tenant_salt(request, salt or "")
+            salt = body["cache_salt"] = self._tenant_salt(request, salt or "")  # 401/403 before any other answer
         ids = self._prompt_ids(path, body)
         served = self.served_model()
         if ids is None or (served is not None and body.get("model") not in (None, served)):

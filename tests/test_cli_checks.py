@@ -336,3 +336,15 @@ def test_a_truncated_safetensors_file_is_a_one_line_error(tmp_path):
     res = kvmesh("worker", "--port", "0", "--model", model, timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "not a readable safetensors file" in res.stderr
+
+
+def test_a_restarted_process_keeps_its_metrics_and_http_ports(tmp_path):
+    """`kvmesh up` printed each process's /metrics URL and the HTTP front's: a worker or
+    router it restarts is started on the same ports, so those URLs stay good."""
+    from kvmesh.services.launcher import ClusterSpec, LocalCluster
+
+    c = LocalCluster(ClusterSpec(num_workers=1, http_port=0, log_dir=str(tmp_path)))
+    first = c.worker_cmd("worker-0", 1234)
+    again = c.worker_cmd("worker-0", 1234)
+    assert first == again and "--metrics-port" in first
+    assert c._metrics_args("router") == c._metrics_args("router")

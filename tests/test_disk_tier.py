@@ -58,19 +58,25 @@ def test_write_scan_read(tmp_path):
 
 
 def test_segments_are_readable_by_this_user_only(tmp_path):
-    """Segments hold prompts' token ids and KV: a new folder is 0700, a shared one is made
-    private, and segment files are 0600 (other local users, e.g. other tenants' jobs on a
-    shared host, cannot read them)."""
+    """Segments hold prompts' token ids and KV: a folder the tier makes is 0700 and segment
+    files are 0600 (other local users, e.g. other tenants' jobs on a shared host, cannot
+    read them). A folder given (a shared mount, /tmp) keeps its mode; segments written
+    before files were private are made so at the next start."""
     fresh = new_tier(tmp_path / "new" / "disk")
     write(fresh, items(2))
     assert os.stat(tmp_path / "new" / "disk").st_mode & 0o777 == 0o700
     assert all(os.stat(tmp_path / "new" / "disk" / f).st_mode & 0o777 == 0o600
                for f in os.listdir(tmp_path / "new" / "disk"))
     shared = tmp_path / "shared"
-    shared.mkdir(mode=0o755)
-    os.chmod(shared, 0o755)
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    t = new_tier(shared)
+    write(t, items(2))
+    assert os.stat(shared).st_mode & 0o7777 == 0o1777
+    seg = next(f for f in os.listdir(shared) if f.startswith("seg-"))
+    os.chmod(shared / seg, 0o644)  # as an earlier version wrote it
     new_tier(shared)
-    assert os.stat(shared).st_mode & 0o777 == 0o700
+    assert os.stat(shared / seg).st_mode & 0o777 == 0o600
 
 
 def test_truncated_segment_is_dropped_at_start(tmp_path):

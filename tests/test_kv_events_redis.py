@@ -677,3 +677,40 @@ def test_a_lease_that_cannot_be_renewed_is_reported_once_not_every_beat(monkeypa
     assert [line for line in lines if "not renewed" in line] == [
         "lease of wD not renewed (1 attempt(s) so far): Connection refused"]
     assert "lease of wD renewed again after 5 failed attempt(s)" in lines
+
+
+def test_a_publisher_under_a_taken_id_never_touches_the_holders_stream(shared_redis, cluster, rclient):
+    """Fencing of the event stream: the holder of worker id "wS" has published a batch; a
+    second process under the same id (started together, or back from a Redis outage after a
+    replacement took the id) neither trims that stream nor appends to it, stops, and drops
+    what it held. The holder's own publisher, with the lease's instance, writes as usual."""
+    holder = WorkerLease(shared_redis.url, "wS", "10.0.0.1:5000", {}, dict, cluster=cluster, ttl_s=3.0,
+                         interval_s=0.1)
+    mine = KVEventPublisher(shared_redis.url, "wS", cluster=cluster, flush_interval_s=0.01,
+                            instance=holder.instance)
+    other = None
+    try:
+        deadline = time.monotonic() + 60  # against a hang only
+        while not rclient.exists(lease_key("wS", cluster)):
+            assert time.monotonic() < deadline, "the lease was never written"
+            time.sleep(0.02)
+        mine.sink(stored([1, 2]))
+        assert mine.wait_published(30)
+        before = rclient.xrange(stream_key("wS", cluster))
+        assert [e[b"epoch"].decode() for _, e in before] == [mine.epoch]
+        other = KVEventPublisher(shared_redis.url, "wS", cluster=cluster, flush_interval_s=0.01,
+                                 instance="another-process")
+        other.sink(stored([3]))
+        while not other.fenced:
+            assert time.monotonic() < deadline, "the second publisher was never fenced"
+            time.sleep(0.02)
+        assert rclient.xrange(stream_key("wS", cluster)) == before  # not trimmed, nothing appended
+        assert other.wait_published(5)  # what it held was dropped, not left waiting
+        mine.sink(stored([4]))
+        assert mine.wait_published(30)
+        assert len(rclient.xrange(stream_key("wS", cluster))) == 2
+    finally:
+        if other is not None:
+            other.close()
+        mine.close()
+        holder.close()

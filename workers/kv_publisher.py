@@ -104,6 +104,12 @@ class KVEventPublisher:
         max_batch_events: most events per batch (events).
         stream_maxlen: approximate cap on stream entries (batches).
         max_queued_batches: most batches held while Redis is unreachable (batches).
+        instance: this process's lease instance token (`WorkerLease.instance`); with it
+            every write to the stream (the first trim, each batch) is one Lua script that
+            checks the worker id's lease first and writes nothing while another instance
+            holds it: a process that lost its id (`WorkerLease` fencing) cannot trim or
+            append to the stream of the process that holds it. The publisher then stops
+            (``fenced`` is set) and drops what it held.
 
     Raises:
         ValueError: a size or interval is not positive.
@@ -111,7 +117,7 @@ class KVEventPublisher:
 
     def __init__(self, redis_url: str, worker_id: str, cluster: str = DEFAULT_CLUSTER,
                  flush_interval_s: float = 0.05, max_batch_events: int = 256,
-                 stream_maxlen: int = 100_000, max_queued_batches: int = 4096):
+                 stream_maxlen: int = 100_000, max_queued_batches: int = 4096, instance: str | None = None):
         if flush_interval_s <= 0 or max_batch_events < 1 or stream_maxlen < 1 or max_queued_batches < 1:
             raise ValueError("flush_interval_s, max_batch_events, stream_maxlen and max_queued_batches "
                              "must be positive")
@@ -124,6 +130,11 @@ class KVEventPublisher:
         self.stream_maxlen = stream_maxlen
         self.max_queued_batches = max_queued_batches
         self._redis = _client(redis_url)
+        self.instance = instance
+        self._lease_key = lease_key(worker_id, cluster)
+        self._fenced_write = self._redis.register_script(_FENCED_WRITE) if instance else None
+        #: set when a write found another instance's lease: the publisher has stopped
+        self.fenced = False
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)   # signalled when batches leave the queue
         self._pending: list = []
@@ -193,12 +204,29 @@ class KVEventPublisher:
             return {"last_seq": self._last_seq, "published": self._published,
                     "dropped": self._dropped, "errors": self._errors}
 
+    def abandon(self) -> None:
+        """Drop every event not yet appended and publish nothing more (another process
+        holds this worker id). `close` afterwards only stops the thread."""
+        with self._lock:
+            dropped = len(self._queue) + (1 if self._pending else 0)
+            self._pending = []
+            self._queue.clear()
+            self._dropped += dropped
+            self._settled_seq = self._last_seq
+            self._done.notify_all()
+        self._abandoned = True
+        self._stop.set()
+        self._wake.set()
+
+    _abandoned = False
+
     def close(self, timeout: float = 2.0) -> None:
         """Flush, wait up to ``timeout`` seconds for the appends, stop the thread. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self.wait_published(timeout)
+        if not self._abandoned:
+            self.wait_published(timeout)
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=timeout + 1.0)
@@ -233,13 +261,22 @@ class KVEventPublisher:
                 else:
                     self._wake.wait(self.flush_interval_s)
                 self._wake.clear()
+            if self._abandoned:
+                return
             with self._lock:
                 self._cut_locked()
             try:
                 if not trimmed:
-                    self._redis.xtrim(self.stream, maxlen=0, approximate=False)
+                    if self._fenced_write is not None:
+                        if not self._fenced_write(keys=[self._lease_key, self.stream], args=[self.instance, "trim"]):
+                            self._fence()
+                            return
+                    else:
+                        self._redis.xtrim(self.stream, maxlen=0, approximate=False)
                     trimmed = True
-                self._send_queued()
+                if not self._send_queued():
+                    self._fence()
+                    return
                 backoff = 0.0
             except redis.RedisError as exc:
                 with self._lock:
@@ -253,11 +290,20 @@ class KVEventPublisher:
             if stopping:
                 return
 
-    def _send_queued(self) -> None:
+    def _fence(self) -> None:
+        log.error("kv events of %s: another process holds this worker id's lease; this one publishes nothing "
+                  "more", self.worker_id)
+        self.fenced = True
+        self.abandon()
+
+    def _send_queued(self) -> bool:
+        """Append the queued batches in order; False (nothing more appended) when fenced."""
         while True:
+            if self._abandoned:
+                return True
             with self._lock:
                 if not self._queue:
-                    return
+                    return True
                 seq, ts, events = self._queue[0]
             try:
                 data = encode_batch(EventBatch(self.worker_id, seq, ts, events))
@@ -265,8 +311,14 @@ class KVEventPublisher:
                 log.error("dropping malformed kv event batch %d of %s: %s", seq, self.worker_id, exc)
                 data = None
             if data is not None:
-                self._redis.xadd(self.stream, {"seq": str(seq), "epoch": self.epoch, "data": data},
-                                 maxlen=self.stream_maxlen, approximate=True)
+                if self._fenced_write is not None:
+                    if not self._fenced_write(keys=[self._lease_key, self.stream],
+                                              args=[self.instance, "add", str(seq), self.epoch, data,
+                                                    self.stream_maxlen]):
+                        return False
+                else:
+                    self._redis.xadd(self.stream, {"seq": str(seq), "epoch": self.epoch, "data": data},
+                                     maxlen=self.stream_maxlen, approximate=True)
             with self._lock:
                 # The head may have been dropped by an overflow meanwhile.
                 if self._queue and self._queue[0][0] == seq:
@@ -293,6 +345,24 @@ end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[4])
 return false
+"""
+#: Write to a worker's event stream unless another instance holds its lease. KEYS: lease,
+#: stream; ARGV: instance token, "trim" | "add", then for "add": seq, epoch, data, maxlen.
+#: Returns 1 when written, 0 when fenced.
+_FENCED_WRITE = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local ok, lease = pcall(cjson.decode, cur)
+  if ok and type(lease) == 'table' and lease['instance'] and lease['instance'] ~= ARGV[1] then
+    return 0
+  end
+end
+if ARGV[2] == 'trim' then
+  redis.call('XTRIM', KEYS[2], 'MAXLEN', 0)
+else
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'seq', ARGV[3], 'epoch', ARGV[4], 'data', ARGV[5])
+end
+return 1
 """
 #: Delete a lease only if this instance holds it. KEYS: lease; ARGV: instance token.
 _RELEASE = """
@@ -341,6 +411,8 @@ class WorkerLease:
         on_lost: optional; called once (from the heartbeat thread) with the other
             process's lease (a dict; ``address`` says where it runs) when a beat finds that
             another instance holds this worker id's lease.
+        instance: this process's token (default: a new random one); give the same to its
+            `KVEventPublisher` so that its stream writes are fenced too.
 
     Raises:
         ValueError: ``interval_s`` is not in ``(0, ttl_s)``.
@@ -350,7 +422,7 @@ class WorkerLease:
                  load_fn: Callable[[], dict], cluster: str = DEFAULT_CLUSTER,
                  ttl_s: float = 3.0, interval_s: float = 1.0,
                  fields_fn: Callable[[], dict] | None = None,
-                 on_lost: Callable[[dict], None] | None = None):
+                 on_lost: Callable[[dict], None] | None = None, instance: str | None = None):
         if not 0 < interval_s < ttl_s:
             raise ValueError("interval_s must be positive and below ttl_s")
         self.worker_id = worker_id
@@ -362,7 +434,7 @@ class WorkerLease:
         self.set_key = workers_key(cluster)
         self.ttl_s = ttl_s
         self.interval_s = interval_s
-        self.instance = uuid.uuid4().hex
+        self.instance = instance or uuid.uuid4().hex
         self.on_lost = on_lost
         #: the other process's lease once a beat found one (the heartbeat has stopped)
         self.lost_to: dict | None = None
