@@ -111,6 +111,11 @@ class _ServerState:
     extra: dict = field(default_factory=dict)
 
 
+#: Largest request body relayed (bytes): a 128k-token context as JSON token ids or text,
+#: with room to spare (aiohttp's own default, 1 MiB, refuses long prompts).
+MAX_BODY_BYTES = 16 << 20
+
+
 class _HttpError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
         super().__init__(message)
@@ -420,8 +425,10 @@ class VllmRouter:
                 return await handler(request)
             except _HttpError as exc:
                 return exc.response()
+            except web.HTTPRequestEntityTooLarge:
+                return _HttpError(413, f"request body over {MAX_BODY_BYTES:,} bytes; shorten the prompt").response()
 
-        app = web.Application(middlewares=[errors])
+        app = web.Application(middlewares=[errors], client_max_size=MAX_BODY_BYTES)
         async def completions(request):
             return await self.forward(request, "/v1/completions")
 
