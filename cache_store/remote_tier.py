@@ -8,7 +8,11 @@ them.
 Redis keys (``C`` is the cluster name, ``H`` a block hash in lowercase hex)::
 
     kvmesh:C:kv:H      string  the encoded record (block_record.encode_record format)
-    kvmesh:C:kv-lru    zset    member H, score = access stamp (higher = used more recently)
+    kvmesh:C:kv-lru    zset    member H, score = access stamp (higher = used more recently),
+                               for the blocks of tenant "" (open mode, or no tenant given)
+    kvmesh:C:kv-lru:T  zset    the same for the blocks of tenant T
+    kvmesh:C:kv-owner  hash    field H -> its tenant (absent: "")
+    kvmesh:C:kv-tbytes hash    field T -> record bytes of tenant T's blocks
     kvmesh:C:kv-bytes  string  integer, total record bytes of the blocks in the tier
     kvmesh:C:kv-len    hash    field H -> record bytes counted for H in kv-bytes
     kvmesh:C:kv-clock  string  integer counter that hands out access stamps (INCRBY)
@@ -36,7 +40,10 @@ truncated value, a key removed by Redis's own ``maxmemory`` eviction); with
 STRLEN the counter would drift in those cases. A key lost that way is a
 miss on read; its kv-len entry is settled when it is evicted or stored again.
 
-Eviction is least recently used across the whole cluster: a stamp is taken
+Eviction is fair between tenants, as in the device pool and host tier: it takes the least
+recently used block of the tenant holding the most bytes (the batch being put counts as
+its tenant's), so one tenant's flood pushes out its own blocks once it holds more than
+another. With one tenant it is least recently used across the whole cluster: a stamp is taken
 from the shared kv-clock when a block is stored, found present by a put, or
 returned by :meth:`RemoteTier.get_run`. Within one call the stamps decrease
 along the list given (the first block gets the highest), so of blocks used
@@ -128,6 +135,16 @@ def bytes_key(cluster: str = "default") -> str:
     return f"kvmesh:{cluster}:kv-bytes"
 
 
+def owners_key(cluster: str = "default") -> str:
+    """Hash of each block's tenant (absent: ""): ``kvmesh:{cluster}:kv-owner``."""
+    return f"kvmesh:{cluster}:kv-owner"
+
+
+def tenant_bytes_key(cluster: str = "default") -> str:
+    """Hash of the record bytes held per tenant: ``kvmesh:{cluster}:kv-tbytes``."""
+    return f"kvmesh:{cluster}:kv-tbytes"
+
+
 def lengths_key(cluster: str = "default") -> str:
     """Hash of the bytes counted per block: ``kvmesh:{cluster}:kv-len``."""
     return f"kvmesh:{cluster}:kv-len"
@@ -143,26 +160,54 @@ def cap_key(cluster: str = "default") -> str:
     return f"kvmesh:{cluster}:kv-cap"
 
 
-# Every script: KEYS = lru, bytes, lengths, clock, cap; ARGV[1] = block key prefix.
+# Every script: KEYS = lru, bytes, lengths, clock, cap, owners, tenant bytes;
+# ARGV[1] = block key prefix.
 _PRELUDE = """
 local lru, used_key, lens, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local owners, tbytes = KEYS[6], KEYS[7]
 local prefix = ARGV[1]
+
+-- The LRU of tenant t ('' = the tier's first, tenant-less one).
+local function zkey(t)
+  if t == '' then return lru end
+  return lru .. ':' .. t
+end
+
+local function owner_of(hex)
+  local t = redis.call('HGET', owners, hex)
+  if t then return t end
+  return ''
+end
+
+-- Bytes stored before tenants were counted are tenant ''s.
+if redis.call('EXISTS', tbytes) == 0 then
+  local used = tonumber(redis.call('GET', used_key) or '0')
+  if used > 0 then redis.call('HSET', tbytes, '', used) end
+end
+
+local function add_bytes(t, n)
+  if redis.call('HINCRBY', tbytes, t, n) <= 0 then redis.call('HDEL', tbytes, t) end
+end
 
 -- Delete one block and its accounting; returns 1 if its key existed.
 local function forget(hex)
+  local t = owner_of(hex)
   local len = tonumber(redis.call('HGET', lens, hex))
   if len then
     redis.call('HDEL', lens, hex)
     if redis.call('DECRBY', used_key, len) < 0 then redis.call('SET', used_key, 0) end
+    add_bytes(t, -len)
   end
-  redis.call('ZREM', lru, hex)
+  redis.call('HDEL', owners, hex)
+  redis.call('ZREM', zkey(t), hex)
   return redis.call('DEL', prefix .. hex)
 end
 """
 
 # ARGV[2] = this writer's cap (bytes; it becomes the cluster's if none is set yet),
 # ARGV[3] = n, ARGV[4..3+n] = hex hashes, ARGV[4+n..3+2n] = records ('' = only touch
-# the block if present). Returns {stored count, {evicted hex, ...}, cluster cap}.
+# the block if present), ARGV[4+2n..3+3n] = their tenants.
+# Returns {stored count, {evicted hex, ...}, cluster cap}.
 _PUT = _PRELUDE + """
 local cap = tonumber(redis.call('GET', KEYS[5]))
 if not cap then
@@ -175,32 +220,49 @@ local stored = 0
 for i = 1, n do
   local hex = ARGV[3 + i]
   local rec = ARGV[3 + n + i]
+  local tenant = ARGV[3 + 2 * n + i]
   local key = prefix .. hex
   local stamp = top - i + 1
   if redis.call('EXISTS', key) == 1 then
     if redis.call('HEXISTS', lens, hex) == 0 then
-      -- written outside the tier: start counting it
+      -- written outside the tier: start counting it, as this writer's tenant's
       local len = redis.call('STRLEN', key)
       redis.call('HSET', lens, hex, len)
       redis.call('INCRBY', used_key, len)
+      if tenant ~= '' then redis.call('HSET', owners, hex, tenant) end
+      add_bytes(tenant, len)
     end
-    redis.call('ZADD', lru, stamp, hex)
+    redis.call('ZADD', zkey(owner_of(hex)), stamp, hex)
   elseif #rec > 0 and #rec <= cap then
     local old = tonumber(redis.call('HGET', lens, hex))
     if old then
       -- the value was lost behind the tier's back: stop counting it
+      local was = owner_of(hex)
       redis.call('DECRBY', used_key, old)
+      add_bytes(was, -old)
+      redis.call('ZREM', zkey(was), hex)
+      redis.call('HDEL', owners, hex)
     end
     redis.call('SET', key, rec)
     redis.call('HSET', lens, hex, #rec)
     redis.call('INCRBY', used_key, #rec)
-    redis.call('ZADD', lru, stamp, hex)
+    if tenant ~= '' then redis.call('HSET', owners, hex, tenant) end
+    add_bytes(tenant, #rec)
+    redis.call('ZADD', zkey(tenant), stamp, hex)
     stored = stored + 1
   end
 end
 local evicted = {}
 while tonumber(redis.call('GET', used_key) or '0') > cap do
-  local popped = redis.call('ZPOPMIN', lru)
+  -- the tenant holding the most bytes (with a block left to evict) loses its LRU block
+  local victim, most = nil, -1
+  local all = redis.call('HGETALL', tbytes)
+  for j = 1, #all, 2 do
+    local b = tonumber(all[j + 1])
+    if b > most and redis.call('ZCARD', zkey(all[j])) > 0 then victim, most = all[j], b end
+  end
+  local popped = {}
+  if victim then popped = redis.call('ZPOPMIN', zkey(victim)) end
   if #popped == 0 then
     redis.call('SET', used_key, 0)
     break
@@ -216,7 +278,7 @@ _TOUCH = _PRELUDE + """
 local n = #ARGV - 1
 local top = redis.call('INCRBY', clock, n)
 for i = 1, n do
-  redis.call('ZADD', lru, 'XX', top - i + 1, ARGV[1 + i])
+  redis.call('ZADD', zkey(owner_of(ARGV[1 + i])), 'XX', top - i + 1, ARGV[1 + i])
 end
 return n
 """
@@ -295,7 +357,7 @@ class RemoteTier:
         self.max_batch_bytes = int(max_batch_bytes)
         self._prefix = f"kvmesh:{cluster}:kv:"
         self._keys = [lru_key(cluster), bytes_key(cluster), lengths_key(cluster), clock_key(cluster),
-                      cap_key(cluster)]
+                      cap_key(cluster), owners_key(cluster), tenant_bytes_key(cluster)]
         self._put = client.register_script(_PUT)
         self._touch = client.register_script(_TOUCH)
         self._drop_damaged = client.register_script(_DROP_DAMAGED)
@@ -306,7 +368,8 @@ class RemoteTier:
                           "remote_hits": 0, "remote_damaged": 0, "remote_errors": 0, "remote_skipped": 0}
 
     # -- writing -----------------------------------------------------------------
-    def put_many(self, records: list[tuple[RecordMeta, bytes | memoryview]]) -> tuple[int, list[bytes]]:
+    def put_many(self, records: list[tuple[RecordMeta, bytes | memoryview]],
+                 tenants: Sequence[str | None] | None = None) -> tuple[int, list[bytes]]:
         """Store the records not already in the tier; re-stamp those that are.
 
         One round trip checks which blocks are present, then the absent ones
@@ -321,6 +384,8 @@ class RemoteTier:
                 of ``meta.payload_len`` bytes whose xxh3_64 is
                 ``meta.payload_checksum`` (a wrong checksum is stored, then
                 dropped as damaged when read).
+            tenants: the tenant of each record (None or "": none), for fair eviction
+                between tenants; None: all tenant-less.
 
         Returns:
             ``(stored, evicted)``: blocks newly stored by this call, and the
@@ -337,8 +402,11 @@ class RemoteTier:
                 or the metadata cannot be encoded (before anything is sent).
         """
         todo: list[tuple[RecordMeta, bytes, memoryview]] = []
+        owner_of: dict[bytes, str] = {}
         refused = 0
-        for meta, payload in records:
+        for k, (meta, payload) in enumerate(records):
+            if tenants is not None and tenants[k]:
+                owner_of[meta.block_hash] = str(tenants[k])
             mv = memoryview(payload).cast("B")
             if len(mv) != meta.payload_len:
                 raise ValueError(f"payload has {len(mv)} bytes, header says {meta.payload_len}")
@@ -371,7 +439,7 @@ class RemoteTier:
         stored, evicted = 0, []
         try:
             for chunk in reversed(chunks):
-                n, out = self._put_chunk(chunk)
+                n, out = self._put_chunk(chunk, owner_of)
                 stored += n
                 evicted.extend(out)
         except redis.RedisError as exc:
@@ -379,12 +447,14 @@ class RemoteTier:
         self._count(remote_stored=stored, remote_present=sum(present), remote_evicted=len(evicted))
         return stored, evicted
 
-    def _put_chunk(self, chunk: list[tuple[bytes, tuple[bytes, memoryview] | None]]) -> tuple[int, list[bytes]]:
+    def _put_chunk(self, chunk: list[tuple[bytes, tuple[bytes, memoryview] | None]],
+                   owner_of: dict[bytes, str]) -> tuple[int, list[bytes]]:
         hexes = [h.hex() for h, _ in chunk]
         # one copy of each payload, into the record sent (redis-py writes large values as they are)
         values = [b"" if parts is None else b"".join(parts) for _, parts in chunk]
-        stored, evicted, cap = self._put(keys=self._keys,
-                                         args=[self._prefix, self.configured_bytes, len(chunk), *hexes, *values])
+        owners = [owner_of.get(h, "") for h, _ in chunk]
+        stored, evicted, cap = self._put(keys=self._keys, args=[self._prefix, self.configured_bytes, len(chunk),
+                                                                 *hexes, *values, *owners])
         self._adopt_cap(int(cap))
         return int(stored), [bytes.fromhex(h.decode("ascii")) for h in evicted]
 
@@ -510,7 +580,7 @@ class RemoteTier:
         if self._available():
             try:
                 pipe = self.client.pipeline(transaction=False)
-                pipe.zcard(self._keys[0])
+                pipe.hlen(self._keys[2])  # every tenant's blocks
                 pipe.get(self._keys[1])
                 b, u = pipe.execute()
                 blocks, used = int(b), int(u or 0)
@@ -535,12 +605,13 @@ class RemoteTier:
             redis.RedisError: Redis failed (blocks deleted until then stay deleted).
         """
         dropped = 0
-        rounds = int(self.client.zcard(self._keys[0])) // _CLEAR_BATCH + 2
-        for _ in range(rounds):
-            members = self.client.zrange(self._keys[0], 0, _CLEAR_BATCH - 1)
+        rounds = int(self.client.hlen(self._keys[2])) // _CLEAR_BATCH + 2
+        for _ in range(rounds):  # every tenant's counted blocks
+            members = [f for f, _ in zip(self.client.hscan_iter(self._keys[2], count=_CLEAR_BATCH),
+                                         range(_CLEAR_BATCH))]
             if not members:
                 break
-            dropped += int(self._forget(keys=self._keys, args=[self._prefix, *members]))
+            dropped += int(self._forget(keys=self._keys, args=[self._prefix, *(f for f, _ in members)]))
         stray: list[bytes] = []
         plen = len(self._prefix.encode())
         for key in self.client.scan_iter(match=_glob_escape(self._prefix) + "*", count=1000):

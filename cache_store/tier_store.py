@@ -103,6 +103,7 @@ class _WriteJob:
     ready: object
     generation: int
     nbytes: int
+    owner: object = None  # the block's tenant (`EvictedBlock.owner`)
 
 
 class _Source:
@@ -316,7 +317,8 @@ class TierStore:
         """Write jobs for a batch just stored in the host tier (``blocks[k]`` is in ``slots[k]``),
         built from the evicted blocks' own fields and with their slots pinned."""
         nbytes, gen, pin = self.host.codec.payload_bytes, self._generation, self.host.pin
-        jobs = [_WriteJob(b.block_hash, b.parent_hash or ZERO_HASH, b.token_bytes, slot, ready, gen, nbytes)
+        jobs = [_WriteJob(b.block_hash, b.parent_hash or ZERO_HASH, b.token_bytes, slot, ready, gen, nbytes,
+                          getattr(b, "owner", None))
                 for slot, b in zip(slots, blocks)]
         for slot in slots:
             pin(slot)
@@ -374,7 +376,7 @@ class TierStore:
                 self._rwriting += 1
             try:
                 records = run_on_fresh_thread(self._records, batch, self.remote_codec, name="kvmesh-encode")
-                stored, _ = self.remote.put_many(records)
+                stored, _ = self.remote.put_many(records, tenants=[job.owner for job in batch])
             except Exception:  # a bug here must not kill the writer: log it, count it, go on
                 log.exception("remote tier: put failed")
                 with self.lock:

@@ -250,11 +250,11 @@ def test_silent_redis_delays_only_the_prefetch_and_never_the_engine(cold_engine)
         remote = e.tiers.remote
         real_put = remote.put_many
 
-        def stuck_put(records):
+        def stuck_put(records, tenants=None):
             put_entered.set()
             if not put_release.wait(30):
                 put_outwaited.append(len(records))
-            return real_put(records)
+            return real_put(records, tenants)
 
         remote.put_many = stuck_put
         e.offload_device_cache()  # queues puts: the first one sticks

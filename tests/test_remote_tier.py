@@ -396,3 +396,27 @@ def test_clear(new_tier, raw):
     assert a.get_run(hashes(its)) == [] and a.stats()["remote_blocks"] == 0
     assert len(b.get_run(hashes(its))) == 2 and check_accounting(raw, "b") == 2 * REC
     assert a.clear() == 0
+
+
+def test_eviction_is_fair_between_tenants(new_tier, raw):
+    """A cap of 10 records, shared by the cluster. Tenant "a" stores 4; tenant "b" then puts
+    20 (several workers' worth of a flood): b's own oldest records are evicted, never a's,
+    whose 4 stay readable; the accounting per tenant adds up. Tenant-less records (open
+    mode) share one LRU as before."""
+    from kvmesh.cache_store.remote_tier import tenant_bytes_key
+
+    cluster = "fair"
+    t = new_tier(cap=10 * REC, cluster=cluster)
+    a = items(4, seed=1)
+    assert t.put_many(a, tenants=["a"] * 4) == (4, [])
+    b = items(20, seed=2)
+    evicted = []
+    for k in range(0, 20, 5):
+        evicted += t.put_many(b[k:k + 5], tenants=["b"] * 5)[1]
+    assert len(evicted) == 14 and set(evicted) <= set(hashes(b))
+    assert [m for m, _ in t.get_run(hashes(a))] == [m for m, _ in a]  # all of a's still there
+    assert {k: int(v) for k, v in raw.hgetall(tenant_bytes_key(cluster)).items()} == {b"a": 4 * REC, b"b": 6 * REC}
+    assert used(raw, cluster) == 10 * REC
+    assert t.stats()["remote_blocks"] == 10
+    t.clear()
+    assert used(raw, cluster) == 0 and not raw.exists(tenant_bytes_key(cluster))

@@ -142,3 +142,29 @@ def test_a_flood_does_not_push_another_tenants_blocks_out_of_the_host_tier():
     finally:
         e.stop()
         cold.stop()
+
+
+def test_the_remote_tier_records_each_blocks_tenant_for_fair_eviction(redis_server):
+    """Blocks a worker puts in the cluster's remote tier carry the tenant whose request
+    cached them (its eviction is fair between tenants: tests/test_remote_tier.py), and the
+    tier's byte count per tenant adds up."""
+    import redis as redis_lib
+
+    from kvmesh.cache_store.remote_tier import owners_key, tenant_bytes_key
+
+    cfg = TierConfig(host_bytes=16 << 20, peer_bytes=16 << 20, remote_url=redis_server.url, remote_bytes=64 << 20,
+                     remote_cluster="tt")
+    e = Engine(num_blocks=64, block_size=BS, tiers=cfg).start()
+    r = redis_lib.Redis.from_url(redis_server.url)
+    try:
+        for tenant, seed in (("tenant-a", 11), ("tenant-b", 12)):
+            e.generate(prompt(seed, 4 * BS + 1), GREEDY, cache_salt=SALT, tenant=tenant)
+        e.offload_device_cache()
+        assert e.tiers.flush(30)
+        owners = {v.decode() for v in r.hgetall(owners_key("tt")).values()}
+        per_tenant = {k.decode(): int(v) for k, v in r.hgetall(tenant_bytes_key("tt")).items()}
+        assert owners == {"tenant-a", "tenant-b"} and set(per_tenant) == {"tenant-a", "tenant-b"}
+        assert sum(per_tenant.values()) == int(r.get("kvmesh:tt:kv-bytes"))
+    finally:
+        r.close()
+        e.stop()
