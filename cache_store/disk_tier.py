@@ -90,6 +90,7 @@ class Segment:
     path: str
     size: int
     hashes: set = field(default_factory=set)
+    owner: object = None  # the tenant whose blocks it holds (None: none, or not known after a restart)
 
 
 class DiskTier:
@@ -276,10 +277,13 @@ class DiskTier:
             _fsync_dir(self.directory)
 
     # -- index (under the store's lock) -------------------------------------------
-    def add_segment(self, seg: Segment, metas: list[RecordMeta]) -> tuple[list[RecordMeta], list[RecordMeta]]:
+    def add_segment(self, seg: Segment, metas: list[RecordMeta], owner: object = None
+                    ) -> tuple[list[RecordMeta], list[RecordMeta]]:
         """Index a written segment as most recently used, then evict down to capacity.
 
-        Blocks already indexed elsewhere keep their old record.
+        Blocks already indexed elsewhere keep their old record. ``owner``: the tenant
+        whose blocks the segment holds (the writer groups blocks by tenant), for fair
+        eviction (`evict_to_capacity`).
 
         Returns:
             ``(added, removed)``: metadata of the blocks newly indexed, and of
@@ -294,6 +298,7 @@ class DiskTier:
                 seg.hashes.add(meta.block_hash)
                 added.append(meta)
             off += meta.record_len
+        seg.owner = owner
         self.segments[seg.seg_id] = seg
         self.used_bytes += seg.size
         removed = self.evict_to_capacity(keep=seg.seg_id)
@@ -302,12 +307,25 @@ class DiskTier:
         return added, removed
 
     def evict_to_capacity(self, keep: int | None = None) -> list[RecordMeta]:
-        """Delete least recently used segments until within capacity; returns dropped blocks' metadata."""
+        """Delete segments until within capacity; returns dropped blocks' metadata.
+
+        Fair between tenants, as the other tiers: the least recently used segment of the
+        tenant whose segments hold the most bytes (``keep``'s counted too); with one
+        tenant, the least recently used segment. O(segments) per segment deleted.
+        """
         removed: list[RecordMeta] = []
         while self.used_bytes > self.capacity_bytes:
-            victim = next((s for s in self.segments if s != keep), None)
-            if victim is None:
+            by_owner: dict = {}
+            for seg in self.segments.values():
+                by_owner[seg.owner] = by_owner.get(seg.owner, 0) + seg.size
+            candidates = [s for s in self.segments.values() if s.seg_id != keep]
+            if not candidates:
                 break
+            if len(by_owner) > 1:
+                heaviest = max({s.owner for s in candidates}, key=by_owner.__getitem__)
+                victim = next(s.seg_id for s in candidates if s.owner == heaviest)
+            else:
+                victim = candidates[0].seg_id
             removed.extend(self._delete_segment(victim))
         return removed
 

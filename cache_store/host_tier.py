@@ -278,6 +278,10 @@ class HostTier:
         if not d:
             del self._by_tenant[tenant]
 
+    def tenant_of(self, slot: int) -> object:
+        """The tenant of the block last stored in ``slot`` (None: none or unknown)."""
+        return _tenant(self._block[slot]) if self._block[slot] is not None else None
+
     def entries_by_tenant(self) -> dict:
         """Entries held per tenant (``EvictedBlock.owner``; None: unknown)."""
         return {t: len(d) for t, d in self._by_tenant.items()}

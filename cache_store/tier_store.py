@@ -309,7 +309,7 @@ class TierStore:
             host.pin(slot)
         host.set_on_disk(slot, True)
         self._jobs.append(_WriteJob(e.block_hash, e.parent_hash, e.token_bytes, slot, e.ready, self._generation,
-                                    nbytes))
+                                    nbytes, host.tenant_of(slot)))
         self._pending_bytes += nbytes
         self._cv.notify_all()
 
@@ -406,14 +406,21 @@ class TierStore:
                     self._cv.wait()
                 if not self._jobs:
                     return  # stopping and drained
-                # as few segments as the cap allows, evenly filled (no small trailing file)
+                # as few segments as the cap allows, evenly filled (no small trailing file), one
+                # tenant's blocks per segment (the disk tier evicts fairly between tenants)
                 per_segment = max(1, disk.segment_bytes // rec)
                 n = min(len(self._jobs), per_segment * self.SEGMENTS_PER_BATCH)
-                num_groups = -(-n // per_segment)
+                taken = [self._jobs.popleft() for _ in range(n)]
+                by_owner: dict[object, list[_WriteJob]] = {}
+                for job in taken:
+                    by_owner.setdefault(job.owner, []).append(job)
                 groups: list[tuple[int, list[_WriteJob]]] = []
-                for g in range(num_groups):
-                    size = n * (g + 1) // num_groups - n * g // num_groups
-                    groups.append((disk.new_segment_id(), [self._jobs.popleft() for _ in range(size)]))
+                for jobs in by_owner.values():
+                    m = len(jobs)
+                    num_groups = -(-m // per_segment)
+                    for g in range(num_groups):
+                        lo, hi = m * g // num_groups, m * (g + 1) // num_groups
+                        groups.append((disk.new_segment_id(), jobs[lo:hi]))
                 self._writing += 1
             try:
                 self._write_batch(groups)
@@ -467,7 +474,7 @@ class TierStore:
                 if any(job.generation != self._generation for job in batch):
                     _remove_file(seg.path)  # the cache was cleared while this segment was written
                     continue
-                added, removed = self.disk.add_segment(seg, metas)
+                added, removed = self.disk.add_segment(seg, metas, batch[0].owner if batch else None)
                 self.stats_counters["segments_written"] += 1
                 if added:
                     self._emit_chains([m.block_hash for m in added], [m.parent for m in added],

@@ -218,3 +218,30 @@ def test_sigkill_mid_write_never_serves_a_torn_block(tmp_path):
         entries.sort(key=lambda e: e.offset)
         for p, e in zip(t.read(entries), entries):  # raises on any torn or corrupt block
             assert checksum(p) == e.meta.payload_checksum
+
+
+def test_segment_eviction_is_fair_between_tenants(tmp_path):
+    """Room for four segments of two blocks. Tenant "a" writes one segment (the oldest);
+    tenant "b" then writes five: b's own two oldest segments go, never a's. Tenant-less segments
+    (one tenant) are plain LRU."""
+    its = items(12, seed=5)
+    probe = new_tier(tmp_path / "probe")
+    seg_bytes = probe.write_segment(probe.new_segment_id(), its[:2]).size
+    t = new_tier(tmp_path / "t", cap=4 * seg_bytes)
+
+    def put(pair, owner):
+        seg = t.write_segment(t.new_segment_id(), pair)
+        return t.add_segment(seg, [m for m, _ in pair], owner)
+
+    put(its[0:2], "a")
+    removed = []
+    for k in range(2, 12, 2):
+        removed += put(its[k:k + 2], "b")[1]
+    assert {m.block_hash for m in removed} == {m.block_hash for m, _ in its[2:6]}  # b's two oldest segments
+    assert all(m.block_hash in t.entries for m, _ in its[0:2])  # a's segment stays
+    assert t.used_bytes <= 4 * seg_bytes
+    solo = new_tier(tmp_path / "solo", cap=2 * seg_bytes)
+    for k in range(0, 6, 2):
+        seg = solo.write_segment(solo.new_segment_id(), its[k:k + 2])
+        out = solo.add_segment(seg, [m for m, _ in its[k:k + 2]])[1]
+    assert {m.block_hash for m in out} == {m.block_hash for m, _ in its[0:2]}  # the least recently used
