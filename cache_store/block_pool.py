@@ -9,9 +9,10 @@ reference count drops to 0 joins the tail, allocation pops the head, and a
 cached block popped from the head is evicted.
 
 **Owners.** A cached block may carry an owner (the tenant whose request cached it).
-While more than one owner has cached blocks, an allocation takes an empty block wherever
-it sits in the queue before it evicts anything, and then evicts the least recently used
-block of the owner holding the most cached blocks (ties: the queue head's owner):
+A block in use counts as its allocator's (`get_new_blocks`), a cached one as its owner's.
+While more than one owner holds blocks, an allocation takes an empty block wherever it
+sits in the queue before it evicts anything, and then evicts the least recently used
+cached block of the owner holding the most blocks (ties: the queue head's owner):
 max-min fair eviction, so a tenant that floods the pool evicts its own blocks once it
 holds more than another, and a tenant holding fewer cached blocks than the largest holder
 never loses one (between tenants holding equally many, the one whose block is at the queue
@@ -250,9 +251,11 @@ class BlockPool:
             return self._blocks[block_id]
         return Block(block_id)  # never used: ref 0, no hash (a detached stand-in)
 
-    def _take_fresh(self) -> Block:
-        """Make the lowest never-used block (held, ref 1); drop the marker when none is left."""
-        b = Block(len(self._blocks), ref_cnt=1)
+    def _take_fresh(self, owner: object = None) -> Block:
+        """Make the lowest never-used block (held, ref 1, for ``owner``); drop the marker when
+        none is left."""
+        b = Block(len(self._blocks), ref_cnt=1, owner=owner)
+        self._held[owner] = self._held.get(owner, 0) + 1
         self._blocks.append(b)
         self._num_free -= 1
         if len(self._blocks) == self.num_blocks:
@@ -263,9 +266,9 @@ class BlockPool:
         return b
 
     # -- public API --------------------------------------------------------
-    def get_new_blocks(self, n: int) -> list[int] | None:
+    def get_new_blocks(self, n: int, owner: object = None) -> list[int] | None:
         """Take ``n`` blocks from the head of the free queue (LRU first; between owners,
-        see the module docstring).
+        see the module docstring), for ``owner`` (they count as its from now on).
 
         Each returned block has ref 1 and no hash. A popped block that was
         cached is evicted: ``on_evict(block_id, hash)`` is called, then its
@@ -288,7 +291,7 @@ class BlockPool:
         for _ in range(n):
             b = self._head.next
             if b is fresh:
-                out.append(self._take_fresh().block_id)
+                out.append(self._take_fresh(owner).block_id)
                 continue
             if b.block_hash is not None and len(self._held) > 1:  # several owners: empties first, then fairness
                 empties = self._lru.get(_EMPTY)
@@ -301,7 +304,8 @@ class BlockPool:
                     on_evict(b.block_id, h)
                 b.block_hash = None
                 self._drop_held(b.owner)
-                b.owner = None
+            b.owner = owner
+            self._held[owner] = self._held.get(owner, 0) + 1
             out.append(b.block_id)
         return out
 
@@ -348,6 +352,9 @@ class BlockPool:
         for b in blocks:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
+                if b.block_hash is None:  # empty now: nobody's
+                    self._drop_held(b.owner)
+                    b.owner = None
                 self._append(b)
 
     def set_hash(self, block_id: int, block_hash: bytes, owner: object = None) -> None:
@@ -367,8 +374,10 @@ class BlockPool:
         if b.block_hash is not None:
             raise ValueError(f"block {block_id} already has a hash")
         b.block_hash = block_hash
-        b.owner = owner
-        self._held[owner] = self._held.get(owner, 0) + 1
+        if owner != b.owner:  # counted for whoever allocated it until now
+            self._drop_held(b.owner)
+            self._held[owner] = self._held.get(owner, 0) + 1
+            b.owner = owner
 
     def clear_hash(self, block_id: int) -> bytes | None:
         """Forget a block's hash (its KV is no longer to be reused).
@@ -389,11 +398,11 @@ class BlockPool:
         if b.ref_cnt == 0:
             self._unlink(b)
             b.block_hash = None
+            self._drop_held(b.owner)
+            b.owner = None
             self._push_front(b)
-        else:
+        else:  # still in use by its owner's request
             b.block_hash = None
-        self._drop_held(b.owner)
-        b.owner = None
         return h
 
     def get_owner(self, block_id: int) -> object:
@@ -423,8 +432,8 @@ class BlockPool:
         """Blocks with ref > 0."""
         return self.num_blocks - self._num_free
 
-    def cached_by_owner(self) -> dict:
-        """Cached (hashed) blocks per owner, held or evictable."""
+    def blocks_by_owner(self) -> dict:
+        """Blocks per owner: those in use by its requests and those cached for it."""
         return dict(self._held)
 
     def usage(self) -> float:
@@ -509,7 +518,7 @@ class BlockPool:
             errors.append("empty + evictable + in_use != num_blocks")
         held: dict = {}
         for blk in self._blocks:
-            if blk.block_hash is not None:
+            if blk.block_hash is not None or blk.ref_cnt > 0:
                 held[blk.owner] = held.get(blk.owner, 0) + 1
             elif blk.owner is not None:
                 errors.append(f"empty block {blk.block_id} has owner {blk.owner!r}")

@@ -214,7 +214,8 @@ class HostTier:
         if n > free_after:
             pins = self._pins
             victims = []
-            if len(self._by_tenant) > 1:  # one tenant holds everything: plain LRU
+            if len(self._by_tenant) > 1 or any(t not in self._by_tenant for t in incoming or ()):
+                # several tenants, counting the one storing now (alone: plain LRU)
                 free_after = self._fair_victims(n, free_after, hold, victims, incoming or {})
             else:
                 for h, slot in self.entries.items():  # oldest first
@@ -255,10 +256,13 @@ class HostTier:
         has ``incoming``. Returns the free count after them."""
         pins = self._pins
         left = {t: len(d) for t, d in self._by_tenant.items()}
-        extra = {t: k for t, k in incoming.items() if t in left}
+        totals = {t: left.get(t, 0) + incoming.get(t, 0) for t in {*left, *incoming}}
         its = {t: iter(d.items()) for t, d in self._by_tenant.items()}
-        while free_after < n and left:
-            t = max(left, key=lambda u: left[u] + extra.get(u, 0))
+        while free_after < n:
+            # the largest holder, counting what it is storing now (on a tie, one with entries)
+            t = max(totals, key=lambda u: (totals[u], u in left))
+            if t not in left:  # it has nothing (unpinned) left to give: nobody smaller loses
+                break          # a block to it; the rest of its batch is not stored
             for h, slot in its[t]:
                 if not pins[slot]:
                     break
@@ -266,6 +270,7 @@ class HostTier:
                 del left[t]
                 continue
             left[t] -= 1
+            totals[t] -= 1
             keep = hold is not None and hold(slot)
             victims.append((h, slot, keep))
             if not keep:

@@ -150,8 +150,9 @@ class PrefixCache:
         """True if :meth:`allocate` of ``n`` blocks would succeed. Changes nothing."""
         return 0 <= n <= self.pool.num_free_blocks
 
-    def allocate(self, n: int) -> list[int] | None:
-        """Take ``n`` free blocks (ref 1), evicting LRU cached blocks as needed.
+    def allocate(self, n: int, owner: object = None) -> list[int] | None:
+        """Take ``n`` free blocks (ref 1) for ``owner`` (the requesting tenant), evicting
+        cached blocks as needed (LRU; fair between owners, see `BlockPool`).
 
         Evicted blocks leave the index and are reported in one
         ``BlockRemoved`` event.
@@ -162,7 +163,7 @@ class PrefixCache:
         Raises:
             ValueError: ``n`` < 0.
         """
-        got = self.pool.get_new_blocks(n)
+        got = self.pool.get_new_blocks(n, owner)
         if self._offload:
             batch, self._offload = self._offload, []
             self._on_offload(batch)

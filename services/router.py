@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -258,12 +259,12 @@ class RouterServicer(pb_grpc.RouterServicer):
                 retryable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
                 if retryable and not relayed and _attempt + 1 < self.max_attempts:
                     # the client sees the worker's id, as in every response, but not its address
-                    last_error = f"worker {chosen.worker_id}: {code.name}: {exc.details()}"
+                    last_error = f"worker {chosen.worker_id}: {code.name}: {_client_details(exc)}"
                     last_code = code
                     log.warning("worker %s at %s: %s: %s; trying another worker", chosen.worker_id, chosen.address,
                                 code.name, exc.details())
                     continue
-                await context.abort(code, exc.details() or code.name)
+                await context.abort(code, _client_details(exc) or code.name)
             finally:
                 st.running = max(0, st.running - 1)
                 st.last_done_wall = time.time()
@@ -322,6 +323,20 @@ def _load_config(model_dir: str | None) -> ModelConfig:
     from kvmesh.workers.loader import read_config
 
     return read_config(model_dir)
+
+
+_ADDRESS = re.compile(r"(ipv4|ipv6|unix|dns):\S+|\b\d{1,3}(\.\d{1,3}){3}(:\d+)?|\[[0-9a-fA-F:]+\](:\d+)?")
+
+
+def _client_details(exc: grpc.aio.AioRpcError) -> str:
+    """A worker call's error details as a client may see them: a failure to reach the
+    worker says so without its address (addresses are for peers: `Router.Status`); the
+    worker's own refusals pass unchanged."""
+    details = exc.details() or ""
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and ("failed to connect" in details.lower()
+                                                      or _ADDRESS.search(details)):
+        return "the worker could not be reached"
+    return details
 
 
 def fitting_workers(live: dict[str, dict], num_tokens: int) -> dict[str, dict]:

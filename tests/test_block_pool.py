@@ -332,26 +332,27 @@ def test_the_owner_holding_most_is_evicted_first():
     for i, bid in enumerate(ids):
         p.set_hash(bid, h(i), "b" if i < 2 else "a")
     p.free(ids)  # b's blocks (0, 1) are the queue head: plain LRU would evict them first
-    assert p.cached_by_owner() == {"a": 6, "b": 2}
+    assert p.blocks_by_owner() == {"a": 6, "b": 2}
     assert p.get_new_blocks(4) == [2, 3, 4, 5]  # a's oldest four: a now holds 2, as many as b
     p.check_integrity()
-    assert p.cached_by_owner() == {"a": 2, "b": 2}
+    assert p.blocks_by_owner() == {"a": 2, "b": 2, None: 4}  # the four taken are in use, for nobody
     assert p.get_new_blocks(1) == [0]  # a tie: the queue head (b's oldest), plain LRU
     assert p.get_new_blocks(1) == [6]  # a holds more again
     p.check_integrity()
 
 
 class OwnerModelPool(ModelPool):
-    """Reference with owners: while several owners hold cached blocks, the queue's first
-    empty block, else the queue's first block of the owner holding the most cached
-    blocks (ties: the queue head's owner); with one owner, the queue head."""
+    """Reference with owners (a block in use counts as its allocator's, None here; a cached
+    one as its owner's): while several owners hold blocks, the queue's first empty block,
+    else the queue's first cached block of the owner holding the most blocks (ties: the
+    queue head's owner); with one owner, the queue head."""
 
     def __init__(self, n):
         super().__init__(n)
         self.owner = [None] * n
 
-    def held(self, o):
-        return sum(1 for i, hh in enumerate(self.hash) if hh is not None and self.owner[i] == o)
+    def held(self, o):  # in use or cached
+        return sum(1 for i, hh in enumerate(self.hash) if (hh is not None or self.ref[i]) and self.owner[i] == o)
 
     def get(self, k):
         if k > len(self.queue):
@@ -359,7 +360,7 @@ class OwnerModelPool(ModelPool):
         out = []
         for _ in range(k):
             b = self.queue[0]
-            owners = {self.owner[i] for i, hh in enumerate(self.hash) if hh is not None}
+            owners = {self.owner[i] for i, hh in enumerate(self.hash) if hh is not None or self.ref[i]}
             if self.hash[b] is not None and len(owners) > 1:
                 empty = [c for c in self.queue if self.hash[c] is None]
                 b = empty[0] if empty else None
@@ -401,6 +402,8 @@ def test_pool_with_owners_matches_reference_model(ops):
             m.ref[b] -= 1
             if m.ref[b] == 0:
                 m.queue.append(b)
+                if m.hash[b] is None:
+                    m.owner[b] = None
         elif op == "s" and m.ref[b] > 0 and m.hash[b] is None:
             owner = (None, "a", "b")[y % 3]
             p.set_hash(b, h(y), owner)
@@ -410,9 +413,11 @@ def test_pool_with_owners_matches_reference_model(ops):
             if m.hash[b] is not None and m.ref[b] == 0:
                 m.queue.remove(b)
                 m.queue.insert(0, b)
-            m.hash[b], m.owner[b] = None, None
+            m.hash[b] = None
+            if m.ref[b] == 0:  # a block still in use stays its owner's
+                m.owner[b] = None
         p.check_integrity()
         assert p.free_queue() == m.queue
         assert [p.get_hash(i) for i in range(n)] == m.hash
         assert evicted == m.evicted
-        assert p.cached_by_owner() == {o: m.held(o) for o in (None, "a", "b") if m.held(o)}
+        assert p.blocks_by_owner() == {o: m.held(o) for o in (None, "a", "b") if m.held(o)}

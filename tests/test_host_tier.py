@@ -138,3 +138,16 @@ def test_eviction_is_fair_between_tenants():
         (slot,), _, _ = solo.reserve(1)
         solo.insert(EvictedBlock(0, n.ljust(16, b"."), None, bytes(16), "only"), slot)
     assert solo.reserve(1)[1] == [b"x".ljust(16, b".")]
+
+
+def test_a_batch_larger_than_the_tier_does_not_push_out_a_smaller_tenant():
+    """The host tier holds 2 blocks of tenant "a"; tenant "b" stores a batch of 6 into 4
+    slots: b takes the 2 free slots and evicts nothing of a's (a holds less than b would);
+    the rest of b's batch is not stored."""
+    t = tier(4)
+    for n in (b"a0", b"a1"):
+        (slot,), _, _ = t.reserve(1)
+        t.insert(EvictedBlock(0, n.ljust(16, b"."), None, bytes(16), "a"), slot)
+    slots, evicted, _ = t.reserve(6, incoming={"b": 6})
+    assert len(slots) == 2 and evicted == []
+    assert t.entries_by_tenant() == {"a": 2}

@@ -506,3 +506,28 @@ def test_the_router_leaves_out_workers_whose_context_a_prompt_does_not_fit():
     assert sorted(fitting_workers(live, 63)) == ["old", "w1", "w7"]
     assert sorted(fitting_workers(live, 64)) == ["old", "w1"]  # a prompt must leave room: 63 at most
     assert context_limit(live, 2048) == 4096 and context_limit({"old": {}}, 2048) == 2048
+
+
+def test_a_worker_that_cannot_be_reached_is_not_named_by_address():
+    """A client's error for an unreachable worker says so without the worker's address (for
+    peers only); a worker's own refusal reaches the client unchanged."""
+    import grpc
+
+    from kvmesh.services.router import _client_details
+
+    class Err(grpc.aio.AioRpcError):
+        def __init__(self, code, details):
+            self._c, self._d = code, details
+
+        def code(self):
+            return self._c
+
+        def details(self):
+            return self._d
+
+    refused = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:37595: "
+               "Failed to connect to remote host: Connection refused")
+    assert _client_details(Err(grpc.StatusCode.UNAVAILABLE, refused)) == "the worker could not be reached"
+    assert "37595" not in _client_details(Err(grpc.StatusCode.UNAVAILABLE, "Socket closed 10.0.0.7:50051"))
+    own = "queue is full (512 requests waiting): retry later"
+    assert _client_details(Err(grpc.StatusCode.RESOURCE_EXHAUSTED, own)) == own

@@ -101,7 +101,7 @@ def test_a_tenant_flooding_the_device_pool_evicts_its_own_blocks_first():
         e.generate(ids, GREEDY, tenant="tenant-a")
         for i in range(20):
             e.generate(prompt(100 + i, 6 * BS + 1), GREEDY, tenant="tenant-b")
-        held = e.cache.pool.cached_by_owner()
+        held = e.cache.pool.blocks_by_owner()
         assert held["tenant-a"] == 6 and held["tenant-b"] > 6, held
         again = e.generate(ids, GREEDY, tenant="tenant-a")
         assert again["usage"]["cached_tokens_by_tier"]["device"] == 6 * BS, again["usage"]
@@ -168,3 +168,26 @@ def test_the_remote_tier_records_each_blocks_tenant_for_fair_eviction(redis_serv
     finally:
         r.close()
         e.stop()
+
+
+def test_a_tenant_whose_requests_fill_the_pool_still_evicts_only_its_own_blocks():
+    """Tenant B's prompts each need 57 of the pool's 64 blocks; tenant A holds 4. A running
+    request's blocks count as its tenant's, so B (57 in use) is always the larger holder and
+    its new requests evict B's earlier blocks, never A's: A's prompt stays a full device hit
+    after B's tenth prompt, equal to a cold run."""
+    ids = prompt(9, 4 * BS + 6)
+    sampling = SamplingParams(max_tokens=2)
+    cold = Engine(num_blocks=64, block_size=BS).start()
+    e = Engine(num_blocks=64, block_size=BS).start()
+    try:
+        ref = cold.generate(ids, sampling, tenant="tenant-a")
+        e.generate(ids, sampling, tenant="tenant-a")
+        for i in range(10):
+            e.generate(prompt(400 + i, 900), sampling, tenant="tenant-b")
+        again = e.generate(ids, sampling, tenant="tenant-a")
+        assert again["usage"]["cached_tokens_by_tier"]["device"] == 4 * BS, again["usage"]
+        assert again["token_ids"] == ref["token_ids"]
+        e.check_integrity()
+    finally:
+        e.stop()
+        cold.stop()

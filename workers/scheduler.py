@@ -270,7 +270,7 @@ class Scheduler:
                                     req.namespace.root_hash())
         if not located:
             return []
-        new = self.cache.allocate(len(located))
+        new = self.cache.allocate(len(located), req.namespace.tenant or None)
         if new is None:  # no room now; the request computes those blocks instead
             self.tiers.release(located)
             return []
@@ -288,7 +288,7 @@ class Scheduler:
         need = self.blocks_needed(num_tokens) - len(req.block_table)
         if need <= 0:
             return True
-        new = self.cache.allocate(need)
+        new = self.cache.allocate(need, req.namespace.tenant or None)
         if new is None:
             return False
         req.block_table.extend(new)
