@@ -139,12 +139,16 @@ class OpenAITarget:
         if https:
             import ssl
 
+            flag = "--tls-ca"
             try:
                 ssl_context = ssl.create_default_context(cafile=tls_ca) if tls_ca else ssl.create_default_context()
                 if tls_cert:
+                    flag = "--tls-cert/--tls-key"
                     ssl_context.load_cert_chain(tls_cert, tls_key)
             except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"cannot load the TLS files ({tls_ca}, {tls_cert}): {exc}") from None
+                what = tls_ca if flag == "--tls-ca" else f"{tls_cert}, {tls_key}"
+                raise ValueError(f"{flag} {what}: cannot load it as PEM ({getattr(exc, 'reason', None) or exc})") \
+                    from None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.session = aiohttp.ClientSession(headers=headers,
                                              connector=aiohttp.TCPConnector(limit=0, ssl=ssl_context))
@@ -159,21 +163,29 @@ class OpenAITarget:
         """The served model (``GET /v1/models``), as the harness's service info.
 
         Raises:
-            ConnectionError: the front did not answer within ``connect_timeout_s``.
+            ConnectionError: the front did not answer within ``connect_timeout_s``, or its
+                certificate did not verify (at once: a retry cannot change that).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + connect_timeout_s
         while True:
             try:
-                async with self.session.get(f"{self.url}/models", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                    if resp.status != 200:
-                        raise _error(resp.status, await resp.text())
-                    self.model = (await resp.json())["data"][0]["id"]
-                    return {"service": "openai", "policy": "", "worker_id": "", "vocab_size": 0, "max_model_len": 0}
+                return await self._models_once()
+            except aiohttp.ClientConnectorCertificateError as exc:  # retrying cannot help
+                raise ConnectionError(f"{self.url}: the server's certificate did not verify ({exc.certificate_error}); "
+                                      "pass --tls-ca with the CA that signed it (the ca.pem of `kvmesh up`'s "
+                                      "credentials)") from None
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 if loop.time() > deadline:
                     raise ConnectionError(f"cannot reach {self.url} within {connect_timeout_s:g} s ({exc})") from None
                 await asyncio.sleep(0.2)
+
+    async def _models_once(self) -> dict:
+        async with self.session.get(f"{self.url}/models", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            if resp.status != 200:
+                raise _error(resp.status, await resp.text())
+            self.model = (await resp.json())["data"][0]["id"]
+            return {"service": "openai", "policy": "", "worker_id": "", "vocab_size": 0, "max_model_len": 0}
 
     def generate(self, req: pb.GenerateRequest, timeout: float | None = None) -> _Call:
         return _Call(self, req, timeout)

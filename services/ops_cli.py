@@ -80,6 +80,9 @@ def router_status(target: str, timeout: float = 10.0, api_key: str | None = None
         raise ValueError("--api-key needs --tls-ca (or KVMESH_TLS_CA): without TLS the key would cross "
                          "the network in clear")
     channel = grpc.secure_channel(target, creds) if creds is not None else grpc.insecure_channel(target)
+    from kvmesh.services.security import check_api_key
+
+    check_api_key(api_key)
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
     with channel:
         st = pb_grpc.RouterStub(channel).Status(pb.RouterStatusRequest(), timeout=timeout, metadata=metadata)

@@ -143,11 +143,15 @@ def channel_credentials(tls_ca: str | None, api_key: str | None, tls_cert: str |
 
 
 def check_api_key(api_key: str | None) -> None:
-    """Raise ValueError for an API key that cannot be a header value (a line break or NUL,
-    e.g. a key pasted with its newline), instead of gRPC's INTERNAL "Invalid metadata"."""
+    """Raise ValueError for an API key that cannot be a header value (a line break or other
+    control character, e.g. a key pasted with its newline, or a non-ASCII character),
+    instead of gRPC's INTERNAL "Invalid metadata"."""
     if api_key and any(c in api_key for c in "\r\n\0"):
         raise ValueError("the API key (--api-key or KVMESH_API_KEY) contains a line break or NUL: copy it again "
                          "without them")
+    if api_key and not all(" " < c <= "~" for c in api_key):
+        raise ValueError("the API key (--api-key or KVMESH_API_KEY) has a space, control or non-ASCII character; "
+                         "keys are printable ASCII: copy it again")
 
 
 def client_channel(target: str, tls_ca: str | None = None, api_key: str | None = None,

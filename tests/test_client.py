@@ -154,6 +154,11 @@ def test_a_key_with_a_line_break_is_a_usage_error(tmp_path):
     with pytest.raises(ValueError, match="line break"):
         KvmeshClient("127.0.0.1:1", tls_ca=creds.ca, api_key=creds.api_key + "\n")
     KvmeshClient("127.0.0.1:1", tls_ca=creds.ca, api_key=creds.api_key).close()  # the same key, clean: accepted
+    with pytest.raises(ValueError, match="non-ASCII"):
+        KvmeshClient("127.0.0.1:1", tls_ca=creds.ca, api_key=creds.api_key + "é")
+    from kvmesh.services.cli import main
+
+    assert main(["status", "--target", "127.0.0.1:1", "--tls-ca", creds.ca, "--api-key", creds.api_key + "\n"]) == 2
 
 
 def test_the_tls_hint_is_for_refused_connections_not_for_streams_cut_short():

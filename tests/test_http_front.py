@@ -312,6 +312,9 @@ def test_the_bench_openai_target_sends_its_key_over_https_only(tmp_path):
         front = HttpFront(generate, load_tokenizer(None, ModelConfig.tiny()), "m", authenticate=authenticate)
         port = await front.start("127.0.0.1", 0, ssl_context=tls.server_ssl_context())
         try:
+            async with OpenAITarget(f"https://127.0.0.1:{port}") as stranger:  # no --tls-ca: a certificate
+                with pytest.raises(ConnectionError, match="pass --tls-ca"):     # error, not a timeout
+                    await stranger.detect(30)
             async with OpenAITarget(f"127.0.0.1:{port}", api_key=creds.api_key, tls_ca=creds.ca) as target:
                 assert target.url == f"https://127.0.0.1:{port}/v1"
                 await target.detect(5)
