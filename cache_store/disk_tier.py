@@ -314,19 +314,21 @@ class DiskTier:
         tenant, the least recently used segment. O(segments) per segment deleted.
         """
         removed: list[RecordMeta] = []
+        if self.used_bytes <= self.capacity_bytes:
+            return removed
+        by_owner: dict = {}
+        for seg in self.segments.values():
+            by_owner[seg.owner] = by_owner.get(seg.owner, 0) + seg.size
         while self.used_bytes > self.capacity_bytes:
-            by_owner: dict = {}
-            for seg in self.segments.values():
-                by_owner[seg.owner] = by_owner.get(seg.owner, 0) + seg.size
             candidates = [s for s in self.segments.values() if s.seg_id != keep]
             if not candidates:
                 break
+            victim = candidates[0]
             if len(by_owner) > 1:
                 heaviest = max({s.owner for s in candidates}, key=by_owner.__getitem__)
-                victim = next(s.seg_id for s in candidates if s.owner == heaviest)
-            else:
-                victim = candidates[0].seg_id
-            removed.extend(self._delete_segment(victim))
+                victim = next(s for s in candidates if s.owner == heaviest)
+            by_owner[victim.owner] -= victim.size
+            removed.extend(self._delete_segment(victim.seg_id))
         return removed
 
     def drop_segment(self, seg_id: int) -> list[RecordMeta]:

@@ -101,6 +101,7 @@ class LocalCluster:
         self.router_address = ""
         #: {process name ("router", worker id): "http://127.0.0.1:PORT/metrics"}
         self.metrics_urls: dict[str, str] = {}
+        self._ports: dict[str, int] = {}  # metrics and HTTP ports picked, kept when a process restarts
         #: "http://127.0.0.1:PORT/v1" of the router's HTTP front, "" when off
         self.http_url = ""
         self.credentials = None   # services.credentials.ClusterCredentials when spec.secure
@@ -149,10 +150,15 @@ class LocalCluster:
     def _metrics_args(self, name: str) -> list[str]:
         if not self.spec.metrics:
             return []
-        url = self.metrics_urls.get(name)  # a restarted process keeps its endpoint
-        port = int(url.rsplit(":", 1)[1].split("/", 1)[0]) if url else free_port()
+        port = self._kept_port(f"metrics:{name}")
         self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
         return ["--metrics-port", str(port)]
+
+    def _kept_port(self, key: str) -> int:
+        """A free port for ``key`` (e.g. "metrics:worker-0"), the same one on every restart."""
+        if key not in self._ports:
+            self._ports[key] = free_port()
+        return self._ports[key]
 
     def start_worker(self, worker_id: str, port: int | None = None, wait: bool = True) -> str:
         """Start (or restart) one worker; returns its address (once healthy, if ``wait``)."""
@@ -174,9 +180,7 @@ class LocalCluster:
             cmd += ["--model", s.model]
         cmd += self._metrics_args("router")
         if s.http_port is not None:
-            # a restarted router keeps the HTTP front's URL it printed
-            http = s.http_port or (int(self.http_url.rsplit(":", 1)[1].split("/", 1)[0]) if self.http_url
-                                   else free_port())
+            http = s.http_port or self._kept_port("http")
             cmd += ["--http-port", str(http)]
             self.http_url = f"{'https' if s.secure else 'http'}://127.0.0.1:{http}/v1"
         self.router_proc = spawn(cmd, os.path.join(self.log_dir, "router.log"), env=self._env())

@@ -331,17 +331,28 @@ class KVEventPublisher:
                 self._done.notify_all()
 
 
+#: Lua: the lease under ``key`` as a table and its raw value (nil, nil when absent or not JSON).
+_LEASE_PRELUDE = """
+local function lease_at(key)
+  local cur = redis.call('GET', key)
+  if not cur then return nil, nil end
+  local ok, lease = pcall(cjson.decode, cur)
+  if ok and type(lease) == 'table' then return lease, cur end
+  return nil, cur
+end
+-- the raw lease when another instance than `instance` holds it, else nil
+local function held_by_other(key, instance)
+  local lease, cur = lease_at(key)
+  if lease and lease['instance'] and lease['instance'] ~= instance then return cur end
+  return nil
+end
+"""
 #: Write a lease unless another process holds it. KEYS: lease, workers set; ARGV: value,
 #: TTL (ms), this process's instance token, worker id. Returns the holder's lease (a string)
 #: when another instance wrote the key and it has not lapsed, else writes and returns false.
-_BEAT = """
-local cur = redis.call('GET', KEYS[1])
-if cur then
-  local ok, lease = pcall(cjson.decode, cur)
-  if ok and type(lease) == 'table' and lease['instance'] and lease['instance'] ~= ARGV[3] then
-    return cur
-  end
-end
+_BEAT = _LEASE_PRELUDE + """
+local other = held_by_other(KEYS[1], ARGV[3])
+if other then return other end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[4])
 return false
@@ -349,14 +360,8 @@ return false
 #: Write to a worker's event stream unless another instance holds its lease. KEYS: lease,
 #: stream; ARGV: instance token, "trim" | "add", then for "add": seq, epoch, data, maxlen.
 #: Returns 1 when written, 0 when fenced.
-_FENCED_WRITE = """
-local cur = redis.call('GET', KEYS[1])
-if cur then
-  local ok, lease = pcall(cjson.decode, cur)
-  if ok and type(lease) == 'table' and lease['instance'] and lease['instance'] ~= ARGV[1] then
-    return 0
-  end
-end
+_FENCED_WRITE = _LEASE_PRELUDE + """
+if held_by_other(KEYS[1], ARGV[1]) then return 0 end
 if ARGV[2] == 'trim' then
   redis.call('XTRIM', KEYS[2], 'MAXLEN', 0)
 else
@@ -365,13 +370,9 @@ end
 return 1
 """
 #: Delete a lease only if this instance holds it. KEYS: lease; ARGV: instance token.
-_RELEASE = """
-local cur = redis.call('GET', KEYS[1])
-if not cur then return 0 end
-local ok, lease = pcall(cjson.decode, cur)
-if ok and type(lease) == 'table' and lease['instance'] == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
+_RELEASE = _LEASE_PRELUDE + """
+local lease = lease_at(KEYS[1])
+if lease and lease['instance'] == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
