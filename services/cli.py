@@ -195,6 +195,11 @@ def make_engine(args: argparse.Namespace, event_sink=None):
                     long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", None),
                     max_num_partial_prefills=getattr(args, "max_num_partial_prefills", 2),
                     compute_dtype=getattr(args, "compute_dtype", "auto"))
+    if engine.pool_capped:
+        logging.getLogger("kvmesh.worker").warning(
+            "context limited to %d tokens, what --num-blocks %d x --block-size %d holds (the model's own is %d): "
+            "longer prompts are refused with INVALID_ARGUMENT; raise --num-blocks for a longer context",
+            engine.max_model_len, engine.num_blocks, engine.block_size, engine.config.max_position_embeddings)
     tiers = engine.tiers
     if tiers is not None and tiers.host is not None and (tiers.disk is not None or tiers.remote is not None) \
             and tiers.host.num_slots < engine.num_blocks:

@@ -497,6 +497,13 @@ def engine_flag_problem(args: argparse.Namespace) -> str | None:
             return f"--{dest.replace('_', '-')} must be >= 1 (got {value})"
     if getattr(args, "max_model_len", None) is not None and args.max_model_len < 1:
         return f"--max-model-len must be >= 1 tokens (got {args.max_model_len})"
+    if getattr(args, "max_model_len", None) and getattr(args, "num_blocks", None) and getattr(args, "block_size", None):
+        from kvmesh.workers.limits import fit_max_model_len_to_pool
+
+        try:
+            fit_max_model_len_to_pool(args.max_model_len, args.max_model_len, args.num_blocks, args.block_size)
+        except ValueError as exc:
+            return with_flag_names(exc)
     if getattr(args, "threads", 0) is not None and getattr(args, "threads", 0) < 0:
         return f"--threads must be >= 0 (got {args.threads})"
     fetch_s = getattr(args, "peer_fetch_max_s", None)

@@ -311,6 +311,17 @@ def test_max_model_len_above_the_models_context_is_a_usage_error(tmp_path):
         assert "Traceback" not in res.stderr and os.listdir(tmp_path) == ["m"]  # nothing started
 
 
+def test_max_model_len_the_pool_cannot_hold_is_a_usage_error(tmp_path):
+    """One request of --max-model-len tokens must fit the pool alone: a 4-block pool of
+    16-token blocks holds 64 tokens, so 65 is refused before anything starts."""
+    for cmd in (["worker", "--port", "0", "--threads", "1"], ["up"]):
+        res = kvmesh(*cmd, "--num-blocks", "4", "--block-size", "16", "--max-model-len", "65",
+                     env={"TMPDIR": str(tmp_path)}, timeout=120)
+        assert res.returncode == 2, (cmd, res.stderr)
+        assert "--num-blocks is 4" in res.stderr and "at least 5" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr and os.listdir(tmp_path) == []
+
+
 def test_model_without_tokenizer_json_says_what_is_missing(tmp_path, capsys):
     from kvmesh.services.cli import main
 

@@ -195,8 +195,25 @@ def test_max_model_len_above_the_models_context_is_refused():
     with pytest.raises(ValueError) as err:
         Engine(num_blocks=8, block_size=BS, max_model_len=limit + 1)
     assert "max_model_len" in str(err.value) and str(limit) in str(err.value)
-    assert Engine(num_blocks=8, block_size=BS, max_model_len=limit).max_model_len == limit
-    assert Engine(num_blocks=8, block_size=BS).max_model_len == limit
+    blocks = -(-limit // BS)  # a pool that holds one request of the model's whole context
+    assert Engine(num_blocks=blocks, block_size=BS, max_model_len=limit).max_model_len == limit
+    assert Engine(num_blocks=blocks, block_size=BS).max_model_len == limit
+
+
+def test_context_is_lowered_to_what_the_pool_holds():
+    """A request that cannot fit the pool alone could only ever be refused, so the default
+    context is lowered to the pool's tokens, and an explicit one the pool cannot hold is a
+    start-up error naming both flags' fields and what would fit (as vLLM refuses at start)."""
+    e = Engine(num_blocks=8, block_size=BS)
+    assert (e.max_model_len, e.pool_capped) == (8 * BS, True)
+    with pytest.raises(InvalidRequest, match=f"at most {8 * BS - 1} tokens"):
+        e.validate([1] * (8 * BS), GREEDY)
+    e.validate([1] * (8 * BS - 1), SamplingParams(max_tokens=1000))  # output stops at the context
+    assert Engine(num_blocks=8, block_size=BS, max_model_len=8 * BS).pool_capped is False
+    with pytest.raises(ValueError) as err:
+        Engine(num_blocks=8, block_size=BS, max_model_len=8 * BS + 1)
+    msg = str(err.value)
+    assert "num_blocks is 8" in msg and "at least 9" in msg and f"at most {8 * BS}" in msg
 
 
 def test_pressure_tiny_pool_never_crashes_and_matches_cold():
@@ -226,7 +243,7 @@ def test_pressure_tiny_pool_never_crashes_and_matches_cold():
         assert results == expected
         e.check_integrity()
         assert e.cache.pool.num_in_use_blocks == 0
-        with pytest.raises(Overloaded, match="num-blocks"):
+        with pytest.raises(InvalidRequest, match="KV pool of 12 blocks"):  # a retry could never help
             e.submit(rand_prompt(rng, 12 * BS), sp, lambda o: None)
         e.check_integrity()
     finally:

@@ -83,10 +83,16 @@ def test_prompt_beyond_context(worker):
     assert "context" in err.value.details()
 
 
-def test_too_big_for_pool_is_resource_exhausted(worker):
+def test_prompt_larger_than_the_pool_is_invalid_argument(worker):
+    # no retry can help a prompt the 64-block pool cannot hold alone: not RESOURCE_EXHAUSTED (HTTP 429,
+    # which clients retry) but INVALID_ARGUMENT naming the pool's limit
     with pytest.raises(grpc.RpcError) as err:
-        generate(worker, token_ids=[7] * (65 * BS), max_tokens=1)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        generate(worker, token_ids=[7] * (64 * BS), max_tokens=1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"at most {64 * BS - 1} tokens" in err.value.details() and "64 blocks" in err.value.details()
+    # one token less fits, and its output stops at the context limit
+    out = generate(worker, token_ids=[7] * (64 * BS - 1), max_tokens=5)
+    assert out["usage"]["completion_tokens"] == 1
     # the worker is still up and serving
     assert generate(worker, token_ids=[1, 2, 3], max_tokens=2)["usage"]["completion_tokens"] == 2
 

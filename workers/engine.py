@@ -59,7 +59,8 @@ class Engine:
         max_num_seqs: most requests running at once.
         max_waiting: most queued requests; beyond it `submit` raises `Overloaded`.
         max_model_len: context limit in tokens (default: the model's
-            ``max_position_embeddings``; more than that is an error, not capped).
+            ``max_position_embeddings``, lowered to ``num_blocks * block_size`` when the
+            pool holds less; more than either is an error, not capped).
         event_sink: receives KV events (BlockStored/BlockRemoved/AllBlocksCleared), from
             the engine thread and, for disk-tier changes, the disk writer thread.
         seed: seed of the built-in model's random weights.
@@ -70,7 +71,8 @@ class Engine:
 
     Raises:
         ValueError: bad sizes or tier configuration, or ``max_model_len`` above the model's
-            ``max_position_embeddings`` (`workers.limits.resolve_max_model_len`).
+            ``max_position_embeddings`` (`workers.limits.resolve_max_model_len`) or above
+            what the pool holds (`workers.limits.fit_max_model_len_to_pool`).
     """
 
     def __init__(
@@ -114,7 +116,10 @@ class Engine:
         self.tokenizer = load_tokenizer(model_dir, self.config)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.max_model_len = limits.resolve_max_model_len(max_model_len, self.config.max_position_embeddings)
+        model_len = limits.resolve_max_model_len(max_model_len, self.config.max_position_embeddings)
+        self.max_model_len = limits.fit_max_model_len_to_pool(model_len, max_model_len, num_blocks, block_size)
+        #: True when the model's own context was lowered to what the KV pool holds.
+        self.pool_capped = self.max_model_len < model_len
         self.max_waiting = max_waiting
         self.kv_cache = run_on_fresh_thread(lambda: allocate_kv_cache(self.config, num_blocks, block_size, self.device))
         self.tiers = TierStore(self.kv_cache, tiers, event_sink) if tiers is not None and tiers.enabled else None
@@ -165,22 +170,31 @@ class Engine:
         return (f"model {self.kv_model_id}, {self.config.dtype} checkpoint computed in {self.compute_dtype}{why}, "
                 f"{str(self.kv_cache.dtype).replace('torch.', '')} KV pool, attention: {attention}")
 
+    @property
+    def context_owner(self) -> tuple[str, str]:
+        """Whose context ``max_model_len`` is, and why, for error messages: ("the model", "")
+        or, when the pool lowered it, ("this worker", " (what its KV pool of N blocks holds)")."""
+        if self.pool_capped:
+            return "this worker", f" (what its KV pool of {self.num_blocks} blocks holds)"
+        return "the model", ""
+
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Check a request before queueing it.
 
         Raises:
             InvalidRequest: empty prompt, a token id outside [0, vocab_size), max_tokens
                 < 1, temperature < 0, top_p outside [0, 1], or a prompt of max_model_len
-                tokens or more.
-            Overloaded: the request could not fit in the pool even alone, or the queue
-                is full.
+                tokens or more (max_model_len is at most what the pool holds, so a request
+                that passes fits the pool alone; its output stops at max_model_len).
+            Overloaded: the queue is full.
         """
         vocab = self.config.vocab_size
         if not prompt_ids:
             raise InvalidRequest("prompt is empty: send at least one token or non-empty text")
         if len(prompt_ids) >= self.max_model_len:  # before the per-token scan: cheap for huge prompts
             raise InvalidRequest(
-                f"prompt has {len(prompt_ids)} tokens but the model's context is {self.max_model_len} tokens: "
+                f"prompt has {len(prompt_ids)} tokens but {self.context_owner[0]}'s context is {self.max_model_len} "
+                f"tokens{self.context_owner[1]}: "
                 f"shorten it to at most {self.max_model_len - 1} tokens")
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             bad = next(t for t in prompt_ids if t < 0 or t >= vocab)
@@ -192,13 +206,6 @@ class Engine:
             raise InvalidRequest(f"temperature must be a finite number >= 0 (got {sampling.temperature})")
         if not 0.0 <= sampling.top_p <= 1.0:  # also false for NaN
             raise InvalidRequest(f"top_p must be in [0, 1] (got {sampling.top_p})")
-        total = min(len(prompt_ids) + sampling.max_tokens, self.max_model_len)
-        need = -(-total // self.block_size)
-        if need > self.num_blocks:
-            raise Overloaded(
-                f"request needs {need} KV blocks ({len(prompt_ids)} prompt + {sampling.max_tokens} max_tokens at "
-                f"block_size {self.block_size}) but the pool has {self.num_blocks}: lower max_tokens or start the "
-                f"worker with more --num-blocks")
         if len(self.scheduler.waiting) + len(self._inbox) >= self.max_waiting:
             raise Overloaded(f"queue is full ({self.max_waiting} waiting requests): retry later or use another worker")
 

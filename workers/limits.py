@@ -53,6 +53,40 @@ def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
     return int(requested)
 
 
+def fit_max_model_len_to_pool(max_model_len: int, requested: int | None, num_blocks: int,
+                              block_size: int) -> int:
+    """The context limit (tokens) once the KV pool is counted: a request of ``max_model_len``
+    tokens needs ``ceil(max_model_len / block_size)`` blocks, and one request alone must always
+    fit the pool, else it could only ever be refused (a retry elsewhere would not help it, and
+    it would be no use to queue it).
+
+    As vLLM does at start (its engine refuses a ``max_model_len`` whose KV does not fit the
+    cache), an explicit ``requested`` limit the pool cannot hold is an error; the model's
+    default limit is lowered to what the pool holds, ``num_blocks * block_size`` tokens, so
+    that a small pool on a long-context model still starts (`Engine.pool_capped` says so).
+
+    Args:
+        max_model_len: the limit from `resolve_max_model_len`, tokens.
+        requested: what was asked for (``--max-model-len``), or None / 0 for the default.
+        num_blocks: blocks in the device pool (``--num-blocks``).
+        block_size: tokens per block (``--block-size``).
+
+    Raises:
+        ValueError: ``requested`` needs more blocks than ``num_blocks``; the message names
+            ``max_model_len`` and ``num_blocks`` (printed as ``--max-model-len`` and
+            ``--num-blocks``) and the figures that would fit.
+    """
+    pool_tokens = int(num_blocks) * int(block_size)
+    if max_model_len <= pool_tokens:
+        return int(max_model_len)
+    if requested:
+        need = -(-int(max_model_len) // int(block_size))
+        raise ValueError(f"max_model_len {max_model_len} needs {need} KV blocks of {block_size} tokens for one request "
+                         f"alone, but num_blocks is {num_blocks} ({pool_tokens} tokens): raise num_blocks to at "
+                         f"least {need} or lower max_model_len to at most {pool_tokens}")
+    return pool_tokens
+
+
 def request_bytes_limit(max_model_len: int) -> int:
     """Largest request message (bytes) a server for a ``max_model_len``-token model accepts.
 
@@ -62,12 +96,15 @@ def request_bytes_limit(max_model_len: int) -> int:
     return max(MIN_MESSAGE_BYTES, MAX_TEXT_BYTES_PER_TOKEN * int(max_model_len) + MESSAGE_SLACK_BYTES)
 
 
-def check_prompt_size(request, max_model_len: int, where: str = "the model") -> None:
+def check_prompt_size(request, max_model_len: int, where: str = "the model", why: str = "") -> None:
     """Refuse a GenerateRequest whose prompt cannot fit ``max_model_len`` tokens, cheaply.
 
     Looks only at the count of ``token_ids`` or the UTF-8 length of ``text`` (O(1) for
     both), so it runs before tokenizing or hashing. A text that passes may still tokenize
     to too many tokens; the token count is checked again after tokenizing.
+
+    ``where`` names whose context it is ("the model"); ``why``, if given, follows the limit
+    in the message (" (what its KV pool of 64 blocks holds)").
 
     Raises:
         InvalidRequest: the prompt is over the limit (the message says by how much).
@@ -77,10 +114,10 @@ def check_prompt_size(request, max_model_len: int, where: str = "the model") -> 
         n = len(request.token_ids.ids)
         if n >= max_model_len:
             raise InvalidRequest(
-                f"prompt has {n} tokens but {where}'s context is {max_model_len} tokens: "
+                f"prompt has {n} tokens but {where}'s context is {max_model_len} tokens{why}: "
                 f"shorten it to at most {max_model_len - 1} tokens")
     elif kind == "text":
-        check_text_size(request.text, max_model_len, where, "prompt text")
+        check_text_size(request.text, max_model_len, where, "prompt text", why)
     check_request_id(request.request_id)
 
 
@@ -99,7 +136,8 @@ def check_request_id(request_id: str) -> None:
                              "accepted (or leave it empty for one the server makes)")
 
 
-def check_text_size(text: str, max_model_len: int, where: str = "the model", what: str = "text") -> None:
+def check_text_size(text: str, max_model_len: int, where: str = "the model", what: str = "text",
+                    why: str = "") -> None:
     """Refuse a text over ``MAX_TEXT_BYTES_PER_TOKEN * max_model_len`` UTF-8 bytes, before
     tokenizing it (a prompt or a Tokenize request).
 
@@ -110,7 +148,7 @@ def check_text_size(text: str, max_model_len: int, where: str = "the model", wha
     n = len(text.encode("utf-8", "surrogatepass")) if len(text) * 4 > cap else 0
     if n > cap:
         raise InvalidRequest(
-            f"{what} has {n} bytes; {where}'s context is {max_model_len} tokens, so at most {cap} bytes "
+            f"{what} has {n} bytes; {where}'s context is {max_model_len} tokens{why}, so at most {cap} bytes "
             f"of text ({MAX_TEXT_BYTES_PER_TOKEN} per token) are accepted: shorten it")
 
 

@@ -25,8 +25,10 @@ and of that engine step.
 Memory pressure: blocks come from `PrefixCache.allocate`, which evicts unlocked cached
 blocks LRU-first (chain tails first). If that is not enough, the newest running request
 is preempted (its blocks are freed; it is re-queued at the front and recomputes, mostly
-from the prefix cache) so that the oldest request always makes progress. A request that
-could not fit even alone in the pool is refused at admission (RESOURCE_EXHAUSTED).
+from the prefix cache) so that the oldest request always makes progress. A request always fits the pool alone: the
+engine's context limit (``max_model_len``) is at most what the pool holds
+(`workers.limits.fit_max_model_len_to_pool`), and longer prompts are refused at admission
+(INVALID_ARGUMENT).
 """
 from __future__ import annotations
 

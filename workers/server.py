@@ -107,7 +107,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
-        limits.check_prompt_size(request, self.engine.max_model_len)  # before tokenizing anything
+        limits.check_prompt_size(request, self.engine.max_model_len, *self.engine.context_owner)  # before tokenizing anything
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "text":
@@ -241,7 +241,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if self.gate is not None:
             await self.gate.require_caller(context, "Tokenize")
         try:
-            limits.check_text_size(request.text, self.engine.max_model_len)
+            where, why = self.engine.context_owner
+            limits.check_text_size(request.text, self.engine.max_model_len, where, "text", why)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.TokenizeResponse(ids=self.engine.tokenizer.encode(request.text))
