@@ -128,10 +128,11 @@ def add_server_flags(p, what: str) -> None:
     """``--metrics-port`` and ``--http-port`` on the ``worker`` and ``router`` commands."""
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help=f"serve Prometheus metrics of this {what} at http://HOST:PORT/metrics (0 = a free port; "
-                        "default off)")
+                        "-1 or unset: off)")
     p.add_argument("--http-port", type=int, default=None, metavar="PORT",
                    help=f"serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-                        f"/health, /metrics) from this {what} (0 = a free port; default off)")
+                        f"/health, /metrics) from this {what} (0 = a free port; -1 or unset: off, as for "
+                        "`kvmesh up`)")
 
 
 def server_ports(args) -> dict:
@@ -139,6 +140,9 @@ def server_ports(args) -> dict:
     out = {}
     for name in ("metrics_port", "http_port"):
         value = getattr(args, name, None)
+        if value == -1:  # off, as `kvmesh up --http-port -1` means
+            setattr(args, name, None)
+            value = None
         if value is not None:
             if not 0 <= value < 65536:
                 raise ValueError(f"--{name.replace('_', '-')} must be a port in [0, 65535] (got {value})")

@@ -348,3 +348,16 @@ def test_a_restarted_process_keeps_its_metrics_and_http_ports(tmp_path):
     again = c.worker_cmd("worker-0", 1234)
     assert first == again and "--metrics-port" in first
     assert c._metrics_args("router") == c._metrics_args("router")
+
+
+def test_http_and_metrics_port_minus_one_mean_off_as_for_up():
+    """``kvmesh up --http-port -1`` turns the front off; the worker and router take -1 the same
+    way instead of refusing it, and other negative ports are still refused."""
+    import argparse
+
+    from kvmesh.services.observability import server_ports
+
+    args = argparse.Namespace(http_port=-1, metrics_port=0)
+    assert server_ports(args) == {"metrics_port": 0} and args.http_port is None
+    with pytest.raises(ValueError, match="--http-port must be a port"):
+        server_ports(argparse.Namespace(http_port=-2, metrics_port=None))
