@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from kvmesh.services.auth import hash_key
 from kvmesh.workers.tls import PEER_SERVER_NAME
 
-__all__ = ["ClusterCredentials", "generate_cluster_credentials", "issue_certificate", "make_ca"]
+__all__ = ["ClusterCredentials", "generate_cluster_credentials", "issue_certificate", "make_ca",
+           "mark_owner", "remove_stale_credentials"]
 
 DEFAULT_TENANT_ID = "default"
 
@@ -160,3 +161,53 @@ def generate_cluster_credentials(run_dir: str, dns: tuple[str, ...] = (),
            private=True)
     return ClusterCredentials(run_dir, p("ca.pem"), p("ca.key"), p("peer.pem"), p("peer.key"), p("api-keys"),
                               p("client.env"), api_key, p("client-ca.pem"), p("client.pem"), p("client.key"))
+
+
+#: File in a generated run directory naming the process it was made for (`mark_owner`).
+OWNER_FILE = "owner"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot, /proc/PID/stat field 22), or None
+    when no such process runs; with the pid it names one process even after pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2:].split()[19]  # fields after "(comm)", field 22 overall
+
+
+def mark_owner(run_dir: str, pid: int | None = None) -> None:
+    """Record in ``run_dir`` that process ``pid`` (default: this one) made it for its run only,
+    so that a later `remove_stale_credentials` can delete it if that process was killed before
+    it could (``kill -9`` skips every clean-up)."""
+    pid = os.getpid() if pid is None else int(pid)
+    _write(os.path.join(run_dir, OWNER_FILE), f"{pid} {_start_time(pid) or '?'}\n".encode(), private=True)
+
+
+def remove_stale_credentials(root: str, pattern: str = "kvmesh-logs-*") -> list[str]:
+    """Delete the ``credentials`` folders under ``root/pattern`` whose owner (`mark_owner`)
+    no longer runs. Only folders of this user with an owner file are touched; a folder
+    whose owner still runs, or that has no owner file (given with ``--run-dir``), stays.
+
+    Returns:
+        The folders deleted.
+    """
+    import glob
+    import shutil
+
+    removed = []
+    for run_dir in glob.glob(os.path.join(root, pattern, "credentials")):
+        try:
+            if os.stat(run_dir).st_uid != os.getuid():
+                continue
+            with open(os.path.join(run_dir, OWNER_FILE)) as f:
+                pid_text, started = f.read().split()[:2]
+        except (OSError, ValueError):
+            continue
+        if pid_text.isdigit() and _start_time(int(pid_text)) == started:
+            continue  # its `kvmesh up` still runs
+        shutil.rmtree(run_dir, ignore_errors=True)
+        removed.append(run_dir)
+    return removed

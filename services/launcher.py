@@ -6,12 +6,15 @@ every child (SIGKILL after a grace period) and removes the private redis-server.
 """
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
 from dataclasses import dataclass, field
 
 from kvmesh.services.procs import RedisServer, free_port, python_cmd, spawn, stop_process, wait_healthy
+
+log = logging.getLogger("kvmesh.up")
 
 
 @dataclass
@@ -195,10 +198,19 @@ class LocalCluster:
                 self.redis = RedisServer()
                 self.redis_url = self.redis.url
             if self.spec.secure and self.credentials is None:
-                from kvmesh.services.credentials import generate_cluster_credentials
+                from kvmesh.services import credentials as creds
 
-                self.credentials = generate_cluster_credentials(self.spec.run_dir
-                                                                or os.path.join(self.log_dir, "credentials"))
+                if self.spec.run_dir is None:
+                    # credentials generated for one run are deleted at its end; those of a run
+                    # killed with SIGKILL (no clean-up) go now, so no CA key outlives its cluster
+                    stale = creds.remove_stale_credentials(tempfile.gettempdir())
+                    if stale:
+                        log.info("removed the credentials of %d cluster(s) that were killed: %s", len(stale),
+                                 ", ".join(stale))
+                self.credentials = creds.generate_cluster_credentials(self.spec.run_dir
+                                                                      or os.path.join(self.log_dir, "credentials"))
+                if self.spec.run_dir is None:
+                    creds.mark_owner(self.credentials.run_dir)
             if self.credentials is not None and self.tls is None:
                 from kvmesh.workers.tls import TlsConfig
 

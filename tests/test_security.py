@@ -431,6 +431,21 @@ def test_kvmesh_up_is_secure_by_default_and_says_how_to_connect():
         with pytest.raises(grpc.RpcError) as err:
             generate(router, token_ids=[1, 2, 3], max_tokens=2, timeout=60, **{**creds, "api_key": None})
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # `up` killed with SIGKILL cannot delete its generated CA key and API key; the next
+        # `up` removes them (`remove_stale_credentials`), and only those of a dead `up`
+        import os
+        import tempfile
+
+        from kvmesh.services.credentials import remove_stale_credentials
+
+        run_dir = os.path.dirname(env_file)
+        assert run_dir not in remove_stale_credentials(tempfile.gettempdir())  # its up still runs
+        assert os.path.exists(os.path.join(run_dir, "ca.key"))
+        proc.kill()
+        proc.wait(30)
+        assert os.path.exists(os.path.join(run_dir, "ca.key"))
+        assert run_dir in remove_stale_credentials(tempfile.gettempdir())
+        assert not os.path.exists(run_dir)
     finally:
         stop_process(proc)
 
