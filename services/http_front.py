@@ -61,7 +61,7 @@ from aiohttp import web
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.services.chat_template import ChatTemplate, ChatTemplateError
-from kvmesh.workers.grpc_guard import clip
+from kvmesh.workers.grpc_guard import LogLimiter, clip
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,9 @@ class _HttpContext:
 
 
 def _error_middleware(max_body_bytes: int = 0):
+    # a request that finds a bug may come again and again: its traceback is logged, not every time
+    failures = LogLimiter(log, "failed HTTP requests")
+
     @web.middleware
     async def middleware(request, handler):
         try:
@@ -187,7 +190,7 @@ def _error_middleware(max_body_bytes: int = 0):
             return HttpError(exc.status, f"{request.method} {request.path}: {exc.reason}",
                              "not_found_error" if exc.status == 404 else "invalid_request_error").response()
         except Exception:  # noqa: BLE001 - one failed request never takes the front down
-            log.exception("HTTP %s %s failed", request.method, request.path)
+            failures.exception("HTTP %s %s failed", request.method, clip(request.path, 200))
             return HttpError(500, "internal error; see the server log", "server_error").response()
     return middleware
 
@@ -196,12 +199,28 @@ def _number(body: dict, name: str, default, lo: float | None = None, hi: float |
     value = body.get(name, default)
     if value is None:
         value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
-        raise HttpError(400, f"{name} must be {'an integer' if integer else 'a number'} (got {value!r})", param=name)
-    if not math.isfinite(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            integer and isinstance(value, float) and not value.is_integer()):
+        raise HttpError(400, f"{name} must be {'an integer' if integer else 'a number'} (got {clip(repr(value), 60)})",
+                        param=name)
+    # an int is compared as an int: a 400-digit one has no float (OverflowError)
+    if (isinstance(value, float) and not math.isfinite(value)) or (lo is not None and value < lo) or (
+            hi is not None and value > hi):
         rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise HttpError(400, f"{name} must be in {rng} (got {value!r})", param=name)
+        raise HttpError(400, f"{name} must be in {rng} (got {clip(repr(value), 60)})", param=name)
     return int(value) if integer else float(value)
+
+
+def _utf8(text: str, name: str) -> str:
+    """``text`` if it encodes as UTF-8; JSON's ``\\ud800`` escapes decode to lone surrogates,
+    which no tokenizer or protobuf string takes. Raises `HttpError` 400 naming ``name``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise HttpError(400, f"{name} holds a lone surrogate (\\u{ord(exc.object[exc.start]):04x} at character "
+                             f"{exc.start}), which is not valid Unicode text: send UTF-16 surrogates in pairs",
+                        param=name) from None
+    return text
 
 
 class HttpFront:
@@ -240,11 +259,11 @@ class HttpFront:
         self.timeout_s = timeout_s
         self.created = int(time.time())
         self._runner: web.AppRunner | None = None
-        # bodies capped as gRPC messages are (`workers.limits.request_bytes_limit`), twice over for
-        # JSON's own bytes: a body past it is refused (413) before it is read, let alone parsed
-        from kvmesh.workers.limits import request_bytes_limit
+        # bodies capped by what the longest prompt takes as JSON (`workers.limits.http_body_bytes_limit`):
+        # a body past it is refused (413) before it is read, let alone parsed
+        from kvmesh.workers.limits import http_body_bytes_limit
 
-        self.max_body_bytes = 2 * request_bytes_limit(max_model_len or DEFAULT_CONTEXT_TOKENS)
+        self.max_body_bytes = http_body_bytes_limit(max_model_len or DEFAULT_CONTEXT_TOKENS)
         self.app = web.Application(middlewares=[_error_middleware(self.max_body_bytes)],
                                    client_max_size=self.max_body_bytes)
         self.app.add_routes([
@@ -353,8 +372,11 @@ class HttpFront:
         await self._check_key(request)
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise HttpError(400, "request body is not valid JSON") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            # ValueError covers JSONDecodeError and an integer past Python's digit limit;
+            # RecursionError, arrays nested thousands deep
+            why = "nested too deeply" if isinstance(exc, RecursionError) else clip(str(exc), 120)
+            raise HttpError(400, f"request body is not valid JSON ({why})") from None
         if not isinstance(body, dict):
             raise HttpError(400, "request body must be a JSON object")
         accepted = accepted_fields(route)
@@ -388,6 +410,7 @@ class HttpFront:
         salt = body.get("cache_salt", "") if tenant is None else tenant
         if not isinstance(salt, str):
             raise HttpError(400, "cache_salt must be a string", param="cache_salt")
+        _utf8(salt, "cache_salt")
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise HttpError(400, "ignore_eos must be true or false", param="ignore_eos")
@@ -440,8 +463,13 @@ class HttpFront:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
+        context = self.max_model_len or DEFAULT_CONTEXT_TOKENS
+        if isinstance(prompt, list) and len(prompt) >= context and self.max_model_len:
+            # before looking at each id: a body of millions of ids costs the event loop nothing more
+            raise HttpError(400, f"prompt has {len(prompt)} tokens but the model's context is {context} tokens: "
+                                 f"shorten it to at most {context - 1} tokens", param="prompt")
         if isinstance(prompt, str) and prompt:
-            req.text = prompt
+            req.text = _utf8(prompt, "prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          and 0 <= t < 2**32 for t in prompt):
             req.token_ids.ids.extend(prompt)
@@ -457,7 +485,7 @@ class HttpFront:
             text = self.chat_template.render(body.get("messages"), add_generation_prompt=True)
         except ChatTemplateError as exc:
             raise HttpError(400, str(exc), param="messages") from None
-        ids = ChatTemplate.encode(self.tokenizer, text)
+        ids = ChatTemplate.encode(self.tokenizer, _utf8(text, "messages"))
         if not ids:
             raise HttpError(400, "the rendered chat prompt is empty", param="messages")
         default_max = max(1, (self.max_model_len or DEFAULT_CONTEXT_TOKENS) - len(ids) - 1)
@@ -492,7 +520,11 @@ class HttpFront:
                 choice["token_ids"] = ids
             return web.json_response({"id": rid, "object": obj, "created": created, "model": self.model_id,
                                       "choices": [choice], "usage": self._usage(final)})
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise HttpError(400, "stream_options must be an object such as {\"include_usage\": true}, or null",
+                            param="stream_options")
+        include_usage = bool(options.get("include_usage", False))
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         gen = self._run(req, request.headers.get("Authorization"))
         # the first message decides the status: an error before any token is a plain HTTP error

@@ -67,7 +67,8 @@ def server_gate(args: argparse.Namespace, worker: bool = False) -> Gate:
 
     Raises:
         ValueError: unreadable or inconsistent TLS / API key files, ``--api-keys`` without
-            TLS, or a non-loopback ``--host`` without TLS and without ``--insecure``.
+            TLS, a non-loopback ``--host`` without TLS and without ``--insecure``, or an
+            ``--http-port`` without ``--api-keys`` on a port that requires client certificates.
     """
     tls = TlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_ca, args.client_ca)
     if tls is not None and worker:
@@ -78,6 +79,16 @@ def server_gate(args: argparse.Namespace, worker: bool = False) -> Gate:
                          "--tls-key and --tls-ca, or --insecure to run without (see docs/SECURITY.md)")
     if tls is None and args.api_keys:
         raise ValueError("--api-keys needs TLS (--tls-cert, --tls-key, --tls-ca): keys would cross the network in clear")
+    requires_cert = tls is not None and (tls.require_client_cert if tls.require_client_cert is not None
+                                         else bool(tls.client_ca))
+    http_front = getattr(args, "http_port", None) not in (None, -1) and getattr(args, "backend", None) != "vllm"
+    if requires_cert and http_front and not args.api_keys:
+        # the HTTPS front sees no client certificate: without keys it would serve anyone what the
+        # gRPC port serves only to certificate holders
+        who = "cluster peers" if worker else "clients with a certificate from --client-ca"
+        raise ValueError(f"--http-port would open this {'worker' if worker else 'router'} to anyone: its gRPC port "
+                         f"admits only {who}, and the HTTP front authenticates with API keys alone; pass "
+                         "--api-keys, or leave --http-port out")
     return Gate(tls, Authenticator.from_file(args.api_keys))
 
 

@@ -105,3 +105,28 @@ def test_api_key_needs_tls_on_the_client():
 
     with pytest.raises(ValueError, match="--tls-ca"):
         client_channel("127.0.0.1:1", api_key="k" * 20)
+
+
+def test_an_http_front_without_keys_on_a_port_that_requires_certificates_is_refused(tmp_path):
+    """The HTTPS front cannot see client certificates: with --client-ca (router) or on a worker
+    (peers only) and no --api-keys, --http-port would serve anyone what gRPC serves only to
+    certificate holders. Refused at start; with keys, or without the front, it starts."""
+    import argparse
+
+    from kvmesh.services.credentials import generate_cluster_credentials
+    from kvmesh.services.security import server_gate
+
+    c = generate_cluster_credentials(str(tmp_path / "run"))
+
+    def flags(**kw):
+        base = dict(tls_cert=c.cert, tls_key=c.key, tls_ca=c.ca, client_ca=None, api_keys=None, insecure=False,
+                    host="127.0.0.1", http_port=None)
+        return argparse.Namespace(**{**base, **kw})
+
+    for args, worker in ((flags(client_ca=c.client_ca, http_port=0), False), (flags(http_port=8080), True)):
+        with pytest.raises(ValueError, match="--http-port would open this") as err:
+            server_gate(args, worker=worker)
+        assert "--api-keys" in str(err.value)
+    assert server_gate(flags(client_ca=c.client_ca, http_port=0, api_keys=c.api_keys)).auth.requires_key
+    server_gate(flags(http_port=-1), worker=True)  # -1: the front is off
+    server_gate(flags(http_port=0))  # no client certificates asked for: the front is what the port is

@@ -135,17 +135,19 @@ def test_client_disconnect_closes_the_generate_stream(stream):
     assert asyncio.run(run())
 
 
-def _refused(path: str, body: dict) -> tuple[int, dict]:
-    """POST ``body`` to ``/v1/<path>`` on a front whose Generate must never be reached."""
+def _refused(path: str, body: dict | bytes, **kw) -> tuple[int, dict]:
+    """POST ``body`` (a JSON object, or raw bytes) to ``/v1/<path>`` on a front whose Generate
+    must never be reached; ``kw`` goes to `HttpFront`."""
     async def never(req, ctx):  # pragma: no cover - a refused request never reaches Generate
         raise AssertionError("reached Generate")
         yield
 
     async def run():
-        front, url = await _serve(never)
+        front, url = await _serve(never, **kw)
         try:
             async with aiohttp.ClientSession() as s:
-                r = await s.post(f"{url}/{path}", json=body)
+                r = await (s.post(f"{url}/{path}", data=body, headers={"Content-Type": "application/json"})
+                           if isinstance(body, bytes) else s.post(f"{url}/{path}", json=body))
                 return r.status, await r.json()
         finally:
             await front.stop()
@@ -164,6 +166,29 @@ def _refused(path: str, body: dict) -> tuple[int, dict]:
 def test_bad_fields_are_400_naming_the_field(body, param):
     status, err = _refused("completions", body)
     assert status == 400 and err["error"]["param"] == param and param in err["error"]["message"]
+
+
+@pytest.mark.parametrize("path,body,param,says", [
+    ("completions", b'{"prompt": "a", "max_tokens": 1' + b"0" * 400 + b"}", "max_tokens", "must be in"),
+    ("completions", b'{"prompt": "a", "seed": ' + b"9" * 5000 + b"}", None, "not valid JSON"),
+    ("completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nested too deeply"),
+    ("completions", {"prompt": "a", "stream": True, "stream_options": [1]}, "stream_options", "an object"),
+    ("completions", {"prompt": "\ud800abc"}, "prompt", "lone surrogate"),
+    ("completions", {"prompt": "a", "cache_salt": "\udfff"}, "cache_salt", "lone surrogate"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi \udc00"}]}, "messages", "lone surrogate"),
+], ids=["400-digit-int", "5000-digit-int", "deep-nesting", "stream-options-list", "surrogate-prompt",
+        "surrogate-salt", "surrogate-chat"])
+def test_odd_json_is_400_not_500(path, body, param, says):
+    """Each of these once reached a Python error inside the front (OverflowError, the int digit
+    limit's ValueError, RecursionError, AttributeError, UnicodeEncodeError in protobuf): a 500
+    and a traceback in the log per request."""
+    status, err = _refused(path, body)
+    assert status == 400 and err["error"]["param"] == param and says in err["error"]["message"], err
+
+
+def test_a_token_id_prompt_past_the_context_is_refused_before_its_ids_are_checked():
+    status, err = _refused("completions", {"prompt": [1] * 2048, "max_tokens": 1}, max_model_len=2048)
+    assert status == 400 and "at most 2047 tokens" in err["error"]["message"], err
 
 
 def test_https_with_an_ssl_context(tmp_path):
@@ -376,10 +401,11 @@ def test_a_front_with_api_keys_does_not_serve_metrics():
 
 
 def test_a_body_larger_than_the_context_could_hold_is_refused_with_413():
-    """Bodies are capped like gRPC messages (twice `request_bytes_limit` of the context, for
-    JSON's own bytes): a 31-million-id prompt is refused before it is parsed, so one client
-    cannot stall the front for seconds; a prompt within the cap is served."""
-    from kvmesh.workers.limits import request_bytes_limit
+    """Bodies are capped by what the context's longest text takes as JSON
+    (`http_body_bytes_limit`): a larger prompt is refused before it is parsed, so one client
+    cannot stall the front for seconds; a prompt within the cap is served, and a text of the
+    context's whole text allowance, every byte JSON-escaped, is within the cap."""
+    from kvmesh.workers.limits import MAX_TEXT_BYTES_PER_TOKEN
 
     seen = []
 
@@ -400,6 +426,11 @@ def test_a_body_larger_than_the_context_could_hold_is_refused_with_413():
             await front.stop()
 
     cap, (status, body), ok = asyncio.run(run())
-    assert cap == 2 * request_bytes_limit(2048)
+    from kvmesh.workers.limits import http_body_bytes_limit
+
+    assert cap == http_body_bytes_limit(2048)
+    for ctx in (2048, 32768, 131072):  # the longest text accepted, every byte escaped, still fits
+        escaped = len(json.dumps({"max_tokens": 1, "prompt": "\x01" * (MAX_TEXT_BYTES_PER_TOKEN * ctx)}))
+        assert escaped < http_body_bytes_limit(ctx) < escaped + (1 << 20)
     assert status == 413 and "shorten the prompt" in body["error"]["message"], body
     assert ok == 200 and seen == [2000]

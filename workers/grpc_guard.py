@@ -43,6 +43,13 @@ class LogLimiter:
         self.suppressed = 0
 
     def warn(self, fmt: str, *args) -> None:
+        self._log(logging.WARNING, fmt, args, False)
+
+    def exception(self, fmt: str, *args) -> None:
+        """An ERROR line with the current exception's traceback, under the same limit."""
+        self._log(logging.ERROR, fmt, args, True)
+
+    def _log(self, level: int, fmt: str, args: tuple, exc_info: bool) -> None:
         now = time.monotonic()
         if now - self.window_start >= LOG_WINDOW_S:
             self.window_start, self.lines = now, 0
@@ -54,7 +61,7 @@ class LogLimiter:
             fmt += f" (%d more {self.what} not logged)"
             args = (*args, self.suppressed)
             self.suppressed = 0
-        self.logger.warning(fmt, *args)
+        self.logger.log(level, fmt, *args, exc_info=exc_info)
 
 
 _limiter = LogLimiter()

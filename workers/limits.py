@@ -96,6 +96,21 @@ def request_bytes_limit(max_model_len: int) -> int:
     return max(MIN_MESSAGE_BYTES, MAX_TEXT_BYTES_PER_TOKEN * int(max_model_len) + MESSAGE_SLACK_BYTES)
 
 
+#: Most bytes of JSON one byte of UTF-8 text can take: a ``\\u00XX`` escape (RFC 8259, section 7).
+JSON_ESCAPE_BYTES = 6
+
+
+def http_body_bytes_limit(max_model_len: int) -> int:
+    """Largest HTTP request body (bytes) an OpenAI-compatible front for a ``max_model_len``-token
+    model reads: the longest accepted text (``MAX_TEXT_BYTES_PER_TOKEN`` per token) with every
+    byte JSON-escaped, plus ``MESSAGE_SLACK_BYTES``, and at least 1 MiB. A token-id array of the
+    whole context (at most 11 bytes per id) fits well below it; anything larger is refused
+    before it is parsed, so that no body costs the server's event loop more than parsing
+    about ``96 * max_model_len`` bytes."""
+    text = MAX_TEXT_BYTES_PER_TOKEN * int(max_model_len)
+    return max(1 << 20, JSON_ESCAPE_BYTES * text + MESSAGE_SLACK_BYTES)
+
+
 def check_prompt_size(request, max_model_len: int, where: str = "the model", why: str = "") -> None:
     """Refuse a GenerateRequest whose prompt cannot fit ``max_model_len`` tokens, cheaply.
 
