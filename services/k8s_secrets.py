@@ -1,7 +1,7 @@
 """Kubernetes Secrets of a secure kvmesh cluster, generated offline.
 
 ``python -m kvmesh.services.k8s_secrets --namespace NS --out-dir DIR > secrets.yaml``
-prints two Secrets as YAML, for ``kubectl apply -f secrets.yaml``:
+prints three Secrets as YAML, for ``kubectl apply -f secrets.yaml``:
 
 * ``kvmesh-tls`` (type ``kubernetes.io/tls``; keys ``tls.crt``, ``tls.key``, ``ca.crt``):
   one certificate for the routers and workers (``--tls-cert``/``--tls-key``), issued by a
@@ -10,7 +10,9 @@ prints two Secrets as YAML, for ``kubectl apply -f secrets.yaml``:
   names (``kvmesh-router``, ``kvmesh-router.NS``, ``kvmesh-router.NS.svc``,
   ``kvmesh-router.NS.svc.cluster.local``) plus any ``--dns`` given;
 * ``kvmesh-api-keys`` (key ``api-keys``): the router's ``--api-keys`` file with one key
-  per ``--tenant``, stored as SHA-256 (`kvmesh.services.auth.hash_key`).
+  per ``--tenant``, stored as SHA-256 (`kvmesh.services.auth.hash_key`);
+* ``kvmesh-ray-auth`` (key ``token``): a random Ray authentication token for the ``ray``
+  overlay (``RAY_AUTH_MODE=token`` on the Ray pods and the driver; unused elsewhere).
 
 The CA's private key and the plaintext API keys never go into the YAML: they are written
 to ``--out-dir`` (mode 0700; keys 0600): ``ca.crt`` and ``ca.key`` (keep the key offline;
@@ -71,13 +73,14 @@ def cluster_secrets(namespace: str = "default", tenants: tuple[str, ...] = ("def
     ns = namespace if set_namespace else None
     objs = [_secret("kvmesh-tls", {"tls.crt": _pem_cert(cert), "tls.key": _pem_key(key), "ca.crt": _pem_cert(ca_cert)},
                     ns, "kubernetes.io/tls"),
-            _secret("kvmesh-api-keys", {"api-keys": lines.encode()}, ns)]
+            _secret("kvmesh-api-keys", {"api-keys": lines.encode()}, ns),
+            _secret("kvmesh-ray-auth", {"token": secrets.token_hex(32).encode()}, ns)]
     return objs, _pem_cert(ca_cert), _pem_key(ca_key), api_keys
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvmesh.services.k8s_secrets",
-                                description="Print the Secrets kvmesh-tls and kvmesh-api-keys as YAML "
+                                description="Print the Secrets kvmesh-tls, kvmesh-api-keys and kvmesh-ray-auth as YAML "
                                             "(docs/DEPLOY.md); keep the CA key and API keys in --out-dir.")
     p.add_argument("--namespace", default="default", help="namespace of the cluster (router Service names, "
                    "metadata.namespace); default 'default'")

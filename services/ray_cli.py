@@ -56,6 +56,10 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--insecure", action="store_true",
                    help="run without TLS and API keys (default: generate credentials as `kvmesh up` does; "
                         "docs/SECURITY.md)")
+    p.add_argument("--allow-unauthenticated-ray", action="store_true",
+                   help="place a secure cluster on a Ray cluster without token authentication whose nodes are "
+                        "reachable from other machines (refused by default: Ray access would be peer access; "
+                        "docs/SECURITY.md)")
     p.add_argument("--run-dir", default=None,
                    help="folder on the driver's machine for the generated credentials (RUN_DIR/credentials: CA, "
                         "certificates, api-keys, client.env); default a new temporary folder, removed at stop")

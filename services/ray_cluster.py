@@ -67,6 +67,7 @@ class RaySpec:
     log_level: str = "WARNING"
     log_dir: str | None = None                             # on every node; default $TMPDIR/kvmesh-ray-logs
     insecure: bool = False                                 # no TLS, no API keys (development only)
+    allow_unauthenticated_ray: bool = False                # run secure mode on a Ray without token auth
     run_dir: str | None = None                             # driver's credentials; default a new temp dir
     cert_dns: list[str] = field(default_factory=list)      # more DNS names clients dial the router by
 
@@ -84,6 +85,7 @@ class RaySpec:
                    status_interval=args.status_interval, status_file=args.status_file,
                    ready_timeout=args.ready_timeout, worker_args=engine, disk_dir=args.disk_dir,
                    log_level=args.log_level, log_dir=args.log_dir, insecure=getattr(args, "insecure", False),
+                   allow_unauthenticated_ray=getattr(args, "allow_unauthenticated_ray", False),
                    run_dir=getattr(args, "run_dir", None), cert_dns=list(getattr(args, "cert_dns", None) or []))
 
     def bundle(self) -> dict[str, float]:
@@ -437,6 +439,45 @@ def format_status(infos: list[dict]) -> list[str]:
     return lines
 
 
+def ray_exposure_problem(auth_mode: str | None, node_ips: list[str]) -> str | None:
+    """Why a secure kvmesh should not be placed on this Ray cluster, or None.
+
+    Anyone who can reach a Ray cluster without token authentication can run code in it (Ray's
+    own warning), and so read what `kvmesh ray` hands its actors: the cluster's peer key and
+    certificate, the API key file and the Redis URL with its password. That is peer access to
+    every tenant's cache. A cluster whose nodes all listen on loopback is reachable from this
+    machine only, as `kvmesh up` is.
+
+    Args:
+        auth_mode: Ray's authentication mode in this driver ("token", "disabled", or None
+            when this Ray version does not say).
+        node_ips: the live nodes' addresses.
+    """
+    from kvmesh.services.security import is_loopback
+
+    if auth_mode == "token":
+        return None
+    exposed = sorted({ip for ip in node_ips if not is_loopback(ip)})
+    if not exposed:
+        return None
+    mode = f"RAY_AUTH_MODE is {auth_mode!r}" if auth_mode else "this Ray version does not report its authentication"
+    return (f"the Ray cluster has no token authentication ({mode}) and its nodes listen on {', '.join(exposed[:4])}: "
+            "anyone who can reach them can run code in it and read the peer key, API keys and Redis password "
+            "kvmesh gives its actors. Start Ray with RAY_AUTH_MODE=token (docs/SECURITY.md, 'Ray'), or pass "
+            "--allow-unauthenticated-ray if only trusted machines can reach its ports")
+
+
+def _ray_auth_mode() -> str | None:
+    """This driver's Ray authentication mode ("token", "disabled"), None if Ray does not tell."""
+    try:  # a private module: guarded, as its place may change between Ray releases
+        from ray._raylet import AuthenticationMode, get_authentication_mode
+    except ImportError:
+        return None
+    mode = get_authentication_mode()
+    return "token" if mode == AuthenticationMode.TOKEN else "disabled" if mode == AuthenticationMode.DISABLED \
+        else str(mode)
+
+
 def run_until_stopped(spec: RaySpec) -> int:
     """`kvmesh ray`: connect, place, print status lines until SIGINT/SIGTERM, remove."""
     import ray
@@ -449,6 +490,15 @@ def run_until_stopped(spec: RaySpec) -> int:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         print(f"error: could not connect to the Ray cluster at --address {spec.address}: {exc}", file=sys.stderr)
         return 1
+    if not spec.insecure:
+        exposure = ray_exposure_problem(_ray_auth_mode(), [n.get("NodeManagerAddress", "") for n in ray.nodes()
+                                                           if n.get("Alive")])
+        if exposure and not spec.allow_unauthenticated_ray:
+            ray.shutdown()
+            print(f"error: {exposure}", file=sys.stderr)
+            return 2
+        if exposure:
+            print(f"WARNING: --allow-unauthenticated-ray: {exposure}", file=sys.stderr, flush=True)
     stop = threading.Event()
     # after ray.init, which installs its own SIGTERM handler (one that aborts the process)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

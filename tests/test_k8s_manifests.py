@@ -34,9 +34,12 @@ CUSTOM_KINDS = {("ray.io/v1", "RayCluster"), ("keda.sh/v1alpha1", "ScaledObject"
 OPERATOR_SECRETS = {
     ("kvmesh-redis", "password"): "operator-password",
     ("kvmesh-redis-url", "url"): "redis://:operator-password@redis.example.internal:6379/0",
+    ("kvmesh-ray-auth", "token"): "0123456789abcdef" * 4,
 }
 #: Secrets mounted as files, which the operator creates (python -m kvmesh.services.k8s_secrets)
 FILE_SECRETS = {"kvmesh-tls": {"tls.crt", "tls.key", "ca.crt"}, "kvmesh-api-keys": {"api-keys"}}
+#: Everything `kvmesh.services.k8s_secrets` makes: the file Secrets and the Ray token (env)
+GENERATED_SECRETS = {**FILE_SECRETS, "kvmesh-ray-auth": {"token"}}
 OPERATOR_PVCS = {"kvmesh-model"}
 DOWNWARD = {"status.podIP": "10.0.3.7", "metadata.name": "kvmesh-worker-0"}
 SERVICE_NAMES = {"router": pb.DESCRIPTOR.services_by_name["Router"].full_name,
@@ -97,7 +100,7 @@ def secret_files(tmp_path_factory):
 
     objs, _, _, keys = cluster_secrets("kvmesh-test", days=1)
     out = {o["metadata"]["name"]: {k: base64.b64decode(v) for k, v in o["data"].items()} for o in objs}
-    assert set(out) == set(FILE_SECRETS) and all(set(out[n]) == FILE_SECRETS[n] for n in out)
+    assert set(out) == set(GENERATED_SECRETS) and all(set(out[n]) == GENERATED_SECRETS[n] for n in out)
     return out
 
 
@@ -358,10 +361,42 @@ def test_pdb_and_autoscalers_target_workloads(rendered):
         assert workloads[("Deployment", "kvmesh-router")]["spec"]["replicas"] >= 2
 
 
+def ca_key_and_keys(out_dir, data) -> bytes:
+    """The CA key and every other generated secret's bytes but the Ray token, joined."""
+    return (out_dir / "ca.key").read_bytes() + b"".join(
+        v for n, d in data.items() if n != "kvmesh-ray-auth" for v in d.values())
+
+
+def test_ray_overlay_closes_rays_ports(rendered):
+    """Ray without token authentication runs anyone's code, and its actors hold the peer key:
+    the Ray pods and the driver run with RAY_AUTH_MODE=token from the Secret, and a policy
+    admits Ray's ports only from Ray pods and the driver; others reach only the router."""
+    overlay, objs = rendered
+    if overlay != "ray":
+        return
+    for owner, tpl in pod_templates(objs):
+        for c in tpl["spec"]["containers"]:
+            env = container_env(c, objs, DOWNWARD, OPERATOR_SECRETS)
+            assert env.get("RAY_AUTH_MODE") == "token" and env.get("RAY_AUTH_TOKEN"), owner
+    (pol,) = find(objs, "NetworkPolicy")
+    nodes = [t for _, t in pod_templates(objs) if t["metadata"]["labels"]["app.kubernetes.io/component"] != "ray-driver"]
+    assert nodes and all(labels_match(pol["spec"]["podSelector"]["matchLabels"], t["metadata"]["labels"]) for t in nodes)
+    driver = next(t for _, t in pod_templates(objs) if t["metadata"]["labels"]["app.kubernetes.io/component"] == "ray-driver")
+    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    for rule in pol["spec"]["ingress"]:
+        if "from" in rule:  # every peer is a Ray node or the driver
+            for peer in rule["from"]:
+                sel = peer["podSelector"]["matchLabels"]
+                assert "namespaceSelector" not in peer
+                assert all(labels_match(sel, t["metadata"]["labels"]) for t in nodes) or \
+                    labels_match(sel, driver["metadata"]["labels"])
+        else:  # open to any source: the router's port only
+            assert [p["port"] for p in rule["ports"]] == ["router"]
+
+
 def test_network_policies_cover_every_kvmesh_pod(rendered):
     overlay, objs = rendered
-    if overlay == "ray":   # Ray's own ports between nodes: documented as not covered
-        assert not find(objs, "NetworkPolicy")
+    if overlay == "ray":   # Ray's many ports between nodes: test_ray_overlay_closes_rays_ports
         return
     policies = find(objs, "NetworkPolicy")
     for owner, tpl in pod_templates(objs):
@@ -517,7 +552,9 @@ def test_k8s_secrets_generator(tmp_path, capsys):
         kubernetes_validate.validate(obj, K8S_VERSIONS[0], strict=True)
     data = {o["metadata"]["name"]: {k: base64.b64decode(v) for k, v in o["data"].items()} for o in objs}
     assert {o["metadata"]["namespace"] for o in objs} == {"serving"}
-    assert set(data) == set(FILE_SECRETS) and all(set(data[n]) == FILE_SECRETS[n] for n in data)
+    assert set(data) == set(GENERATED_SECRETS) and all(set(data[n]) == GENERATED_SECRETS[n] for n in data)
+    assert len(data["kvmesh-ray-auth"]["token"]) == 64 and data["kvmesh-ray-auth"]["token"] not in ca_key_and_keys(
+        out_dir, data)
     cert = x509.load_pem_x509_certificate(data["kvmesh-tls"]["tls.crt"])
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
     assert {"kvmesh-peer", "kvmesh-router", "kvmesh-router.serving.svc"} <= set(names)

@@ -239,3 +239,19 @@ def test_kvmesh_ray_command(ray_cluster, tmp_path, redis_server):
     alive = [a for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
              if "raycli" in (a.get("name") or "")] if hasattr(ray.util, "state") else []
     assert not alive
+
+
+def test_secure_mode_refuses_a_ray_cluster_anyone_can_reach():
+    """Ray without token authentication runs anyone's code, and `kvmesh ray` hands its actors
+    the peer key, API keys and Redis password: refused unless every node is on loopback (as
+    here, and as for `kvmesh up`) or Ray checks tokens."""
+    from kvmesh.services.ray_cluster import _ray_auth_mode, ray_exposure_problem
+
+    assert _ray_auth_mode() in ("disabled", "token")  # this Ray tells its mode
+    assert ray_exposure_problem("disabled", ["127.0.0.1", "127.0.0.1"]) is None
+    assert ray_exposure_problem("token", ["10.1.2.3"]) is None
+    problem = ray_exposure_problem("disabled", ["127.0.0.1", "10.1.2.3"])
+    assert "10.1.2.3" in problem and "RAY_AUTH_MODE=token" in problem and "--allow-unauthenticated-ray" in problem
+    assert "10.1.2.3" in ray_exposure_problem(None, ["10.1.2.3"])
+    args = build_parser().parse_args(["ray", "--address", "auto", "--allow-unauthenticated-ray"])
+    assert args.allow_unauthenticated_ray
