@@ -1032,7 +1032,8 @@ def _connect_remote(config: TierConfig) -> RemoteTier:
     t = config.remote_timeout_s
     client = redis.Redis.from_url(config.remote_url, socket_timeout=t, socket_connect_timeout=t,
                                   retry=Retry(NoBackoff(), 0))  # one attempt: a failure is a miss
-    return RemoteTier(client, config.remote_bytes, cluster=config.remote_cluster)
+    cluster = f"{config.remote_cluster}.{config.remote_producer}" if config.remote_producer else config.remote_cluster
+    return RemoteTier(client, config.remote_bytes, cluster=cluster)
 
 
 #: Lookup sources by kind, in lookup order: ``factory(store)`` returns the source, or

@@ -202,10 +202,12 @@ class ClearCacheResponse(_message.Message):
     def __init__(self, blocks_cleared: _Optional[int] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("block_hashes", "kv_producer")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    KV_PRODUCER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    kv_producer: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., kv_producer: _Optional[str] = ...) -> None: ...
 
 class BlockData(_message.Message):
     __slots__ = ("block_hash", "parent_block_hash", "token_ids", "codec", "dtype", "shape", "checksum", "payload", "format_version")

@@ -332,7 +332,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 2
     engine.snapshot_seq_fn = publisher.flush_now
     info = {"model_id": engine.kv_model_id, "block_size": engine.block_size, "num_blocks": engine.num_blocks,
-            "max_model_len": engine.max_model_len}
+            "max_model_len": engine.max_model_len, "kv_producer": engine.kv_producer}
     stopper: dict = {"stop": None, "lost": False}
 
     def lost(holder: dict) -> None:  # another process took this id's lease: stop serving under it

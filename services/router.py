@@ -231,7 +231,9 @@ class RouterServicer(pb_grpc.RouterServicer):
                 self.metrics.observe_decision(chosen, views, _attempt)
             self.index.add_speculative(chosen.worker_id, hashes, now, SPECULATIVE_TTL_S)
             prefill = len(ids) - chosen.matched_blocks * block_size
-            holder = prefix_holder(chosen, views)
+            # only a holder whose KV the chosen worker's own kernels would compute bit for bit
+            producer = live.get(chosen.worker_id, {}).get("kv_producer")
+            holder = prefix_holder(chosen, [v for v in views if live.get(v.worker_id, {}).get("kv_producer") == producer])
             if holder is not None:
                 forward.prefix_location.CopyFrom(pb.PrefixLocation(
                     worker_id=holder.worker_id, address=holder.address, num_blocks=holder.matched_blocks))

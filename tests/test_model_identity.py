@@ -102,3 +102,15 @@ def test_router_without_model_follows_the_majority():
     # the block size most workers use; the smallest on a tie
     sel = Compatibility(None).select({"a": lease(bs=32), "b": lease(bs=16)})
     assert sel.block_size == 16 and set(sel.workers) == {"b"}
+
+
+def test_kv_producer_names_device_instruction_set_torch_and_attention():
+    import torch
+
+    from kvmesh.workers import model_identity
+
+    p = model_identity.kv_producer("cpu", "C++ kernel (fp32 avx2)")
+    assert p == f"cpu {model_identity.cpu_isa()}, torch {torch.__version__}, C++ kernel (fp32 avx2)"
+    assert model_identity.cpu_isa() in ("amx", "avx512bf16", "avx512", "avx2", "base")
+    tag = model_identity.producer_tag(p)
+    assert len(tag) == 8 and int(tag, 16) >= 0 and tag != model_identity.producer_tag(p + " ")

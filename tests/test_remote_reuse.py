@@ -124,7 +124,7 @@ def test_damaged_remote_record_is_dropped_and_recomputed(redis_server, cold_engi
 
         hashes = hash_blocks(prompt, BS, b.namespace().root_hash()).hashes
         raw = redis.Redis.from_url(redis_server.url)
-        key = block_key(hashes[5], "t")
+        key = block_key(hashes[5], a.tiers.remote.cluster)
         value = bytearray(raw.get(key))
         value[-7] ^= 0x5A  # one payload byte
         raw.set(key, bytes(value))
@@ -403,7 +403,7 @@ def test_worker_with_a_hung_redis_keeps_answering_concurrent_requests(tmp_path):
     proc = spawn(cmd, str(log))
 
     def cooldowns_opened() -> int:  # the worker's own account, one line per cool-down opened
-        return len(re.findall(r"remote tier \(hung\): .*; not trying Redis for", log.read_text(errors="replace")))
+        return len(re.findall(r"remote tier \(hung\.[0-9a-f]{8}\): .*; not trying Redis for", log.read_text(errors="replace")))
 
     try:
         wait_healthy(f"127.0.0.1:{port}", proc=proc, timeout=120)
@@ -453,7 +453,7 @@ def test_record_of_the_wrong_payload_size_is_a_miss_and_is_deleted(redis_server,
         meta = RecordMeta(hb.hashes[0], bytes(16), hb.block_tokens(0), "none", e.tiers.dtype_name,
                           e.tiers.block_shape, len(payload), checksum(payload))
         raw = redis.Redis.from_url(redis_server.url)
-        key = block_key(hb.hashes[0], "t")
+        key = block_key(hb.hashes[0], e.tiers.remote.cluster)
         raw.set(key, encode_record(meta, payload))
         for _ in range(2):  # the second time the record is gone: a plain miss
             out, _ = run(e, prompt)
@@ -462,3 +462,33 @@ def test_record_of_the_wrong_payload_size_is_a_miss_and_is_deleted(redis_server,
         assert raw.get(key) is None
     finally:
         e.stop()
+
+
+def test_workers_on_other_hardware_share_no_remote_blocks(redis_server, cold_engine, monkeypatch):
+    """Same model and dtypes, other kernels (another instruction set, GPU, torch or attention
+    path): their K/V differ in low bits, so a prefix one computed is not what the other's cold
+    run gives. The remote tier keeps each producer's records apart; equal producers share."""
+    from kvmesh.workers import model_identity
+
+    prompt = rand_prompt(31, 200)
+    ref, ref_logits = run(cold_engine, prompt)
+    a = remote_engine(redis_server.url, cluster="hw")
+    # a worker whose kernels differ (the fault injected: this machine has one kind of CPU)
+    real = model_identity.kv_producer
+    monkeypatch.setattr(model_identity, "kv_producer", lambda device, attention: real(device, attention) + " (other)")
+    other = remote_engine(redis_server.url, cluster="hw")
+    monkeypatch.undo()
+    same = remote_engine(redis_server.url, cluster="hw")
+    try:
+        assert other.kv_producer != a.kv_producer == same.kv_producer
+        assert other.tiers.remote.cluster != a.tiers.remote.cluster == same.tiers.remote.cluster
+        assert a.tiers.remote.cluster.startswith("hw.")
+        publish(a, prompt)
+        out, _ = run(other, prompt)
+        assert out["usage"]["cached_tokens"] == 0 and out["token_ids"] == ref["token_ids"]
+        out, logits = run(same, prompt)
+        assert out["usage"]["cached_tokens_by_tier"]["remote"] == BS * cached_blocks(prompt)
+        assert out["token_ids"] == ref["token_ids"] and max_diff(logits, ref_logits) < 1e-4
+    finally:
+        for e in (a, other, same):
+            e.stop()

@@ -161,10 +161,11 @@ def test_the_remote_tier_records_each_blocks_tenant_for_fair_eviction(redis_serv
             e.generate(prompt(seed, 4 * BS + 1), GREEDY, cache_salt=SALT, tenant=tenant)
         e.offload_device_cache()
         assert e.tiers.flush(30)
-        owners = {v.decode() for v in r.hgetall(owners_key("tt")).values()}
-        per_tenant = {k.decode(): int(v) for k, v in r.hgetall(tenant_bytes_key("tt")).items()}
+        ns = e.tiers.remote.cluster  # "tt.<producer tag>"
+        owners = {v.decode() for v in r.hgetall(owners_key(ns)).values()}
+        per_tenant = {k.decode(): int(v) for k, v in r.hgetall(tenant_bytes_key(ns)).items()}
         assert owners == {"tenant-a", "tenant-b"} and set(per_tenant) == {"tenant-a", "tenant-b"}
-        assert sum(per_tenant.values()) == int(r.get("kvmesh:tt:kv-bytes"))
+        assert sum(per_tenant.values()) == int(r.get(f"kvmesh:{ns}:kv-bytes"))
     finally:
         r.close()
         e.stop()

@@ -234,6 +234,12 @@ def test_fetch_blocks_rejects_bad_input(workers):
                 list(stub.FetchBlocks(pb.FetchBlocksRequest(block_hashes=hashes), timeout=10))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
         assert list(stub.FetchBlocks(pb.FetchBlocksRequest(block_hashes=[b"\x07" * 16]), timeout=10)) == []
+        # a fetcher whose kernels differ would load KV its own cold run would not compute
+        # (test_peer_fetch_hit_equals_cold: equal producers are served)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.FetchBlocks(pb.FetchBlocksRequest(block_hashes=[b"\x07" * 16],
+                                                        kv_producer="cuda sm90, torch 0.0, torch SDPA"), timeout=10))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "equal producers" in err.value.details()
 
 
 def test_disk_tier_survives_restart_and_sigkill(workers):

@@ -13,6 +13,7 @@ drive `step()` directly on a stopped one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import logging
@@ -122,6 +123,11 @@ class Engine:
         self.pool_capped = self.max_model_len < model_len
         self.max_waiting = max_waiting
         self.kv_cache = run_on_fresh_thread(lambda: allocate_kv_cache(self.config, num_blocks, block_size, self.device))
+        #: What computes this worker's KV (`model_identity.kv_producer`): KV is exchanged (remote
+        #: tier, peer fetch) only between workers with equal producers.
+        self.kv_producer = model_identity.kv_producer(str(self.device), self._attention_path())
+        if tiers is not None and tiers.enabled and tiers.remote_bytes:
+            tiers = dataclasses.replace(tiers, remote_producer=model_identity.producer_tag(self.kv_producer))
         self.tiers = TierStore(self.kv_cache, tiers, event_sink) if tiers is not None and tiers.enabled else None
         offload = self.tiers.offload if self.tiers is not None and self.tiers.can_offload else None
         self.cache = PrefixCache(num_blocks, block_size, event_sink=event_sink, on_offload=offload)
@@ -157,18 +163,20 @@ class Engine:
 
     def describe(self) -> str:
         """One line on how this engine computes: KV id, weight/compute/pool dtypes, attention path."""
-        from kvmesh.workers import attn_kernel
-
-        if self.device.type == "cpu" and self.model.attention_backend != "torch":
-            attention = attn_kernel.describe_path(getattr(torch, self.compute_dtype), self.kv_cache.dtype,
-                                                  self.config.head_dim, self.block_size)
-        else:
-            attention = "torch SDPA"
+        attention = self._attention_path()
         probe = model_identity.measured_gemm_seconds(self.config.dtype) if self._compute_auto else None
         why = "" if probe is None else (f" (auto: a {self.config.dtype} GEMM measured {probe[1] / probe[0]:.2f}x "
                                         f"float32's speed here)")
         return (f"model {self.kv_model_id}, {self.config.dtype} checkpoint computed in {self.compute_dtype}{why}, "
                 f"{str(self.kv_cache.dtype).replace('torch.', '')} KV pool, attention: {attention}")
+
+    def _attention_path(self) -> str:
+        from kvmesh.workers import attn_kernel
+
+        if self.device.type == "cpu" and self.model.attention_backend != "torch":
+            return attn_kernel.describe_path(getattr(torch, self.compute_dtype), self.kv_cache.dtype,
+                                             self.config.head_dim, self.block_size)
+        return "torch SDPA"
 
     @property
     def context_owner(self) -> tuple[str, str]:

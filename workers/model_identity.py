@@ -144,6 +144,51 @@ def base_model_id(kv_id: str) -> str:
     return kv_id.split(COMPUTE_TAG, 1)[0]
 
 
+def cpu_isa() -> str:
+    """The widest matrix/vector instruction set this CPU offers torch's kernels: ``amx``,
+    ``avx512bf16``, ``avx512``, ``avx2`` or ``base`` (Linux ``/proc/cpuinfo`` flags; ``base``
+    elsewhere). Kernels for different sets sum in different orders."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((set(line.split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        flags = set()
+    for flag, name in (("amx_bf16", "amx"), ("avx512_bf16", "avx512bf16"), ("avx512f", "avx512"), ("avx2", "avx2")):
+        if flag in flags:
+            return name
+    return "base"
+
+
+def kv_producer(device: str, attention: str) -> str:
+    """What computes this worker's KV, beyond its `kv_model_id`: device kind and instruction
+    set (or CUDA compute capability), torch version and attention path.
+
+    Workers that differ here run the same model in the same dtypes but through kernels that
+    add in other orders, so their K/V differ in low bits: a prefix one of them computed would
+    not give another exactly the output its own cold run gives. They may still serve one
+    model behind one router, each from its own cache, but they exchange no KV (the remote
+    tier is namespaced by `producer_tag`, and peer fetches need equal producers).
+
+    Args:
+        device: torch device string ("cpu", "cuda", "cuda:1").
+        attention: the attention path (`workers.engine.Engine.describe`'s words).
+    """
+    import torch
+
+    kind = torch.device(device).type
+    if kind == "cuda":
+        major, minor = torch.cuda.get_device_capability(torch.device(device))
+        where = f"cuda sm{major}{minor}"
+    else:
+        where = f"{kind} {cpu_isa()}"
+    return f"{where}, torch {torch.__version__}, {attention}"
+
+
+def producer_tag(producer: str) -> str:
+    """A short key-safe tag of a `kv_producer` string (8 hex digits of its SHA-256)."""
+    return hashlib.sha256(producer.encode()).hexdigest()[:8]
+
+
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX bf16 tiles (Linux ``/proc/cpuinfo`` flag ``amx_bf16``); False elsewhere."""
     try:

@@ -285,7 +285,8 @@ class PeerFetcher:
             from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 
             stub = pb_grpc.WorkerStub(self._channel(address))
-            call = stub.FetchBlocks(pb.FetchBlocksRequest(block_hashes=hashed.hashes[local:want]),
+            call = stub.FetchBlocks(pb.FetchBlocksRequest(block_hashes=hashed.hashes[local:want],
+                                                          kv_producer=getattr(self.engine, "kv_producer", "")),
                                     timeout=max(dec.deadline_s, 1e-3))
             pos = local
             async for msg in call:

@@ -225,6 +225,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if bad is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"block_hashes[{bad}] has {len(hashes[bad])} bytes; hashes are {HASH_BYTES} bytes")
+        if request.kv_producer and request.kv_producer != self.engine.kv_producer:
+            # same model and dtypes, other kernels: its own cold run would not give these bits
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this worker's KV is computed by {self.engine.kv_producer!r}, not "
+                                f"{clip(request.kv_producer, 200)!r}: blocks are exchanged between equal producers "
+                                "only; recompute the prefix")
         for start in range(0, len(hashes), FETCH_BATCH):
             batch = hashes[start:start + FETCH_BATCH]
             records = await to_fresh_thread(self.engine.export_blocks, batch,
