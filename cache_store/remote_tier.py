@@ -5,7 +5,9 @@ what the rest of the cluster stored here. Records are the byte format of
 :mod:`cache_store.block_record`; this module only stores, counts and evicts
 them.
 
-Redis keys (``C`` is the cluster name, ``H`` a block hash in lowercase hex)::
+Redis keys (``C`` is the cluster name, ``H`` a block hash in lowercase hex; a worker's
+engine passes ``CLUSTER.TAG``, its KV producer's tag, so that workers whose kernels
+differ keep apart: ``cache_store.tier_config.TierConfig.remote_producer``)::
 
     kvmesh:C:kv:H      string  the encoded record (block_record.encode_record format)
     kvmesh:C:kv-lru    zset    member H, score = access stamp (higher = used more recently),
