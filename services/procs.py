@@ -20,8 +20,40 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+#: Ports `free_port` picks from: below Linux's default ephemeral range (32768-60999), from
+#: which the kernel takes the local port of every outgoing connection. A port picked here is
+#: bound by a child process a moment later; picked from the ephemeral range (``bind(0)``),
+#: it was sometimes taken in between by a connection to Redis or a peer ("Address already in
+#: use" from a freshly started worker on a busy machine).
+FREE_PORT_RANGE = (20000, 32767)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split()[:2])
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
+    """A TCP port that was free on ``host`` a moment ago, outside the kernel's ephemeral
+    range where possible (`FREE_PORT_RANGE`), else any free one."""
+    import random
+
+    lo, hi = FREE_PORT_RANGE
+    eph_lo, eph_hi = _ephemeral_range()
+    for _ in range(50):
+        port = random.randint(lo, hi)
+        if eph_lo <= port <= eph_hi:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

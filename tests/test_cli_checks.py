@@ -361,3 +361,15 @@ def test_http_and_metrics_port_minus_one_mean_off_as_for_up():
     assert server_ports(args) == {"metrics_port": 0} and args.http_port is None
     with pytest.raises(ValueError, match="--http-port must be a port"):
         server_ports(argparse.Namespace(http_port=-2, metrics_port=None))
+
+
+def test_free_ports_come_from_outside_the_ephemeral_range():
+    """A port picked for a child is bound a moment later; the kernel takes outgoing
+    connections' local ports from its ephemeral range, so picks come from below it."""
+    from kvmesh.services.procs import FREE_PORT_RANGE, _ephemeral_range, free_port
+
+    eph_lo, eph_hi = _ephemeral_range()
+    ports = [free_port() for _ in range(20)]
+    assert all(FREE_PORT_RANGE[0] <= p <= FREE_PORT_RANGE[1] and not eph_lo <= p <= eph_hi for p in ports), ports
+    with socket.socket() as s:  # and it is free
+        s.bind(("127.0.0.1", ports[0]))
