@@ -107,7 +107,9 @@ class DiskTier:
             unrelated behaviour).
 
     Raises:
-        ValueError: capacity not positive.
+        ValueError: capacity not positive, or another live process (or another `DiskTier`
+            here) holds the directory: two writers would pick the same segment ids and
+            delete each other's files.
         OSError: the directory cannot be created.
     """
 
@@ -122,6 +124,7 @@ class DiskTier:
         # segment files are 0600 wherever they are (a folder given, e.g. a shared mount, is
         # left as it is)
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        self._lock_file = _lock_directory(self.directory)
         self.capacity_bytes = int(capacity_bytes)
         self.segment_bytes = int(min(segment_bytes, capacity_bytes))
         self.block_shape = tuple(block_shape)
@@ -135,6 +138,12 @@ class DiskTier:
         self.num_damaged = 0
         #: leftover .tmp files removed at start (writes cut short by a crash)
         self.num_torn = 0
+
+    def release(self) -> None:
+        """Give the directory up for another process (its lock; the files stay). Idempotent."""
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
 
     # -- start-up ----------------------------------------------------------------
     def scan(self) -> list[RecordMeta]:
@@ -435,6 +444,36 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+#: File in a disk tier's directory that its owner holds an exclusive ``flock`` on.
+LOCK_NAME = ".kvmesh-disk.lock"
+
+
+def _lock_directory(directory: str):
+    """Take the directory's lock (``flock(2)``, released by the kernel when the holder
+    exits, even on SIGKILL); returns the open lock file, which holds it until closed.
+
+    Raises:
+        ValueError: the lock is held (the message names the directory and the holder's pid).
+    """
+    import fcntl
+
+    path = os.path.join(directory, LOCK_NAME)
+    f = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+", encoding="ascii", errors="replace")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = f.read(32).strip() or "?"
+        f.close()
+        raise ValueError(f"disk_dir {directory} is in use by another worker (pid {holder}): two workers in one "
+                         "directory would overwrite and delete each other's segments; give each worker its own "
+                         "disk_dir (kvmesh up uses DIR/<worker id>)") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def _unlink(path: str) -> None:

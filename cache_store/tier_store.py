@@ -537,6 +537,7 @@ class TierStore:
         self._writer = self._remote_writer = None
         if self.disk is not None:
             self._io.shutdown(wait=False)
+            self.disk.release()
 
     # -- lookup and load (engine thread) ------------------------------------------------------
     def locate(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kvmesh.cache_store.block_record import ZERO_HASH, RecordMeta, checksum
-from kvmesh.cache_store.disk_tier import SEGMENT_HEADER_BYTES, DiskTier, SegmentReadError
+from kvmesh.cache_store.disk_tier import LOCK_NAME, SEGMENT_HEADER_BYTES, DiskTier, SegmentReadError
 from kvmesh.cache_store.hashing import Namespace, hash_blocks
 
 SHAPE = (4, 2, 2, 16, 64)
@@ -37,10 +37,28 @@ def write(tier, its):
     return tier.add_segment(seg, [m for m, _ in its])
 
 
+_open: dict[str, DiskTier] = {}
+
+
+def reopen(path, cap=1 << 30, shape=SHAPE, **kw) -> DiskTier:
+    """A tier on ``path`` as a restarted worker gets it: the previous one here gives the
+    directory's lock up first, as a worker does when it stops (or the kernel, when it dies)."""
+    prev = _open.pop(os.path.abspath(str(path)), None)
+    if prev is not None:
+        prev.release()
+    t = _open[os.path.abspath(str(path))] = DiskTier(str(path), cap, shape, "float32", **kw)
+    return t
+
+
 def new_tier(path, cap=1 << 30, **kw):
-    t = DiskTier(str(path), cap, SHAPE, "float32", **kw)
+    t = reopen(path, cap, **kw)
     t.scan()
     return t
+
+
+def files(path) -> list[str]:
+    """The directory's entries but the tier's lock file."""
+    return [f for f in os.listdir(path) if f != LOCK_NAME]
 
 
 def test_write_scan_read(tmp_path):
@@ -54,7 +72,7 @@ def test_write_scan_read(tmp_path):
     assert set(t2.entries) == {m.block_hash for m, _ in its}
     payloads = t2.read([t2.entries[m.block_hash] for m, _ in its])
     assert [bytes(p) for p in payloads] == [p for _, p in its]
-    assert t2.used_bytes == sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path))
+    assert t2.used_bytes == sum(os.path.getsize(tmp_path / f) for f in files(tmp_path))
 
 
 def test_segments_are_readable_by_this_user_only(tmp_path):
@@ -66,14 +84,14 @@ def test_segments_are_readable_by_this_user_only(tmp_path):
     write(fresh, items(2))
     assert os.stat(tmp_path / "new" / "disk").st_mode & 0o777 == 0o700
     assert all(os.stat(tmp_path / "new" / "disk" / f).st_mode & 0o777 == 0o600
-               for f in os.listdir(tmp_path / "new" / "disk"))
+               for f in files(tmp_path / "new" / "disk"))
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o1777)
     t = new_tier(shared)
     write(t, items(2))
     assert os.stat(shared).st_mode & 0o7777 == 0o1777
-    seg = next(f for f in os.listdir(shared) if f.startswith("seg-"))
+    seg = next(f for f in files(shared) if f.startswith("seg-"))
     os.chmod(shared / seg, 0o644)  # as an earlier version wrote it
     new_tier(shared)
     assert os.stat(shared / seg).st_mode & 0o777 == 0o600
@@ -83,7 +101,7 @@ def test_truncated_segment_is_dropped_at_start(tmp_path):
     t = new_tier(tmp_path)
     write(t, items(3, seed=1))
     write(t, items(3, seed=2))
-    path = sorted(os.listdir(tmp_path))[0]
+    path = sorted(files(tmp_path))[0]
     size = os.path.getsize(tmp_path / path)
     os.truncate(tmp_path / path, size - 100)
     t2 = new_tier(tmp_path)
@@ -118,7 +136,7 @@ def test_damaged_segments_are_dropped_at_start(tmp_path, damage):
     write(t, items(2, seed=4))
     (seg,) = t.segments.values()
     if damage == "foreign layout":
-        t2 = DiskTier(str(tmp_path), 1 << 30, (4, 2, 2, 16, 128), "float32")
+        t2 = reopen(tmp_path, shape=(4, 2, 2, 16, 128))
     else:
         with open(seg.path, "r+b") as f:
             if damage == "segment header":
@@ -130,8 +148,8 @@ def test_damaged_segments_are_dropped_at_start(tmp_path, damage):
             else:
                 f.seek(0, os.SEEK_END)
                 f.write(b"junk")
-        t2 = DiskTier(str(tmp_path), 1 << 30, SHAPE, "float32")
-    assert t2.scan() == [] and t2.num_damaged == 1 and not os.listdir(tmp_path)
+        t2 = reopen(tmp_path)
+    assert t2.scan() == [] and t2.num_damaged == 1 and not files(tmp_path)
 
 
 def test_leftover_tmp_files_are_removed(tmp_path):
@@ -140,7 +158,7 @@ def test_leftover_tmp_files_are_removed(tmp_path):
     (tmp_path / "seg-00000000000000ff.1234.tmp").write_bytes(b"KVS1 half a segment")
     t2 = new_tier(tmp_path)
     assert t2.num_torn == 1 and len(t2.entries) == 2
-    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    assert not [f for f in files(tmp_path) if f.endswith(".tmp")]
 
 
 def test_capacity_evicts_least_recently_used_segment(tmp_path):
@@ -152,7 +170,7 @@ def test_capacity_evicts_least_recently_used_segment(tmp_path):
     t.touch(its[0][0][0].block_hash)  # segment 0 becomes the most recently used
     _, removed = write(t, its[3])
     assert {m.block_hash for m in removed} == {m.block_hash for m, _ in its[1]}
-    assert t.used_bytes <= t.capacity_bytes and len(os.listdir(tmp_path)) == 3
+    assert t.used_bytes <= t.capacity_bytes and len(files(tmp_path)) == 3
     assert its[0][0][0].block_hash in t.entries
 
 
@@ -193,7 +211,7 @@ def test_sigkill_mid_write_never_serves_a_torn_block(tmp_path):
             proc.stdout.readline()  # one complete segment exists
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                tmps = [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+                tmps = [f for f in files(tmp_path) if f.endswith(".tmp")]
                 if tmps and os.path.getsize(tmp_path / tmps[0]) > 0:
                     break
                 time.sleep(0.0005)
@@ -201,15 +219,15 @@ def test_sigkill_mid_write_never_serves_a_torn_block(tmp_path):
         finally:
             proc.kill()
             proc.wait()
-        left = [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+        left = [f for f in files(tmp_path) if f.endswith(".tmp")]
         if left:
             caught_mid_write = True
             break
     assert caught_mid_write, "never caught the child mid-write"
-    t = DiskTier(str(tmp_path), 1 << 40, SHAPE, "float32")
+    t = reopen(tmp_path, 1 << 40)
     metas = t.scan()
     assert t.num_torn >= 1 and t.num_damaged == 0
-    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    assert not [f for f in files(tmp_path) if f.endswith(".tmp")]
     assert metas and len(metas) % 8 == 0  # only whole segments
     by_seg: dict = {}
     for e in t.entries.values():
@@ -245,3 +263,25 @@ def test_segment_eviction_is_fair_between_tenants(tmp_path):
         seg = solo.write_segment(solo.new_segment_id(), its[k:k + 2])
         out = solo.add_segment(seg, [m for m, _ in its[k:k + 2]])[1]
     assert {m.block_hash for m in out} == {m.block_hash for m, _ in its[0:2]}  # the least recently used
+
+
+def test_a_directory_serves_one_tier_at_a_time(tmp_path):
+    """Two workers given one --disk-dir picked the same segment ids and deleted each other's
+    files (every block the first had written came back a miss). The second is refused,
+    naming the holder's pid; once the first gives the directory up (a stop, or its process
+    dying: the kernel drops the flock), a restart takes it."""
+    import subprocess
+    import sys
+
+    t = new_tier(tmp_path)
+    with pytest.raises(ValueError, match=f"in use by another worker \\(pid {os.getpid()}\\)"):
+        DiskTier(str(tmp_path), 1 << 30, SHAPE, "float32")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from kvmesh.cache_store.disk_tier import DiskTier\n"
+            "try:\n    DiskTier(sys.argv[2], 1 << 30, (4, 2, 2, 16, 64), 'float32')\n"
+            "except ValueError as e:\n    print(e); sys.exit(3)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    other = subprocess.run([sys.executable, "-c", code, root, str(tmp_path)], capture_output=True, text=True)
+    assert other.returncode == 3 and "in use" in other.stdout, other
+    t.release()
+    assert subprocess.run([sys.executable, "-c", code, root, str(tmp_path)]).returncode == 0
+    new_tier(tmp_path)
