@@ -304,6 +304,37 @@ def tier_block_bytes(cfg, block_size: int, codec: str) -> int:
     return int(make_codec(codec, shape, getattr(torch, cfg.dtype)).payload_bytes)
 
 
+def unused_tier_flag_problem(args: argparse.Namespace) -> str | None:
+    """A message when a tier flag is set but its tier is off, so the flag would do nothing:
+    ``--host-codec`` without ``--host-bytes``, ``--disk-codec`` or ``--disk-write-mode back``
+    without ``--disk-dir``; None otherwise (as ``--disk-bytes`` without ``--disk-dir`` is)."""
+    if getattr(args, "host_codec", "none") != "none" and not getattr(args, "host_bytes", 0):
+        return f"--host-codec {args.host_codec} has no host tier to encode: add --host-bytes SIZE (e.g. 4G)"
+    if not getattr(args, "disk_dir", None):
+        if getattr(args, "disk_codec", "none") != "none":
+            return f"--disk-codec {args.disk_codec} has no disk tier to encode: add --disk-dir DIR"
+        if getattr(args, "disk_write_mode", "through") != "through":
+            return f"--disk-write-mode {args.disk_write_mode} has no disk tier to write: add --disk-dir DIR"
+    return None
+
+
+def host_memory_problem(args: argparse.Namespace, cfg, workers: int = 1) -> str | None:
+    """A message naming ``--host-bytes`` and ``--peer-bytes`` when the host memory they take
+    (with the KV pool, on a CPU device) for ``workers`` workers is more than is available now;
+    both are allocated at start, so a typo (``999T``) would otherwise end in an allocator error."""
+    host = int(getattr(args, "host_bytes", 0) or 0)
+    peer = int(getattr(args, "peer_bytes", 0) or 0) if host else 0  # staging exists beside a host tier
+    pool = kv_block_bytes(cfg, args.block_size) * args.num_blocks if str(args.device).startswith("cpu") else 0
+    need = (host + peer + pool) * workers
+    free = available_memory("cpu")
+    if not host or free is None or need <= free[0]:
+        return None
+    each = f" per worker x {workers} workers" if workers > 1 else ""
+    return (f"--host-bytes {host:,}{f' + --peer-bytes {peer:,}' if peer else ''}"
+            f"{f' + the KV pool {pool:,}' if pool else ''} bytes{each} = {need:,} bytes ({_gib(need)}) of host "
+            f"memory, but {free[0]:,} bytes ({_gib(free[0])}) are available ({free[1]}); lower --host-bytes")
+
+
 def tier_size_problem(args: argparse.Namespace, cfg) -> str | None:
     """A message naming ``--host-bytes``, ``--disk-bytes`` or ``--remote-bytes`` when it is
     set (> 0) but cannot hold one block of the model ``cfg`` in its codec: a host tier of 0
@@ -360,7 +391,8 @@ def worker_resource_problem(args: argparse.Namespace, workers: int = 1) -> str |
     except ValueError as exc:
         return f"--model: {exc}"
     try:
-        return kv_pool_problem(args, cfg, workers) or tier_size_problem(args, cfg)
+        return (unused_tier_flag_problem(args) or kv_pool_problem(args, cfg, workers)
+                or host_memory_problem(args, cfg, workers) or tier_size_problem(args, cfg))
     except ValueError as exc:  # a codec that cannot encode this model's blocks
         return with_flag_names(exc)
 

@@ -373,3 +373,17 @@ def test_free_ports_come_from_outside_the_ephemeral_range():
     assert all(FREE_PORT_RANGE[0] <= p <= FREE_PORT_RANGE[1] and not eph_lo <= p <= eph_hi for p in ports), ports
     with socket.socket() as s:  # and it is free
         s.bind(("127.0.0.1", ports[0]))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--host-codec", "fp8"], "--host-codec fp8 has no host tier"),
+    (["--host-bytes", "4M", "--disk-codec", "int4"], "--disk-codec int4 has no disk tier"),
+    (["--host-bytes", "4M", "--disk-write-mode", "back"], "--disk-write-mode back has no disk tier"),
+    (["--host-bytes", "999999T", "--num-blocks", "16"], "of host memory, but"),
+], ids=["host-codec", "disk-codec", "write-mode", "host-bytes-too-big"])
+def test_tier_flags_that_would_do_nothing_or_cannot_be_allocated_exit_2(argv, needle, tmp_path):
+    """Each was accepted: three started a worker without the tier the flag was for, and a
+    host tier bigger than memory ended in a raw allocator error after the model loaded."""
+    res = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "worker", "--port", "0", *argv],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr, res.stderr
