@@ -460,6 +460,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # the TLS files as the client reads them: --tls-cert without --tls-ca, half a key pair, an
         # unreadable file, and an API key without TLS (it would cross the network in clear)
         channel_credentials(args.tls_ca, args.api_key, args.tls_cert, args.tls_key)
+        for flag, text in (("--prompt", args.prompt), ("--tenant", args.tenant)):
+            if text:
+                try:  # argv bytes that are not UTF-8 arrive as lone surrogates (PEP 383)
+                    text.encode("utf-8")
+                except UnicodeEncodeError as bad:
+                    code = ord(bad.object[bad.start])
+                    what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+                    raise ValueError(f"{flag} is not UTF-8 text ({what} at character {bad.start}): pass UTF-8 "
+                                     "text") from None
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

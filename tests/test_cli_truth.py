@@ -91,6 +91,8 @@ def _cuda_flag() -> str:
     (["--disk-dir", "/tmp/kvmesh-nowhere"], "--disk-bytes"),
     (["--host-bytes", "64M", "--disk-bytes", "1G"], "--disk-dir"),  # no disk tier would be set up
     (["--redis-url", "redis://127.0.0.1:1/0"], "--redis-url"),
+    (["--host-bytes", "999999T"], "--host-bytes"),  # more than memory: was an allocator error in each worker
+    (["--host-codec", "int4"], "--host-codec"),  # no host tier: the flag did nothing
 ])
 def test_up_rejects_bad_arguments_before_starting_anything(tmp_path, argv, flag):
     argv = [_cuda_flag() if a == "CUDA" else a for a in argv]
@@ -790,3 +792,10 @@ def test_offline_benchmarks_show_progress_on_stderr():
     assert res.returncode == 0, res.stderr
     json.loads(res.stdout)  # stdout keeps only the result
     assert "bench.codec_error" in res.stderr and "100%" in res.stderr
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8():
+    """Bytes that are not UTF-8 on the command line (PEP 383 surrogates) gave a bare codec error."""
+    res = subprocess.run([KVMESH, "generate", "--target", "127.0.0.1:1", "--prompt", b"ab\xff\xfe"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--prompt is not UTF-8 text (byte 0xff at character 2)" in res.stderr, res.stderr
