@@ -35,8 +35,20 @@ def scrape(url: str, timeout_s: float = 10.0) -> dict[tuple, float]:
 
 
 def scrape_all(urls: Sequence[str]) -> list[dict[tuple, float]]:
-    """`scrape` of each URL, in order."""
-    return [scrape(u) for u in urls]
+    """`scrape` of each URL, in order.
+
+    Raises:
+        OSError: one could not be read; the message names ``--metrics-url`` and the URL.
+    """
+    out = []
+    for u in urls:
+        try:
+            out.append(scrape(u))
+        except OSError as exc:
+            raise OSError(f"--metrics-url {u}: could not read it ({getattr(exc, 'reason', exc)}); give the "
+                          "/metrics URL of a running router or worker (its --metrics-port), or leave the flag out") \
+                from None
+    return out
 
 
 def _total(samples: dict[tuple, float], name: str, **labels) -> float:

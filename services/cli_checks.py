@@ -483,7 +483,8 @@ def model_problem(model: str | None, max_model_len: int | None = None) -> str | 
     import glob
 
     if not os.path.isdir(model):
-        return f"--model {model}: no such directory (a local Hugging Face folder with config.json and *.safetensors)"
+        what = "a file, not a directory" if os.path.isfile(model) else "no such directory"
+        return f"--model {model}: {what} (a local Hugging Face folder with config.json and *.safetensors)"
     from kvmesh.workers.loader import read_config
     from kvmesh.workers.tokenizer import load_tokenizer
 

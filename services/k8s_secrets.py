@@ -93,6 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true",
                    help="replace a CA key and client.env already in --out-dir (the old CA and API keys are lost)")
     args = p.parse_args(argv)
+    import re
+
+    # Kubernetes names: a namespace is an RFC 1123 label, a DNS name an RFC 1123 subdomain
+    label = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+    if not re.fullmatch(label, args.namespace):
+        print(f"error: --namespace {args.namespace!r} is not a Kubernetes namespace name (lowercase letters, digits "
+              "and '-', 1-63 characters, starting and ending with a letter or digit)", file=sys.stderr)
+        return 2
+    bad = next((d for d in args.dns if len(d) > 253 or not re.fullmatch(rf"(\*\.)?{label}(\.{label})*", d)), None)
+    if bad is not None:
+        print(f"error: --dns {bad!r} is not a DNS name (lowercase labels of letters, digits and '-', joined by '.')",
+              file=sys.stderr)
+        return 2
     if args.days < 1:
         print(f"error: --days must be >= 1 (got {args.days})", file=sys.stderr)
         return 2

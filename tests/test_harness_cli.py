@@ -145,3 +145,14 @@ def test_comparison_markdown_heading_and_plots():
     assert md.startswith("### kvmesh bench: a, b")
     assert "Poisson arrivals at 4.0 req/s" in md and "num_blocks 64" in md
     assert "| metric | a | b |" in md and "![ttft_cdf](ttft_cdf.png)" in md
+
+
+def test_an_unreachable_metrics_url_is_named():
+    """A refused --metrics-url printed only "<urlopen error [Errno 111] Connection refused>"."""
+    from kvmesh.bench.server_metrics import scrape_all
+    from kvmesh.services.procs import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/metrics"
+    with pytest.raises(OSError) as err:
+        scrape_all([url])
+    assert f"--metrics-url {url}: could not read it" in str(err.value) and "--metrics-port" in str(err.value)

@@ -586,3 +586,12 @@ def test_k8s_secrets_never_replaces_a_ca_key_without_force(tmp_path, capsys):
     assert (out_dir / "ca.key").read_bytes() == first
     assert main(["--out-dir", str(out_dir), "--force"]) == 0
     assert (out_dir / "ca.key").read_bytes() != first
+
+
+@pytest.mark.parametrize("argv", [["--namespace", "Bad NS!"], ["--namespace", ""], ["--dns", "bad name!"]])
+def test_k8s_secrets_refuses_names_kubernetes_would_not_take(argv, tmp_path, capsys):
+    """These printed YAML with an invalid namespace, or a certificate naming a bad host, and exit 0."""
+    from kvmesh.services.k8s_secrets import main
+
+    assert main([*argv, "--out-dir", str(tmp_path / "out")]) == 2
+    assert "is not a" in capsys.readouterr().err and not (tmp_path / "out").exists()
