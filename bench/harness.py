@@ -865,7 +865,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ar.add_argument("--arrival", default=None, choices=ARRIVALS,
                     help="closed (fixed concurrency), poisson (--rate) or trace (timestamps x --time-scale); "
                          "default: poisson with --rate, trace with --time-scale, else closed")
-    ar.add_argument("--concurrency", type=positive_int("--concurrency"), default=4, help="closed loop: requests in flight (default 4)")
+    ar.add_argument("--concurrency", type=positive_int("--concurrency"), default=None, help="closed loop: requests in flight (default 4)")
     ar.add_argument("--rate", type=float_in("--rate", 0, low_open=True, allow_inf=True, what="requests per second"), default=None, help="poisson: mean requests per second (inf: all at once)")
     ar.add_argument("--time-scale", type=positive_float("--time-scale"), default=None,
                     help="trace: multiply the trace's inter-arrival times by this (0.1 = 10x faster; default 1)")
@@ -976,7 +976,10 @@ def arrival_from_args(args: argparse.Namespace) -> ArrivalSpec:
         raise ValueError(f"--time-scale only applies to --arrival trace, not {kind}")
     if args.max_concurrency is not None and kind == "closed":
         raise ValueError("--max-concurrency applies to open-loop arrivals; a closed loop uses --concurrency")
-    return ArrivalSpec(kind, concurrency=args.concurrency, rate=args.rate,
+    if args.concurrency is not None and kind != "closed":
+        raise ValueError(f"--concurrency applies to the closed loop, not --arrival {kind}; cap an open loop's "
+                         "requests in flight with --max-concurrency")
+    return ArrivalSpec(kind, concurrency=4 if args.concurrency is None else args.concurrency, rate=args.rate,
                        time_scale=1.0 if args.time_scale is None else args.time_scale,
                        max_concurrency=args.max_concurrency, seed=args.seed)
 

@@ -554,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
         problem = output_file_problem(args.json, "--json")
         if problem:
             p.error(problem)
+    try:
+        peer_fetch = peer_fetch_from_args(args)
+    except ValueError as exc:
+        p.error(str(exc))
     total = len(names) * len(fleets) * len(policies)
     done = [0]
     t0 = time.monotonic()
@@ -567,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
     try:
         rows = run_sweep(names, fleets, args.load, args.pressure, policies, args.mooncake_requests, kw,
-                         progress=progress, peer_fetch=peer_fetch_from_args(args))
+                         progress=progress, peer_fetch=peer_fetch)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

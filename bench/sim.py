@@ -823,6 +823,8 @@ def add_peer_fetch_args(p: argparse.ArgumentParser) -> None:
 def peer_fetch_from_args(args: argparse.Namespace) -> PeerFetch | None:
     """The `PeerFetch` the flags of `add_peer_fetch_args` ask for, or None (off)."""
     if args.peer_fetch_gbps is None:
+        if args.kv_bytes_per_token != PeerFetch.kv_bytes_per_token:
+            raise ValueError("--kv-bytes-per-token sizes peer fetches: it needs --peer-fetch-gbps")
         return None
     return PeerFetch(bytes_per_s=args.peer_fetch_gbps * 1e9 / 8, kv_bytes_per_token=args.kv_bytes_per_token)
 
@@ -931,13 +933,18 @@ def cmd_sim(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     try:
+        peer_fetch = peer_fetch_from_args(args)  # a usage error before the progress bar
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
         with _SimProgress(not args.no_progress, len(policies) * len(reqs)) as bar:
             results = run_policies(work, policies, num_workers=args.workers, capacity_tokens=args.capacity_tokens,
                                    num_blocks=args.num_blocks, block_tokens=args.block_tokens,
                                    block_size=args.block_size, concurrency=args.concurrency,
                                    time_scale=args.time_scale, cost=cost, max_output_tokens=args.max_output_tokens,
                                    seed=args.seed, unbounded=args.unbounded, progress=bar.policy,
-                                   peer_fetch=peer_fetch_from_args(args))
+                                   peer_fetch=peer_fetch)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

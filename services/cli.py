@@ -512,6 +512,11 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
     if args.tokens < 0 or args.batch < 1:
         print("error: --tokens must be >= 0 and --batch >= 1", file=sys.stderr)
         return 2
+    if args.block_size is not None and not args.codec:
+        print("error: --block-size sizes the blocks a tier stores: it needs --codec (without it the size is "
+              "per token, whatever the block size)", file=sys.stderr)
+        return 2
+    args.block_size = 16 if args.block_size is None else args.block_size
     if args.codec:  # what a tier stores: whole blocks, encoded, scales included
         from kvmesh.services.ops_cli import codec_size
 
@@ -606,7 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codec", default=None, choices=["none", "fp8", "int4"],
                    help="size whole blocks as the host/disk/remote tier codec stores them, scales included "
                         "(default: raw KV bytes, no block rounding)")
-    p.add_argument("--block-size", type=int, default=16, help="with --codec: tokens per KV block (default 16)")
+    p.add_argument("--block-size", type=int, default=None, help="with --codec: tokens per KV block (default 16)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_kv_size)
 

@@ -685,6 +685,9 @@ def test_kv_size_codec_counts_the_scales(capsys):
     assert raw["bytes"] * 1.25 == 512 * expected["int4"]  # what the raw count left out
     assert main(["kv-size", "--model", "Llama-3-8B", "--tokens", "16", "--codec", "int4", "--dtype", "fp8"]) == 2
     assert "--dtype" in capsys.readouterr().err
+    # --block-size only sizes a tier's blocks: without --codec it was ignored
+    assert main(["kv-size", "--model", "Llama-3-8B", "--tokens", "16", "--block-size", "32"]) == 2
+    assert "it needs --codec" in capsys.readouterr().err
 
 
 def test_generate_streams_text_as_it_arrives(cluster):

@@ -43,6 +43,9 @@ def test_arrival_inference():
     a = arrival_from_args(_parse("--target", "h:1", "--time-scale", "0.1", "--max-concurrency", "8"))
     assert a.kind == "trace" and a.time_scale == 0.1 and a.cap == 8
     assert arrival_from_args(_parse("--target", "h:1", "--arrival", "trace")).time_scale == 1.0
+    # --concurrency is the closed loop's: with --rate it was dropped without a word
+    with pytest.raises(ValueError, match="--concurrency applies to the closed loop.*--max-concurrency"):
+        arrival_from_args(_parse("--target", "h:1", "--rate", "2", "--concurrency", "8"))
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -121,6 +121,7 @@ def test_agent_sessions_extend_their_own_context_step_by_step():
     (["--policies", "kv_aware,nope"], "nope"),
     (["--peer-fetch-gbps", "0"], "--peer-fetch-gbps"),
     (["--kv-bytes-per-token", "-1"], "--kv-bytes-per-token"),
+    (["--kv-bytes-per-token", "5"], "it needs --peer-fetch-gbps"),  # was ignored without it
 ])
 def test_bad_sweep_arguments_are_usage_errors_before_any_replay(argv, named, capsys, monkeypatch):
     monkeypatch.setattr(route_sweep, "run_sweep", lambda *a, **k: pytest.fail("replayed despite a bad argument"))
