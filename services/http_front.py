@@ -62,6 +62,7 @@ from aiohttp import web
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.services.chat_template import ChatTemplate, ChatTemplateError
 from kvmesh.workers.grpc_guard import LogLimiter, clip
+from kvmesh.workers.limits import MAX_CACHE_SALT_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -411,6 +412,9 @@ class HttpFront:
         if not isinstance(salt, str):
             raise HttpError(400, "cache_salt must be a string", param="cache_salt")
         _utf8(salt, "cache_salt")
+        if len(salt) > MAX_CACHE_SALT_CHARS:
+            raise HttpError(400, f"cache_salt has {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS} are accepted",
+                            param="cache_salt")
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise HttpError(400, "ignore_eos must be true or false", param="ignore_eos")
@@ -474,6 +478,12 @@ class HttpFront:
                                                          and 0 <= t < 2**32 for t in prompt):
             req.token_ids.ids.extend(prompt)
         else:
+            bad = next(((i, t) for i, t in enumerate(prompt) if not (isinstance(t, int) and not isinstance(t, bool)
+                                                                      and 0 <= t < 2**32)), None) \
+                if isinstance(prompt, list) and prompt and all(not isinstance(t, (str, list)) for t in prompt) else None
+            if bad is not None:
+                raise HttpError(400, f"prompt[{bad[0]}] is {clip(repr(bad[1]), 40)}: token ids are integers in "
+                                     f"[0, 2^32)", param="prompt")
             raise HttpError(400, "prompt must be a non-empty string or a non-empty array of token ids "
                                  "(one prompt per request)", param="prompt")
         return await self._answer(request, body, req, chat=False)

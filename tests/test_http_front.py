@@ -176,8 +176,10 @@ def test_bad_fields_are_400_naming_the_field(body, param):
     ("completions", {"prompt": "\ud800abc"}, "prompt", "lone surrogate"),
     ("completions", {"prompt": "a", "cache_salt": "\udfff"}, "cache_salt", "lone surrogate"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi \udc00"}]}, "messages", "lone surrogate"),
+    ("completions", {"prompt": [5, -1]}, "prompt", "prompt[1] is -1"),
+    ("completions", {"prompt": "a", "cache_salt": "s" * 1025}, "cache_salt", "at most 1024"),
 ], ids=["400-digit-int", "5000-digit-int", "deep-nesting", "stream-options-list", "surrogate-prompt",
-        "surrogate-salt", "surrogate-chat"])
+        "surrogate-salt", "surrogate-chat", "negative-id", "long-salt"])
 def test_odd_json_is_400_not_500(path, body, param, says):
     """Each of these once reached a Python error inside the front (OverflowError, the int digit
     limit's ValueError, RecursionError, AttributeError, UnicodeEncodeError in protobuf): a 500

@@ -199,3 +199,13 @@ def test_oversized_request_ids_and_tokenize_texts_are_invalid_arguments(worker):
         req.request_id = "r" * MAX_REQUEST_ID_CHARS
         assert [m.request_id for m in stub.Generate(req)][-1] == req.request_id
         assert list(stub.Tokenize(pb.TokenizeRequest(text="hello")).ids)
+
+
+def test_a_cache_salt_past_its_cap_is_invalid_argument(worker):
+    """A 3 MB salt was accepted (and hashed into the namespace); request_id had a cap, the salt none."""
+    with pytest.raises(grpc.RpcError) as err:
+        with grpc.insecure_channel(worker) as ch:
+            list(pb_grpc.WorkerStub(ch).Generate(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[1, 2, 3]), cache_salt="s" * 5000,
+                sampling=pb.SamplingParams(max_tokens=1)), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 1024" in err.value.details()

@@ -134,6 +134,7 @@ def check_prompt_size(request, max_model_len: int, where: str = "the model", why
     elif kind == "text":
         check_text_size(request.text, max_model_len, where, "prompt text", why)
     check_request_id(request.request_id)
+    check_cache_salt(request.cache_salt)
 
 
 #: Longest ``request_id`` accepted (characters); it is echoed in every streamed message.
@@ -149,6 +150,22 @@ def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are "
                              "accepted (or leave it empty for one the server makes)")
+
+
+#: Longest ``cache_salt`` accepted (characters). A salt only needs to be unguessable (vLLM's
+#: docs suggest 256 bits); it is hashed into every request's namespace root.
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(cache_salt: str) -> None:
+    """Refuse a ``cache_salt`` over `MAX_CACHE_SALT_CHARS` characters.
+
+    Raises:
+        InvalidRequest: too long.
+    """
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(f"cache_salt has {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS} are "
+                             "accepted (a random 43-character string holds 256 bits)")
 
 
 def check_text_size(text: str, max_model_len: int, where: str = "the model", what: str = "text",
