@@ -139,6 +139,36 @@ class DiskTier:
         #: leftover .tmp files removed at start (writes cut short by a crash)
         self.num_torn = 0
 
+    #: File naming the KV producer whose segments the folder holds (`adopt_producer`).
+    PRODUCER_NAME = ".kvmesh-producer"
+
+    def adopt_producer(self, tag: str) -> int:
+        """Empty the folder of segments another KV producer wrote (a volume moved to a node
+        with another GPU, an image with another torch), then record ``tag`` as the folder's.
+        Call before `scan`. Returns the segments deleted (0 when ``tag`` is "" or matches)."""
+        if not tag:
+            return 0
+        path = os.path.join(self.directory, self.PRODUCER_NAME)
+        try:
+            with open(path, encoding="ascii", errors="replace") as f:
+                theirs = f.read().strip()
+        except FileNotFoundError:
+            theirs = None
+        dropped = 0
+        if theirs is not None and theirs != tag:
+            for name in os.listdir(self.directory):
+                if _SEG_NAME.match(name):
+                    _unlink(os.path.join(self.directory, name))
+                    dropped += 1
+            log.warning("disk tier %s: dropped %d segment(s) written by another KV producer (%s, this worker is %s): "
+                        "their KV differs in low bits from what this worker computes", self.directory, dropped,
+                        theirs[:16], tag)
+        if theirs != tag:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with open(fd, "w", encoding="ascii") as f:
+                f.write(tag + "\n")
+        return dropped
+
     def release(self) -> None:
         """Give the directory up for another process (its lock; the files stay). Idempotent."""
         if self._lock_file is not None:
@@ -457,13 +487,25 @@ def _lock_directory(directory: str):
     Raises:
         ValueError: the lock is held (the message names the directory and the holder's pid).
     """
+    import errno
     import fcntl
 
     path = os.path.join(directory, LOCK_NAME)
-    f = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+", encoding="ascii", errors="replace")
+    try:  # never through a symlink planted in a shared folder
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise ValueError(f"disk_dir {directory}: cannot open its lock file {LOCK_NAME} ({exc.strerror}); give "
+                         "the worker a folder of its own") from None
+    f = open(fd, "r+", encoding="ascii", errors="replace")
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            # a file system without flock (some NFS and FUSE mounts): run unlocked, and say so
+            log.warning("disk tier %s: cannot lock the folder (%s); make sure no other worker uses it",
+                        directory, exc.strerror)
+            return f
+        f.seek(0)
         holder = f.read(32).strip() or "?"
         f.close()
         raise ValueError(f"disk_dir {directory} is in use by another worker (pid {holder}): two workers in one "

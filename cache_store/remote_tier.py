@@ -7,7 +7,7 @@ them.
 
 Redis keys (``C`` is the cluster name, ``H`` a block hash in lowercase hex; a worker's
 engine passes ``CLUSTER.TAG``, its KV producer's tag, so that workers whose kernels
-differ keep apart: ``cache_store.tier_config.TierConfig.remote_producer``)::
+differ keep apart: ``cache_store.tier_config.TierConfig.producer``)::
 
     kvmesh:C:kv:H      string  the encoded record (block_record.encode_record format)
     kvmesh:C:kv-lru    zset    member H, score = access stamp (higher = used more recently),
@@ -50,7 +50,7 @@ from the shared kv-clock when a block is stored, found present by a put, or
 returned by :meth:`RemoteTier.get_run`. Within one call the stamps decrease
 along the list given (the first block gets the highest), so of blocks used
 together the chain's tail is evicted before its head and what stays cached
-is a prefix. The cap is per cluster, not per worker: the first put stores its
+is a prefix. The cap is per cluster (per ``C``: cluster and KV producer), not per worker: the first put stores its
 writer's ``capacity_bytes`` in ``kv-cap`` and every put evicts down to that
 value; a worker configured differently logs a warning and follows the
 cluster's. An operator changes it with ``SET kvmesh:C:kv-cap <bytes>``.

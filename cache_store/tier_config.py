@@ -55,9 +55,10 @@ class TierConfig:
             records, see :mod:`cache_store.remote_tier`); 0 disables it.
         remote_codec: codec of the records this worker puts in the remote tier.
         remote_cluster: cluster name, the Redis key namespace.
-        remote_producer: tag of what computes the KV (`workers.model_identity.producer_tag`;
-            the engine sets it): records live under ``kvmesh:{cluster}.{tag}:``, so workers
-            on other hardware or kernels never load each other's blocks. "" for none.
+        producer: tag of what computes the KV (`workers.model_identity.producer_tag`;
+            the engine sets it): remote records live under ``kvmesh:{cluster}.{tag}:``, and
+            a disk folder whose segments another producer wrote is emptied at start, so
+            workers on other hardware or kernels never load each other's blocks. "" for none.
         remote_timeout_s: socket timeout of each Redis call of the remote tier
             (seconds); a slower Redis counts as a miss, never a long wait.
     """
@@ -76,7 +77,7 @@ class TierConfig:
     remote_bytes: int = 0
     remote_codec: str = "none"
     remote_cluster: str = "default"
-    remote_producer: str = ""
+    producer: str = ""
     remote_timeout_s: float = 1.0
 
     def validate(self) -> None:

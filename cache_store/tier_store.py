@@ -179,6 +179,7 @@ class TierStore:
         if config.disk_dir:
             self.disk = DiskTier(config.disk_dir, config.disk_bytes, self.block_shape, self.dtype_name,
                                  segment_bytes=config.segment_bytes, fsync=config.fsync)
+            self.disk.adopt_producer(config.producer)
             with self.lock:
                 metas = self.disk.scan()
                 self._emit_chains([m.block_hash for m in metas], [m.parent for m in metas],
@@ -189,6 +190,14 @@ class TierStore:
             self._io = ThreadPoolExecutor(self.IO_THREADS, thread_name_prefix="kvmesh-disk-io")
             self._writer = threading.Thread(target=self._write_loop, name="kvmesh-disk-writer", daemon=True)
             self._writer.start()
+        try:
+            self._start_remote(config)
+        except BaseException:  # the disk folder's lock and writer thread are not left behind
+            self.close()
+            raise
+        self.sources: list[_Source] = [src for make in SOURCES.values() if (src := make(self)) is not None]
+
+    def _start_remote(self, config: TierConfig) -> None:
         if config.remote_bytes:
             record = HEADER_BYTES + 4 * self.block_size + self.remote_codec.payload_bytes
             if config.remote_bytes < record:
@@ -198,7 +207,6 @@ class TierStore:
             self._remote_writer = threading.Thread(target=self._remote_loop, name="kvmesh-remote-writer",
                                                    daemon=True)
             self._remote_writer.start()
-        self.sources: list[_Source] = [src for make in SOURCES.values() if (src := make(self)) is not None]
 
     # -- helpers -------------------------------------------------------------------------
     def codec(self, name: str) -> KVCodec:
@@ -531,13 +539,16 @@ class TierStore:
         with self.lock:
             self._stop = True
             self._cv.notify_all()
+        writer_left = False
         for t in (self._writer, self._remote_writer):
             if t is not None:
                 t.join(timeout=timeout)
+                writer_left |= t is self._writer and t.is_alive()
         self._writer = self._remote_writer = None
         if self.disk is not None:
             self._io.shutdown(wait=False)
-            self.disk.release()
+            if not writer_left:  # a writer still at work keeps the folder (the process's exit frees it)
+                self.disk.release()
 
     # -- lookup and load (engine thread) ------------------------------------------------------
     def locate(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
@@ -1033,7 +1044,7 @@ def _connect_remote(config: TierConfig) -> RemoteTier:
     t = config.remote_timeout_s
     client = redis.Redis.from_url(config.remote_url, socket_timeout=t, socket_connect_timeout=t,
                                   retry=Retry(NoBackoff(), 0))  # one attempt: a failure is a miss
-    cluster = f"{config.remote_cluster}.{config.remote_producer}" if config.remote_producer else config.remote_cluster
+    cluster = f"{config.remote_cluster}.{config.producer}" if config.producer else config.remote_cluster
     return RemoteTier(client, config.remote_bytes, cluster=cluster)
 
 

@@ -197,17 +197,37 @@ def remove_stale_credentials(root: str, pattern: str = "kvmesh-logs-*") -> list[
     import glob
     import shutil
 
+    import stat
+
     removed = []
     for run_dir in glob.glob(os.path.join(root, pattern, "credentials")):
-        try:
-            if os.stat(run_dir).st_uid != os.getuid():
+        try:  # real folders of this user at both levels: never through a symlink someone planted
+            if not all(stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+                       for st in (os.lstat(os.path.dirname(run_dir)), os.lstat(run_dir))):
                 continue
-            with open(os.path.join(run_dir, OWNER_FILE)) as f:
+            with open(os.path.join(run_dir, OWNER_FILE), encoding="ascii") as f:
                 pid_text, started = f.read().split()[:2]
         except (OSError, ValueError):
             continue
-        if pid_text.isdigit() and _start_time(int(pid_text)) == started:
-            continue  # its `kvmesh up` still runs
+        if not pid_text.isdigit() or _owner_may_run(int(pid_text), started):
+            continue
         shutil.rmtree(run_dir, ignore_errors=True)
-        removed.append(run_dir)
+        if not os.path.exists(run_dir):
+            removed.append(run_dir)
     return removed
+
+
+def _owner_may_run(pid: int, started: str) -> bool:
+    """Whether the process a `mark_owner` file names may still run. Without /proc (no start
+    time recorded or readable) any live process of that pid counts, and so does one this user
+    may not signal: only a pid that is certainly gone lets a folder be deleted."""
+    now = _start_time(pid)
+    if now is not None and started != "?":
+        return now == started
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -207,10 +207,11 @@ class LocalCluster:
                     if stale:
                         log.info("removed the credentials of %d cluster(s) that were killed: %s", len(stale),
                                  ", ".join(stale))
-                self.credentials = creds.generate_cluster_credentials(self.spec.run_dir
-                                                                      or os.path.join(self.log_dir, "credentials"))
-                if self.spec.run_dir is None:
-                    creds.mark_owner(self.credentials.run_dir)
+                run_dir = self.spec.run_dir or os.path.join(self.log_dir, "credentials")
+                if self.spec.run_dir is None:  # marked before any key is written
+                    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+                    creds.mark_owner(run_dir)
+                self.credentials = creds.generate_cluster_credentials(run_dir)
             if self.credentials is not None and self.tls is None:
                 from kvmesh.workers.tls import TlsConfig
 

@@ -285,3 +285,18 @@ def test_a_directory_serves_one_tier_at_a_time(tmp_path):
     t.release()
     assert subprocess.run([sys.executable, "-c", code, root, str(tmp_path)]).returncode == 0
     new_tier(tmp_path)
+
+
+def test_segments_of_another_kv_producer_are_dropped_at_start(tmp_path):
+    """A disk folder moved to a node with another GPU, or reused by an image with another
+    torch: what it holds was computed by other kernels and would not equal this worker's
+    cold run. The folder records its producer; another one empties it before the scan."""
+    t = new_tier(tmp_path)
+    assert t.adopt_producer("aaaa0000") == 0
+    write(t, items(2, seed=7))
+    t2 = reopen(tmp_path)
+    assert t2.adopt_producer("aaaa0000") == 0 and len(t2.scan()) == 2  # same producer: kept
+    t3 = reopen(tmp_path)
+    assert t3.adopt_producer("bbbb1111") == 1 and t3.scan() == []  # another: dropped
+    t4 = reopen(tmp_path)
+    assert t4.adopt_producer("bbbb1111") == 0

@@ -126,8 +126,8 @@ class Engine:
         #: What computes this worker's KV (`model_identity.kv_producer`): KV is exchanged (remote
         #: tier, peer fetch) only between workers with equal producers.
         self.kv_producer = model_identity.kv_producer(str(self.device), self._attention_path())
-        if tiers is not None and tiers.enabled and tiers.remote_bytes:
-            tiers = dataclasses.replace(tiers, remote_producer=model_identity.producer_tag(self.kv_producer))
+        if tiers is not None and tiers.enabled:
+            tiers = dataclasses.replace(tiers, producer=model_identity.producer_tag(self.kv_producer))
         self.tiers = TierStore(self.kv_cache, tiers, event_sink) if tiers is not None and tiers.enabled else None
         offload = self.tiers.offload if self.tiers is not None and self.tiers.can_offload else None
         self.cache = PrefixCache(num_blocks, block_size, event_sink=event_sink, on_offload=offload)
