@@ -110,7 +110,11 @@ def test_kv_producer_names_device_instruction_set_torch_and_attention():
     from kvmesh.workers import model_identity
 
     p = model_identity.kv_producer("cpu", "C++ kernel (fp32 avx2)")
-    assert p == f"cpu {model_identity.cpu_isa()}, torch {torch.__version__}, C++ kernel (fp32 avx2)"
+    # everything that changes the kernels changes the producer; the same inputs give the same one
+    assert p == model_identity.kv_producer("cpu", "C++ kernel (fp32 avx2)")
+    assert p != model_identity.kv_producer("cpu", "torch SDPA")
+    assert p != model_identity.kv_producer("meta", "C++ kernel (fp32 avx2)")
+    assert torch.__version__ in p and model_identity.cpu_isa() in p
     assert model_identity.cpu_isa() in ("amx", "avx512bf16", "avx512", "avx2", "base")
     tag = model_identity.producer_tag(p)
     assert len(tag) == 8 and int(tag, 16) >= 0 and tag != model_identity.producer_tag(p + " ")
