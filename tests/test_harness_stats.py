@@ -285,12 +285,14 @@ def test_unreachable_target_raises(tmp_path):
 def test_cli_register_and_errors(tmp_path, capsys):
     import argparse
 
+    from kvmesh.bench.harness import arrival_from_args
+
     parser = argparse.ArgumentParser(prog="kvmesh")
     sub = parser.add_subparsers(dest="command")
     register(sub)
     args = parser.parse_args(["bench", "--target", "127.0.0.1:1", "--out", str(tmp_path), "--max-requests", "1",
                               "--no-progress"])
-    assert args.func is not None and args.tokens_per_block == 16 and args.concurrency == 4
+    assert args.func is not None and args.tokens_per_block == 16 and arrival_from_args(args).concurrency == 4
     assert args.trace.endswith("mooncake_conversation_sample.jsonl")
     with pytest.raises(SystemExit) as exc:  # an argparse error naming the flag
         bench_main(["--target", "127.0.0.1:1", "--trace", str(tmp_path / "missing.jsonl"),
