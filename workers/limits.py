@@ -139,6 +139,14 @@ def check_prompt_size(request, max_model_len: int, where: str = "the model", why
 
 #: Longest ``request_id`` accepted (characters); it is echoed in every streamed message.
 MAX_REQUEST_ID_CHARS = 256
+#: Longest ``cache_salt`` accepted (characters). A salt only needs to be unguessable (vLLM's
+#: docs suggest 256 bits); it is hashed into every request's namespace root.
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def _check_chars(value: str, name: str, cap: int, hint: str) -> None:
+    if len(value) > cap:
+        raise InvalidRequest(f"{name} has {len(value)} characters; at most {cap} are accepted ({hint})")
 
 
 def check_request_id(request_id: str) -> None:
@@ -147,14 +155,7 @@ def check_request_id(request_id: str) -> None:
     Raises:
         InvalidRequest: too long.
     """
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequest(f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are "
-                             "accepted (or leave it empty for one the server makes)")
-
-
-#: Longest ``cache_salt`` accepted (characters). A salt only needs to be unguessable (vLLM's
-#: docs suggest 256 bits); it is hashed into every request's namespace root.
-MAX_CACHE_SALT_CHARS = 1024
+    _check_chars(request_id, "request_id", MAX_REQUEST_ID_CHARS, "or leave it empty for one the server makes")
 
 
 def check_cache_salt(cache_salt: str) -> None:
@@ -163,9 +164,7 @@ def check_cache_salt(cache_salt: str) -> None:
     Raises:
         InvalidRequest: too long.
     """
-    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise InvalidRequest(f"cache_salt has {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS} are "
-                             "accepted (a random 43-character string holds 256 bits)")
+    _check_chars(cache_salt, "cache_salt", MAX_CACHE_SALT_CHARS, "a random 43-character string holds 256 bits")
 
 
 def check_text_size(text: str, max_model_len: int, where: str = "the model", what: str = "text",
