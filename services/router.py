@@ -231,9 +231,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 self.metrics.observe_decision(chosen, views, _attempt)
             self.index.add_speculative(chosen.worker_id, hashes, now, SPECULATIVE_TTL_S)
             prefill = len(ids) - chosen.matched_blocks * block_size
-            # only a holder whose KV the chosen worker's own kernels would compute bit for bit
-            producer = live.get(chosen.worker_id, {}).get("kv_producer")
-            holder = prefix_holder(chosen, [v for v in views if live.get(v.worker_id, {}).get("kv_producer") == producer])
+            holder = prefix_holder(chosen, same_producer(chosen, views, live))
             if holder is not None:
                 forward.prefix_location.CopyFrom(pb.PrefixLocation(
                     worker_id=holder.worker_id, address=holder.address, num_blocks=holder.matched_blocks))
@@ -339,6 +337,15 @@ def _client_details(exc: grpc.aio.AioRpcError) -> str:
                                                       or _ADDRESS.search(details)):
         return "the worker could not be reached"
     return details
+
+
+def same_producer(chosen: WorkerView, views: list[WorkerView], live: dict[str, dict]) -> list[WorkerView]:
+    """The views of workers whose leases name the chosen worker's KV producer
+    (`workers.model_identity.kv_producer`): the only holders it may fetch a prefix from, as
+    other kernels' KV differs in low bits from what its own cold run computes. Leases without
+    a producer (older workers) match each other only."""
+    producer = live.get(chosen.worker_id, {}).get("kv_producer")
+    return [v for v in views if live.get(v.worker_id, {}).get("kv_producer") == producer]
 
 
 def fitting_workers(live: dict[str, dict], num_tokens: int) -> dict[str, dict]:

@@ -531,3 +531,19 @@ def test_a_worker_that_cannot_be_reached_is_not_named_by_address():
     assert "37595" not in _client_details(Err(grpc.StatusCode.UNAVAILABLE, "Socket closed 10.0.0.7:50051"))
     own = "queue is full (512 requests waiting): retry later"
     assert _client_details(Err(grpc.StatusCode.RESOURCE_EXHAUSTED, own)) == own
+
+
+def test_a_prefix_is_fetched_only_from_a_holder_of_the_same_kv_producer():
+    """The router names a peer-fetch holder among workers whose kernels compute the chosen
+    worker's KV bit for bit: the deepest holder on other hardware is passed over."""
+    from kvmesh.services.policies import prefix_holder
+    from kvmesh.services.router import same_producer
+
+    live = {"cpu-a": {"kv_producer": "cpu avx2"}, "gpu": {"kv_producer": "cuda sm90"},
+            "cpu-b": {"kv_producer": "cpu avx2"}, "old": {}}
+    views = [WorkerView("cpu-a", "a:1", matched_blocks=0), WorkerView("gpu", "g:1", matched_blocks=9),
+             WorkerView("cpu-b", "b:1", matched_blocks=4), WorkerView("old", "o:1", matched_blocks=7)]
+    chosen = views[0]
+    assert prefix_holder(chosen, views).worker_id == "gpu"  # deepest overall
+    assert prefix_holder(chosen, same_producer(chosen, views, live)).worker_id == "cpu-b"
+    assert [v.worker_id for v in same_producer(views[3], views, live)] == ["old"]
