@@ -176,6 +176,10 @@ def test_the_tls_hint_is_for_refused_connections_not_for_streams_cut_short():
              "CERTIFICATE_VERIFY_FAILED")
     assert "not signed by --tls-ca" in connect_hint("UNAVAILABLE", stale)
     assert "closed the connection" not in connect_hint("UNAVAILABLE", stale)
+    # the HTTPS front's port: TLS works, HTTP/2 (ALPN h2) does not
+    alpn = ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Cannot check peer: "
+            "missing selected ALPN property.")
+    assert "--http-port" in connect_hint("UNAVAILABLE", alpn) and "gRPC --port" in connect_hint("UNAVAILABLE", alpn)
 
 
 def test_the_fuzzer_never_sends_a_key_in_clear(monkeypatch, capsys):
