@@ -148,11 +148,7 @@ def cpu_isa() -> str:
     """The widest matrix/vector instruction set this CPU offers torch's kernels: ``amx``,
     ``avx512bf16``, ``avx512``, ``avx2`` or ``base`` (Linux ``/proc/cpuinfo`` flags; ``base``
     elsewhere). Kernels for different sets sum in different orders."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((set(line.split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        flags = set()
+    flags = _cpu_flags()
     for flag, name in (("amx_bf16", "amx"), ("avx512_bf16", "avx512bf16"), ("avx512f", "avx512"), ("avx2", "avx2")):
         if flag in flags:
             return name
@@ -189,16 +185,18 @@ def producer_tag(producer: str) -> str:
     return hashlib.sha256(producer.encode()).hexdigest()[:8]
 
 
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX bf16 tiles (Linux ``/proc/cpuinfo`` flag ``amx_bf16``); False elsewhere."""
+def _cpu_flags() -> set[str]:
+    """The first ``flags`` line of Linux ``/proc/cpuinfo``; empty elsewhere."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_bf16" in line.split()
+            return next((set(line.split()) for line in f if line.startswith("flags")), set())
     except OSError:
-        pass
-    return False
+        return set()
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX bf16 tiles (Linux ``/proc/cpuinfo`` flag ``amx_bf16``); False elsewhere."""
+    return "amx_bf16" in _cpu_flags()
 
 
 #: ``auto`` computes in float32 only when a float32 GEMM is at least this many times as
