@@ -212,6 +212,18 @@ def _number(body: dict, name: str, default, lo: float | None = None, hi: float |
     return int(value) if integer else float(value)
 
 
+def _top_p(body: dict) -> float:
+    """``top_p`` in (0, 1] (as vLLM's ``SamplingParams``). 0 is refused rather than taken: the
+    wire format reads a top_p of 0 as 1 (nucleus sampling off), the opposite of what a client
+    asking for 0 means. Raises `HttpError` 400."""
+    value = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
+    if value == 0.0:
+        raise HttpError(400, "top_p must be in (0, 1]; 0 is not accepted (1 keeps every token, a small value "
+                             "such as 0.01 keeps only the likeliest; for greedy decoding send temperature 0)",
+                        param="top_p")
+    return value
+
+
 def _utf8(text: str, name: str) -> str:
     """``text`` if it encodes as UTF-8; JSON's ``\\ud800`` escapes decode to lone surrogates,
     which no tokenizer or protobuf string takes. Raises `HttpError` 400 naming ``name``."""
@@ -423,7 +435,7 @@ class HttpFront:
             sampling=pb.SamplingParams(
                 max_tokens=max_tokens,
                 temperature=_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
-                top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0),
+                top_p=_top_p(body),
                 seed=_number(body, "seed", 0, lo=0, hi=2**64 - 1, integer=True),
                 ignore_eos=ignore_eos),
             cache_salt=salt, return_text=True)

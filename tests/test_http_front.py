@@ -158,6 +158,7 @@ def _refused(path: str, body: dict | bytes, **kw) -> tuple[int, dict]:
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "a", "temperature": -1}, "temperature"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),  # the wire reads 0 as "off": taken, it would sample from every token
     ({"prompt": "a", "n": 2}, "n"),
     ({"prompt": "a", "logprobs": 2}, "logprobs"),
     ({"prompt": [1, -3]}, "prompt"),
