@@ -41,14 +41,19 @@ def _int_at_least(low: int, flag: str, below: int | None = None):
     return parse
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite IEEE 754 binary32 value
+
+
 def _temperature(text: str) -> float:
     """argparse type of ``generate --temperature``: a finite number >= 0 (0 = greedy)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--temperature takes a number, got {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"--temperature must be a finite number >= 0 (0 = greedy), got {text}")
+    # the wire format carries a float32: 1e308 would arrive as inf and be refused by the server
+    if not 0 <= value <= FLOAT32_MAX:
+        raise argparse.ArgumentTypeError(f"--temperature must be a finite number >= 0 (0 = greedy) that fits a "
+                                         f"32-bit float (at most {FLOAT32_MAX:.4g}), got {text}")
     return value
 
 
