@@ -276,6 +276,10 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def Status(self, request, context):
         if not self.gate.caller(context).is_peer:  # addresses and loads are for operators
+            if any(k == "authorization" for k, _ in context.invocation_metadata() or ()):
+                # a caller who sent a key learns that it is wrong, rather than a "withheld" that
+                # reads as success (the policy name stays public to anyone who sends none)
+                await self.gate.require_caller(context, "Status")
             return pb.RouterStatus(policy=self.policy_name, details_withheld=True)
         live = self.subscriber.live_workers()
         usable = self.compat.select(live).workers

@@ -479,6 +479,9 @@ def test_status_reads_the_client_env_that_up_prints(cluster, monkeypatch, capsys
     assert main(["status", "--target", cluster.router_address, "--timeout", "30"]) == 0
     table = capsys.readouterr().out
     assert "cluster peers only" in table and "--tls-cert" in table and "no live workers" not in table
+    # a wrong key is an error, not a "withheld" view that exits 0
+    assert main(["status", "--target", cluster.router_address, "--timeout", "30", "--api-key", "kvm-wrong"]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
     assert main(["status", "--target", cluster.router_address, "--json", "--timeout", "30",
                  "--tls-cert", creds.cert, "--tls-key", creds.key]) == 0
     import json
