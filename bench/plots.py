@@ -158,11 +158,33 @@ def write_plots(runs: Mapping[str, Sequence[dict]], out_dir: str | Path) -> list
 
 
 def load_records(run_dir: str | Path) -> tuple[str, list[dict]]:
-    """(policy, records) of a run folder: its result.json and requests.jsonl."""
+    """(policy, records) of a run folder: its result.json and requests.jsonl.
+
+    Raises:
+        OSError: a file is missing or unreadable.
+        ValueError: a file is not what `bench.harness` writes (not JSON, or not objects);
+            the message names the file and, for requests.jsonl, the line.
+    """
     run_dir = Path(run_dir)
-    result = json.loads((run_dir / "result.json").read_text(encoding="utf-8"))
-    records = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text(encoding="utf-8").splitlines()
-               if line.strip()]
+    path = run_dir / "result.json"
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(result, dict):
+        raise ValueError(f"{path}: expected a JSON object (a harness run's result.json), got {type(result).__name__}")
+    path = run_dir / "requests.jsonl"
+    records = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{lineno}: not JSON ({exc})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{lineno}: expected one JSON object per line, got {type(record).__name__}")
+        records.append(record)
     return str(result.get("policy") or run_dir.name), records
 
 

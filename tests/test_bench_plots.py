@@ -68,3 +68,18 @@ def test_plots_main_reads_run_folders(tmp_path, capsys):
     assert plots.main([str(tmp_path / "out")]) == 2
     assert plots.main([str(tmp_path / "out"), str(tmp_path / "missing")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_plots_main_names_the_bad_file_and_line(tmp_path, capsys):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "result.json").write_text("[1]")
+    (run / "requests.jsonl").write_text("")
+    assert plots.main([str(tmp_path / "out"), str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "result.json" in err and "JSON object" in err
+    (run / "result.json").write_text(json.dumps({"policy": "p"}))
+    (run / "requests.jsonl").write_text(json.dumps(_records(4, 2)[0]) + "\n{oops\n")
+    assert plots.main([str(tmp_path / "out"), str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "requests.jsonl:2" in err and "not JSON" in err
