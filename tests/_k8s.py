@@ -34,6 +34,8 @@ def render(overlay: str) -> list[dict]:
     out = subprocess.run([kubectl(), "kustomize", os.path.join(K8S, "overlays", overlay)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, f"kubectl kustomize {overlay} failed: {out.stderr}"
+    # kustomize warns of fields it will drop (bases, patchesStrategicMerge, ...): none may be used
+    assert "deprecated" not in out.stderr, f"kubectl kustomize {overlay} warns: {out.stderr}"
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
