@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -16,7 +15,7 @@ import uuid
 
 import grpc
 
-from kvmesh.services.security import add_client_args, add_server_args, client_channel, client_options, server_gate
+from kvmesh.services.security import add_client_args, add_server_args, client_options, server_gate
 from kvmesh.services.cli_checks import host_port, port_number, positive_float, positive_int
 
 
