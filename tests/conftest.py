@@ -41,3 +41,16 @@ def spawn_worker(tmp_path):
     yield start
     for p in procs:
         stop_process(p)
+
+
+def pytest_configure(config):
+    """``KVMESH_TEST_DEVICE`` naming a device torch cannot use stops the run (tests/_device.py)."""
+    from tests._device import DEVICE
+
+    if DEVICE != "cpu":
+        import torch
+
+        try:
+            torch.zeros(1, device=DEVICE)
+        except (RuntimeError, AssertionError) as exc:
+            raise pytest.UsageError(f"KVMESH_TEST_DEVICE={DEVICE!r} is not usable here: {exc}") from None

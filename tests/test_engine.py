@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvmesh.workers.engine import Engine
+from tests._device import DEVICE
 from kvmesh.workers.request import InvalidRequest, Overloaded, SamplingParams
 
 BS = 16
@@ -20,7 +21,7 @@ GREEDY = SamplingParams(max_tokens=12)
 
 @pytest.fixture(scope="module")
 def engine():
-    e = Engine(num_blocks=1024, block_size=BS).start()
+    e = Engine(device=DEVICE, num_blocks=1024, block_size=BS).start()
     yield e
     e.stop()
 
@@ -66,6 +67,28 @@ def test_outputs_are_not_degenerate(engine):
     """The built-in model must produce varied tokens, or token equality would prove little."""
     out = cold(engine, rand_prompt(random.Random(1), 40), SamplingParams(max_tokens=24))
     assert len(set(out["token_ids"])) >= 4
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="compares KVMESH_TEST_DEVICE with the CPU; set it to a GPU")
+def test_device_engine_matches_cpu_engine(engine):
+    """The same built-in weights on the test device and on the CPU (float32 both) give the
+    same greedy tokens, and first-token logits within float noise: the device's attention,
+    RoPE and sampling paths agree with the CPU's, cold and on a prefix hit."""
+    cpu = Engine(device="cpu", num_blocks=256, block_size=BS).start()
+    try:
+        for seed in range(6):
+            rng = random.Random(100 + seed)
+            prompt = rand_prompt(rng, rng.randrange(5, 300))
+            ref_logits, dev_logits, hit_logits = [], [], []
+            ref = run(cpu, prompt, logits=ref_logits)
+            dev = cold(engine, prompt, logits=dev_logits)
+            hit = run(engine, prompt, logits=hit_logits)
+            assert dev["token_ids"] == ref["token_ids"] == hit["token_ids"]
+            assert hit["usage"]["cached_tokens"] == BS * ((len(prompt) - 1) // BS)
+            assert max_diff([t.cpu() for t in dev_logits], ref_logits) < 1e-3
+            assert max_diff(hit_logits, dev_logits) < 1e-4
+    finally:
+        cpu.stop()
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -181,7 +204,7 @@ def test_bad_input_is_invalid_argument(engine, prompt, sampling, needle):
 
 
 def test_prompt_beyond_context_is_invalid():
-    e = Engine(num_blocks=64, block_size=BS, max_model_len=128)
+    e = Engine(device=DEVICE, num_blocks=64, block_size=BS, max_model_len=128)
     with pytest.raises(InvalidRequest, match="context"):
         e.submit([1] * 128, GREEDY, lambda o: None)
 
@@ -193,25 +216,25 @@ def test_max_model_len_above_the_models_context_is_refused():
 
     limit = ModelConfig.tiny().max_position_embeddings
     with pytest.raises(ValueError) as err:
-        Engine(num_blocks=8, block_size=BS, max_model_len=limit + 1)
+        Engine(device=DEVICE, num_blocks=8, block_size=BS, max_model_len=limit + 1)
     assert "max_model_len" in str(err.value) and str(limit) in str(err.value)
     blocks = -(-limit // BS)  # a pool that holds one request of the model's whole context
-    assert Engine(num_blocks=blocks, block_size=BS, max_model_len=limit).max_model_len == limit
-    assert Engine(num_blocks=blocks, block_size=BS).max_model_len == limit
+    assert Engine(device=DEVICE, num_blocks=blocks, block_size=BS, max_model_len=limit).max_model_len == limit
+    assert Engine(device=DEVICE, num_blocks=blocks, block_size=BS).max_model_len == limit
 
 
 def test_context_is_lowered_to_what_the_pool_holds():
     """A request that cannot fit the pool alone could only ever be refused, so the default
     context is lowered to the pool's tokens, and an explicit one the pool cannot hold is a
     start-up error naming both flags' fields and what would fit (as vLLM refuses at start)."""
-    e = Engine(num_blocks=8, block_size=BS)
+    e = Engine(device=DEVICE, num_blocks=8, block_size=BS)
     assert (e.max_model_len, e.pool_capped) == (8 * BS, True)
     with pytest.raises(InvalidRequest, match=f"at most {8 * BS - 1} tokens"):
         e.validate([1] * (8 * BS), GREEDY)
     e.validate([1] * (8 * BS - 1), SamplingParams(max_tokens=1000))  # output stops at the context
-    assert Engine(num_blocks=8, block_size=BS, max_model_len=8 * BS).pool_capped is False
+    assert Engine(device=DEVICE, num_blocks=8, block_size=BS, max_model_len=8 * BS).pool_capped is False
     with pytest.raises(ValueError) as err:
-        Engine(num_blocks=8, block_size=BS, max_model_len=8 * BS + 1)
+        Engine(device=DEVICE, num_blocks=8, block_size=BS, max_model_len=8 * BS + 1)
     msg = str(err.value)
     assert "num_blocks is 8" in msg and "at least 9" in msg and f"at most {8 * BS}" in msg
 
@@ -219,7 +242,7 @@ def test_context_is_lowered_to_what_the_pool_holds():
 def test_pressure_tiny_pool_never_crashes_and_matches_cold():
     """A 12-block pool, 8 concurrent requests of up to 6 blocks each: preemption and
     eviction must still give every request its cold-run tokens."""
-    e = Engine(num_blocks=12, block_size=BS, max_num_batched_tokens=64).start()
+    e = Engine(device=DEVICE, num_blocks=12, block_size=BS, max_num_batched_tokens=64).start()
     try:
         rng = random.Random(5)
         common = rand_prompt(rng, 40)
@@ -251,7 +274,7 @@ def test_pressure_tiny_pool_never_crashes_and_matches_cold():
 
 
 def test_queue_limit_is_overloaded():
-    e = Engine(num_blocks=64, block_size=BS, max_waiting=2)  # not started: nothing drains
+    e = Engine(device=DEVICE, num_blocks=64, block_size=BS, max_waiting=2)  # not started: nothing drains
     for _ in range(2):
         e.submit([1, 2, 3], GREEDY, lambda o: None)
     with pytest.raises(Overloaded, match="queue is full"):
@@ -288,8 +311,8 @@ def test_model_loading_runs_on_a_thread_that_exits_and_errors_come_back(monkeypa
     real = engine_mod.load_model
     monkeypatch.setattr(engine_mod, "load_model", lambda *a, **kw: seen.append(threading.current_thread())
                         or real(*a, **kw))
-    Engine(num_blocks=8)
+    Engine(device=DEVICE, num_blocks=8)
     assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
     monkeypatch.setattr(engine_mod, "load_model", real)
     with pytest.raises(ValueError, match="model directory not found"):  # raised on the loading thread
-        Engine(model_dir="/nonexistent-kvmesh-model", num_blocks=8)
+        Engine(device=DEVICE, model_dir="/nonexistent-kvmesh-model", num_blocks=8)

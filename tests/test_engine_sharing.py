@@ -8,6 +8,7 @@ import time
 import pytest
 
 from kvmesh.workers.engine import Engine
+from tests._device import DEVICE
 from kvmesh.workers.request import RequestOutput, SamplingParams
 from kvmesh.workers.scheduler import Scheduler
 
@@ -47,7 +48,7 @@ class _Collector:
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine(block_size=BLOCK, num_blocks=512, max_num_batched_tokens=1024)
+    eng = Engine(device=DEVICE, block_size=BLOCK, num_blocks=512, max_num_batched_tokens=1024)
     yield eng
     eng.stop()
 
@@ -102,7 +103,7 @@ def _long_and_short(threshold: int) -> tuple[_Collector, _Collector, int]:
     (the step then running, or the next one). Waits are counted in engine steps, not seconds,
     so a busy machine slows every step alike and cannot change the outcome.
     """
-    eng = Engine(block_size=BLOCK, num_blocks=256, max_num_batched_tokens=512,
+    eng = Engine(device=DEVICE, block_size=BLOCK, num_blocks=256, max_num_batched_tokens=512,
                  long_prefill_token_threshold=threshold)
     try:
         rng = random.Random(14)

@@ -21,6 +21,7 @@ from kvmesh.cache_store.events import AllBlocksCleared, BlockRemoved, BlockStore
 from kvmesh.cache_store.hashing import hash_blocks
 from kvmesh.cache_store.tier_store import TierConfig
 from kvmesh.workers.engine import Engine
+from tests._device import DEVICE
 from kvmesh.workers.request import SamplingParams
 
 BS = 16
@@ -69,7 +70,7 @@ def events():
 def disk_engine(tmp_path_factory, events):
     """Host + disk (write-through) tiers; a 64-block device pool."""
     d = tmp_path_factory.mktemp("disk")
-    e = Engine(num_blocks=64, block_size=BS, event_sink=events.append,
+    e = Engine(device=DEVICE, num_blocks=64, block_size=BS, event_sink=events.append,
                tiers=TierConfig(host_bytes=48 * BLOCK_BYTES, disk_dir=str(d), disk_bytes=64 << 20,
                                 peer_bytes=0)).start()
     e.disk_dir = str(d)
@@ -141,7 +142,7 @@ def test_restart_reindexes_disk_and_hit_equals_cold(disk_engine, tmp_path):
 
     shutil.copytree(e.disk_dir, tmp_path / "copy")
     seen = []
-    e2 = Engine(num_blocks=64, block_size=BS, event_sink=seen.append,
+    e2 = Engine(device=DEVICE, num_blocks=64, block_size=BS, event_sink=seen.append,
                 tiers=TierConfig(host_bytes=16 * BLOCK_BYTES, disk_dir=str(tmp_path / "copy"), disk_bytes=64 << 20,
                                  peer_bytes=0)).start()
     try:
@@ -206,7 +207,7 @@ def test_events_snapshot_and_clear(disk_engine, events):
 
 def test_host_capacity_and_lru(tmp_path):
     seen = []
-    e = Engine(num_blocks=32, block_size=BS, event_sink=seen.append,
+    e = Engine(device=DEVICE, num_blocks=32, block_size=BS, event_sink=seen.append,
                tiers=TierConfig(host_bytes=10 * BLOCK_BYTES + 100, peer_bytes=0)).start()
     try:
         a, b = rand_prompt(7, 97), rand_prompt(8, 97)  # 6 cached blocks each
@@ -225,7 +226,7 @@ def test_host_capacity_and_lru(tmp_path):
 
 
 def test_write_back_reaches_disk_only_on_host_eviction(tmp_path):
-    e = Engine(num_blocks=32, block_size=BS,
+    e = Engine(device=DEVICE, num_blocks=32, block_size=BS,
                tiers=TierConfig(host_bytes=8 * BLOCK_BYTES, disk_dir=str(tmp_path), disk_bytes=64 << 20,
                                 write_mode="back", peer_bytes=0)).start()
     try:
@@ -251,7 +252,7 @@ def test_compressed_host_hit_within_documented_error(codec):
     documented bound, and wherever the exact top-2 gap exceeds twice that bound the greedy
     token cannot flip, so it must equal the exact one."""
     bound = DOCUMENTED_MAX_LOGIT_DIFF[codec]
-    e = Engine(num_blocks=128, block_size=BS, tiers=TierConfig(host_bytes=64 << 20, host_codec=codec,
+    e = Engine(device=DEVICE, num_blocks=128, block_size=BS, tiers=TierConfig(host_bytes=64 << 20, host_codec=codec,
                                                                  peer_bytes=0)).start()
     try:
         for seed, n in [(11, 64), (12, 300)]:
@@ -270,7 +271,7 @@ def test_compressed_host_hit_within_documented_error(codec):
 
 
 def test_compressed_disk_tier_within_documented_error(tmp_path):
-    e = Engine(num_blocks=64, block_size=BS,
+    e = Engine(device=DEVICE, num_blocks=64, block_size=BS,
                tiers=TierConfig(host_bytes=32 * BLOCK_BYTES, disk_dir=str(tmp_path), disk_bytes=64 << 20,
                                 disk_codec="fp8", peer_bytes=0)).start()
     try:
@@ -290,7 +291,7 @@ def test_compressed_disk_tier_within_documented_error(tmp_path):
 def test_pressure_with_tiers_matches_cold(tmp_path):
     """A 14-block device pool, host and disk tiers, 6 concurrent requests sharing a prefix:
     preemption, eviction, offload and loads interleave; every request gets its cold tokens."""
-    e = Engine(num_blocks=14, block_size=BS, max_num_batched_tokens=64,
+    e = Engine(device=DEVICE, num_blocks=14, block_size=BS, max_num_batched_tokens=64,
                tiers=TierConfig(host_bytes=24 * BLOCK_BYTES, disk_dir=str(tmp_path), disk_bytes=64 << 20,
                                 peer_bytes=0)).start()
     try:
@@ -333,7 +334,7 @@ def test_bad_tier_config_is_rejected():
          "remote_codec"),
     ]:
         with pytest.raises(ValueError, match=needle):
-            Engine(num_blocks=8, block_size=BS, tiers=cfg)
+            Engine(device=DEVICE, num_blocks=8, block_size=BS, tiers=cfg)
 
 
 def test_cli_tier_flags(capsys):

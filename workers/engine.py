@@ -673,7 +673,8 @@ def sample_token(logits: torch.Tensor, sampling: SamplingParams, generator: torc
 
     Greedy (argmax) when temperature is 0; otherwise softmax(logits / temperature),
     restricted to the smallest set of tokens whose probability reaches top_p (nucleus
-    sampling, Holtzman et al. 2020), drawn with the request's own generator. The logits
+    sampling, Holtzman et al. 2020), drawn with the request's own generator, on its device
+    (the CPU, whatever ``logits``' device). The logits
     are shifted by their maximum before scaling, in float64, so a tiny temperature turns
     into greedy instead of overflowing.
 
@@ -685,6 +686,9 @@ def sample_token(logits: torch.Tensor, sampling: SamplingParams, generator: torc
         raise FloatingPointError("model produced NaN logits")
     if sampling.temperature <= 0 or generator is None:
         return int(torch.argmax(logits).item())
+    # drawn where the request's generator lives (the CPU): one row of logits is copied from a
+    # GPU, and a seed gives the same draw on CPU and GPU workers
+    logits = logits.to(generator.device)
     shifted = logits.double() - logits.max().double()
     probs = torch.softmax(shifted / sampling.temperature, dim=-1)
     if 0.0 < sampling.top_p < 1.0:
