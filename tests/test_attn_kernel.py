@@ -269,7 +269,7 @@ def test_fused_residual_add_and_norm_equal_the_separate_ops():
         s, n = torch.ops.kvmesh.add_rms_norm_bf16(x, y, w, 1e-5)
         assert torch.equal(s, x + y)
         assert torch.equal(n, torch.ops.kvmesh.rms_norm_bf16(x + y, w, 1e-5))
-    with pytest.raises(RuntimeError, match="y must be bf16 of x's shape"):
+    with pytest.raises(RuntimeError, match=r"y must be bf16 of x's shape BFloat16 \[33, 70\], got BFloat16 \[33, 5\]"):
         torch.ops.kvmesh.add_rms_norm_bf16(x, y[:, :5], w, 1e-5)
 
     from kvmesh.bench.peer_engine import model_config
@@ -319,7 +319,7 @@ def test_fused_silu_mul_matches_torch():
     assert torch.equal(torch.isnan(out), torch.isnan(ref)), (out, ref)
     r, o = ref.float().nan_to_num(posinf=1e38), out.float().nan_to_num(posinf=1e38)
     assert ((o - r).abs() <= r.abs() * 2.0 ** -7).all(), (out, ref)
-    with pytest.raises(RuntimeError, match=r"bf16 \[T, 2I\]"):
+    with pytest.raises(RuntimeError, match=r"bf16 \[T, 2I\], got BFloat16 \[4, 7\]"):
         torch.ops.kvmesh.silu_mul_bf16(torch.zeros(4, 7, dtype=torch.bfloat16))
 
 
@@ -381,9 +381,9 @@ def test_fused_rope_refuses_bad_arguments():
     cs = torch.ones(4, 1, 16, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="share memory"):
         torch.ops.kvmesh.rope_bf16_(torch.ones(1, 1, 16, dtype=torch.bfloat16).expand(4, 2, 16), cs, cs)
-    with pytest.raises(RuntimeError, match="even"):
+    with pytest.raises(RuntimeError, match="even for rotate-half RoPE, got 15"):
         torch.ops.kvmesh.rope_bf16_(torch.zeros(4, 2, 15, dtype=torch.bfloat16), cs[..., :15], cs[..., :15])
-    with pytest.raises(RuntimeError, match=r"\[T, D\] or \[T, 1, D\]"):
+    with pytest.raises(RuntimeError, match=r"\[T, D\] or \[T, 1, D\] with T = 4 and D = 16, got BFloat16 \[4, 2, 8\]"):
         torch.ops.kvmesh.rope_bf16_(x, torch.ones(4, 2, 8, dtype=torch.bfloat16), cs)
     empty = torch.zeros(0, 2, 16, dtype=torch.bfloat16)
     torch.ops.kvmesh.rope_bf16_(empty, cs[:0], cs[:0])  # nothing to do, no error

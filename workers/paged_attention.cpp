@@ -43,6 +43,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <tuple>
@@ -1156,6 +1157,30 @@ static void rms_row(const c10::BFloat16* xr, const c10::BFloat16* wp, c10::BFloa
   }
 }
 
+// Error text for a number or a tensor's dtype and shape ("BFloat16 [33, 5]"), made with
+// snprintf. Messages here never stream numbers: std::ostream's number output, instantiated in
+// this library from the compiler's headers, crashed (SIGSEGV in basic_ostream::_M_insert<long>)
+// in a process that had loaded an older libstdc++ than those headers (g++ 13.3 against
+// torch 2.11's Python image on an H200 host). Streaming plain strings works there.
+struct Text {
+  char s[192];
+};
+
+static Text num_text(int64_t v) {
+  Text t;
+  std::snprintf(t.s, sizeof t.s, "%lld", static_cast<long long>(v));
+  return t;
+}
+
+static Text tensor_text(const at::Tensor& x) {
+  Text t;
+  int n = std::snprintf(t.s, sizeof t.s, "%s [", c10::toString(x.scalar_type()));
+  for (int64_t d = 0; d < x.dim() && n > 0 && n < static_cast<int>(sizeof t.s); ++d)
+    n += std::snprintf(t.s + n, sizeof t.s - n, d ? ", %lld" : "%lld", static_cast<long long>(x.size(d)));
+  if (n > 0 && n < static_cast<int>(sizeof t.s)) std::snprintf(t.s + n, sizeof t.s - n, "]");
+  return t;
+}
+
 static void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, op, ": bf16 only");
   TORCH_CHECK(x.dim() >= 1 && w.numel() == x.size(-1), op, ": weight size differs from the last dim");
@@ -1181,7 +1206,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x_in, con
                                                      const at::Tensor& w_in, double eps) {
   check_norm_args("add_rms_norm_bf16", x_in, w_in);
   TORCH_CHECK(y_in.scalar_type() == at::kBFloat16 && y_in.sizes() == x_in.sizes(),
-              "add_rms_norm_bf16: y must be bf16 of x's shape ", x_in.sizes(), ", got ", y_in.sizes());
+              "add_rms_norm_bf16: y must be bf16 of x's shape ", tensor_text(x_in).s, ", got ",
+              tensor_text(y_in).s);
   const at::Tensor x = x_in.contiguous(), y = y_in.contiguous(), w = w_in.contiguous();
   const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(H, 1);
   at::Tensor sum = at::empty_like(x, x.options().memory_format(at::MemoryFormat::Contiguous));
@@ -1210,7 +1236,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x_in, con
 // torch's bf16 silu_ then mul_; silu(g) = g / (1 + e^-g) in fp32 (e^-g from vexp2).
 at::Tensor silu_mul_bf16(const at::Tensor& gu_in) {
   TORCH_CHECK(gu_in.scalar_type() == at::kBFloat16 && gu_in.dim() == 2 && gu_in.size(1) % 2 == 0,
-              "silu_mul_bf16: gu must be bf16 [T, 2I], got ", gu_in.scalar_type(), " ", gu_in.sizes());
+              "silu_mul_bf16: gu must be bf16 [T, 2I], got ", tensor_text(gu_in).s);
   const at::Tensor gu = gu_in.stride(1) == 1 ? gu_in : gu_in.contiguous();
   const int64_t T = gu.size(0), I = gu.size(1) / 2, s0 = gu.stride(0);
   at::Tensor out = at::empty({T, I}, gu.options().memory_format(at::MemoryFormat::Contiguous));
@@ -1250,11 +1276,11 @@ void rope_bf16_(at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_i
   TORCH_CHECK(at::has_internal_overlap(x) != at::MemOverlap::Yes,
               "rope_bf16_: x has elements that share memory (e.g. an expanded tensor); pass a real tensor");
   const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
-  TORCH_CHECK(D % 2 == 0, "rope_bf16_: head_dim must be even for rotate-half RoPE, got ", D);
+  TORCH_CHECK(D % 2 == 0, "rope_bf16_: head_dim must be even for rotate-half RoPE, got ", num_text(D).s);
   for (const at::Tensor* t : {&cos_in, &sin_in})
     TORCH_CHECK((t->dim() == 2 || (t->dim() == 3 && t->size(1) == 1)) && t->size(0) == T && t->size(-1) == D,
-                "rope_bf16_: cos and sin must be [T, D] or [T, 1, D] with T = ", T, " and D = ", D,
-                ", got ", t->sizes());
+                "rope_bf16_: cos and sin must be [T, D] or [T, 1, D] with T = ", num_text(T).s, " and D = ",
+                num_text(D).s, ", got ", tensor_text(*t).s);
   if (T == 0 || NH == 0) return;
   const at::Tensor c = cos_in.reshape({T, D}).contiguous();
   const at::Tensor sn = sin_in.reshape({T, D}).contiguous();
