@@ -8,6 +8,8 @@ fresh random tokens), so machine noise hits both alike; every figure is the medi
 rounds, and every ratio is kvmesh / vLLM (below 1 means kvmesh is faster for times, above 1
 faster for throughputs). Without the peer the ratios are null and kvmesh's own figures are
 printed.
+``--device cuda`` runs kvmesh's engine on a GPU (kvmesh alone: the peer is vLLM's CPU
+build), its fp32 check still against HF transformers on the CPU.
 
 Model shape (issue 12): vocab 4096, hidden 512, intermediate 1376, 8 layers, 8 query / 2 KV
 heads, head dim 64, bf16, block size 32, ``--threads`` torch threads (default 2).
@@ -80,10 +82,10 @@ def model_config(dtype: str = "bfloat16"):
 class KvmeshSide:
     """kvmesh's `Engine` in this process; times are the engine's own (ms)."""
 
-    def __init__(self, model_dir: str, num_blocks: int):
+    def __init__(self, model_dir: str, num_blocks: int, device: str = "cpu"):
         from kvmesh.workers.engine import Engine
 
-        self.engine = Engine(model_dir=model_dir, block_size=BLOCK_SIZE, num_blocks=num_blocks,
+        self.engine = Engine(model_dir=model_dir, device=device, block_size=BLOCK_SIZE, num_blocks=num_blocks,
                              max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=64).start()
 
     def ttft_ms(self, ids: list[int]) -> float:
@@ -260,8 +262,9 @@ def _ratio(a: list[float], b: list[float] | None) -> float | None:
     return round(statistics.median(x / y for x, y in zip(a, b) if y > 0), 4)
 
 
-def fp32_equal(model_dir: str, num_prompts: int, new_tokens: int = 8, seed: int = 1) -> str:
-    """Greedy tokens of kvmesh's float32 engine vs HF transformers on ``num_prompts`` prompts.
+def fp32_equal(model_dir: str, num_prompts: int, new_tokens: int = 8, seed: int = 1, device: str = "cpu") -> str:
+    """Greedy tokens of kvmesh's float32 engine (on ``device``) vs HF transformers (on the
+    CPU) on ``num_prompts`` prompts.
 
     Returns ``"N/M"``: prompts whose ``new_tokens`` greedy tokens are all equal.
     """
@@ -277,7 +280,7 @@ def fp32_equal(model_dir: str, num_prompts: int, new_tokens: int = 8, seed: int 
     fp32_dir = tempfile.mkdtemp(prefix="kvmesh-fp32-")
     try:
         hf.save_pretrained(fp32_dir, safe_serialization=True)
-        eng = Engine(model_dir=fp32_dir, block_size=BLOCK_SIZE, num_blocks=256,
+        eng = Engine(model_dir=fp32_dir, device=device, block_size=BLOCK_SIZE, num_blocks=256,
                      max_num_batched_tokens=MAX_BATCHED_TOKENS).start()
         rng = random.Random(seed)
         equal = 0
@@ -300,8 +303,10 @@ def fp32_equal(model_dir: str, num_prompts: int, new_tokens: int = 8, seed: int 
 
 
 def run(vllm_python: str | None = None, rounds: int = 3, threads: int = 2, cold_lengths=COLD_LENGTHS,
-        fp32_prompts: int = 20, kv_gib: int = 2, seed: int = 0, freeze_peer: bool = True) -> dict:
-    """Run every scenario; returns the JSON-ready figures (see the module docstring)."""
+        fp32_prompts: int = 20, kv_gib: int = 2, seed: int = 0, freeze_peer: bool = True,
+        device: str = "cpu") -> dict:
+    """Run every scenario; returns the JSON-ready figures (see the module docstring).
+    ``device`` is kvmesh's torch device; the peer, vLLM's CPU build, is only run on "cpu"."""
     import torch
 
     from kvmesh.workers.loader import save_tiny_checkpoint
@@ -320,7 +325,7 @@ def run(vllm_python: str | None = None, rounds: int = 3, threads: int = 2, cold_
 
     run_on_fresh_thread(lambda: save_tiny_checkpoint(model_dir, model_config(), seed=seed))
     longest = max(max(cold_lengths), HIT_TOKENS, DECODE_REQUESTS * (DECODE_PROMPT + DECODE_OUTPUT))
-    ours = KvmeshSide(model_dir, num_blocks=4 * longest // BLOCK_SIZE + 256)
+    ours = KvmeshSide(model_dir, num_blocks=4 * longest // BLOCK_SIZE + 256, device=device)
     peer = VllmSide(vllm_python, model_dir, threads, kv_gib) if vllm_python else None
     sides = [("kvmesh", ours)] + ([("vllm", peer)] if peer else [])
     fig: dict[str, dict[str, list[float]]] = {}
@@ -380,7 +385,7 @@ def run(vllm_python: str | None = None, rounds: int = 3, threads: int = 2, cold_
         ours.close()
         if peer is not None:
             peer.close()
-    equal = fp32_equal(model_dir, fp32_prompts) if fp32_prompts else None
+    equal = fp32_equal(model_dir, fp32_prompts, device=device) if fp32_prompts else None
     import shutil
 
     shutil.rmtree(model_dir, ignore_errors=True)
@@ -414,6 +419,7 @@ def run(vllm_python: str | None = None, rounds: int = 3, threads: int = 2, cold_
         },
         "rounds": rounds,
         "threads": threads,
+        "device": device,
         "peer_frozen_during_kvmesh": bool(peer is not None and freeze_peer),
     }
 
@@ -429,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated cold prompt lengths in tokens (default 512,2048,8191)")
     ap.add_argument("--fp32-prompts", type=int, default=20, help="prompts of the fp32 HF check (0 = skip; default 20)")
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 2)")
+    ap.add_argument("--device", default="cpu",
+                    help="kvmesh's torch device: cpu or cuda[:N] (default cpu; the vLLM peer needs cpu)")
     ap.add_argument("--no-freeze-peer", action="store_true",
                     help="leave the vLLM server running (idle) during kvmesh's turns (default: stopped with SIGSTOP)")
     args = ap.parse_args(argv)
@@ -442,8 +450,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
         ap.error(f"--vllm-python {args.vllm_python!r} is not an executable python")
+    if args.vllm_python and args.device != "cpu":
+        ap.error(f"--vllm-python runs vLLM's CPU build: compare it with --device cpu, not {args.device!r}")
+    try:
+        import torch
+
+        torch.zeros(1, device=args.device)
+    except (RuntimeError, AssertionError) as exc:
+        ap.error(f"--device {args.device!r} is not usable here: {exc}")
     out = run(args.vllm_python, args.rounds, args.threads, lengths, args.fp32_prompts, args.vllm_kv_gib,
-              freeze_peer=not args.no_freeze_peer)
+              freeze_peer=not args.no_freeze_peer, device=args.device)
     if args.json:
         print(json.dumps(out))
     else:

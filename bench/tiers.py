@@ -40,6 +40,9 @@ this is a measurement, not a test). ``block_bytes`` / ``large_block_bytes`` are 
 sizes measured and ``copy_bytes`` the bytes per copy (bytes). Everything runs on the
 engine's device: on a CPU-only machine "device" memory is host memory too, so
 ``d2h_gbps`` measures the tier's bookkeeping and gather against a plain memcpy.
+``--device cuda`` puts the pool and engine on a GPU: then ``d2h_gbps`` is the tier's
+device->host path into its page-locked slab and ``raw_memcpy_gbps`` one copy of the same
+bytes from device memory into page-locked host memory.
 """
 from __future__ import annotations
 
@@ -67,14 +70,39 @@ TARGETS = {
 }
 
 
+def _sync() -> None:
+    """Wait for queued CUDA work (copies run asynchronously there); nothing on a CPU-only run."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _timed(fn) -> float:
+    _sync()
     t0 = time.perf_counter()
     fn()
+    _sync()
     return time.perf_counter() - t0
 
 
-def bench_copies(repeats: int = 7, blocks: int = BLOCKS, directory: str | None = None) -> dict:
-    """d2h vs memcpy, host->disk vs raw file writes, codec encode rates."""
+def _host_buffers(n: int, dtype, device: str):
+    """(src, dst) of ``n`` elements for the memcpy baseline: on a CPU run two host buffers;
+    with a GPU the device->host copy the tier makes, device memory into page-locked memory."""
+    import torch
+
+    if device == "cpu":
+        src = torch.empty(n, dtype=dtype).normal_()
+        dst = torch.empty_like(src)
+    else:
+        src = torch.empty(n, dtype=dtype, device=device).normal_()
+        dst = torch.empty(n, dtype=dtype, pin_memory=True)
+    dst.copy_(src)
+    return src, dst
+
+
+def bench_copies(repeats: int = 7, blocks: int = BLOCKS, directory: str | None = None, device: str = "cpu") -> dict:
+    """d2h vs memcpy, host->disk vs raw file writes, codec encode rates; the pool on ``device``."""
     import torch
 
     from kvmesh.cache_store.kv_codec import make_codec
@@ -84,7 +112,7 @@ def bench_copies(repeats: int = 7, blocks: int = BLOCKS, directory: str | None =
 
     cfg = ModelConfig.tiny()
     pool_blocks = 2 * blocks
-    kv = allocate_kv_cache(cfg, pool_blocks, BLOCK_SIZE, "cpu", torch.float32)
+    kv = allocate_kv_cache(cfg, pool_blocks, BLOCK_SIZE, device, torch.float32)
     kv.normal_()
     block_bytes = kv[0].numel() * kv.element_size()
     nbytes = blocks * block_bytes
@@ -92,9 +120,8 @@ def bench_copies(repeats: int = 7, blocks: int = BLOCKS, directory: str | None =
     ids = rng.sample(range(pool_blocks), blocks)
     evicted = _evicted_chains(ids, rng)
 
-    src = torch.randn(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+    src, dst = _host_buffers(nbytes // 4, torch.float32, device)
+    disk_src = dst if device == "cpu" else torch.randn(nbytes // 4)
     events: list = []  # the KV events a worker would publish, built as in a worker
     host_only = TierStore(kv, TierConfig(host_bytes=nbytes, peer_bytes=0), events.append)
     host_only.offload(evicted)  # first touch of the slab pages
@@ -108,7 +135,7 @@ def bench_copies(repeats: int = 7, blocks: int = BLOCKS, directory: str | None =
     counter = iter(range(1 << 30))
 
     def raw_disk() -> float:
-        return _raw_file_write(os.path.join(base, f"raw-{next(counter)}.bin"), src.numpy().view("u1"))
+        return _raw_file_write(os.path.join(base, f"raw-{next(counter)}.bin"), disk_src.numpy().view("u1"))
 
     def tier_disk() -> float:
         d = os.path.join(base, f"tier-{next(counter)}")
@@ -136,6 +163,8 @@ def bench_copies(repeats: int = 7, blocks: int = BLOCKS, directory: str | None =
     sample = kv[torch.tensor(ids[:256])]
     sample_bytes = sample.numel() * sample.element_size()
     codecs = {name: make_codec(name, tuple(kv.shape[1:]), kv.dtype) for name in ("fp8", "int4")}
+    for c in codecs.values():
+        c.encode(sample)  # first call: kernels load / compile
     enc = {name: min(_timed(lambda c=c: c.encode(sample)) for _ in range(repeats)) for name, c in codecs.items()}
     gb = 1e9
     out = {
@@ -149,7 +178,7 @@ def bench_copies(repeats: int = 7, blocks: int = BLOCKS, directory: str | None =
         "fp8_encode_gbps": round(sample_bytes / enc["fp8"] / gb, 3),
         "int4_encode_gbps": round(sample_bytes / enc["int4"] / gb, 3),
     }
-    out.update(_d2h_large_blocks(repeats))
+    out.update(_d2h_large_blocks(repeats, device=device))
     out["d2h_over_memcpy"] = _median_ratio(t_raw, t_d2h)
     out["offload_over_memcpy"] = _median_ratio(t_raw_o, t_off)
     out["h2disk_over_raw_disk"] = _median_ratio(raw_disk_times, disk_times)
@@ -172,7 +201,7 @@ def _evicted_chains(block_ids: list[int], rng: random.Random, chain_blocks: int 
     return out
 
 
-def _d2h_large_blocks(repeats: int, blocks: int = 32) -> dict:
+def _d2h_large_blocks(repeats: int, blocks: int = 32, device: str = "cpu") -> dict:
     """d2h against memcpy with a real model's block: Llama-3-8B (32 layers, 8 KV heads of 128,
     bf16) at block size 16 is 2 MiB per block, so per-block bookkeeping weighs far less than
     with the built-in model's 64 KiB blocks."""
@@ -180,7 +209,7 @@ def _d2h_large_blocks(repeats: int, blocks: int = 32) -> dict:
 
     from kvmesh.cache_store.tier_store import TierConfig, TierStore
 
-    kv = torch.empty((2 * blocks, 32, 2, 8, BLOCK_SIZE, 128), dtype=torch.bfloat16).normal_()
+    kv = torch.empty((2 * blocks, 32, 2, 8, BLOCK_SIZE, 128), dtype=torch.bfloat16, device=device).normal_()
     block_bytes = kv[0].numel() * kv.element_size()
     nbytes = blocks * block_bytes
     rng = random.Random(1)
@@ -188,9 +217,7 @@ def _d2h_large_blocks(repeats: int, blocks: int = 32) -> dict:
     events: list = []
     store = TierStore(kv, TierConfig(host_bytes=nbytes, peer_bytes=0), events.append)
     store.offload(evicted)
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16).normal_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+    src, dst = _host_buffers(nbytes // 2, torch.bfloat16, device)
     d2h, offload = _copy_and_offload(store, evicted, events)
     raw = lambda: _timed(lambda: dst.copy_(src))  # noqa: E731
     t_raw, t_d2h = _paired(raw, d2h, 3 * repeats)
@@ -212,9 +239,12 @@ def _copy_and_offload(store, evicted: list, events: list):
 
     def copy() -> float:
         store.clear()
+        _sync()
         t0 = time.perf_counter()
         slots, _, _ = host.reserve(len(block_ids))
-        host.store(store.kv_cache, block_ids, slots)
+        done = host.store(store.kv_cache, block_ids, slots)
+        if done is not None:  # a CUDA event: the copy is asynchronous
+            done.synchronize()
         elapsed = time.perf_counter() - t0
         host.release(slots)
         return elapsed
@@ -272,7 +302,8 @@ def _drop_page_cache(store) -> None:
             os.close(fd)
 
 
-def bench_ttft(rounds: int = 5, seed: int = 0, directory: str | None = None, on_round=None) -> dict:
+def bench_ttft(rounds: int = 5, seed: int = 0, directory: str | None = None, on_round=None,
+               device: str = "cpu") -> dict:
     """TTFT of a 2,048-token prompt, cold and with 1,792 tokens cached on each tier.
     ``on_round()`` is called after each round (progress)."""
     from kvmesh.cache_store.tier_store import TierConfig
@@ -280,7 +311,7 @@ def bench_ttft(rounds: int = 5, seed: int = 0, directory: str | None = None, on_
     from kvmesh.workers.request import SamplingParams
 
     base = directory or tempfile.mkdtemp(prefix="kvmesh-bench-ttft-")
-    engine = Engine(num_blocks=(3 * PROMPT_TOKENS) // BLOCK_SIZE + 64, block_size=BLOCK_SIZE,
+    engine = Engine(device=device, num_blocks=(3 * PROMPT_TOKENS) // BLOCK_SIZE + 64, block_size=BLOCK_SIZE,
                     max_num_batched_tokens=PROMPT_TOKENS,
                     tiers=TierConfig(host_bytes=256 << 20, disk_dir=os.path.join(base, "disk"),
                                      disk_bytes=1 << 30, peer_bytes=0)).start()
@@ -400,6 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="TTFT rounds (median)")
     parser.add_argument("--dir", default=None, help="directory for the disk measurements (default: a temp dir)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    parser.add_argument("--device", default="cpu",
+                        help="torch device of the pool and engine: cpu or cuda[:N] (default cpu)")
+    parser.add_argument("--no-remote", action="store_true",
+                        help="skip the remote-tier TTFT (it starts a redis-server)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
     from kvmesh.bench.progress import StepProgress
@@ -411,11 +446,14 @@ def main(argv: list[str] | None = None) -> int:
     # units: the copy figures count as --repeats, each TTFT round as one
     with StepProgress("bench.tiers", args.repeats + 2 * args.rounds, enabled=not args.no_progress) as bar:
         bar.step("copies and codecs")
-        results = bench_copies(args.repeats, directory=args.dir)
+        results = bench_copies(args.repeats, directory=args.dir, device=args.device)
         bar.advance(args.repeats, step="TTFT: device, host, disk")
-        results.update(bench_ttft(args.rounds, directory=args.dir, on_round=lambda: bar.advance(1)))
-        bar.step("TTFT: remote")
-        results.update(bench_ttft_remote(args.rounds, on_round=lambda: bar.advance(1)))
+        results.update(bench_ttft(args.rounds, directory=args.dir, on_round=lambda: bar.advance(1),
+                                  device=args.device))
+        if not args.no_remote:
+            bar.step("TTFT: remote")
+            results.update(bench_ttft_remote(args.rounds, on_round=lambda: bar.advance(1)))
+    results["device"] = args.device
     results["targets"] = check_targets(results)
     if args.json:
         print(json.dumps(results))
