@@ -30,10 +30,11 @@ def test_check_targets_reports_met_and_missed():
 @pytest.mark.slow
 def test_main_prints_one_json_object_with_ttfts(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tiers, "BLOCKS", 32)
-    monkeypatch.setattr(tiers, "bench_copies", lambda repeats, directory=None: {})
+    monkeypatch.setattr(tiers, "bench_copies", lambda repeats, directory=None, device="cpu": {})
     assert tiers.main(["--json", "--rounds", "1", "--dir", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ttft_cold_ms"] > out["ttft_device_ms"] > 0
     for tier in ("device", "host", "disk", "remote"):
         assert 0 < out[f"ttft_{tier}_over_cold"] < 1
     assert set(out["targets"]) == set(tiers.TARGETS)
+    assert out["device"] == "cpu"
