@@ -118,6 +118,9 @@ class HostTier:
         self._on_disk = bytearray(n)
         self._ready: list[object] = [None] * n
         self._origin: list[str | None] = [None] * n  # medium credited, when not the tier's own
+        # loss rank (`kv_codec.loss_rank`) of the KV each slot was stored from: lossy when the
+        # block was loaded into the pool from a compressed tier or record before it came here
+        self._loss = bytearray(n)
 
     # -- queries ---------------------------------------------------------------
     def __len__(self) -> int:
@@ -134,6 +137,11 @@ class HostTier:
         """A view of the entry for ``block_hash``, or None."""
         slot = self.entries.get(block_hash)
         return None if slot is None else self.view(slot)
+
+    def loss_rank(self, slot: int) -> int:
+        """Loss rank of the KV in ``slot``: the highest of the codecs it went through before
+        it was stored here and of this tier's own codec (`kv_codec.loss_rank`)."""
+        return max(self._loss[slot], self.codec.loss_rank)
 
     def view(self, slot: int) -> HostEntry:
         """A view of the block last stored in ``slot`` (also after it was removed while pinned).
@@ -307,7 +315,8 @@ class HostTier:
         self.insert_many([block], [slot], ready)
 
     def insert_many(self, blocks: Sequence[BlockIdentity], slots: Sequence[int], ready: object = None,
-                    hashes: Sequence[bytes] | None = None, checked: bool = False, origin: str | None = None) -> None:
+                    hashes: Sequence[bytes] | None = None, checked: bool = False, origin: str | None = None,
+                    loss: Sequence[int] | None = None) -> None:
         """Add blocks on reserved slots (same order), most recently used last; nothing changes on error.
 
         Args:
@@ -319,6 +328,8 @@ class HostTier:
                 (skips those checks; the slot check still runs).
             origin: the medium these blocks are credited to when loaded, when
                 not the tier's own (a staging area holds blocks from several).
+            loss: per block, the loss rank of the KV stored (`kv_codec.loss_rank`;
+                None: all exact); see :meth:`loss_rank`.
 
         Raises:
             ValueError: a hash is present or repeated, a slot was not reserved,
@@ -327,8 +338,9 @@ class HostTier:
         owner, index = self._owner, self.entries
         if hashes is None:
             hashes = [b.block_hash for b in blocks]
-        if len(slots) != len(hashes):
-            raise ValueError(f"{len(hashes)} blocks for {len(slots)} slots")
+        if len(slots) != len(hashes) or (loss is not None and len(loss) != len(hashes)):
+            raise ValueError(f"{len(hashes)} blocks for {len(slots)} slots" +
+                             ("" if loss is None else f" and {len(loss)} loss ranks"))
         if not checked and (len(set(hashes)) != len(hashes) or not index.keys().isdisjoint(hashes)):
             raise ValueError("a block is already present or repeated")
         runs = list(_runs(slots))
@@ -339,6 +351,7 @@ class HostTier:
             owner[s0:s0 + k] = hashes[pos:pos + k]
             blk[s0:s0 + k] = blocks[pos:pos + k]
             on_disk[s0:s0 + k] = bytes(k)
+            self._loss[s0:s0 + k] = bytes(k) if loss is None else bytes(loss[pos:pos + k])
             if ready is not None or self._ready_used:
                 ready_of[s0:s0 + k] = [ready] * k
             if origin is not None or self._origin_used:

@@ -36,7 +36,8 @@ from typing import ClassVar
 
 import torch
 
-__all__ = ["KVCodec", "CODECS", "register_codec", "make_codec", "NoneCodec", "Fp8Codec", "Int4Codec"]
+__all__ = ["KVCodec", "CODECS", "register_codec", "make_codec", "loss_rank", "codec_of_rank", "NoneCodec",
+           "Fp8Codec", "Int4Codec"]
 
 #: Registered codecs by name.
 CODECS: dict[str, type["KVCodec"]] = {}
@@ -55,6 +56,28 @@ def register_codec(cls: type["KVCodec"]) -> type["KVCodec"]:
         raise ValueError(f"codec name {name!r} already registered by {CODECS[name].__name__}")
     CODECS[name] = cls
     return cls
+
+
+def loss_rank(name: str) -> int:
+    """The registered codec ``name``'s ``loss_rank`` (0: exact).
+
+    Raises:
+        KeyError: unknown codec.
+    """
+    return CODECS[name].loss_rank
+
+
+def codec_of_rank(rank: int) -> str:
+    """The name of the codec with ``loss_rank`` ``rank``: what a block whose KV went
+    through codecs up to that rank is labelled and stored as.
+
+    Raises:
+        KeyError: no codec has that rank.
+    """
+    for name, cls in CODECS.items():
+        if cls.loss_rank == rank:
+            return name
+    raise KeyError(f"no codec has loss rank {rank}")
 
 
 def make_codec(name: str, block_shape: tuple[int, ...], dtype: torch.dtype) -> "KVCodec":
@@ -82,10 +105,14 @@ class KVCodec(ABC):
         payload_bytes: bytes of one encoded block.
         block_bytes: bytes of one block in the pool dtype.
         exact: True if ``decode(encode(x)) == x`` bit for bit.
+        loss_rank: 0 for the exact codec; lossy codecs rank by their documented error
+            (docs/TIERS.md): a block whose KV went through several codecs carries the
+            highest rank among them (`lossiest`).
     """
 
     name: ClassVar[str]
     exact: ClassVar[bool] = False
+    loss_rank: ClassVar[int] = 0
 
     def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype):
         if len(block_shape) != 5 or block_shape[1] != 2 or any(
@@ -166,6 +193,7 @@ class Fp8Codec(KVCodec):
     """FP8 E4M3 values with a float32 scale per (layer, K/V, KV head) of each block."""
 
     name = "fp8"
+    loss_rank = 1
 
     def _payload_bytes(self) -> int:
         layers, two, heads = self.block_shape[:3]
@@ -198,6 +226,7 @@ class Int4Codec(KVCodec):
     """Symmetric int4, two values per byte, a float32 scale per group along ``head_dim``."""
 
     name = "int4"
+    loss_rank = 2
     #: Values per scale group along head_dim (when it divides head_dim).
     GROUP_SIZE = 32
 

@@ -72,7 +72,7 @@ from kvmesh.cache_store.disk_tier import DiskEntry, DiskTier, SegmentReadError
 from kvmesh.cache_store.events import BlockRemoved, BlockStored
 from kvmesh.cache_store.fresh_thread import run_on_fresh_thread
 from kvmesh.cache_store.host_tier import HostTier
-from kvmesh.cache_store.kv_codec import CODECS, KVCodec, make_codec
+from kvmesh.cache_store.kv_codec import CODECS, KVCodec, codec_of_rank, loss_rank, make_codec
 from kvmesh.cache_store.prefix_cache import EvictedBlock
 from kvmesh.cache_store.remote_tier import RemoteTier
 from kvmesh.cache_store.tier_config import WRITE_MODES, TierConfig
@@ -122,6 +122,10 @@ class _Source:
     def release(self, handles: list) -> None:
         """Undo what :meth:`find` holds (pins) for handles that will not be loaded."""
 
+    def loss_ranks(self, handles: list) -> list[int]:
+        """The loss rank (`kv_codec.loss_rank`) of each handle's KV once loaded."""
+        raise NotImplementedError
+
 
 class TierStore:
     """Host, disk and peer-staging tiers of one worker, fed from its device pool.
@@ -153,6 +157,12 @@ class TierStore:
         #: own tier flags accept. A block another worker wrote to the shared remote tier (or
         #: a peer exported) in another codec is a miss: it would change this worker's outputs.
         self.accepted_codecs = frozenset({"none", config.host_codec, config.disk_codec, config.remote_codec})
+        #: per device-pool row, the loss rank (`kv_codec.loss_rank`) of the KV it holds: set
+        #: when a block is loaded from a tier or record, cleared when the row is computed
+        #: (`mark_computed`). Offloads and exports carry it on, so a block decoded from a
+        #: lossy codec is never passed on as exact (records are labelled and stored in the
+        #: lossiest codec the KV went through).
+        self.row_loss = bytearray(kv_cache.shape[0])
         on_cuda = kv_cache.device.type == "cuda"
         self.host = (HostTier(config.host_bytes, self.codec(config.host_codec), pin_memory=on_cuda)
                      if config.host_bytes > 0 else None)
@@ -224,6 +234,18 @@ class TierStore:
         if self._sink is not None and hashes:
             self._sink(BlockRemoved(list(hashes), medium))
 
+    def mark_computed(self, block_ids: Sequence[int]) -> None:
+        """Pool rows ``block_ids`` are about to hold KV computed here (exact): see ``row_loss``."""
+        row_loss = self.row_loss
+        for b in block_ids:
+            row_loss[b] = 0
+
+    def _record_codec(self, slot: int, codec: KVCodec) -> KVCodec:
+        """The codec a record of host ``slot`` is stored and labelled in when its tier's codec
+        is ``codec``: the lossiest of ``codec``, the host tier's and the KV's history."""
+        rank = max(self.host.loss_rank(slot), codec.loss_rank)
+        return codec if rank == codec.loss_rank else self.codec(codec_of_rank(rank))
+
     @property
     def can_offload(self) -> bool:
         return self.host is not None
@@ -266,7 +288,10 @@ class TierStore:
             block_ids, hashes, parents, tokens, _ = zip(*fresh)  # columns, built once
             ready = host.store(self.kv_cache, block_ids, slots)
             # checked: fresh holds distinct hashes (the pool's) that are not in the host tier
-            host.insert_many(fresh, slots, ready, hashes=hashes, checked=True)
+            row_loss = self.row_loss
+            loss = [row_loss[b] for b in block_ids]
+            loss = loss if any(loss) else None
+            host.insert_many(fresh, slots, ready, hashes=hashes, checked=True, loss=loss)
             self._emit_chains(hashes, parents, tokens, "host")
             if self.disk is not None and self.config.write_mode == "through":
                 self._queue_writes(slots, fresh, ready)
@@ -492,14 +517,14 @@ class TierStore:
     def _records(self, batch: list[_WriteJob], codec: KVCodec) -> list[tuple[RecordMeta, object]]:
         """``(meta, payload)`` in ``codec`` for each job's (pinned) host slot, checksummed."""
         host = self.host
-        same = host.codec.name == codec.name
         items = []
         for job in batch:
             if job.ready is not None:
                 job.ready.synchronize()
-            payload = (host.payload_bytes_view(job.slot) if same
-                       else self._transcode(host.codec, host.payload(job.slot), codec))
-            items.append((RecordMeta(job.block_hash, job.parent_hash, job.token_bytes, codec.name, self.dtype_name,
+            c = self._record_codec(job.slot, codec)  # lossy KV is never labelled exact
+            payload = (host.payload_bytes_view(job.slot) if c.name == host.codec.name
+                       else self._transcode(host.codec, host.payload(job.slot), c))
+            items.append((RecordMeta(job.block_hash, job.parent_hash, job.token_bytes, c.name, self.dtype_name,
                                      self.block_shape, len(payload), checksum(payload)), payload))
         return items
 
@@ -619,8 +644,12 @@ class TierStore:
         with self.lock:
             pos = 0
             runs = list(_runs_by_source(located))
+            row_loss = self.row_loss
             for r, (src, handles) in enumerate(runs):
-                ok = src.load(handles, block_ids[pos:pos + len(handles)])
+                rows = block_ids[pos:pos + len(handles)]
+                for row, rank in zip(rows, src.loss_ranks(handles)):
+                    row_loss[row] = rank
+                ok = src.load(handles, rows)
                 media.extend(loc.medium for loc in located[pos:pos + ok])
                 if ok < len(handles):
                     self.stats_counters["load_failures"] += 1
@@ -798,7 +827,8 @@ class TierStore:
             rows = peer.codec.encode(decoded[fresh])
             for row, slot in zip(rows, slots):
                 peer.slab[slot].copy_(row)
-            peer.insert_many([blocks[i][0] for i in fresh], slots, origin=None if origin == peer.medium else origin)
+            peer.insert_many([blocks[i][0] for i in fresh], slots, origin=None if origin == peer.medium else origin,
+                             loss=[loss_rank(blocks[i][0].codec) for i in fresh])
             return len(fresh)
 
     def _decode_into(self, metas: Sequence[RecordMeta], payloads: Sequence[object], block_ids: Sequence[int]) -> None:
@@ -858,7 +888,8 @@ class TierStore:
     def export(self, hashes: Sequence[bytes], start: int) -> list[tuple[RecordMeta, bytes]]:
         """Records for ``hashes[start:]`` held in the host or disk tier, in order, stopping at the first gap.
 
-        Payloads keep their tier's codec; checksums are computed here for host blocks.
+        Payloads keep their tier's codec, or the lossier one their KV went through before
+        (`_record_codec`); checksums are computed here for host blocks.
         """
         out: list[tuple[RecordMeta, bytes]] = []
         with self.lock:
@@ -868,8 +899,9 @@ class TierStore:
                 if e is not None:
                     if e.ready is not None:
                         e.ready.synchronize()
-                    payload = bytes(self.host.payload_bytes_view(e.slot))
-                    c = self.host.codec
+                    c = self._record_codec(e.slot, self.host.codec)
+                    payload = (bytes(self.host.payload_bytes_view(e.slot)) if c.name == self.host.codec.name
+                               else bytes(self._transcode(self.host.codec, self.host.payload(e.slot), c)))
                     out.append((RecordMeta(h, e.parent_hash, e.token_bytes, c.name, self.dtype_name,
                                            self.block_shape, len(payload), checksum(payload)), payload))
                     continue
@@ -992,6 +1024,9 @@ class _HostSource(_Source):
         return e, e.origin, host_meta(e.block_hash, e.parent_hash, e.token_bytes, c.name, s.dtype_name,
                                       s.block_shape, c.payload_bytes)
 
+    def loss_ranks(self, handles):
+        return [self.tier.loss_rank(e.slot) for e in handles]
+
     def load(self, handles, block_ids):
         self.tier.load(self.store.kv_cache, [e.slot for e in handles], block_ids)
         for e in handles:
@@ -1020,6 +1055,9 @@ class _DiskSource(_Source):
         if d is None:
             return None
         return d, "disk", d.meta
+
+    def loss_ranks(self, handles: list[DiskEntry]):
+        return [loss_rank(d.meta.codec) for d in handles]
 
     def load(self, handles: list[DiskEntry], block_ids):
         s = self.store

@@ -28,6 +28,7 @@ from kvmesh.cache_store.block_record import ZERO_HASH, RecordMeta, checksum, dty
 from kvmesh.cache_store.events import MEDIUMS
 from kvmesh.cache_store.fresh_thread import run_on_fresh_thread
 from kvmesh.cache_store.hashing import Namespace, hash_blocks
+from kvmesh.cache_store.kv_codec import codec_of_rank
 from kvmesh.cache_store.prefix_cache import PrefixCache
 from kvmesh.cache_store.tier_store import TierConfig, TierStore
 from kvmesh.workers import limits, model_identity
@@ -435,7 +436,9 @@ class Engine:
         """Records of the leading run of ``block_hashes`` this worker holds (device, host or disk).
 
         Device blocks are copied out under the engine lock in the pool dtype (codec
-        ``none``); host and disk blocks keep their tier's codec. The run stops at the
+        ``none``), or, when their KV was loaded from a lossy codec, in that codec (so a peer
+        that accepts only exact KV misses them); host and disk blocks keep their tier's
+        codec or the lossier one their KV went through. The run stops at the
         first block not held, or whose parent in the device index is not the previous
         hash (``parent`` for the first block, when ``check_first_parent``). Thread-safe.
 
@@ -455,9 +458,15 @@ class Engine:
                 parent = node.parent.block_hash if node.parent is not None else None
                 if parent != prev and (i > 0 or check_first_parent):
                     break
-                payload = self.kv_cache[node.value].cpu().contiguous().view(torch.uint8).numpy().tobytes()
-                out.append((RecordMeta(h, parent or ZERO_HASH, node.tokens, "none", dt, shape, len(payload),
-                                       checksum(payload)), payload))
+                rank = self.tiers.row_loss[node.value] if self.tiers is not None else 0
+                if rank:  # loaded from a lossy codec: passed on in it, never as exact
+                    codec = self.tiers.codec(codec_of_rank(rank))
+                    payload = codec.encode(self.kv_cache[node.value:node.value + 1])[0].cpu().numpy().tobytes()
+                else:
+                    codec = None
+                    payload = self.kv_cache[node.value].cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                out.append((RecordMeta(h, parent or ZERO_HASH, node.tokens, codec.name if codec else "none", dt,
+                                       shape, len(payload), checksum(payload)), payload))
                 prev = h
         if self.tiers is not None and len(out) < len(block_hashes):
             rest = self.tiers.export(block_hashes, len(out))

@@ -293,6 +293,8 @@ class Scheduler:
         new = self.cache.allocate(need, req.namespace.tenant or None)
         if new is None:
             return False
+        if self.tiers is not None:  # computed here: exact, whatever the rows held before
+            self.tiers.mark_computed(new)
         req.block_table.extend(new)
         return True
 
