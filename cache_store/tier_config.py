@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["WRITE_MODES", "BUILTIN_CODECS", "TierConfig"]
+__all__ = ["WRITE_MODES", "LOAD_POLICIES", "BUILTIN_CODECS", "TierConfig"]
 
 #: Codecs `cache_store.kv_codec` registers on import; a name among these is valid
 #: without importing the registry (which imports torch).
@@ -28,6 +28,9 @@ def _codec_names(name: str):
 
 #: How blocks reach the disk tier.
 WRITE_MODES = ("through", "back")
+
+#: When a block found in a lower tier is loaded rather than recomputed.
+LOAD_POLICIES = ("auto", "cost", "always")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,13 @@ class TierConfig:
             workers on other hardware or kernels never load each other's blocks. "" for none.
         remote_timeout_s: socket timeout of each Redis call of the remote tier
             (seconds); a slower Redis counts as a miss, never a long wait.
+        load_policy: ``"cost"``: a request stops loading from a lower tier at the first
+            block whose tier has measured slower per block than the worker's prefill
+            computes one (`TierStore.load_seconds_per_block` against the engine's
+            prefill rate), and computes the rest; ``"always"``: load every block found;
+            ``"auto"`` (default): ``"cost"`` for a pool on a GPU, where a small model's
+            prefill can beat a disk read, ``"always"`` on the CPU, where every tier
+            measured several times faster than prefill (docs/TIERS.md).
     """
 
     host_bytes: int = 0
@@ -79,6 +89,7 @@ class TierConfig:
     remote_cluster: str = "default"
     producer: str = ""
     remote_timeout_s: float = 1.0
+    load_policy: str = "auto"
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -91,6 +102,8 @@ class TierConfig:
             known = _codec_names(getattr(self, name))
             if getattr(self, name) not in known:
                 raise ValueError(f"{name} {getattr(self, name)!r} is not one of {', '.join(sorted(known))}")
+        if self.load_policy not in LOAD_POLICIES:
+            raise ValueError(f"load_policy must be one of {LOAD_POLICIES}, got {self.load_policy!r}")
         if self.write_mode not in WRITE_MODES:
             raise ValueError(f"write_mode must be one of {WRITE_MODES}, got {self.write_mode!r}")
         if self.disk_dir:

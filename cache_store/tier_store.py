@@ -163,6 +163,12 @@ class TierStore:
         #: lossy codec is never passed on as exact (records are labelled and stored in the
         #: lossiest codec the KV went through).
         self.row_loss = bytearray(kv_cache.shape[0])
+        #: per source kind ("host", "peer", "disk"), an EWMA of the wall seconds one block
+        #: took to load into the pool (read, verify, decode, copy); unset until measured
+        self.load_seconds_per_block: dict[str, float] = {}
+        #: `TierConfig.load_policy` with "auto" resolved for this pool's device
+        self.load_policy = (config.load_policy if config.load_policy != "auto"
+                            else "cost" if kv_cache.device.type == "cuda" else "always")
         on_cuda = kv_cache.device.type == "cuda"
         self.host = (HostTier(config.host_bytes, self.codec(config.host_codec), pin_memory=on_cuda)
                      if config.host_bytes > 0 else None)
@@ -179,7 +185,7 @@ class TierStore:
         self._writer: threading.Thread | None = None
         self.stats_counters = {"offloaded": 0, "offload_skipped": 0, "writes_skipped": 0, "write_errors": 0,
                                "segments_written": 0, "loaded": 0, "load_failures": 0,
-                               "remote_puts_skipped": 0, "remote_put_errors": 0}
+                               "remote_puts_skipped": 0, "remote_put_errors": 0, "loads_not_worth_it": 0}
         self.remote: RemoteTier | None = None
         self.remote_codec = self.codec(config.remote_codec)
         self._rjobs: deque[_WriteJob] = deque()
@@ -233,6 +239,41 @@ class TierStore:
     def _emit_removed(self, hashes: list[bytes], medium: str) -> None:
         if self._sink is not None and hashes:
             self._sink(BlockRemoved(list(hashes), medium))
+
+    #: Weight of the newest sample in ``load_seconds_per_block``.
+    LOAD_COST_ALPHA = 0.25
+
+    def _note_load_cost(self, kind: str, seconds: float) -> None:
+        old = self.load_seconds_per_block.get(kind)
+        self.load_seconds_per_block[kind] = seconds if old is None else old + self.LOAD_COST_ALPHA * (seconds - old)
+
+    def worth_loading(self, located: list[Located], compute_seconds_per_block: float | None) -> int:
+        """How many leading blocks of ``located`` to load under ``load_policy``.
+
+        ``"cost"``: up to the first block whose source has measured slower per block
+        (``load_seconds_per_block``) than ``compute_seconds_per_block``, the worker's
+        prefill time for one block's tokens; a source not measured yet, or no prefill
+        estimate, loads. Every ``PROBE_EVERY``-th cut is skipped, so that a tier that got
+        faster (a warm page cache, a quieter disk) is measured again. Cut blocks are
+        counted in ``stats_counters["loads_not_worth_it"]``.
+        """
+        n = len(located)
+        if self.load_policy != "cost" or not compute_seconds_per_block or not n:
+            return n
+        costs = self.load_seconds_per_block
+        for i, loc in enumerate(located):
+            cost = costs.get(loc.source.kind)
+            if cost is not None and cost > compute_seconds_per_block:
+                self._cuts += 1
+                if self._cuts % self.PROBE_EVERY == 0:
+                    return n
+                self.stats_counters["loads_not_worth_it"] += n - i
+                return i
+        return n
+
+    #: One in this many cuts by `worth_loading` loads anyway (a fresh measurement).
+    PROBE_EVERY = 16
+    _cuts = 0
 
     def mark_computed(self, block_ids: Sequence[int]) -> None:
         """Pool rows ``block_ids`` are about to hold KV computed here (exact): see ``row_loss``."""
@@ -649,7 +690,10 @@ class TierStore:
                 rows = block_ids[pos:pos + len(handles)]
                 for row, rank in zip(rows, src.loss_ranks(handles)):
                     row_loss[row] = rank
+                t0 = time.perf_counter()
                 ok = src.load(handles, rows)
+                if ok:
+                    self._note_load_cost(src.kind, (time.perf_counter() - t0) / ok)
                 media.extend(loc.medium for loc in located[pos:pos + ok])
                 if ok < len(handles):
                     self.stats_counters["load_failures"] += 1

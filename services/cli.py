@@ -105,6 +105,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--disk-write-mode", choices=("through", "back"), default="through",
                    help="through: write each block to disk as it enters the host tier (default; survives a "
                         "restart); back: only when the host tier evicts it")
+    t.add_argument("--tier-load-policy", choices=("auto", "cost", "always"), default="auto",
+                   help="cost: load a cached block from a lower tier only while that tier has measured faster "
+                        "than recomputing it (a disk slower than a GPU's prefill is skipped); always: load "
+                        "whatever is found; auto (default): cost with --device cuda, always on the CPU")
     t.add_argument("--remote-bytes", type=parse_bytes, default=0,
                    help="share blocks through the cluster's Redis (--redis-url), capped at this many bytes for "
                         "the whole cluster (default 0: off; needs --host-bytes)")
@@ -176,6 +180,7 @@ def tier_config(args: argparse.Namespace):
 
     return TierConfig(host_bytes=args.host_bytes, host_codec=args.host_codec, disk_dir=args.disk_dir,
                       disk_bytes=args.disk_bytes, disk_codec=args.disk_codec, write_mode=args.disk_write_mode,
+                      load_policy=args.tier_load_policy,
                       peer_bytes=args.peer_bytes, remote_bytes=args.remote_bytes, remote_codec=args.remote_codec,
                       remote_url=getattr(args, "redis_url", None), remote_cluster=getattr(args, "cluster", "default"))
 

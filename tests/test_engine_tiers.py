@@ -320,12 +320,64 @@ def test_pressure_with_tiers_matches_cold(tmp_path):
         e.stop()
 
 
+def test_auto_load_policy_weighs_costs_on_a_gpu_only(disk_engine):
+    assert disk_engine.tiers.config.load_policy == "auto"
+    assert disk_engine.tiers.load_policy == ("cost" if DEVICE.startswith("cuda") else "always")
+
+
+def test_a_tier_slower_than_prefill_is_skipped_then_probed(tmp_path):
+    """Under the "cost" load policy a disk measured slower per block than the prefill is not
+    read: the request computes those blocks (outputs equal cold); every PROBE_EVERY-th cut
+    reads anyway and refreshes the estimate; "always" reads whatever it costs."""
+    e = Engine(device=DEVICE, num_blocks=64, block_size=BS,
+               tiers=TierConfig(host_bytes=48 * BLOCK_BYTES, disk_dir=str(tmp_path), disk_bytes=64 << 20,
+                                peer_bytes=0, load_policy="cost")).start()
+    try:
+        prompt = rand_prompt(41, 150)
+        ref, ref_logits = cold(e, prompt)
+        blocks = cap_blocks(prompt)
+
+        def disk_only():
+            to_host(e)
+            e.drop_host_tier()
+
+        run(e, prompt + [7])
+        disk_only()
+        out, _ = run(e, prompt)  # measured: this disk is faster than this CPU's prefill
+        assert out["usage"]["cached_tokens_by_tier"]["disk"] == BS * blocks
+        assert e.tier_stats()["loads_not_worth_it"] == 0
+
+        slow = 10.0  # injected: a disk that took 10 s per block
+        e.tiers.load_seconds_per_block["disk"] = slow
+        disk_only()
+        out, logits = run(e, prompt)
+        assert out["usage"]["cached_tokens"] == 0
+        assert out["token_ids"] == ref["token_ids"] and max_diff(logits, ref_logits) < 1e-4
+        assert e.tier_stats()["loads_not_worth_it"] == blocks
+
+        disk_only()
+        e.tiers._cuts = e.tiers.PROBE_EVERY - 1  # the next cut is a probe
+        out, logits = run(e, prompt)
+        assert out["usage"]["cached_tokens_by_tier"]["disk"] == BS * blocks
+        assert out["token_ids"] == ref["token_ids"]
+        assert e.tiers.load_seconds_per_block["disk"] < slow  # measured again
+
+        e.tiers.load_seconds_per_block["disk"] = slow
+        e.tiers.load_policy = "always"
+        disk_only()
+        out, _ = run(e, prompt)
+        assert out["usage"]["cached_tokens_by_tier"]["disk"] == BS * blocks
+    finally:
+        e.stop()
+
+
 def test_bad_tier_config_is_rejected():
     for cfg, needle in [
         (TierConfig(host_bytes=0, disk_dir="/tmp/x", disk_bytes=1 << 20), "host tier"),
         (TierConfig(host_bytes=1 << 20, disk_dir="/tmp/x"), "disk_bytes"),
         (TierConfig(host_bytes=1 << 20, host_codec="zstd"), "host_codec"),
         (TierConfig(host_bytes=1 << 20, write_mode="sometimes"), "write_mode"),
+        (TierConfig(host_bytes=1 << 20, load_policy="never"), "load_policy"),
         (TierConfig(host_bytes=-1), "host_bytes"),
         (TierConfig(host_bytes=1 << 20, remote_bytes=1 << 20), "remote_url"),
         (TierConfig(remote_bytes=1 << 20, remote_url="redis://127.0.0.1:1/0"), "host tier"),
@@ -350,10 +402,12 @@ def test_cli_tier_flags(capsys):
             parse_bytes(bad)
     p = build_parser()
     args = p.parse_args(["worker", "--port", "1", "--host-bytes", "1G", "--host-codec", "int4", "--disk-dir", "/d",
-                         "--disk-bytes", "2G", "--disk-codec", "fp8", "--disk-write-mode", "back"])
+                         "--disk-bytes", "2G", "--disk-codec", "fp8", "--disk-write-mode", "back",
+                         "--tier-load-policy", "always"])
     cfg = tier_config(args)
-    assert (cfg.host_bytes, cfg.host_codec, cfg.disk_bytes, cfg.disk_codec, cfg.write_mode) == (
-        1 << 30, "int4", 2 << 30, "fp8", "back")
+    assert (cfg.host_bytes, cfg.host_codec, cfg.disk_bytes, cfg.disk_codec, cfg.write_mode, cfg.load_policy) == (
+        1 << 30, "int4", 2 << 30, "fp8", "back", "always")
+    assert tier_config(p.parse_args(["worker", "--port", "1"])).load_policy == "auto"
     args = p.parse_args(["worker", "--port", "1", "--host-bytes", "1G", "--remote-bytes", "2G", "--remote-codec",
                          "fp8", "--redis-url", "redis://127.0.0.1:7/0", "--cluster", "c1"])
     cfg = tier_config(args)

@@ -134,7 +134,8 @@ class Engine:
         self.cache = PrefixCache(num_blocks, block_size, event_sink=event_sink, on_offload=offload)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, tiers=self.tiers,
                                    long_prefill_token_threshold=long_prefill_token_threshold,
-                                   max_num_partial_prefills=max_num_partial_prefills)
+                                   max_num_partial_prefills=max_num_partial_prefills,
+                                   prefill_rate=lambda: self._prefill_rate)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or ())
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}

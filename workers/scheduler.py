@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
 from dataclasses import dataclass
 
 from kvmesh.cache_store.prefix_cache import PrefixCache
@@ -92,7 +93,8 @@ class Scheduler:
     def __init__(self, cache: PrefixCache, max_num_batched_tokens: int = 1024, max_num_seqs: int = 32,
                  tiers: TierStore | None = None,
                  long_prefill_token_threshold: int | None = None,
-                 max_num_partial_prefills: int = DEFAULT_MAX_NUM_PARTIAL_PREFILLS):
+                 max_num_partial_prefills: int = DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
+                 prefill_rate: Callable[[], float | None] | None = None):
         if long_prefill_token_threshold is None:
             long_prefill_token_threshold = max(1, max_num_batched_tokens // LONG_PREFILL_BUDGET_SHARE)
         if long_prefill_token_threshold < 0:
@@ -101,6 +103,9 @@ class Scheduler:
             raise ValueError(f"max_num_partial_prefills must be >= 1 (got {max_num_partial_prefills})")
         self.cache = cache
         self.tiers = tiers
+        #: the engine's measured prefill throughput (tokens/s), None until measured: what a
+        #: lower tier's load is weighed against (`TierStore.worth_loading`)
+        self.prefill_rate = prefill_rate
         self.block_size = cache.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -270,6 +275,11 @@ class Scheduler:
         start = len(block_ids)
         located = self.tiers.locate(req.block_hashes, req.block_token_bytes, start, max_blocks,
                                     req.namespace.root_hash())
+        rate = self.prefill_rate() if self.prefill_rate is not None else None
+        keep = self.tiers.worth_loading(located, self.block_size / rate if rate else None)
+        if keep < len(located):  # slower than computing them: the request computes those
+            self.tiers.release(located[keep:])
+            located = located[:keep]
         if not located:
             return []
         new = self.cache.allocate(len(located), req.namespace.tenant or None)
