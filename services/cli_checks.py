@@ -19,7 +19,7 @@ FLAG_OF_FIELD = {
     "peer_bytes": "--peer-bytes", "remote_bytes": "--remote-bytes", "remote_codec": "--remote-codec",
     "remote_url": "--redis-url", "max_fetch_s": "--peer-fetch-max-s", "max_num_seqs": "--max-seqs",
     "max_num_batched_tokens": "--max-batched-tokens", "num_blocks": "--num-blocks", "block_size": "--block-size",
-    "max_model_len": "--max-model-len",
+    "max_model_len": "--max-model-len", "load_policy": "--tier-load-policy",
 }
 _FIELD_RE = re.compile(r"(?<![\w-])(" + "|".join(sorted(FLAG_OF_FIELD, key=len, reverse=True)) + r")(?![\w-])")
 
