@@ -50,7 +50,7 @@ from kvmesh.services.membership import Compatibility
 from kvmesh.services.shared_load import SharedLoad, matched_prefix
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy, prefix_holder
 from kvmesh.workers.config import ModelConfig
-from kvmesh.workers.grpc_guard import clip
+from kvmesh.workers.grpc_guard import LogLimiter, clip
 from kvmesh.workers.model_identity import base_model_id
 from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, ChannelPool, GrpcHost
 from kvmesh.workers import limits
@@ -92,6 +92,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         self._channels = ChannelPool(tls=self.gate.tls)  # mutual TLS to workers when configured
         self._inflight: dict[str, _Inflight] = {}
         self.routed = RoutedShare()
+        # one line per retry would let a flood of requests to busy workers flood the log
+        self._retry_log = LogLimiter(log, "retries on another worker")
         #: `services.metrics.RouterMetrics` when metrics are served, else None
         self.metrics = None
         #: other router replicas' in-flight counts (`services.shared_load`); None: this router alone
@@ -261,8 +263,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                     # the client sees the worker's id, as in every response, but not its address
                     last_error = f"worker {chosen.worker_id}: {code.name}: {_client_details(exc)}"
                     last_code = code
-                    log.warning("worker %s at %s: %s: %s; trying another worker", chosen.worker_id, chosen.address,
-                                code.name, exc.details())
+                    self._retry_log.warn("worker %s at %s: %s: %s; trying another worker", chosen.worker_id,
+                                         chosen.address, code.name, clip(exc.details() or ""))
                     continue
                 await context.abort(code, _client_details(exc) or code.name)
             finally:
@@ -301,11 +303,34 @@ class WorkerFacade(pb_grpc.WorkerServicer):
     """kvmesh.v1.Worker's Generate and Tokenize served by the router.
 
     Lets any Worker client (``kvmesh generate``, the load harness) target the router
-    unchanged; the worker-only RPCs (GetInfo, GetSnapshot, ...) stay UNIMPLEMENTED here.
+    unchanged; the worker-only RPCs (GetInfo, GetLoad, GetSnapshot, ClearCache, FetchBlocks)
+    answer UNIMPLEMENTED here, without a log line (the generated base class would log a
+    NotImplementedError traceback for each call, which anyone could use to flood the log).
     """
 
     def __init__(self, router: RouterServicer):
         self.router = router
+
+    @staticmethod
+    async def _worker_only(context, method: str) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"{method} is served by workers, not by the router: call a worker")
+
+    async def GetInfo(self, request, context):
+        await self._worker_only(context, "GetInfo")
+
+    async def GetLoad(self, request, context):
+        await self._worker_only(context, "GetLoad")
+
+    async def GetSnapshot(self, request, context):
+        await self._worker_only(context, "GetSnapshot")
+
+    async def ClearCache(self, request, context):
+        await self._worker_only(context, "ClearCache")
+
+    async def FetchBlocks(self, request, context):
+        await self._worker_only(context, "FetchBlocks")
+        yield pb.BlockData()  # never reached: a generator, as the streaming RPC's handler must be
 
     async def Generate(self, request, context):
         async for msg in self.router.Generate(request, context):
