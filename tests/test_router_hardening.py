@@ -144,3 +144,25 @@ def test_retries_after_busy_workers_are_logged_at_a_bounded_rate(setup):
     time.sleep(0.5)
     lines = [ln for ln in _log(setup)[before:].splitlines() if "trying another worker" in ln]
     assert 1 <= len(lines) <= 2 * LOG_BURST, len(lines)
+
+
+def test_an_adapter_id_over_its_cap_is_refused_before_forwarding(setup):
+    """``adapter_id`` is capped as ``cache_salt`` is (1,024 characters): one character more
+    is INVALID_ARGUMENT from the router, naming the field, and never reaches a worker; the
+    cap itself passes."""
+    from kvmesh.workers.limits import MAX_ADAPTER_ID_CHARS
+
+    assert MAX_ADAPTER_ID_CHARS == 1024
+    sent = sum(len(s.bodies) for s in setup["stand_ins"])
+    code, details = _generate(setup["router"], _request(adapter_id="a" * 1025).SerializeToString())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("adapter_id has 1025 characters"), \
+        (code, details)
+    assert sum(len(s.bodies) for s in setup["stand_ins"]) == sent
+    assert _generate(setup["router"], _request(adapter_id="a" * 1024).SerializeToString())[0] == grpc.StatusCode.OK
+
+
+def test_a_worker_refuses_an_adapter_id_over_its_cap(spawn_worker):
+    address, _ = spawn_worker("--num-blocks", "64")
+    code, details = _generate(address, _request(adapter_id="é" * 1025).SerializeToString())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "adapter_id has 1025 characters" in details, (code, details)
+    assert _generate(address, _request(adapter_id="é" * 1024).SerializeToString())[0] == grpc.StatusCode.OK

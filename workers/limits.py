@@ -119,10 +119,12 @@ def check_prompt_size(request, max_model_len: int, where: str = "the model", why
     to too many tokens; the token count is checked again after tokenizing.
 
     ``where`` names whose context it is ("the model"); ``why``, if given, follows the limit
-    in the message (" (what its KV pool of 64 blocks holds)").
+    in the message (" (what its KV pool of 64 blocks holds)"). Also checks the lengths of
+    ``request_id``, ``cache_salt`` and ``adapter_id`` (each message names the field).
 
     Raises:
-        InvalidRequest: the prompt is over the limit (the message says by how much).
+        InvalidRequest: the prompt is over the limit (the message says by how much), or
+            one of those fields is over its cap.
     """
     kind = request.WhichOneof("prompt")
     if kind == "token_ids":
@@ -135,6 +137,7 @@ def check_prompt_size(request, max_model_len: int, where: str = "the model", why
         check_text_size(request.text, max_model_len, where, "prompt text", why)
     check_request_id(request.request_id)
     check_cache_salt(request.cache_salt)
+    check_adapter_id(request.adapter_id)
 
 
 #: Longest ``request_id`` accepted (characters); it is echoed in every streamed message.
@@ -142,6 +145,9 @@ MAX_REQUEST_ID_CHARS = 256
 #: Longest ``cache_salt`` accepted (characters). A salt only needs to be unguessable (vLLM's
 #: docs suggest 256 bits); it is hashed into every request's namespace root.
 MAX_CACHE_SALT_CHARS = 1024
+#: Longest ``adapter_id`` accepted (characters): an adapter's name, hashed into every
+#: request's namespace root as the salt is, so capped the same way.
+MAX_ADAPTER_ID_CHARS = 1024
 
 
 def _check_chars(value: str, name: str, cap: int, hint: str) -> None:
@@ -165,6 +171,15 @@ def check_cache_salt(cache_salt: str) -> None:
         InvalidRequest: too long.
     """
     _check_chars(cache_salt, "cache_salt", MAX_CACHE_SALT_CHARS, "a random 43-character string holds 256 bits")
+
+
+def check_adapter_id(adapter_id: str) -> None:
+    """Refuse an ``adapter_id`` over `MAX_ADAPTER_ID_CHARS` characters.
+
+    Raises:
+        InvalidRequest: too long.
+    """
+    _check_chars(adapter_id, "adapter_id", MAX_ADAPTER_ID_CHARS, "it names a LoRA adapter")
 
 
 def check_text_size(text: str, max_model_len: int, where: str = "the model", what: str = "text",
