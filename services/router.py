@@ -211,6 +211,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         hashes = list(hash_blocks(ids, block_size, ns.root_hash()).hashes)
         forward = pb.GenerateRequest()
         forward.CopyFrom(request)
+        forward.DiscardUnknownFields()  # fields this router does not know never reach a worker
         forward.token_ids.ids[:] = ids  # tokenized once; workers never re-tokenize
         forward.request_id = request.request_id or uuid.uuid4().hex
         forward.tenant, forward.cache_salt = tenant, salt

@@ -166,3 +166,36 @@ def test_a_worker_refuses_an_adapter_id_over_its_cap(spawn_worker):
     code, details = _generate(address, _request(adapter_id="é" * 1025).SerializeToString())
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "adapter_id has 1025 characters" in details, (code, details)
     assert _generate(address, _request(adapter_id="é" * 1024).SerializeToString())[0] == grpc.StatusCode.OK
+
+
+def _unknown_field(number: int, value: bytes) -> bytes:
+    """A length-delimited protobuf field ``number`` no kvmesh message declares."""
+    def varint(n: int) -> bytes:
+        out = b""
+        while n >= 0x80:
+            out += bytes([n & 0x7F | 0x80])
+            n >>= 7
+        return out + bytes([n])
+
+    return varint(number << 3 | 2) + varint(len(value)) + value
+
+
+def test_unknown_fields_are_not_forwarded(setup):
+    """A Generate body carrying fields the proto does not declare (top level and inside
+    ``sampling``) is served, and the body the worker gets holds none of them."""
+    marker = b"UNKNOWN-FIELD-MARKER"
+    req = _request(request_id="unknown-fields")
+    sampling = req.sampling.SerializeToString() + _unknown_field(99, marker + b"-inner")
+    req.ClearField("sampling")
+    body = (req.SerializeToString() + _unknown_field(4, sampling)  # field 4: sampling
+            + _unknown_field(1000, marker) + _unknown_field(12, marker))
+    parsed = pb.GenerateRequest.FromString(body)
+    assert parsed.sampling.max_tokens == 1 and marker in parsed.SerializeToString()
+    for s in setup["stand_ins"]:
+        s.bodies.clear()
+    assert _generate(setup["router"], body)[0] == grpc.StatusCode.OK
+    got = [b for s in setup["stand_ins"] for b in s.bodies]
+    assert len(got) == 1
+    assert marker not in got[0]
+    forwarded = pb.GenerateRequest.FromString(got[0])
+    assert forwarded.request_id == "unknown-fields" and forwarded.sampling.max_tokens == 1
