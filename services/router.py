@@ -52,7 +52,7 @@ from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make
 from kvmesh.workers.config import ModelConfig
 from kvmesh.workers.grpc_guard import LogLimiter, clip
 from kvmesh.workers.model_identity import base_model_id
-from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, ChannelPool, GrpcHost
+from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, DEFAULT_MAX_CONCURRENT_RPCS, ChannelPool, GrpcHost
 from kvmesh.workers import limits
 from kvmesh.workers.request import InvalidRequest
 from kvmesh.workers.tokenizer import load_tokenizer
@@ -409,13 +409,15 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
                        model_dir: str | None = None, cluster: str = "default", seed: int | None = None,
                        ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                        metrics_port: int | None = None, http_port: int | None = None,
-                       gate: Gate | None = None, reflection: bool = False) -> None:
+                       gate: Gate | None = None, reflection: bool = False,
+                       max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS) -> None:
     """Serve kvmesh.v1.Router on host:port until ``stop`` is set or SIGINT/SIGTERM.
 
     ``metrics_port`` serves Prometheus ``/metrics`` (`services.metrics`); ``http_port``
     serves the OpenAI-compatible HTTP front (`services.http_front`); None = off.
     ``gate`` holds the port's TLS config and the tenant resolution (default: no TLS, open);
-    its TLS config also secures the calls to workers. ``reflection`` turns on gRPC reflection.
+    its TLS config also secures the calls to workers. ``reflection`` turns on gRPC reflection;
+    ``max_concurrent_rpcs`` caps the Generate and Tokenize calls in flight (`GrpcHost`).
 
     Raises:
         ValueError: unknown policy name.
@@ -434,7 +436,8 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
         (pb_grpc.add_WorkerServicer_to_server, WorkerFacade(servicer),
          pb.DESCRIPTOR.services_by_name["Worker"].full_name),
     ], tls=gate.tls, reflection_on=reflection,
-        max_receive_bytes=limits.request_bytes_limit(servicer.config.max_position_embeddings))
+        max_receive_bytes=limits.request_bytes_limit(servicer.config.max_position_embeddings),
+        max_concurrent_rpcs=max_concurrent_rpcs)
     servicer.shared = SharedLoad(redis_url, cluster, servicer.shared_counts)
     from kvmesh.services import observability
 
