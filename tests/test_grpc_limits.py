@@ -83,3 +83,43 @@ def test_max_concurrent_rpcs_must_be_positive(capsys):
             build_parser().parse_args([*cmd, "--max-concurrent-rpcs", "0"])
         assert exit_.value.code == 2
         assert "--max-concurrent-rpcs" in capsys.readouterr().err
+
+
+def _raw(address: str, method: str, body: bytes) -> tuple[grpc.StatusCode, str]:
+    opts = [("grpc.max_send_message_length", 64 << 20)]
+    with grpc.insecure_channel(address, options=opts) as ch:
+        call = ch.unary_stream(f"/kvmesh.v1.Worker/{method}", request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+        try:
+            list(call(body, timeout=30))
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def test_receive_cap_follows_the_largest_valid_request(spawn_worker):
+    """A worker of a 256-token context takes at most what its longest valid request needs
+    (16 B of text per token, plus 64 KiB for the other fields): a 100 KB body gets
+    RESOURCE_EXHAUSTED from gRPC, unread (it was parsed under a 4 MiB cap before). The
+    largest valid Generate (every capped field at its cap, in 4-byte characters) is read,
+    and so is a FetchBlocks request for the most blocks a peer may ask for."""
+    from kvmesh.cache_store.hashing import HASH_BYTES
+    from kvmesh.workers import limits
+    from kvmesh.workers.peer_fetch import MAX_FETCH_BLOCKS
+
+    address, _ = spawn_worker("--max-model-len", "256", "--num-blocks", "64")
+    big = pb.GenerateRequest(text="x" * 100_000, sampling=pb.SamplingParams(max_tokens=1)).SerializeToString()
+    code, details = _raw(address, "Generate", big)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details, (code, details)
+    wide = "\U0001F600"  # 4 bytes of UTF-8
+    fields = dict(request_id=wide * limits.MAX_REQUEST_ID_CHARS, cache_salt=wide * limits.MAX_CACHE_SALT_CHARS,
+                  adapter_id=wide * limits.MAX_ADAPTER_ID_CHARS, sampling=pb.SamplingParams(max_tokens=1))
+    longest_text = pb.GenerateRequest(text="x" * (16 * 256), **fields)
+    longest_ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2**32 - 1] * 255), **fields)
+    for req in (longest_text, longest_ids):
+        code, details = _raw(address, "Generate", req.SerializeToString())
+        assert code != grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)  # read and judged on its content
+    fetch = pb.FetchBlocksRequest(block_hashes=[i.to_bytes(HASH_BYTES, "big") for i in range(MAX_FETCH_BLOCKS)],
+                                  kv_producer="")
+    assert len(fetch.SerializeToString()) > limits.request_bytes_limit(256)
+    assert _raw(address, "FetchBlocks", fetch.SerializeToString()) == (grpc.StatusCode.OK, "")

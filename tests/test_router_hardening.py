@@ -199,3 +199,16 @@ def test_unknown_fields_are_not_forwarded(setup):
     assert marker not in got[0]
     forwarded = pb.GenerateRequest.FromString(got[0])
     assert forwarded.request_id == "unknown-fields" and forwarded.sampling.max_tokens == 1
+
+
+def test_router_receive_cap_without_model(setup):
+    """A router without --model takes token-id prompts of 128K tokens at 5 bytes an id (it
+    cannot know its workers' context at start), and nothing much bigger: a 1 MiB body gets
+    RESOURCE_EXHAUSTED from gRPC, unread (the cap was 4 MiB)."""
+    longest = _request()
+    longest.token_ids.ids[:] = [2**32 - 1] * (128 * 1024 - 1)
+    code, details = _generate(setup["router"], longest.SerializeToString())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "context" in details, (code, details)
+    body = _request(request_id="x" * (1 << 20)).SerializeToString()
+    code, details = _generate(setup["router"], body)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details, (code, details)

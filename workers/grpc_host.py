@@ -67,7 +67,8 @@ class ChannelPool:
 class GrpcHost:
     """One aio server for ``services``: ``[(add_to_server_fn, servicer, full_service_name)]``.
 
-    ``max_receive_bytes`` caps each request message (bytes); responses may be up to
+    ``max_receive_bytes`` caps each request message (bytes; workers and routers pass what
+    their largest valid request needs, `kvmesh.workers.limits`); responses may be up to
     ``MAX_MESSAGE_BYTES`` (FetchBlocks streams KV payloads). ``max_concurrent_rpcs``
     caps the data-plane RPCs in flight (`grpc_guard.RpcCap`); gRPC's own limit,
     ``max_concurrent_rpcs + CONTROL_RPC_RESERVE``, caps all RPCs, so health checks and
@@ -80,7 +81,7 @@ class GrpcHost:
     """
 
     def __init__(self, host: str, port: int, services: list[tuple[Callable, object, str]], tls=None,
-                 reflection_on: bool = False, max_receive_bytes: int = 4 * 1024 * 1024,
+                 reflection_on: bool = False, max_receive_bytes: int = 1024 * 1024,
                  max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS):
         self.host = host
         self.port = port

@@ -9,8 +9,11 @@ forwarding follow from it:
 * ``text``: at most ``MAX_TEXT_BYTES_PER_TOKEN`` UTF-8 bytes per token of context. Real
   tokenizers average 3-5 bytes per token on text and code; 16 leaves room for long
   whitespace and byte-fallback runs while refusing a 64 MiB body before it is tokenized;
-* the whole message: the larger of those two plus ``MESSAGE_SLACK_BYTES`` for the other
-  fields, and never below ``MIN_MESSAGE_BYTES`` (`request_bytes_limit`).
+* the whole message: the larger of the longest text and the longest token-id prompt
+  (``MAX_TOKEN_ID_BYTES`` per id) plus ``MESSAGE_SLACK_BYTES`` for the other fields
+  (`request_bytes_limit`); a worker also takes the largest FetchBlocks request
+  (`fetch_request_bytes_limit`). gRPC refuses a bigger body with RESOURCE_EXHAUSTED before
+  reading it.
 
 Both the worker (from its own engine) and the router (from the workers' leases) call
 `check_prompt_size`, which raises `InvalidRequest` (gRPC INVALID_ARGUMENT).
@@ -21,11 +24,16 @@ from kvmesh.workers.request import InvalidRequest
 
 #: Text bytes allowed per token of context (bytes/token); see the module docstring.
 MAX_TEXT_BYTES_PER_TOKEN = 16
-#: Room for the request's other fields (ids, salt, sampling, prefix hint), bytes.
+#: Room for the request's other fields, bytes: ``request_id`` (256 characters),
+#: ``cache_salt`` and ``adapter_id`` (1,024 each), at most 4 UTF-8 bytes per character, is
+#: 9 KiB; the model id, tenant, sampling and prefix hint are short.
 MESSAGE_SLACK_BYTES = 64 * 1024
-#: Smallest receive cap (bytes): a router without ``--model`` in front of a long-context
-#: model still takes its token-id prompts (5 bytes per varint id, 128K tokens = 640 KiB).
-MIN_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Most bytes one token id takes in a request: a uint32 as a protobuf varint.
+MAX_TOKEN_ID_BYTES = 5
+#: Context (tokens) whose token-id prompts a router without ``--model`` takes: it cannot
+#: know its workers' context when it starts (128K tokens of ids = 640 KiB); for longer
+#: contexts give it ``--model``.
+ROUTER_TOKEN_ID_CONTEXT = 128 * 1024
 
 
 def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
@@ -87,13 +95,26 @@ def fit_max_model_len_to_pool(max_model_len: int, requested: int | None, num_blo
     return pool_tokens
 
 
-def request_bytes_limit(max_model_len: int) -> int:
-    """Largest request message (bytes) a server for a ``max_model_len``-token model accepts.
+def request_bytes_limit(max_model_len: int, token_id_context: int = 0) -> int:
+    """Largest Generate or Tokenize request (bytes) a server for a ``max_model_len``-token
+    model accepts: the longest accepted text (``MAX_TEXT_BYTES_PER_TOKEN`` per token) or
+    token-id prompt (``MAX_TOKEN_ID_BYTES`` per token, for ``max(max_model_len,
+    token_id_context)`` tokens), whichever is longer, plus ``MESSAGE_SLACK_BYTES``.
+    Pure."""
+    ids = MAX_TOKEN_ID_BYTES * max(int(max_model_len), int(token_id_context))
+    return max(MAX_TEXT_BYTES_PER_TOKEN * int(max_model_len), ids) + MESSAGE_SLACK_BYTES
 
-    ``max(MIN_MESSAGE_BYTES, MAX_TEXT_BYTES_PER_TOKEN * max_model_len + MESSAGE_SLACK_BYTES)``;
-    token ids (at most 5 bytes each as protobuf varints) always fit below it.
-    """
-    return max(MIN_MESSAGE_BYTES, MAX_TEXT_BYTES_PER_TOKEN * int(max_model_len) + MESSAGE_SLACK_BYTES)
+
+#: Room for a FetchBlocksRequest's ``kv_producer`` (device, torch version and attention path:
+#: under 200 bytes), bytes.
+FETCH_SLACK_BYTES = 4 * 1024
+
+
+def fetch_request_bytes_limit(max_blocks: int, hash_bytes: int) -> int:
+    """Largest FetchBlocksRequest (bytes): ``max_blocks`` hashes of ``hash_bytes`` bytes, each
+    with its 2 bytes of field tag and length, plus ``FETCH_SLACK_BYTES`` (the KV producer).
+    Pure."""
+    return int(max_blocks) * (int(hash_bytes) + 2) + FETCH_SLACK_BYTES
 
 
 #: Most bytes of JSON one byte of UTF-8 text can take: a ``\\u00XX`` escape (RFC 8259, section 7).

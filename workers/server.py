@@ -313,7 +313,8 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     grpc_host = GrpcHost(host, port, [(pb_grpc.add_WorkerServicer_to_server, servicer,
                                        pb.DESCRIPTOR.services_by_name["Worker"].full_name)],
                          tls=tls, reflection_on=reflection,
-                         max_receive_bytes=limits.request_bytes_limit(engine.max_model_len),
+                         max_receive_bytes=max(limits.request_bytes_limit(engine.max_model_len),
+                                               limits.fetch_request_bytes_limit(MAX_FETCH_BLOCKS, HASH_BYTES)),
                          max_concurrent_rpcs=max_concurrent_rpcs)
     engine.start()
     from kvmesh.services import observability
