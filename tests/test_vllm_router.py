@@ -109,6 +109,30 @@ def test_the_vllm_mode_refuses_what_it_cannot_secure(argv, word, capsys):
     assert word in capsys.readouterr().err
 
 
+async def _stand_in_vllm(completions):
+    """A stand-in vLLM server on a free loopback port: ``completions`` answers
+    /v1/completions; /metrics and /version answer what the router polls. Returns
+    (runner, port); the caller cleans the runner up."""
+    from aiohttp import web
+
+    from kvmesh.services.vllm_compat import SUPPORTED_VERSIONS
+
+    async def metrics(request):
+        return web.Response(text="")
+
+    async def version(request):
+        return web.json_response({"version": SUPPORTED_VERSIONS[-1]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/version", version)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
 def test_with_api_keys_the_tenant_comes_from_the_key_over_https(tmp_path):
     """`--backend vllm` with --api-keys and TLS: no key or a bad key gets 401 and reaches no
     server; with a key, vLLM gets the tenant's cache_salt (whatever salt the client sent,
@@ -136,22 +160,7 @@ def test_with_api_keys_the_tenant_comes_from_the_key_over_https(tmp_path):
         return web.json_response({"choices": [{"text": "ok"}]})
 
     async def run():
-        from kvmesh.services.vllm_compat import SUPPORTED_VERSIONS
-
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        async def metrics(request):  # what the router polls
-            return web.Response(text="")
-
-        async def version(request):
-            return web.json_response({"version": SUPPORTED_VERSIONS[-1]})
-
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/version", version)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
+        runner, port = await _stand_in_vllm(completions)
         router = VllmRouter([VllmServerSpec("a", f"http://127.0.0.1:{port}", "tcp://127.0.0.1:1")], VllmHashConfig(),
                             auth=Authenticator.from_file(str(keys)))
         tls = TlsConfig.from_files(creds.cert, creds.key, creds.ca)
@@ -197,7 +206,7 @@ def test_bad_json_is_400_and_internal_fields_never_reach_vllm():
     import aiohttp
     from aiohttp import web
 
-    from kvmesh.services.vllm_compat import SUPPORTED_VERSIONS, VllmHashConfig
+    from kvmesh.services.vllm_compat import VllmHashConfig
     from kvmesh.services.vllm_router import INTERNAL_FIELDS, VllmRouter
 
     seen = []
@@ -206,21 +215,8 @@ def test_bad_json_is_400_and_internal_fields_never_reach_vllm():
         seen.append(await request.json())
         return web.json_response({"choices": [{"text": "ok"}]})
 
-    async def metrics(request):
-        return web.Response(text="")
-
-    async def version(request):
-        return web.json_response({"version": SUPPORTED_VERSIONS[-1]})
-
     async def run():
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/version", version)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
+        runner, port = await _stand_in_vllm(completions)
         router = VllmRouter([VllmServerSpec("a", f"http://127.0.0.1:{port}", "tcp://127.0.0.1:1")], VllmHashConfig())
         fport = await router.start("127.0.0.1", 0)
         await router.wait_live(60)
