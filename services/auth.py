@@ -14,7 +14,8 @@ API key file (``--api-keys PATH``), one key per line, ``#`` starts a comment::
 
 Tenant ids are ``[A-Za-z0-9._-]{1,64}``; several keys may map to one tenant (rotation: add
 the new key, move clients, delete the old line, restart or SIGHUP-free restart of the
-process). Keys are kept only as SHA-256 digests and compared in constant time with every
+process), but one key (or certificate name) on two lines is an error naming both lines,
+as either line winning would silently move that key's clients to another tenant. Keys are kept only as SHA-256 digests and compared in constant time with every
 entry. The option ``shared`` lets that tenant read and write the shared namespace: a
 request whose ``cache_salt`` is ``shared:NAME`` is cached under the tenant `SHARED_TENANT`
 with salt ``NAME``, the same for every tenant holding the option (e.g. a public system
@@ -99,9 +100,10 @@ class Authenticator:
         """Parse an ``--api-keys`` file (format in the module docstring); None or "" = `open`.
 
         Raises:
-            ValueError: unreadable file, or a line that is not ``TENANT KEY [shared]``
-                (KEY: the key, ``sha256:HEX`` of it, or ``cert:COMMON_NAME``)
-                (the message names the line; keys are never echoed).
+            ValueError: unreadable file, a line that is not ``TENANT KEY [shared]``
+                (KEY: the key, ``sha256:HEX`` of it, or ``cert:COMMON_NAME``), or a key
+                given on two lines (as itself or as its digest) (the message names the
+                line or both lines; keys are never echoed).
         """
         if not path:
             return cls.open()
@@ -111,6 +113,7 @@ class Authenticator:
         except OSError as exc:
             raise ValueError(f"--api-keys {path}: cannot read it ({exc.strerror})") from None
         entries = []
+        seen: dict[bytes, int] = {}  # digest -> the line that gave it
         for no, line in enumerate(lines, 1):
             parts = line.split("#", 1)[0].split()
             if not parts:
@@ -136,6 +139,11 @@ class Authenticator:
                 if len(key) < 16:
                     raise ValueError(f"{where}: a key must be at least 16 characters")
                 digest = hashlib.sha256(key.encode()).digest()
+            if digest in seen:  # else the later line would silently win
+                what = "certificate name" if key.startswith("cert:") else "key"
+                raise ValueError(f"--api-keys {path} lines {seen[digest]} and {no}: the same {what} is given twice; "
+                                 f"each {what} may stand for one tenant only: delete one of the lines")
+            seen[digest] = no
             entries.append((digest, tenant, len(parts) == 3))
         if not entries:
             raise ValueError(f"--api-keys {path}: no keys in the file")

@@ -297,7 +297,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 loop = asyncio.get_running_loop()
                 on_stopper(lambda: loop.call_soon_threadsafe(stop.set))
             await serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
-                               advertise=advertise, stop=stop, **ports, **secure)
+                               advertise=advertise, stop=stop, max_concurrent_rpcs=args.max_concurrent_rpcs,
+                               **ports, **secure)
 
         return run_server(main(), args.port)  # a port taken since it was checked: exit 2 naming its flag
 

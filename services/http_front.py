@@ -121,6 +121,26 @@ class GrpcAbort(Exception):
         self.details = details
 
 
+async def read_json_object(request: web.Request) -> dict:
+    """The request body parsed as a JSON object.
+
+    Raises:
+        ValueError: the body is not a JSON object; the message (safe to send back, as a
+            400) says why: invalid JSON or UTF-8, an integer past Python's digit limit
+            (4,300 digits), nesting too deep for the parser, or another JSON value.
+    """
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError and an integer past Python's digit limit;
+        # RecursionError, arrays nested thousands deep
+        why = "nested too deeply" if isinstance(exc, RecursionError) else clip(str(exc), 120)
+        raise ValueError(f"request body is not valid JSON ({why})") from None
+    if not isinstance(body, dict):
+        raise ValueError("request body must be a JSON object")
+    return body
+
+
 class HttpError(Exception):
     """An error answered with OpenAI's error body."""
 
@@ -384,14 +404,9 @@ class HttpFront:
         is "completions" or "chat" (`accepted_fields`). Raises `HttpError` (400, 401, 404)."""
         await self._check_key(request)
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            # ValueError covers JSONDecodeError and an integer past Python's digit limit;
-            # RecursionError, arrays nested thousands deep
-            why = "nested too deeply" if isinstance(exc, RecursionError) else clip(str(exc), 120)
-            raise HttpError(400, f"request body is not valid JSON ({why})") from None
-        if not isinstance(body, dict):
-            raise HttpError(400, "request body must be a JSON object")
+            body = await read_json_object(request)
+        except ValueError as exc:
+            raise HttpError(400, str(exc)) from None
         accepted = accepted_fields(route)
         unknown = [name for name in body if name not in accepted]
         if unknown:  # names come from the caller: the first few, each cut short

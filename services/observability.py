@@ -125,7 +125,19 @@ async def start_router_extras(servicer, host: str, metrics_port: int | None, htt
 
 
 def add_server_flags(p, what: str) -> None:
-    """``--metrics-port`` and ``--http-port`` on the ``worker`` and ``router`` commands."""
+    """``--metrics-port``, ``--http-port`` and ``--max-concurrent-rpcs`` on the ``worker``
+    and ``router`` commands."""
+    from kvmesh.services.cli_checks import positive_int
+    from kvmesh.workers.grpc_host import CONTROL_RPC_RESERVE, DEFAULT_MAX_CONCURRENT_RPCS
+
+    data_plane = "Generate, Tokenize, FetchBlocks" if what == "worker" else "Generate, Tokenize"
+    p.add_argument("--max-concurrent-rpcs", type=positive_int("--max-concurrent-rpcs"),
+                   default=DEFAULT_MAX_CONCURRENT_RPCS, metavar="N",
+                   help=f"most data-plane gRPC calls ({data_plane}) this {what} runs at once; more get "
+                        f"RESOURCE_EXHAUSTED before their body is parsed. Health checks and other control-plane "
+                        f"calls get {CONTROL_RPC_RESERVE} more slots, after which gRPC refuses any call "
+                        f"(default {DEFAULT_MAX_CONCURRENT_RPCS})"
+                        + ("; not used by --backend vllm" if what == "router" else ""))
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help=f"serve Prometheus metrics of this {what} at http://HOST:PORT/metrics (0 = a free port; "
                         "-1 or unset: off)")

@@ -50,9 +50,9 @@ from kvmesh.services.membership import Compatibility
 from kvmesh.services.shared_load import SharedLoad, matched_prefix
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy, prefix_holder
 from kvmesh.workers.config import ModelConfig
-from kvmesh.workers.grpc_guard import clip
+from kvmesh.workers.grpc_guard import LogLimiter, clip
 from kvmesh.workers.model_identity import base_model_id
-from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, ChannelPool, GrpcHost
+from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, DEFAULT_MAX_CONCURRENT_RPCS, ChannelPool, GrpcHost
 from kvmesh.workers import limits
 from kvmesh.workers.request import InvalidRequest
 from kvmesh.workers.tokenizer import load_tokenizer
@@ -92,6 +92,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         self._channels = ChannelPool(tls=self.gate.tls)  # mutual TLS to workers when configured
         self._inflight: dict[str, _Inflight] = {}
         self.routed = RoutedShare()
+        # one line per retry would let a flood of requests to busy workers flood the log
+        self._retry_log = LogLimiter(log, "retries on another worker")
         #: `services.metrics.RouterMetrics` when metrics are served, else None
         self.metrics = None
         #: other router replicas' in-flight counts (`services.shared_load`); None: this router alone
@@ -209,6 +211,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         hashes = list(hash_blocks(ids, block_size, ns.root_hash()).hashes)
         forward = pb.GenerateRequest()
         forward.CopyFrom(request)
+        forward.DiscardUnknownFields()  # fields this router does not know never reach a worker
         forward.token_ids.ids[:] = ids  # tokenized once; workers never re-tokenize
         forward.request_id = request.request_id or uuid.uuid4().hex
         forward.tenant, forward.cache_salt = tenant, salt
@@ -261,8 +264,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                     # the client sees the worker's id, as in every response, but not its address
                     last_error = f"worker {chosen.worker_id}: {code.name}: {_client_details(exc)}"
                     last_code = code
-                    log.warning("worker %s at %s: %s: %s; trying another worker", chosen.worker_id, chosen.address,
-                                code.name, exc.details())
+                    self._retry_log.warn("worker %s at %s: %s: %s; trying another worker", chosen.worker_id,
+                                         chosen.address, code.name, clip(exc.details() or ""))
                     continue
                 await context.abort(code, _client_details(exc) or code.name)
             finally:
@@ -301,11 +304,34 @@ class WorkerFacade(pb_grpc.WorkerServicer):
     """kvmesh.v1.Worker's Generate and Tokenize served by the router.
 
     Lets any Worker client (``kvmesh generate``, the load harness) target the router
-    unchanged; the worker-only RPCs (GetInfo, GetSnapshot, ...) stay UNIMPLEMENTED here.
+    unchanged; the worker-only RPCs (GetInfo, GetLoad, GetSnapshot, ClearCache, FetchBlocks)
+    answer UNIMPLEMENTED here, without a log line (the generated base class would log a
+    NotImplementedError traceback for each call, which anyone could use to flood the log).
     """
 
     def __init__(self, router: RouterServicer):
         self.router = router
+
+    @staticmethod
+    async def _worker_only(context, method: str) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"{method} is served by workers, not by the router: call a worker")
+
+    async def GetInfo(self, request, context):
+        await self._worker_only(context, "GetInfo")
+
+    async def GetLoad(self, request, context):
+        await self._worker_only(context, "GetLoad")
+
+    async def GetSnapshot(self, request, context):
+        await self._worker_only(context, "GetSnapshot")
+
+    async def ClearCache(self, request, context):
+        await self._worker_only(context, "ClearCache")
+
+    async def FetchBlocks(self, request, context):
+        await self._worker_only(context, "FetchBlocks")
+        yield pb.BlockData()  # never reached: a generator, as the streaming RPC's handler must be
 
     async def Generate(self, request, context):
         async for msg in self.router.Generate(request, context):
@@ -383,13 +409,15 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
                        model_dir: str | None = None, cluster: str = "default", seed: int | None = None,
                        ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                        metrics_port: int | None = None, http_port: int | None = None,
-                       gate: Gate | None = None, reflection: bool = False) -> None:
+                       gate: Gate | None = None, reflection: bool = False,
+                       max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS) -> None:
     """Serve kvmesh.v1.Router on host:port until ``stop`` is set or SIGINT/SIGTERM.
 
     ``metrics_port`` serves Prometheus ``/metrics`` (`services.metrics`); ``http_port``
     serves the OpenAI-compatible HTTP front (`services.http_front`); None = off.
     ``gate`` holds the port's TLS config and the tenant resolution (default: no TLS, open);
-    its TLS config also secures the calls to workers. ``reflection`` turns on gRPC reflection.
+    its TLS config also secures the calls to workers. ``reflection`` turns on gRPC reflection;
+    ``max_concurrent_rpcs`` caps the Generate and Tokenize calls in flight (`GrpcHost`).
 
     Raises:
         ValueError: unknown policy name.
@@ -408,7 +436,10 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
         (pb_grpc.add_WorkerServicer_to_server, WorkerFacade(servicer),
          pb.DESCRIPTOR.services_by_name["Worker"].full_name),
     ], tls=gate.tls, reflection_on=reflection,
-        max_receive_bytes=limits.request_bytes_limit(servicer.config.max_position_embeddings))
+        # without --model the router cannot know its workers' context: token ids for 128K tokens
+        max_receive_bytes=limits.request_bytes_limit(
+            servicer.config.max_position_embeddings, limits.ROUTER_TOKEN_ID_CONTEXT if model_dir is None else 0),
+        max_concurrent_rpcs=max_concurrent_rpcs)
     servicer.shared = SharedLoad(redis_url, cluster, servicer.shared_counts)
     from kvmesh.services import observability
 

@@ -16,7 +16,8 @@ Per request:
 2. The request's block keys (``cache_salt`` included) are matched in the index; the
    policy (``--policy``, default ``kv_aware``) chooses among live servers; a short-lived
    speculative entry records the choice until the server's own events arrive.
-3. The body goes to the chosen server (aiohttp); the response names the server in the
+3. The body goes to the chosen server (aiohttp), less the fields that reach vLLM's
+   internals (`INTERNAL_FIELDS`: ``kv_transfer_params`` and others); the response names the server in the
    ``x-kvmesh-worker`` header. A server that cannot be reached before any byte was relayed
    is retried once on the next choice.
 
@@ -39,6 +40,7 @@ import aiohttp
 from aiohttp import web
 
 from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
+from kvmesh.services.http_front import read_json_object
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
 from kvmesh.services.vllm_compat import VllmHashConfig, VllmHasher, check_version
 from kvmesh.services.vllm_events import VllmEventSubscriber
@@ -114,6 +116,15 @@ class _ServerState:
 #: Largest request body relayed (bytes): a 128k-token context as JSON token ids or text,
 #: with room to spare (aiohttp's own default, 1 MiB, refuses long prompts).
 MAX_BODY_BYTES = 16 << 20
+
+
+#: Request fields never forwarded to vLLM: they reach its internals, not the model's output.
+#: ``kv_transfer_params`` drives vLLM's KV connector (where KV is pulled from or pushed to,
+#: under remote block ids); ``vllm_xargs`` goes to custom logits processors;
+#: ``logits_processors`` names Python callables for the server to load; ``priority`` reorders
+#: the server's queue ahead of other tenants; ``request_id`` sets vLLM's own request id, which
+#: another tenant's request could then collide with. docs/VLLM.md lists them.
+INTERNAL_FIELDS = ("kv_transfer_params", "vllm_xargs", "logits_processors", "priority", "request_id")
 
 
 class _HttpError(Exception):
@@ -323,11 +334,11 @@ class VllmRouter:
         if self.auth is not None:
             self._tenant(request)  # a stranger gets 401 before its body is read
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise _HttpError(400, "request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise _HttpError(400, "request body must be a JSON object")
+            body = await read_json_object(request)
+        except ValueError as exc:
+            raise _HttpError(400, str(exc)) from None
+        for name in INTERNAL_FIELDS:  # the client's to send, not vLLM's internals to reach
+            body.pop(name, None)
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise _HttpError(400, "'cache_salt' must be a string", "cache_salt")

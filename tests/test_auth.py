@@ -1,6 +1,8 @@
 """API keys to tenants, TLS material checks, flag refusals and URL redaction (no processes)."""
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from kvmesh.services.auth import SHARED_TENANT, Authenticator, Forbidden, Unauthenticated, hash_key
@@ -130,3 +132,24 @@ def test_an_http_front_without_keys_on_a_port_that_requires_certificates_is_refu
     assert server_gate(flags(client_ca=c.client_ca, http_port=0, api_keys=c.api_keys)).auth.requires_key
     server_gate(flags(http_port=-1), worker=True)  # -1: the front is off
     server_gate(flags(http_port=0))  # no client certificates asked for: the front is what the port is
+
+
+@pytest.mark.parametrize("second", ["beta {key}", "beta sha256:{digest}", "acme {key} shared"])
+def test_a_key_on_two_lines_is_refused_naming_both_lines(tmp_path, second):
+    """One key (as itself or as its digest) on two lines: an error naming both lines, never
+    the key; before, the later line silently won."""
+    key = "dup-key-" + "q" * 20
+    p = tmp_path / "keys"
+    p.write_text("# header\nacme " + key + "\nother other-key-0123456789\n"
+                 + second.format(key=key, digest=hashlib.sha256(key.encode()).hexdigest()) + "\n")
+    with pytest.raises(ValueError) as err:
+        Authenticator.from_file(str(p))
+    assert "lines 2 and 4" in str(err.value), str(err.value)
+    assert key not in str(err.value) and hashlib.sha256(key.encode()).hexdigest() not in str(err.value)
+
+
+def test_two_cert_lines_for_one_name_are_refused(tmp_path):
+    p = tmp_path / "keys"
+    p.write_text("acme cert:gw\nbeta cert:gw\n")
+    with pytest.raises(ValueError, match="lines 1 and 2: the same certificate name"):
+        Authenticator.from_file(str(p))

@@ -255,3 +255,17 @@ def test_bad_arguments():
         hash_blocks([1, 2], 0, bytes(16))
     with pytest.raises(TypeError):
         hash_blocks([1, 2], 1, "root")  # type: ignore[arg-type]
+
+
+def test_docs_describe_the_root_hash_as_computed():
+    """The README's formula for the namespace root, taken as written (tag, version 1, seed 0,
+    tenant as a sixth item), gives `Namespace.root_hash`: the root is computable from public
+    ids, and neither the README nor docs/SECURITY.md may call the hashing seeded or keyed."""
+    ns = Namespace(model_id="m@0123456789ab", cache_salt="s", adapter_id="a", tenant="acme")
+    packed = msgpack.packb(["kvmesh.block_hash", 1, "m@0123456789ab", "s", "a", "acme"])
+    assert xxhash.xxh3_128_digest(packed, seed=0) == ns.root_hash()
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert '`xxh3_128(msgpack(["kvmesh.block_hash", 1,' in readme
+    for doc in ("README.md", "docs/SECURITY.md", "docs/ARCHITECTURE.md"):
+        text = " ".join((REPO / doc).read_text(encoding="utf-8").split()).lower()
+        assert "seeded xxh3" not in text and "keyed xxh3" not in text.replace("unkeyed xxh3", ""), doc

@@ -109,6 +109,30 @@ def test_the_vllm_mode_refuses_what_it_cannot_secure(argv, word, capsys):
     assert word in capsys.readouterr().err
 
 
+async def _stand_in_vllm(completions):
+    """A stand-in vLLM server on a free loopback port: ``completions`` answers
+    /v1/completions; /metrics and /version answer what the router polls. Returns
+    (runner, port); the caller cleans the runner up."""
+    from aiohttp import web
+
+    from kvmesh.services.vllm_compat import SUPPORTED_VERSIONS
+
+    async def metrics(request):
+        return web.Response(text="")
+
+    async def version(request):
+        return web.json_response({"version": SUPPORTED_VERSIONS[-1]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/version", version)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
 def test_with_api_keys_the_tenant_comes_from_the_key_over_https(tmp_path):
     """`--backend vllm` with --api-keys and TLS: no key or a bad key gets 401 and reaches no
     server; with a key, vLLM gets the tenant's cache_salt (whatever salt the client sent,
@@ -136,22 +160,7 @@ def test_with_api_keys_the_tenant_comes_from_the_key_over_https(tmp_path):
         return web.json_response({"choices": [{"text": "ok"}]})
 
     async def run():
-        from kvmesh.services.vllm_compat import SUPPORTED_VERSIONS
-
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        async def metrics(request):  # what the router polls
-            return web.Response(text="")
-
-        async def version(request):
-            return web.json_response({"version": SUPPORTED_VERSIONS[-1]})
-
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/version", version)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
+        runner, port = await _stand_in_vllm(completions)
         router = VllmRouter([VllmServerSpec("a", f"http://127.0.0.1:{port}", "tcp://127.0.0.1:1")], VllmHashConfig(),
                             auth=Authenticator.from_file(str(keys)))
         tls = TlsConfig.from_files(creds.cert, creds.key, creds.ca)
@@ -185,3 +194,55 @@ def test_with_api_keys_the_tenant_comes_from_the_key_over_https(tmp_path):
     assert json.loads(salts[0])[1] == "alice" and json.loads(salts[1])[1] == "bob"
     assert out["/metrics"][0] == 404
     assert json.loads(out["/health"][1]).keys() == {"status"}
+
+
+def test_bad_json_is_400_and_internal_fields_never_reach_vllm():
+    """JSON nested 100,000 deep or an integer of 5,000 digits gets 400 with an OpenAI error
+    body, as from kvmesh's HTTP front (it was a 500 with a traceback), and reaches no server;
+    a valid body reaches vLLM without `kv_transfer_params` and the other `INTERNAL_FIELDS`,
+    its other fields unchanged. The vLLM server is a stand-in that records what it was sent."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from kvmesh.services.vllm_compat import VllmHashConfig
+    from kvmesh.services.vllm_router import INTERNAL_FIELDS, VllmRouter
+
+    seen = []
+
+    async def completions(request):
+        seen.append(await request.json())
+        return web.json_response({"choices": [{"text": "ok"}]})
+
+    async def run():
+        runner, port = await _stand_in_vllm(completions)
+        router = VllmRouter([VllmServerSpec("a", f"http://127.0.0.1:{port}", "tcp://127.0.0.1:1")], VllmHashConfig())
+        fport = await router.start("127.0.0.1", 0)
+        await router.wait_live(60)
+        url = f"http://127.0.0.1:{fport}/v1/completions"
+        out = {}
+        bodies = {"deep": b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                  "digits": b'{"prompt": [1], "max_tokens": ' + b"9" * 5000 + b"}"}
+        try:
+            async with aiohttp.ClientSession() as s:
+                for name, raw in bodies.items():
+                    async with s.post(url, data=raw, headers={"Content-Type": "application/json"}) as r:
+                        out[name] = (r.status, await r.json())
+                body = {"prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0, "cache_salt": "mine",
+                        **{name: {"do_remote_prefill": True, "remote_host": "10.9.9.9"} for name in INTERNAL_FIELDS}}
+                async with s.post(url, json=body) as r:
+                    out["ok"] = r.status
+        finally:
+            await router.stop()
+            await runner.cleanup()
+        return out
+
+    out = asyncio.run(run())
+    for name in ("deep", "digits"):
+        status, err = out[name]
+        assert status == 400, (name, status, err)
+        assert err["error"]["message"].startswith("request body is not valid JSON"), err
+    assert out["ok"] == 200 and len(seen) == 1
+    assert "kv_transfer_params" in INTERNAL_FIELDS
+    assert seen[0] == {"prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0, "cache_salt": "mine"}

@@ -8,9 +8,13 @@ function's handlers with the parsing moved into the handler, so a body that does
 parse is answered ``INVALID_ARGUMENT`` with the parser's reason, and logged in one
 line (at most ``LOG_BURST`` lines per ``LOG_WINDOW_S`` seconds; the rest are counted
 and reported in the next line, so a hostile client cannot flood the log).
+
+With an `RpcCap`, the same wrappers also count the data-plane RPCs in flight and answer
+one over the cap RESOURCE_EXHAUSTED before parsing it, leaving the control plane alone.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from typing import Callable
@@ -77,7 +81,40 @@ def _reason(exc: Exception) -> str:
     return clip(str(exc) or type(exc).__name__)
 
 
-def _guard(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+class RpcCap:
+    """The most data-plane RPCs (`DATA_PLANE_METHODS`) one server runs at once.
+
+    One over the limit is answered RESOURCE_EXHAUSTED before its body is parsed, and is not
+    logged. Other RPCs (health, a worker's GetLoad, GetInfo, GetSnapshot, ClearCache, the
+    router's Status) are not counted here, so they still answer while the data plane is
+    full; `kvmesh.workers.grpc_host.GrpcHost` bounds them all with gRPC's own limit.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if int(limit) < 1:
+            raise ValueError(f"max_concurrent_rpcs must be >= 1 (got {limit})")
+        self.limit = int(limit)
+        self.active = 0
+
+    def enter(self) -> bool:
+        if self.active >= self.limit:
+            return False
+        self.active += 1
+        return True
+
+    def leave(self) -> None:
+        self.active -= 1
+
+    def refusal(self) -> str:
+        return (f"server busy: {self.limit} requests in flight, the most it takes at once "
+                f"(--max-concurrent-rpcs); retry later or elsewhere")
+
+
+#: RPCs counted by `RpcCap`: the ones that carry prompts or KV, or run the model.
+DATA_PLANE_METHODS = frozenset({"Generate", "Tokenize", "FetchBlocks"})
+
+
+def _guard(method: str, handler: grpc.RpcMethodHandler, cap: RpcCap | None = None) -> grpc.RpcMethodHandler:
     parse = handler.request_deserializer
     if parse is None or handler.request_streaming:
         return handler
@@ -91,24 +128,40 @@ def _guard(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler
         inner = handler.unary_stream
 
         async def unary_stream(raw: bytes, context):
+            if cap is not None and not cap.enter():
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, cap.refusal())
             try:
-                request = parse(raw)
-            except Exception as exc:  # DecodeError, or a UnicodeDecodeError on some protobuf builds
-                await refuse(exc, context)
-                return
-            async for msg in inner(request, context):
-                yield msg
+                try:
+                    request = parse(raw)
+                except Exception as exc:  # DecodeError, or a UnicodeDecodeError on some protobuf builds
+                    await refuse(exc, context)
+                    return
+                out = inner(request, context)
+                if inspect.isasyncgen(out):
+                    async for msg in out:
+                        yield msg
+                else:  # a coroutine that sends with context.write (the health service's Watch)
+                    await out
+            finally:
+                if cap is not None:
+                    cap.leave()
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=None,
                                                     response_serializer=handler.response_serializer)
     inner = handler.unary_unary
 
     async def unary_unary(raw: bytes, context):
+        if cap is not None and not cap.enter():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, cap.refusal())
         try:
-            request = parse(raw)
-        except Exception as exc:
-            await refuse(exc, context)
-        return await inner(request, context)
+            try:
+                request = parse(raw)
+            except Exception as exc:
+                await refuse(exc, context)
+            return await inner(request, context)
+        finally:
+            if cap is not None:
+                cap.leave()
 
     return grpc.unary_unary_rpc_method_handler(unary_unary, request_deserializer=None,
                                                response_serializer=handler.response_serializer)
@@ -127,15 +180,16 @@ class _Capture:
         self.services.append((service, handlers))
 
 
-def add_guarded(add: Callable, servicer, server) -> None:
+def add_guarded(add: Callable, servicer, server, cap: RpcCap | None = None) -> None:
     """Register ``servicer`` on ``server`` as ``add(servicer, server)`` would, with request
     parsing failures answered INVALID_ARGUMENT (unary-request methods only; kvmesh has
-    no client-streaming RPC)."""
+    no client-streaming RPC) and, with ``cap``, its `DATA_PLANE_METHODS` counted by it."""
     capture = _Capture()
     add(servicer, capture)
     if not capture.services:  # generated by an older grpcio-tools: register unguarded
         add(servicer, server)
     for service, handlers in capture.services:
-        guarded = {name: _guard(f"{service}/{name}", h) for name, h in handlers.items()}
+        guarded = {name: _guard(f"{service}/{name}", h, cap if name in DATA_PLANE_METHODS else None)
+                   for name, h in handlers.items()}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, guarded),))
         server.add_registered_method_handlers(service, guarded)

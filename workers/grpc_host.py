@@ -1,6 +1,6 @@
 """Hosting gRPC services the same way in every kvmesh process.
 
-A `GrpcHost` binds one grpc.aio server with kvmesh's message limits, the standard
+A `GrpcHost` binds one grpc.aio server with kvmesh's message and concurrency limits, the standard
 health service (SERVING for "" and each named service), server reflection when asked
 for (off by default: it lists every RPC to anyone), TLS when given a `TlsConfig`, and
 waits for SIGINT/SIGTERM or an event before a graceful stop. The worker and the router
@@ -17,10 +17,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh.workers.grpc_guard import add_guarded
+from kvmesh.workers.grpc_guard import RpcCap, add_guarded
 
-#: Largest message either side accepts (bytes): a 128K-token prompt as uint32 plus slack.
+#: Largest message a channel accepts and a server sends (bytes): FetchBlocks streams KV
+#: payloads. What a server accepts is set per server from what a valid request needs
+#: (`kvmesh.workers.limits.request_bytes_limit`).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Default of ``--max-concurrent-rpcs``: data-plane RPCs (Generate, Tokenize, FetchBlocks)
+#: one server runs at once; more get RESOURCE_EXHAUSTED. A worker queues at most
+#: ``--max-seqs`` + ``--max-waiting`` (544 by default) requests anyway.
+DEFAULT_MAX_CONCURRENT_RPCS = 1024
+#: RPCs gRPC admits beyond ``--max-concurrent-rpcs``, for health checks and the other
+#: control-plane RPCs while the data plane is full; past that gRPC itself answers
+#: RESOURCE_EXHAUSTED before reading the request.
+CONTROL_RPC_RESERVE = 64
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -57,29 +67,38 @@ class ChannelPool:
 class GrpcHost:
     """One aio server for ``services``: ``[(add_to_server_fn, servicer, full_service_name)]``.
 
-    ``max_receive_bytes`` caps each request message (bytes); responses may be up to
-    ``MAX_MESSAGE_BYTES`` (FetchBlocks streams KV payloads).
+    ``max_receive_bytes`` caps each request message (bytes; workers and routers pass what
+    their largest valid request needs, `kvmesh.workers.limits`); responses may be up to
+    ``MAX_MESSAGE_BYTES`` (FetchBlocks streams KV payloads). ``max_concurrent_rpcs``
+    caps the data-plane RPCs in flight (`grpc_guard.RpcCap`); gRPC's own limit,
+    ``max_concurrent_rpcs + CONTROL_RPC_RESERVE``, caps all RPCs, so health checks and
+    control-plane RPCs still answer while the data plane is full. Memory held by requests
+    is thus bounded by about ``(max_concurrent_rpcs + CONTROL_RPC_RESERVE) * max_receive_bytes``.
 
     Raises:
+        ValueError: ``max_concurrent_rpcs`` < 1.
         RuntimeError: from `start`, when ``host:port`` cannot be bound.
     """
 
     def __init__(self, host: str, port: int, services: list[tuple[Callable, object, str]], tls=None,
-                 reflection_on: bool = False, max_receive_bytes: int = MAX_MESSAGE_BYTES):
+                 reflection_on: bool = False, max_receive_bytes: int = 1024 * 1024,
+                 max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS):
         self.host = host
         self.port = port
         self.tls = tls
         # no SO_REUSEPORT: a second process on a busy port must fail, not share it silently.
         # Requests are capped at what the longest allowed prompt needs (workers.limits):
         # gRPC refuses a bigger body with RESOURCE_EXHAUSTED before reading it into memory.
+        self.cap = RpcCap(max_concurrent_rpcs)
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", int(max_receive_bytes)),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0)])
+            ("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=self.cap.limit + CONTROL_RPC_RESERVE)
         self.health = health_aio.HealthServicer()
         self.names = [name for _, _, name in services]
         for add, servicer, _ in services:
-            add_guarded(add, servicer, self.server)  # a body that does not parse: INVALID_ARGUMENT
+            # a body that does not parse: INVALID_ARGUMENT; data-plane RPCs over the cap: RESOURCE_EXHAUSTED
+            add_guarded(add, servicer, self.server, self.cap)
         add_guarded(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server)
         if reflection_on:
             reflection.enable_server_reflection(

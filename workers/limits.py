@@ -9,8 +9,11 @@ forwarding follow from it:
 * ``text``: at most ``MAX_TEXT_BYTES_PER_TOKEN`` UTF-8 bytes per token of context. Real
   tokenizers average 3-5 bytes per token on text and code; 16 leaves room for long
   whitespace and byte-fallback runs while refusing a 64 MiB body before it is tokenized;
-* the whole message: the larger of those two plus ``MESSAGE_SLACK_BYTES`` for the other
-  fields, and never below ``MIN_MESSAGE_BYTES`` (`request_bytes_limit`).
+* the whole message: the larger of the longest text and the longest token-id prompt
+  (``MAX_TOKEN_ID_BYTES`` per id) plus ``MESSAGE_SLACK_BYTES`` for the other fields
+  (`request_bytes_limit`); a worker also takes the largest FetchBlocks request
+  (`fetch_request_bytes_limit`). gRPC refuses a bigger body with RESOURCE_EXHAUSTED before
+  reading it.
 
 Both the worker (from its own engine) and the router (from the workers' leases) call
 `check_prompt_size`, which raises `InvalidRequest` (gRPC INVALID_ARGUMENT).
@@ -21,11 +24,16 @@ from kvmesh.workers.request import InvalidRequest
 
 #: Text bytes allowed per token of context (bytes/token); see the module docstring.
 MAX_TEXT_BYTES_PER_TOKEN = 16
-#: Room for the request's other fields (ids, salt, sampling, prefix hint), bytes.
+#: Room for the request's other fields, bytes: ``request_id`` (256 characters),
+#: ``cache_salt`` and ``adapter_id`` (1,024 each), at most 4 UTF-8 bytes per character, is
+#: 9 KiB; the model id, tenant, sampling and prefix hint are short.
 MESSAGE_SLACK_BYTES = 64 * 1024
-#: Smallest receive cap (bytes): a router without ``--model`` in front of a long-context
-#: model still takes its token-id prompts (5 bytes per varint id, 128K tokens = 640 KiB).
-MIN_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Most bytes one token id takes in a request: a uint32 as a protobuf varint.
+MAX_TOKEN_ID_BYTES = 5
+#: Context (tokens) whose token-id prompts a router without ``--model`` takes: it cannot
+#: know its workers' context when it starts (128K tokens of ids = 640 KiB); for longer
+#: contexts give it ``--model``.
+ROUTER_TOKEN_ID_CONTEXT = 128 * 1024
 
 
 def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
@@ -87,13 +95,26 @@ def fit_max_model_len_to_pool(max_model_len: int, requested: int | None, num_blo
     return pool_tokens
 
 
-def request_bytes_limit(max_model_len: int) -> int:
-    """Largest request message (bytes) a server for a ``max_model_len``-token model accepts.
+def request_bytes_limit(max_model_len: int, token_id_context: int = 0) -> int:
+    """Largest Generate or Tokenize request (bytes) a server for a ``max_model_len``-token
+    model accepts: the longest accepted text (``MAX_TEXT_BYTES_PER_TOKEN`` per token) or
+    token-id prompt (``MAX_TOKEN_ID_BYTES`` per token, for ``max(max_model_len,
+    token_id_context)`` tokens), whichever is longer, plus ``MESSAGE_SLACK_BYTES``.
+    Pure."""
+    ids = MAX_TOKEN_ID_BYTES * max(int(max_model_len), int(token_id_context))
+    return max(MAX_TEXT_BYTES_PER_TOKEN * int(max_model_len), ids) + MESSAGE_SLACK_BYTES
 
-    ``max(MIN_MESSAGE_BYTES, MAX_TEXT_BYTES_PER_TOKEN * max_model_len + MESSAGE_SLACK_BYTES)``;
-    token ids (at most 5 bytes each as protobuf varints) always fit below it.
-    """
-    return max(MIN_MESSAGE_BYTES, MAX_TEXT_BYTES_PER_TOKEN * int(max_model_len) + MESSAGE_SLACK_BYTES)
+
+#: Room for a FetchBlocksRequest's ``kv_producer`` (device, torch version and attention path:
+#: under 200 bytes), bytes.
+FETCH_SLACK_BYTES = 4 * 1024
+
+
+def fetch_request_bytes_limit(max_blocks: int, hash_bytes: int) -> int:
+    """Largest FetchBlocksRequest (bytes): ``max_blocks`` hashes of ``hash_bytes`` bytes, each
+    with its 2 bytes of field tag and length, plus ``FETCH_SLACK_BYTES`` (the KV producer).
+    Pure."""
+    return int(max_blocks) * (int(hash_bytes) + 2) + FETCH_SLACK_BYTES
 
 
 #: Most bytes of JSON one byte of UTF-8 text can take: a ``\\u00XX`` escape (RFC 8259, section 7).
@@ -119,10 +140,12 @@ def check_prompt_size(request, max_model_len: int, where: str = "the model", why
     to too many tokens; the token count is checked again after tokenizing.
 
     ``where`` names whose context it is ("the model"); ``why``, if given, follows the limit
-    in the message (" (what its KV pool of 64 blocks holds)").
+    in the message (" (what its KV pool of 64 blocks holds)"). Also checks the lengths of
+    ``request_id``, ``cache_salt`` and ``adapter_id`` (each message names the field).
 
     Raises:
-        InvalidRequest: the prompt is over the limit (the message says by how much).
+        InvalidRequest: the prompt is over the limit (the message says by how much), or
+            one of those fields is over its cap.
     """
     kind = request.WhichOneof("prompt")
     if kind == "token_ids":
@@ -135,6 +158,7 @@ def check_prompt_size(request, max_model_len: int, where: str = "the model", why
         check_text_size(request.text, max_model_len, where, "prompt text", why)
     check_request_id(request.request_id)
     check_cache_salt(request.cache_salt)
+    check_adapter_id(request.adapter_id)
 
 
 #: Longest ``request_id`` accepted (characters); it is echoed in every streamed message.
@@ -142,6 +166,9 @@ MAX_REQUEST_ID_CHARS = 256
 #: Longest ``cache_salt`` accepted (characters). A salt only needs to be unguessable (vLLM's
 #: docs suggest 256 bits); it is hashed into every request's namespace root.
 MAX_CACHE_SALT_CHARS = 1024
+#: Longest ``adapter_id`` accepted (characters): an adapter's name, hashed into every
+#: request's namespace root as the salt is, so capped the same way.
+MAX_ADAPTER_ID_CHARS = 1024
 
 
 def _check_chars(value: str, name: str, cap: int, hint: str) -> None:
@@ -165,6 +192,15 @@ def check_cache_salt(cache_salt: str) -> None:
         InvalidRequest: too long.
     """
     _check_chars(cache_salt, "cache_salt", MAX_CACHE_SALT_CHARS, "a random 43-character string holds 256 bits")
+
+
+def check_adapter_id(adapter_id: str) -> None:
+    """Refuse an ``adapter_id`` over `MAX_ADAPTER_ID_CHARS` characters.
+
+    Raises:
+        InvalidRequest: too long.
+    """
+    _check_chars(adapter_id, "adapter_id", MAX_ADAPTER_ID_CHARS, "it names a LoRA adapter")
 
 
 def check_text_size(text: str, max_model_len: int, where: str = "the model", what: str = "text",

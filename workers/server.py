@@ -40,7 +40,7 @@ from kvmesh.cache_store.fresh_thread import run_on_fresh_thread, to_fresh_thread
 from kvmesh.cache_store.hashing import HASH_BYTES
 from kvmesh.workers.engine import Engine
 from kvmesh.workers.grpc_guard import LogLimiter, clip
-from kvmesh.workers.grpc_host import GrpcHost
+from kvmesh.workers.grpc_host import DEFAULT_MAX_CONCURRENT_RPCS, GrpcHost
 from kvmesh.workers.peer_fetch import MAX_FETCH_BLOCKS, PeerFetcher
 from kvmesh.workers.request import InvalidRequest, Overloaded, RequestOutput
 
@@ -292,14 +292,15 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
                        ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                        peer: dict | None = None, advertise: str | None = None,
                        metrics_port: int | None = None, http_port: int | None = None, tls=None, gate=None,
-                       reflection: bool = False) -> None:
+                       reflection: bool = False, max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS) -> None:
     """Serve the engine on host:port until ``stop`` is set or SIGINT/SIGTERM arrives.
 
     ``peer`` holds `PeerFetcher` options (``mode``, ``max_fetch_s``, ``holder_check``);
     ``advertise`` is the ``HOST:PORT`` other processes reach this worker at (default
     ``host:port``); ``tls`` (`kvmesh.workers.tls.TlsConfig`) serves TLS and makes peer
     fetches mutual TLS; ``gate`` checks each caller (see `WorkerServicer`); ``reflection``
-    turns on gRPC server reflection. ``metrics_port`` serves Prometheus ``/metrics``
+    turns on gRPC server reflection; ``max_concurrent_rpcs`` caps the data-plane RPCs in
+    flight (`GrpcHost`). ``metrics_port`` serves Prometheus ``/metrics``
     (`services.metrics`); ``http_port`` serves the OpenAI-compatible HTTP front
     (`services.http_front`); None = off.
 
@@ -312,7 +313,9 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     grpc_host = GrpcHost(host, port, [(pb_grpc.add_WorkerServicer_to_server, servicer,
                                        pb.DESCRIPTOR.services_by_name["Worker"].full_name)],
                          tls=tls, reflection_on=reflection,
-                         max_receive_bytes=limits.request_bytes_limit(engine.max_model_len))
+                         max_receive_bytes=max(limits.request_bytes_limit(engine.max_model_len),
+                                               limits.fetch_request_bytes_limit(MAX_FETCH_BLOCKS, HASH_BYTES)),
+                         max_concurrent_rpcs=max_concurrent_rpcs)
     engine.start()
     from kvmesh.services import observability
 

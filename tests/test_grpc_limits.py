@@ -1,0 +1,125 @@
+"""gRPC servers' concurrency cap, on a real worker process over loopback.
+
+Data-plane calls past ``--max-concurrent-rpcs`` get RESOURCE_EXHAUSTED while health and
+the control-plane RPCs still answer (they have `CONTROL_RPC_RESERVE` more slots); past
+those too, gRPC itself refuses any call.
+"""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.workers.grpc_host import CONTROL_RPC_RESERVE
+
+pytestmark = pytest.mark.slow
+
+CAP = 3
+
+
+def _long_request(seed: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[(seed * 7 + i) % 256 for i in range(20)]),
+                              sampling=pb.SamplingParams(max_tokens=4000, ignore_eos=True))
+
+
+def test_data_plane_past_the_cap_is_refused_while_the_control_plane_answers(spawn_worker):
+    address, _ = spawn_worker("--max-concurrent-rpcs", str(CAP), "--max-seqs", "4", "--max-model-len", "4096",
+                              "--num-blocks", "1024")
+    held = []
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.WorkerStub(ch)
+        health = health_pb2_grpc.HealthStub(ch)
+        try:
+            for i in range(CAP):  # CAP long generations, each streaming
+                call = stub.Generate(_long_request(i), timeout=120)
+                next(call)
+                held.append(call)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(_long_request(9), timeout=30))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-concurrent-rpcs" in err.value.details(), err.value.details()
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Tokenize(pb.TokenizeRequest(text="hello"), timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # the control plane still answers
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            assert stub.GetLoad(pb.LoadRequest(), timeout=10).running_requests == CAP
+            assert stub.GetInfo(pb.WorkerInfoRequest(), timeout=10).max_model_len == 4096
+            # control-plane calls have CONTROL_RPC_RESERVE slots of their own; past those,
+            # gRPC refuses any call itself
+            for _ in range(CONTROL_RPC_RESERVE):
+                watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=120)
+                next(watch)
+                held.append(watch)
+            with pytest.raises(grpc.RpcError) as err:
+                health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            for call in held:
+                call.cancel()
+        # cancelled calls give their slots back
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                out = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                                                            sampling=pb.SamplingParams(max_tokens=2)), timeout=30))
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, exc
+                time.sleep(0.2)
+        assert out[-1].finished
+
+
+def test_max_concurrent_rpcs_must_be_positive(capsys):
+    from kvmesh.services.cli import build_parser
+
+    for cmd in (["worker", "--port", "1"], ["router", "--port", "1"]):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args([*cmd, "--max-concurrent-rpcs", "0"])
+        assert exit_.value.code == 2
+        assert "--max-concurrent-rpcs" in capsys.readouterr().err
+
+
+def _raw(address: str, method: str, body: bytes) -> tuple[grpc.StatusCode, str]:
+    opts = [("grpc.max_send_message_length", 64 << 20)]
+    with grpc.insecure_channel(address, options=opts) as ch:
+        call = ch.unary_stream(f"/kvmesh.v1.Worker/{method}", request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+        try:
+            list(call(body, timeout=30))
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def test_receive_cap_follows_the_largest_valid_request(spawn_worker):
+    """A worker of a 256-token context takes at most what its longest valid request needs
+    (16 B of text per token, plus 64 KiB for the other fields): a 100 KB body gets
+    RESOURCE_EXHAUSTED from gRPC, unread (it was parsed under a 4 MiB cap before). The
+    largest valid Generate (every capped field at its cap, in 4-byte characters) is read,
+    and so is a FetchBlocks request for the most blocks a peer may ask for."""
+    from kvmesh.cache_store.hashing import HASH_BYTES
+    from kvmesh.workers import limits
+    from kvmesh.workers.peer_fetch import MAX_FETCH_BLOCKS
+
+    address, _ = spawn_worker("--max-model-len", "256", "--num-blocks", "64")
+    big = pb.GenerateRequest(text="x" * 100_000, sampling=pb.SamplingParams(max_tokens=1)).SerializeToString()
+    code, details = _raw(address, "Generate", big)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details, (code, details)
+    wide = "\U0001F600"  # 4 bytes of UTF-8
+    fields = dict(request_id=wide * limits.MAX_REQUEST_ID_CHARS, cache_salt=wide * limits.MAX_CACHE_SALT_CHARS,
+                  adapter_id=wide * limits.MAX_ADAPTER_ID_CHARS, sampling=pb.SamplingParams(max_tokens=1))
+    longest_text = pb.GenerateRequest(text="x" * (16 * 256), **fields)
+    longest_ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2**32 - 1] * 255), **fields)
+    for req in (longest_text, longest_ids):
+        code, details = _raw(address, "Generate", req.SerializeToString())
+        assert code != grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)  # read and judged on its content
+    fetch = pb.FetchBlocksRequest(block_hashes=[i.to_bytes(HASH_BYTES, "big") for i in range(MAX_FETCH_BLOCKS)],
+                                  kv_producer="")
+    assert len(fetch.SerializeToString()) > limits.request_bytes_limit(256)
+    assert _raw(address, "FetchBlocks", fetch.SerializeToString()) == (grpc.StatusCode.OK, "")
