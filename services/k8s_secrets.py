@@ -121,14 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    os.makedirs(args.out_dir, mode=0o700, exist_ok=True)
     out = lambda name: os.path.join(args.out_dir, name)  # noqa: E731
-    _write(out("ca.crt"), ca_pem, private=False)
-    _write(out("ca.key"), ca_key_pem, private=True)
     first = next(iter(api_keys))
     env = f"KVMESH_TLS_CA={os.path.abspath(out('ca.crt'))}\nKVMESH_API_KEY={api_keys[first]}\n"
     env += "".join(f"# tenant {t}: KVMESH_API_KEY={k}\n" for t, k in list(api_keys.items())[1:])
-    _write(out("client.env"), env.encode(), private=True)
+    try:
+        os.makedirs(args.out_dir, mode=0o700, exist_ok=True)
+        _write(out("ca.crt"), ca_pem, private=False)
+        _write(out("ca.key"), ca_key_pem, private=True)
+        _write(out("client.env"), env.encode(), private=True)
+    except OSError as exc:  # not a folder, no permission, a read-only or missing parent
+        print(f"error: cannot write to --out-dir {args.out_dir}: {exc.strerror or exc}; "
+              "give a folder you can create and write", file=sys.stderr)
+        return 2
     sys.stdout.write(yaml.safe_dump_all(objs, sort_keys=False))
     print(f"wrote {out('ca.crt')}, {out('ca.key')} (keep offline) and {out('client.env')} (API keys of "
           f"{', '.join(api_keys)})", file=sys.stderr)

@@ -570,6 +570,11 @@ def test_k8s_secrets_generator(tmp_path, capsys):
     assert auth.tenant_for(f"Bearer {env['KVMESH_API_KEY']}") == "team-a"
     assert env["KVMESH_API_KEY"].encode() not in data["kvmesh-api-keys"]["api-keys"], "keys are stored hashed"
     assert main(["--tenant", "two words", "--out-dir", str(tmp_path / "x")]) == 2
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    for bad in (not_a_folder, not_a_folder / "sub"):  # an error naming the flag, not a traceback
+        assert main(["--out-dir", str(bad)]) == 2
+        assert "cannot write to --out-dir" in capsys.readouterr().err
 
 
 def test_k8s_secrets_never_replaces_a_ca_key_without_force(tmp_path, capsys):
