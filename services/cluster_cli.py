@@ -136,6 +136,26 @@ def _supervise(cluster, policy, stop: threading.Event, poll_s: float = 0.5) -> i
     return 0
 
 
+def startup_warnings(log_dir: str, names) -> list[str]:
+    """The WARNING lines the processes ``names`` wrote to their logs in ``log_dir`` so far
+    (a sizing that silently loses cache, say), each distinct message once, prefixed with the
+    first process that logged it: `up` prints them, so they are not found only in a log."""
+    seen: set[str] = set()
+    out: list[str] = []
+    for name in names:
+        try:
+            with open(os.path.join(log_dir, f"{name}.log"), encoding="utf-8", errors="replace") as fh:
+                lines = fh.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            _, sep, message = line.partition(" WARNING ")
+            if sep and message not in seen:
+                seen.add(message)
+                out.append(f"{name}: {message}")
+    return out
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from kvmesh.services.cli_checks import up_problem
     from kvmesh.services.launcher import LocalCluster, RestartPolicy
@@ -158,6 +178,8 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"{len(cluster.workers)} workers, redis {redact_url(cluster.redis_url)}, logs in {cluster.log_dir}",
               flush=True)
         print(cluster.router_address, flush=True)
+        for warning in startup_warnings(cluster.log_dir, cluster.workers):
+            print(f"warning: {warning}", flush=True)
         for line in ([cluster.http_url] if cluster.http_url else []) + list(cluster.metrics_urls.values()):
             print(line, flush=True)
         if cluster.credentials is not None:

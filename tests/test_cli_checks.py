@@ -389,3 +389,17 @@ def test_tier_flags_that_would_do_nothing_or_cannot_be_allocated_exit_2(argv, ne
     res = subprocess.run([sys.executable, "-m", "kvmesh.services.cli", "worker", "--port", "0", *argv],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_up_prints_each_distinct_worker_warning_once(tmp_path):
+    """`up` repeats what its workers warned about at start (e.g. a host tier too small to
+    write to disk), once per message, instead of leaving it in the worker logs."""
+    from kvmesh.services.cluster_cli import startup_warnings
+
+    small = "kvmesh.worker: --host-bytes holds 16 blocks, fewer than the device pool's 128: ..."
+    (tmp_path / "worker-0.log").write_text(f"2026-12-04 10:00:00,001 INFO kvmesh.worker: serving\n"
+                                           f"2026-12-04 10:00:00,002 WARNING {small}\n")
+    (tmp_path / "worker-1.log").write_text(f"2026-12-04 10:00:00,003 WARNING {small}\n"
+                                           "2026-12-04 10:00:00,004 WARNING kvmesh.worker: context limited\n")
+    assert startup_warnings(str(tmp_path), ["worker-0", "worker-1", "worker-2"]) == [
+        f"worker-0: {small}", "worker-1: kvmesh.worker: context limited"]
