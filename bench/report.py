@@ -423,6 +423,9 @@ def _rows(result: dict) -> list[tuple[str, str]]:
     ]
     if result.get("error_codes"):
         rows.append(("errors by code", ", ".join(f"{c} {n}" for c, n in result["error_codes"].items())))
+        if result.get("errors"):  # the reason, not only its code (the rest: requests.jsonl)
+            first = str(result["errors"][0])
+            rows.append(("first error", first if len(first) <= 300 else first[:297] + "..."))
     if result.get("num_cancelled"):
         rows.append(("cancelled at the deadline", _num(result.get("num_cancelled"))))
     if result.get("num_not_sent"):

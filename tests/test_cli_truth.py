@@ -541,6 +541,7 @@ def test_bench_fails_when_requests_fail_unless_allowed(cluster, tmp_path):
     assert res.returncode == 1
     assert "4 of 12 requests failed" in res.stderr and "INVALID_ARGUMENT" in res.stderr
     assert "errors by code" in res.stdout and "INVALID_ARGUMENT 4" in res.stdout  # the summary table
+    assert "first error" in res.stdout and "prompt has" in res.stdout.split("first error", 1)[1][:200]  # the reason
     res = _bench_multi_turn(cluster["worker"], tmp_path / "lenient", "--no-plots", "--max-error-rate", "0.5")
     assert res.returncode == 0, res.stderr
     res = _bench_multi_turn(cluster["worker"], tmp_path / "bad", "--max-error-rate", "2")
