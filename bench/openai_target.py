@@ -175,6 +175,19 @@ class OpenAITarget:
                 raise ConnectionError(f"{self.url}: the server's certificate did not verify ({exc.certificate_error}); "
                                       "pass --tls-ca with the CA that signed it (the ca.pem of `kvmesh up`'s "
                                       "credentials)") from None
+            except aiohttp.ContentTypeError as exc:  # an HTTP server, but not this API: retrying cannot help
+                kind = (exc.headers or {}).get("Content-Type", "no content type")
+                raise ConnectionError(f"{self.url}/models answered {kind}, not JSON: that is not an OpenAI-compatible "
+                                      "front (a metrics port?); give the URL of the HTTP front (`kvmesh up` prints "
+                                      "it; --http-port)") from None
+            except aiohttp.ClientResponseError as exc:
+                if "Bad status line" in str(exc.message) and "\\x00" in str(exc.message):  # an HTTP/2 frame
+                    raise ConnectionError(f"{self.url} speaks gRPC (HTTP/2), not HTTP/1.1: give the URL of the HTTP "
+                                          "front (`kvmesh up` prints it; --http-port), or drop --api openai to "
+                                          "send gRPC to this port") from None
+                if loop.time() > deadline:
+                    raise ConnectionError(f"cannot reach {self.url} within {connect_timeout_s:g} s ({exc})") from None
+                await asyncio.sleep(0.2)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 if loop.time() > deadline:
                     raise ConnectionError(f"cannot reach {self.url} within {connect_timeout_s:g} s ({exc})") from None
