@@ -8,14 +8,13 @@ accepts the codec still hits them within the documented error.
 """
 from __future__ import annotations
 
-import pytest
-
 from kvmesh.bench.codec_error import DOCUMENTED_MAX_LOGIT_DIFF
 from kvmesh.cache_store.hashing import hash_blocks
 from kvmesh.cache_store.tier_store import TierConfig
 from kvmesh.workers.engine import Engine
 from kvmesh.workers.request import SamplingParams
 from tests.test_engine_tiers import max_diff, rand_prompt, run
+from tests.test_remote_reuse import cold_engine as cold  # noqa: F401 - a fixture: an engine with no tiers
 
 BS = 16
 ONE = SamplingParams(max_tokens=1)
@@ -32,13 +31,6 @@ def engine(host_codec: str = "none", **tiers) -> Engine:
 
 def hashes(e: Engine, prompt) -> list[bytes]:
     return list(hash_blocks(prompt, BS, e.namespace().root_hash()).hashes[:cached_blocks(prompt)])
-
-
-@pytest.fixture()
-def cold():
-    e = Engine(num_blocks=64, block_size=BS).start()
-    yield e
-    e.stop()
 
 
 def test_remote_records_of_a_lossy_host_tier_are_labelled_lossy(redis_server, cold):
