@@ -1041,8 +1041,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """``kvmesh bench``: 0 success, 1 failed requests (above ``--max-error-rate``) or a
     cluster that did not start, 2 bad flags, 130 interrupted (SIGINT/SIGTERM).
 
-    SIGTERM outside a run (e.g. while a local cluster starts) stops like Ctrl-C: the
-    cluster is stopped on the way out. The previous SIGTERM handler is restored."""
+    SIGTERM or SIGINT outside a run (e.g. while a local cluster starts) stops like Ctrl-C,
+    also where SIGINT was ignored at start (a background job): the cluster is stopped on the
+    way out. The previous handlers are restored."""
     import signal
     import threading
 
@@ -1050,15 +1051,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    # SIGINT too: a shell starts a background job (`kvmesh bench ... &`) with SIGINT ignored,
+    # and Python then keeps it ignored, so `kill -INT` did nothing while a cluster started
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, stop) for sig in sigs} if main_thread else {}
     try:
         return _cmd_bench(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

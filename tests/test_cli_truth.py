@@ -629,6 +629,28 @@ def test_interrupted_bench_writes_what_finished(cluster, tmp_path, sig):
     assert "Partial run" in (out / "result.md").read_text()
 
 
+def test_bench_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
+    """A shell starts a background job (`kvmesh bench ... &`) with SIGINT ignored; `kill -INT`
+    during the local cluster's start must still stop the run (exit 130) and its cluster."""
+    out = tmp_path / "run"
+    bench = subprocess.Popen([KVMESH, "bench", "--policies", "kv_aware", "--workers", "1", "--workload", "shared-prefix",
+                              "--gsp-num-groups", "1", "--gsp-prompts-per-group", "2", "--gsp-system-prompt-len", "16",
+                              "--gsp-question-len", "8", "--gsp-output-len", "2", "--no-plots", "--out", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        while "starting a cold cluster" not in (line := bench.stderr.readline()):
+            assert line, "bench ended before starting its cluster"
+        bench.send_signal(signal.SIGINT)
+        _, err = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 130, err
+    assert "interrupted" in err
+
+
 # ---------------------------------------------------------------------------- say what it does
 
 
