@@ -193,9 +193,13 @@ def test_oversized_request_ids_and_tokenize_texts_are_invalid_arguments(worker):
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(req))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.value.details()
+        # this worker's context is 64 blocks x 16 = 1,024 tokens: texts up to 16 KiB are taken
         with pytest.raises(grpc.RpcError) as err:
-            stub.Tokenize(pb.TokenizeRequest(text="x" * (3 << 20)))
+            stub.Tokenize(pb.TokenizeRequest(text="x" * (40 << 10)))  # over the text cap, under the receive cap
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text has" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Tokenize(pb.TokenizeRequest(text="x" * (3 << 20)))  # over the receive cap: never read
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         req.request_id = "r" * MAX_REQUEST_ID_CHARS
         assert [m.request_id for m in stub.Generate(req)][-1] == req.request_id
         assert list(stub.Tokenize(pb.TokenizeRequest(text="hello")).ids)
