@@ -107,7 +107,7 @@ class KVCodec(ABC):
         exact: True if ``decode(encode(x)) == x`` bit for bit.
         loss_rank: 0 for the exact codec; lossy codecs rank by their documented error
             (docs/TIERS.md): a block whose KV went through several codecs carries the
-            highest rank among them (`lossiest`).
+            highest rank among them (`codec_of_rank`; `TierStore._slot_record`).
     """
 
     name: ClassVar[str]

@@ -166,10 +166,10 @@ class TierStore:
         #: per source kind ("host", "peer", "disk"), an EWMA of the wall seconds one block
         #: took to load into the pool (read, verify, decode, copy); unset until measured
         self.load_seconds_per_block: dict[str, float] = {}
+        on_cuda = kv_cache.device.type == "cuda"
         #: `TierConfig.load_policy` with "auto" resolved for this pool's device
         self.load_policy = (config.load_policy if config.load_policy != "auto"
-                            else "cost" if kv_cache.device.type == "cuda" else "always")
-        on_cuda = kv_cache.device.type == "cuda"
+                            else "cost" if on_cuda else "always")
         self.host = (HostTier(config.host_bytes, self.codec(config.host_codec), pin_memory=on_cuda)
                      if config.host_bytes > 0 else None)
         self.peer = (HostTier(config.peer_bytes, self.codec("none"), pin_memory=on_cuda, medium="peer")
@@ -242,6 +242,9 @@ class TierStore:
 
     #: Weight of the newest sample in ``load_seconds_per_block``.
     LOAD_COST_ALPHA = 0.25
+    #: One in this many cuts by `worth_loading` loads anyway (a fresh measurement).
+    PROBE_EVERY = 16
+    _cuts = 0
 
     def _note_load_cost(self, kind: str, seconds: float) -> None:
         old = self.load_seconds_per_block.get(kind)
@@ -271,21 +274,23 @@ class TierStore:
                 return i
         return n
 
-    #: One in this many cuts by `worth_loading` loads anyway (a fresh measurement).
-    PROBE_EVERY = 16
-    _cuts = 0
-
     def mark_computed(self, block_ids: Sequence[int]) -> None:
         """Pool rows ``block_ids`` are about to hold KV computed here (exact): see ``row_loss``."""
         row_loss = self.row_loss
         for b in block_ids:
             row_loss[b] = 0
 
-    def _record_codec(self, slot: int, codec: KVCodec) -> KVCodec:
-        """The codec a record of host ``slot`` is stored and labelled in when its tier's codec
-        is ``codec``: the lossiest of ``codec``, the host tier's and the KV's history."""
-        rank = max(self.host.loss_rank(slot), codec.loss_rank)
-        return codec if rank == codec.loss_rank else self.codec(codec_of_rank(rank))
+    def _slot_record(self, slot: int, codec: KVCodec) -> tuple[KVCodec, object]:
+        """``(codec, payload)`` of a record of host ``slot`` for a tier whose codec is ``codec``:
+        stored and labelled in the lossiest of ``codec``, the host tier's and the KV's history,
+        so lossy KV is never labelled exact. The payload is a view of the slot when no
+        transcoding is needed."""
+        host = self.host
+        rank = max(host.loss_rank(slot), codec.loss_rank)
+        c = codec if rank == codec.loss_rank else self.codec(codec_of_rank(rank))
+        if c.name == host.codec.name:
+            return c, host.payload_bytes_view(slot)
+        return c, self._transcode(host.codec, host.payload(slot), c)
 
     @property
     def can_offload(self) -> bool:
@@ -556,15 +561,13 @@ class TierStore:
                 self._disk_removed(removed)
 
     def _records(self, batch: list[_WriteJob], codec: KVCodec) -> list[tuple[RecordMeta, object]]:
-        """``(meta, payload)`` in ``codec`` for each job's (pinned) host slot, checksummed."""
-        host = self.host
+        """``(meta, payload)`` in ``codec`` (or a lossier one, `_slot_record`) for each job's
+        (pinned) host slot, checksummed."""
         items = []
         for job in batch:
             if job.ready is not None:
                 job.ready.synchronize()
-            c = self._record_codec(job.slot, codec)  # lossy KV is never labelled exact
-            payload = (host.payload_bytes_view(job.slot) if c.name == host.codec.name
-                       else self._transcode(host.codec, host.payload(job.slot), c))
+            c, payload = self._slot_record(job.slot, codec)
             items.append((RecordMeta(job.block_hash, job.parent_hash, job.token_bytes, c.name, self.dtype_name,
                                      self.block_shape, len(payload), checksum(payload)), payload))
         return items
@@ -933,7 +936,7 @@ class TierStore:
         """Records for ``hashes[start:]`` held in the host or disk tier, in order, stopping at the first gap.
 
         Payloads keep their tier's codec, or the lossier one their KV went through before
-        (`_record_codec`); checksums are computed here for host blocks.
+        (`_slot_record`); checksums are computed here for host blocks.
         """
         out: list[tuple[RecordMeta, bytes]] = []
         with self.lock:
@@ -943,9 +946,8 @@ class TierStore:
                 if e is not None:
                     if e.ready is not None:
                         e.ready.synchronize()
-                    c = self._record_codec(e.slot, self.host.codec)
-                    payload = (bytes(self.host.payload_bytes_view(e.slot)) if c.name == self.host.codec.name
-                               else bytes(self._transcode(self.host.codec, self.host.payload(e.slot), c)))
+                    c, view = self._slot_record(e.slot, self.host.codec)
+                    payload = bytes(view)
                     out.append((RecordMeta(h, e.parent_hash, e.token_bytes, c.name, self.dtype_name,
                                            self.block_shape, len(payload), checksum(payload)), payload))
                     continue
