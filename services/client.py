@@ -26,7 +26,9 @@ Behaviour:
   a CA raises ValueError rather than cross the network in clear (unless the caller passes
   its own ``channel``).
 
-Errors are `grpc.RpcError` with the server's status code and message.
+Errors are `grpc.RpcError` with the server's status code and message; where gRPC's own
+message names no fix (a plaintext client at a TLS port gets only ``UNAVAILABLE: Socket
+closed``), a `ClientRpcError` with the same code and the advice appended (`connect_hint`).
 
 Results are typed: `Completion` (token ids, text, `Usage`, `Timing`, worker id) and
 `Chunk` (one streamed message; the last one carries usage and timing).
@@ -53,6 +55,75 @@ DEFAULT_TIMEOUT_S = 600.0
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+#: Every hint `connect_hint` gives starts with this, so that it is given once.
+HINT_MARK = " (hint: "
+
+
+def connect_hint(code: str, message: str) -> str:
+    """What to fix when a connection was dropped before any RPC ran, or "".
+
+    A TLS server (``kvmesh up`` without ``--insecure``) closes a plaintext connection, and a
+    router with ``--client-ca`` closes one without a client certificate; gRPC then reports only
+    ``UNAVAILABLE ... Socket closed`` or a failed handshake, which names no flag. A stream
+    that gRPC removed after it started ("Stream removed") was connected: no hint then.
+
+    Args:
+        code: the status code's name ("UNAVAILABLE").
+        message: the error's details.
+
+    Returns:
+        "" or the advice, starting with `HINT_MARK` (and "" for a message that already has it).
+    """
+    text = message.lower()
+    if HINT_MARK in message:  # already explained (a `ClientRpcError`)
+        return ""
+    if code != "UNAVAILABLE" or not any(s in text for s in ("socket closed", "handshake", "ssl", "tls", "alpn")):
+        return ""
+    if "stream removed" in text:  # the call had been running: the server (or a worker) went away
+        return ""
+    if "alpn" in text:  # TLS was spoken, HTTP/2 was not: an HTTPS front, not a gRPC port
+        return (HINT_MARK + "that port speaks TLS but not gRPC: it is likely the HTTP front (--http-port) or another "
+                "server; give --target the router's or worker's gRPC --port)")
+    if "certificate_verify_failed" in text or "certificate verify failed" in text:
+        return (HINT_MARK + "the server's certificate is not signed by --tls-ca, or does not name this address: credentials "
+                "from another cluster or an earlier `kvmesh up`? Source the client.env the running one printed)")
+    return (HINT_MARK + "the server closed the connection: it may require TLS and a client certificate; pass --tls-ca, "
+            "--tls-cert and --tls-key (the Python client: tls_ca=, tls_cert=, tls_key=), or source the client.env "
+            "that kvmesh up printed; if they are given, check that the target is a gRPC --port, not a metrics or "
+            "HTTP port)")
+
+
+class ClientRpcError(grpc.RpcError):
+    """A failed call whose cause gRPC reports without naming a fix (a TLS server closing a
+    plaintext connection is only ``UNAVAILABLE: Socket closed``): the same status code, and
+    the details with `connect_hint`'s advice appended. A `grpc.RpcError`, so callers that
+    catch those, or read ``code()`` / ``details()``, need no change; ``cause`` is gRPC's own
+    error."""
+
+    def __init__(self, cause: grpc.RpcError, details: str):
+        super().__init__(details)
+        self.cause = cause
+        self._code = cause.code()
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def __str__(self) -> str:
+        return f"{self._code.name}: {self._details}"
+
+
+def with_hint(exc: grpc.RpcError) -> grpc.RpcError:
+    """``exc``, or a `ClientRpcError` carrying `connect_hint`'s advice when there is some."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
+    hint = connect_hint(code.name, details) if code is not None else ""
+    return ClientRpcError(exc, details + hint) if hint else exc
 
 
 @dataclass(frozen=True)
@@ -276,10 +347,10 @@ class KvmeshClient(_Base):
                 return
             except grpc.RpcError as exc:
                 if got_any or attempt >= self.retries or not self._retryable(exc):
-                    raise
+                    raise with_hint(exc) from None
                 pause = self._backoff(attempt)
                 if time.monotonic() + pause >= deadline:
-                    raise
+                    raise with_hint(exc) from None
                 time.sleep(pause)
                 attempt += 1
             finally:
@@ -298,8 +369,11 @@ class KvmeshClient(_Base):
 
     def tokenize(self, text: str, timeout: float | None = None) -> list[int]:
         """Token ids of ``text`` as the server tokenizes it."""
-        return list(self._stub.Tokenize(pb.TokenizeRequest(text=text), timeout=timeout or self.timeout,
-                                        metadata=self.metadata).ids)
+        try:
+            return list(self._stub.Tokenize(pb.TokenizeRequest(text=text), timeout=timeout or self.timeout,
+                                            metadata=self.metadata).ids)
+        except grpc.RpcError as exc:
+            raise with_hint(exc) from None
 
 
 async def _tcp_reason(target: str, timeout: float, tls: bool = False) -> str | None:
@@ -412,10 +486,10 @@ class AsyncKvmeshClient(_Base):
                 return
             except grpc.RpcError as exc:
                 if got_any or attempt >= self.retries or not self._retryable(exc):
-                    raise
+                    raise with_hint(exc) from None
                 pause = self._backoff(attempt)
                 if loop.time() + pause >= deadline:
-                    raise
+                    raise with_hint(exc) from None
                 await asyncio.sleep(pause)
                 attempt += 1
             finally:
@@ -434,6 +508,9 @@ class AsyncKvmeshClient(_Base):
 
     async def tokenize(self, text: str, timeout: float | None = None) -> list[int]:
         """Token ids of ``text`` as the server tokenizes it."""
-        res = await self._stub.Tokenize(pb.TokenizeRequest(text=text), timeout=timeout or self.timeout,
-                                        metadata=self.metadata)
+        try:
+            res = await self._stub.Tokenize(pb.TokenizeRequest(text=text), timeout=timeout or self.timeout,
+                                            metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise with_hint(exc) from None
         return list(res.ids)

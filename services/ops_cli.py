@@ -22,31 +22,8 @@ def version() -> str:
         return "unknown"
 
 
-# ---------------------------------------------------------------------------- connection hints
-
-
-def connect_hint(code: str, message: str) -> str:
-    """What to fix when a connection was dropped before any RPC ran, or "".
-
-    A TLS server (``kvmesh up`` without ``--insecure``) closes a plaintext connection, and a
-    router with ``--client-ca`` closes one without a client certificate; gRPC then reports only
-    ``UNAVAILABLE ... Socket closed`` or a failed handshake, which names no flag. A stream
-    that gRPC removed after it started ("Stream removed") was connected: no hint then.
-    """
-    text = message.lower()
-    if code != "UNAVAILABLE" or not any(s in text for s in ("socket closed", "handshake", "ssl", "tls", "alpn")):
-        return ""
-    if "stream removed" in text:  # the call had been running: the server (or a worker) went away
-        return ""
-    if "alpn" in text:  # TLS was spoken, HTTP/2 was not: an HTTPS front, not a gRPC port
-        return (" (that port speaks TLS but not gRPC: it is likely the HTTP front (--http-port) or another "
-                "server; give --target the router's or worker's gRPC --port)")
-    if "certificate_verify_failed" in text or "certificate verify failed" in text:
-        return (" (the server's certificate is not signed by --tls-ca, or does not name this address: credentials "
-                "from another cluster or an earlier `kvmesh up`? Source the client.env the running one printed)")
-    return (" (the server closed the connection: it may require TLS and a client certificate; pass --tls-ca, "
-            "--tls-cert and --tls-key, or source the client.env that kvmesh up printed; if they are given, check "
-            "that --target is a gRPC --port, not a metrics or HTTP port)")
+# connect_hint lives with the client library, which adds it to its own errors
+from kvmesh.services.client import connect_hint  # noqa: E402,F401  (re-exported for the CLI)
 
 
 # ---------------------------------------------------------------------------- status

@@ -494,6 +494,26 @@ def test_status_reads_the_client_env_that_up_prints(cluster, monkeypatch, capsys
     assert "--tls-ca" in capsys.readouterr().err
 
 
+def test_the_python_client_without_tls_is_told_what_to_pass(cluster, monkeypatch):
+    """The library, not only the CLI, names the fix: a `grpc.RpcError` with the same code,
+    whose details name the client's TLS arguments."""
+    import grpc
+
+    from kvmesh.services.client import KvmeshClient
+
+    for name in ("KVMESH_TLS_CA", "KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with KvmeshClient(cluster.router_address, timeout=30, retries=0) as client:
+        with pytest.raises(grpc.RpcError) as exc:
+            client.generate("hello", max_tokens=1)
+        with pytest.raises(grpc.RpcError) as tok:
+            client.tokenize("hello")
+    for err in (exc.value, tok.value):
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "tls_ca=" in err.details() and "client.env" in err.details(), err.details()
+        assert err.details().count("(hint: ") == 1
+
+
 @pytest.mark.parametrize("command", ["generate", "status"])
 def test_a_client_without_tls_is_told_which_flags_to_pass(cluster, monkeypatch, capsys, command):
     """The mTLS router closes a plaintext connection; the CLI must name the flags, not only
