@@ -55,7 +55,19 @@ writer's ``capacity_bytes`` in ``kv-cap`` and every put evicts down to that
 value; a worker configured differently logs a warning and follows the
 cluster's. An operator changes it with ``SET kvmesh:C:kv-cap <bytes>``.
 
-What a read verifies: :func:`cache_store.block_record.decode_record` (magic,
+Authentication (``record_key``): the checksums above catch accidents, not an attacker who
+can write to Redis, who could store a record with forged KV and recomputed checksums (block
+hashes are unkeyed hashes of public inputs, so one can even be planted before the block is
+first computed). With a ``record_key`` every value stored is the record followed by a
+``TAG_BYTES``-byte MAC, keyed BLAKE2b (RFC 7693) of the record, and a read first checks the
+MAC (`hmac.compare_digest`): a record without the cluster key's MAC is treated as damaged
+(deleted and counted), so a forged or planted record is never loaded and the next put of the
+real block replaces it. Every worker of a cluster needs the same key (`kvmesh worker
+--remote-record-key-file`; `kvmesh up` makes one); a worker without it, or with another,
+reads every keyed record as damaged, and the others read its records the same way.
+
+What a read verifies: the MAC (with a ``record_key``), then
+:func:`cache_store.block_record.decode_record` (magic,
 version, header checksum, length, payload checksum) and that the record's
 hash is the hash it was stored under. A record failing either is deleted and
 counted (``remote_damaged``), and the read stops before it. Whether the
@@ -92,6 +104,7 @@ Units: sizes are bytes of encoded records (header + tokens + payload).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import re
 import threading
@@ -101,6 +114,7 @@ from typing import Sequence
 import redis
 
 from kvmesh.cache_store.block_record import RecordError, RecordMeta, decode_record, encode_header
+from kvmesh.cache_store.tier_config import MIN_RECORD_KEY_BYTES, record_key_from_file  # noqa: F401 (re-exported)
 
 __all__ = [
     "RemoteTier",
@@ -120,6 +134,10 @@ _FIRST_RECORD_GUESS = (2 << 20) + 4096
 #: Blocks deleted per script call by :meth:`RemoteTier.clear`.
 _CLEAR_BATCH = 512
 _HEX_HASH = re.compile(rb"^[0-9a-f]{32}$")
+#: Bytes of the MAC that follows each record when the tier has a ``record_key``.
+TAG_BYTES = 32
+#: BLAKE2b personalization of the record MAC (at most 16 bytes).
+_TAG_PERSON = b"kvmesh-kvrecord"
 
 
 def block_key(block_hash: bytes, cluster: str = "default") -> str:
@@ -335,7 +353,11 @@ class RemoteTier:
     medium = "remote"
 
     def __init__(self, client: redis.Redis, capacity_bytes: int, cluster: str = "default", *,
-                 max_batch_bytes: int = 32 << 20, cooldown_s: float = 10.0):
+                 max_batch_bytes: int = 32 << 20, cooldown_s: float = 10.0, record_key: bytes | None = None):
+        if record_key is not None and len(record_key) < MIN_RECORD_KEY_BYTES:
+            raise ValueError(f"record_key must be at least {MIN_RECORD_KEY_BYTES} bytes, got {len(record_key)}")
+        self._record_key = bytes(record_key)[:64] if record_key is not None else None  # BLAKE2b takes <= 64
+        self._tag_bytes = TAG_BYTES if record_key is not None else 0
         if capacity_bytes <= 0:
             raise ValueError(f"remote tier capacity must be > 0 bytes (pass the cluster-wide byte cap, "
                              f"e.g. 8 << 30 for 8 GiB), got {capacity_bytes}")
@@ -413,7 +435,7 @@ class RemoteTier:
             if len(mv) != meta.payload_len:
                 raise ValueError(f"payload has {len(mv)} bytes, header says {meta.payload_len}")
             head = encode_header(meta)  # ValueError on a malformed meta, before any I/O
-            if meta.record_len > self.capacity_bytes:
+            if meta.record_len + self._tag_bytes > self.capacity_bytes:
                 refused += 1
             else:
                 todo.append((meta, head, mv))
@@ -431,7 +453,7 @@ class RemoteTier:
         chunk: list[tuple[bytes, tuple[bytes, memoryview] | None]] = []
         chunk_bytes = 0
         for (meta, head, mv), here in zip(todo, present):
-            size = 0 if here else meta.record_len
+            size = 0 if here else meta.record_len + self._tag_bytes
             if chunk and chunk_bytes + size > self.max_batch_bytes:
                 chunks.append(chunk)
                 chunk, chunk_bytes = [], 0
@@ -453,12 +475,34 @@ class RemoteTier:
                    owner_of: dict[bytes, str]) -> tuple[int, list[bytes]]:
         hexes = [h.hex() for h, _ in chunk]
         # one copy of each payload, into the record sent (redis-py writes large values as they are)
-        values = [b"" if parts is None else b"".join(parts) for _, parts in chunk]
+        values = [b"" if parts is None else self._sealed(b"".join(parts)) for _, parts in chunk]
         owners = [owner_of.get(h, "") for h, _ in chunk]
         stored, evicted, cap = self._put(keys=self._keys, args=[self._prefix, self.configured_bytes, len(chunk),
                                                                  *hexes, *values, *owners])
         self._adopt_cap(int(cap))
         return int(stored), [bytes.fromhex(h.decode("ascii")) for h in evicted]
+
+    def _tag(self, record) -> bytes:
+        return hashlib.blake2b(record, digest_size=TAG_BYTES, key=self._record_key, person=_TAG_PERSON).digest()
+
+    def _sealed(self, record: bytes) -> bytes:
+        """The value stored for ``record``: itself, then its MAC when the tier has a key."""
+        return record if self._record_key is None else record + self._tag(record)
+
+    def _opened(self, value: bytes) -> memoryview:
+        """The record inside a stored value, its MAC checked when the tier has a key.
+
+        Raises:
+            RecordError: the value carries no MAC of this tier's key.
+        """
+        mv = memoryview(value)
+        if self._record_key is None:
+            return mv
+        body, tag = mv[:-TAG_BYTES], mv[-TAG_BYTES:]
+        if len(mv) < TAG_BYTES or not hmac.compare_digest(self._tag(body), tag):
+            raise RecordError("the record does not carry this cluster's record MAC: written by a worker with "
+                              "another --remote-record-key-file (or none), or altered in Redis")
+        return body
 
     def _adopt_cap(self, cap: int) -> None:
         if cap != self.capacity_bytes:
@@ -516,7 +560,7 @@ class RemoteTier:
                 if value is None:
                     return
                 try:
-                    meta, payload = decode_record(value)
+                    meta, payload = decode_record(self._opened(value))
                     if meta.block_hash != h:
                         raise RecordError(f"record of block {meta.block_hash.hex()} stored under {h.hex()}")
                 except RecordError as exc:

@@ -7,7 +7,8 @@ small machine).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 
 __all__ = ["WRITE_MODES", "LOAD_POLICIES", "BUILTIN_CODECS", "TierConfig"]
 
@@ -31,6 +32,28 @@ WRITE_MODES = ("through", "back")
 
 #: When a block found in a lower tier is loaded rather than recomputed.
 LOAD_POLICIES = ("auto", "cost", "always")
+
+
+#: Shortest accepted ``record_key`` (bytes).
+MIN_RECORD_KEY_BYTES = 16
+
+
+def record_key_from_file(path: str) -> bytes:
+    """The remote tier's record key from a key file: SHA-256 of the file's content with
+    surrounding whitespace stripped (`kvmesh up` writes 64 random hex digits).
+
+    Raises:
+        ValueError: the file cannot be read, or holds fewer than 32 characters.
+    """
+    try:
+        with open(path, "rb") as f:
+            text = f.read(1 << 16).strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the record key file {path!r}: {exc.strerror or exc}") from None
+    if len(text) < 32:
+        raise ValueError(f"record key file {path!r} holds {len(text)} characters; give at least 32 random ones "
+                         "(e.g. `python -c 'import secrets; print(secrets.token_hex(32))' > FILE`)")
+    return hashlib.sha256(text).digest()
 
 
 @dataclass(frozen=True)
@@ -58,6 +81,10 @@ class TierConfig:
             records, see :mod:`cache_store.remote_tier`); 0 disables it.
         remote_codec: codec of the records this worker puts in the remote tier.
         remote_cluster: cluster name, the Redis key namespace.
+        remote_record_key: secret key (16-64 bytes) of the MAC each remote record carries
+            (`cache_store.remote_tier`, "Authentication"), the same on every worker of the
+            cluster; None: records are stored and read unauthenticated (anyone who can write
+            to the cluster's Redis can change the KV a worker loads). Not shown in repr.
         producer: tag of what computes the KV (`workers.model_identity.producer_tag`;
             the engine sets it): remote records live under ``kvmesh:{cluster}.{tag}:``, and
             a disk folder whose segments another producer wrote is emptied at start, so
@@ -87,6 +114,7 @@ class TierConfig:
     remote_bytes: int = 0
     remote_codec: str = "none"
     remote_cluster: str = "default"
+    remote_record_key: bytes | None = field(default=None, repr=False)
     producer: str = ""
     remote_timeout_s: float = 1.0
     load_policy: str = "auto"

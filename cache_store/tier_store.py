@@ -1129,7 +1129,11 @@ def _connect_remote(config: TierConfig) -> RemoteTier:
     client = redis.Redis.from_url(config.remote_url, socket_timeout=t, socket_connect_timeout=t,
                                   retry=Retry(NoBackoff(), 0))  # one attempt: a failure is a miss
     cluster = f"{config.remote_cluster}.{config.producer}" if config.producer else config.remote_cluster
-    return RemoteTier(client, config.remote_bytes, cluster=cluster)
+    if config.remote_record_key is None:
+        log.warning("remote tier: records are not authenticated, so anyone who can write to the cluster's Redis "
+                    "can change the KV this worker loads from it; give every worker the same "
+                    "--remote-record-key-file (kvmesh up makes one) and keep Redis behind a password")
+    return RemoteTier(client, config.remote_bytes, cluster=cluster, record_key=config.remote_record_key)
 
 
 #: Lookup sources by kind, in lookup order: ``factory(store)`` returns the source, or

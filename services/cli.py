@@ -114,6 +114,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the whole cluster (default 0: off; needs --host-bytes)")
     t.add_argument("--remote-codec", choices=codecs, default="none",
                    help="codec of the blocks this worker puts in the remote tier (default none)")
+    t.add_argument("--remote-record-key-file", default=None, metavar="PATH",
+                   help="secret (at least 32 characters) keying the MAC of every remote-tier record, the same "
+                        "file on every worker: a record without it is never loaded (kvmesh up makes one)")
     t.add_argument("--peer-bytes", type=parse_bytes, default=64 << 20,
                    help="staging memory for blocks fetched from peers or read from the remote tier "
                         "(default 64M; 0 disables peer fetch, and a remote tier needs it)")
@@ -175,10 +178,19 @@ def parse_bytes(text: str) -> int:
 
 
 def tier_config(args: argparse.Namespace):
-    """`TierConfig` from parsed worker options (validated by the engine)."""
-    from kvmesh.cache_store.tier_config import TierConfig
+    """`TierConfig` from parsed worker options (validated by the engine).
 
-    return TierConfig(host_bytes=args.host_bytes, host_codec=args.host_codec, disk_dir=args.disk_dir,
+    Raises:
+        ValueError: an unreadable or too short ``--remote-record-key-file`` (with a remote tier).
+    """
+    from kvmesh.cache_store.tier_config import TierConfig, record_key_from_file
+
+    key_file = getattr(args, "remote_record_key_file", None)
+    try:
+        record_key = record_key_from_file(key_file) if key_file and args.remote_bytes else None
+    except ValueError as exc:
+        raise ValueError(f"--remote-record-key-file: {exc}") from None
+    return TierConfig(remote_record_key=record_key, host_bytes=args.host_bytes, host_codec=args.host_codec, disk_dir=args.disk_dir,
                       disk_bytes=args.disk_bytes, disk_codec=args.disk_codec, write_mode=args.disk_write_mode,
                       load_policy=args.tier_load_policy,
                       peer_bytes=args.peer_bytes, remote_bytes=args.remote_bytes, remote_codec=args.remote_codec,

@@ -91,10 +91,10 @@ def _tier_flag_problem(args: argparse.Namespace) -> str | None:
 
     from kvmesh.services.cli import tier_config
 
-    cfg = tier_config(args)
-    if cfg.remote_bytes and not cfg.remote_url:
-        cfg = dataclasses.replace(cfg, remote_url="redis://started-by-up")  # up provides the Redis
     try:
+        cfg = tier_config(args)
+        if cfg.remote_bytes and not cfg.remote_url:
+            cfg = dataclasses.replace(cfg, remote_url="redis://started-by-up")  # up provides the Redis
         cfg.validate()
     except ValueError as exc:
         return str(exc)

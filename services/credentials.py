@@ -6,6 +6,8 @@
   processes only: every certificate it issues is a peer (`kvmesh.workers.tls`).
 * ``peer.pem`` / ``peer.key``: the certificate the router and the workers share, with
   subjectAltName ``kvmesh-peer``, ``localhost`` and ``127.0.0.1``.
+* ``record.key``: 64 random hex digits keying the MAC of remote-tier records
+  (``kvmesh worker --remote-record-key-file``; `cache_store.remote_tier`).
 * ``client-ca.pem`` / ``client-ca.key``, ``client.pem`` / ``client.key``: a separate CA
   for client certificates (``--client-ca``) and one client certificate (CN
   ``kvmesh-client``, mapped to no tenant: clients still send the API key).
@@ -50,6 +52,11 @@ class ClusterCredentials:
     client_ca: str
     client_cert: str
     client_key: str
+    record_key: str = ""   # the remote tier's record MAC key file ("" for none)
+
+    def worker_args(self) -> list[str]:
+        """Flags of `kvmesh worker` for these credentials: `server_args` and the record key."""
+        return self.server_args() + (["--remote-record-key-file", self.record_key] if self.record_key else [])
 
     def server_args(self) -> list[str]:
         """Flags of `kvmesh worker` / `kvmesh router` for these credentials."""
@@ -159,8 +166,10 @@ def generate_cluster_credentials(run_dir: str, dns: tuple[str, ...] = (),
     _write(p("client.env"), (f"KVMESH_API_KEY={api_key}\nKVMESH_TLS_CA={p('ca.pem')}\n"
                              f"KVMESH_TLS_CERT={p('client.pem')}\nKVMESH_TLS_KEY={p('client.key')}\n").encode(),
            private=True)
+    _write(p("record.key"), (secrets.token_hex(32) + "\n").encode(), private=True)
     return ClusterCredentials(run_dir, p("ca.pem"), p("ca.key"), p("peer.pem"), p("peer.key"), p("api-keys"),
-                              p("client.env"), api_key, p("client-ca.pem"), p("client.pem"), p("client.key"))
+                              p("client.env"), api_key, p("client-ca.pem"), p("client.pem"), p("client.key"),
+                              p("record.key"))
 
 
 #: File in a generated run directory naming the process it was made for (`mark_owner`).

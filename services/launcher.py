@@ -110,12 +110,14 @@ class LocalCluster:
         self.credentials = None   # services.credentials.ClusterCredentials when spec.secure
         self.tls = None           # workers.tls.TlsConfig of the cluster's processes when spec.secure
 
-    def _secure_args(self) -> list[str]:
+    def _secure_args(self, worker: bool = False) -> list[str]:
         """Redis URL (when it has no password) and security flags of a worker or router."""
         from urllib.parse import urlparse
 
         out = [] if urlparse(self.redis_url).password else ["--redis-url", self.redis_url]
-        return out + (self.credentials.server_args() if self.credentials else [])
+        if self.credentials is None:
+            return out
+        return out + (self.credentials.worker_args() if worker else self.credentials.server_args())
 
     def _env(self) -> dict:
         """A Redis URL with a password goes in the environment, not on the command line."""
@@ -140,7 +142,7 @@ class LocalCluster:
     def worker_cmd(self, worker_id: str, port: int) -> list[str]:
         s = self.spec
         threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, s.num_workers))
-        cmd = python_cmd("worker", "--port", str(port), "--worker-id", worker_id, *self._secure_args(),
+        cmd = python_cmd("worker", "--port", str(port), "--worker-id", worker_id, *self._secure_args(worker=True),
                          "--cluster", self.cluster, "--block-size", str(s.block_size),
                          "--num-blocks", str(s.num_blocks), "--threads", str(threads),
                          "--max-batched-tokens", str(s.max_batched_tokens), *s.extra_worker_args)

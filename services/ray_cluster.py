@@ -285,18 +285,19 @@ class RayPlacement:
         s = self.spec
         cmd = ["--log-level", s.log_level, "worker", "--host", "{ip}", "--port", "{port}",
                "--advertise", "{ip}:{port}", "--worker-id", worker_id, "--metrics-port", "{metrics_port}",
-               "--cluster", s.cluster, *self._security_args(), *s.worker_args]
+               "--cluster", s.cluster, *self._security_args(worker=True), *s.worker_args]
         if s.model:
             cmd += ["--model", s.model]
         if s.disk_dir:
             cmd += ["--disk-dir", os.path.join(s.disk_dir, worker_id)]
         return cmd
 
-    def _security_args(self) -> list[str]:
+    def _security_args(self, worker: bool = False) -> list[str]:
         if self._files is None:
             return ["--insecure"]
         return ["--tls-cert", "{creds}/peer.pem", "--tls-key", "{creds}/peer.key", "--tls-ca", "{creds}/ca.pem",
-                "--client-ca", "{creds}/client-ca.pem", "--api-keys", "{creds}/api-keys"]
+                "--client-ca", "{creds}/client-ca.pem", "--api-keys", "{creds}/api-keys",
+                *(["--remote-record-key-file", "{creds}/record.key"] if worker else [])]
 
     def _make_credentials(self) -> None:
         """Generate the cluster's credentials (certificate naming every live Ray node's IP)."""
@@ -311,7 +312,7 @@ class RayPlacement:
                                                             dns=tuple(self.spec.cert_dns), ips=ips)
         self._files = {}
         for name, path in (("peer.pem", c.cert), ("peer.key", c.key), ("ca.pem", c.ca),
-                           ("client-ca.pem", c.client_ca), ("api-keys", c.api_keys)):
+                           ("client-ca.pem", c.client_ca), ("api-keys", c.api_keys), ("record.key", c.record_key)):
             with open(path, "rb") as f:
                 self._files[name] = f.read()
         self.peer_tls = TlsConfig.from_files(c.cert, c.key, c.ca, c.client_ca)

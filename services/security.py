@@ -14,13 +14,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import logging
 import os
 import re
+from urllib.parse import urlparse
 
 import grpc
 
 from kvmesh.services.auth import Authenticator, Gate
 from kvmesh.workers.tls import TlsConfig
+
+log = logging.getLogger(__name__)
 
 __all__ = ["add_server_args", "add_client_args", "server_gate", "client_channel", "client_options",
            "redact_url", "is_loopback"]
@@ -89,7 +93,28 @@ def server_gate(args: argparse.Namespace, worker: bool = False) -> Gate:
         raise ValueError(f"--http-port would open this {'worker' if worker else 'router'} to anyone: its gRPC port "
                          f"admits only {who}, and the HTTP front authenticates with API keys alone; pass "
                          "--api-keys, or leave --http-port out")
+    warn_open_redis(tls is not None, getattr(args, "redis_url", None))
     return Gate(tls, Authenticator.from_file(args.api_keys))
+
+
+def warn_open_redis(tls: bool, redis_url: str | None) -> bool:
+    """Log a WARNING (and return True) when a TLS server is given a Redis URL without a password.
+
+    TLS keeps strangers off the gRPC ports; the cluster's Redis holds its leases, KV events
+    and remote tier, so a Redis that anyone on the network can write to undoes part of it: a
+    stranger could publish false KV events (misrouting, never wrong output) or, without
+    ``--remote-record-key-file``, store forged remote-tier records. Unix sockets are left to
+    their file permissions.
+    """
+    if not tls or not redis_url:
+        return False
+    url = urlparse(redis_url)
+    if url.scheme not in ("redis", "rediss") or url.password:
+        return False
+    log.warning("--redis-url has no password while this server uses TLS: whoever reaches that Redis can publish "
+                "KV events and write the remote tier; set requirepass on Redis and pass the URL with it "
+                "(redis://:PASSWORD@HOST:PORT/0) in KVMESH_REDIS_URL, which keeps it out of ps")
+    return True
 
 
 def add_client_args(p: argparse.ArgumentParser, tls_ca: bool = True) -> None:

@@ -377,6 +377,7 @@ _UP_WORKER_FLAG_VALUES = {  # a value other than the default for every worker fl
     "--max-num-partial-prefills": "3", "--host-bytes": "8M", "--host-codec": "fp8", "--disk-dir": "DISK",
     "--disk-bytes": "1G", "--disk-codec": "int4", "--disk-write-mode": "back", "--tier-load-policy": "cost", "--remote-bytes": "2M",
     "--remote-codec": "fp8", "--peer-bytes": "1M", "--peer-fetch": "always", "--peer-fetch-max-s": "0.5",
+    "--remote-record-key-file": "KEYFILE",
 }
 
 
@@ -393,7 +394,7 @@ def test_up_passes_every_worker_flag_it_accepts_to_its_workers(tmp_path):
     _add_engine_args(probe)
     engine = probe._actions
     assert sorted(a.option_strings[0] for a in engine) == sorted(_UP_WORKER_FLAG_VALUES)  # a new flag needs a value
-    paths = {"MODEL": str(tmp_path / "m"), "DISK": str(tmp_path / "d")}
+    paths = {"MODEL": str(tmp_path / "m"), "DISK": str(tmp_path / "d"), "KEYFILE": str(tmp_path / "record.key")}
     argv = [paths.get(v, v) for item in _UP_WORKER_FLAG_VALUES.items() for v in item]
     parser = build_parser()
     up = parser.parse_args(["up", *argv])

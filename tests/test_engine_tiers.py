@@ -464,3 +464,30 @@ def test_remote_flags_are_checked_before_anything_starts(capsys, redis_server):
         with pytest.raises(SystemExit) as exit_:
             p.parse_args([*argv, "--redis-url", "notaurl"])
         assert exit_.value.code == 2 and "is not a Redis URL" in capsys.readouterr().err
+
+
+def test_record_key_flag_is_checked_and_given_by_up(capsys, tmp_path, redis_server):
+    """A bad --remote-record-key-file is exit 2 naming the flag, before the model loads;
+    `kvmesh up` gives its workers (not the router) the key it generated."""
+    from kvmesh.services.cli import build_parser, cmd_worker
+    from kvmesh.services.cluster_cli import _spec_from_args, cmd_up
+    from kvmesh.services.credentials import generate_cluster_credentials
+    from kvmesh.services.launcher import LocalCluster
+    from kvmesh.services.procs import free_port
+
+    p = build_parser()
+    short = tmp_path / "short.key"
+    short.write_text("abc\n")
+    remote = ["--host-bytes", "8M", "--remote-bytes", "64M"]
+    assert cmd_worker(p.parse_args(["worker", "--port", str(free_port()), *remote, "--redis-url", redis_server.url,
+                                    "--remote-record-key-file", str(short)])) == 2
+    assert "--remote-record-key-file" in capsys.readouterr().err
+    assert cmd_up(p.parse_args(["up", *remote, "--remote-record-key-file", str(tmp_path / "missing")])) == 2
+    assert "--remote-record-key-file" in capsys.readouterr().err
+    c = LocalCluster(_spec_from_args(p.parse_args(["up", *remote])))
+    c.redis_url = "redis://:pw@127.0.0.1:1/0"
+    c.credentials = generate_cluster_credentials(str(tmp_path / "creds"))
+    cmd = c.worker_cmd("worker-0", 1234)
+    key_file = cmd[cmd.index("--remote-record-key-file") + 1]
+    assert key_file == c.credentials.record_key and os.stat(key_file).st_mode & 0o777 == 0o600
+    assert "--remote-record-key-file" not in c._secure_args()  # the router has no remote tier

@@ -13,6 +13,7 @@ import redis
 import torch
 
 from kvmesh.bench.codec_error import DOCUMENTED_MAX_LOGIT_DIFF
+from kvmesh.cache_store.block_record import encode_record
 from kvmesh.cache_store.remote_tier import block_key
 from kvmesh.cache_store.tier_store import TierConfig
 from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
@@ -492,3 +493,49 @@ def test_workers_on_other_hardware_share_no_remote_blocks(redis_server, cold_eng
     finally:
         for e in (a, other, same):
             e.stop()
+
+
+def test_forged_remote_records_are_never_loaded_with_a_record_key(redis_server, cold_engine):
+    """An attacker who can write to Redis but lacks the cluster's record key rewrites every
+    record with zeroed KV and correct checksums, and plants a forged record for a block
+    nobody has computed yet; the reading engine loads none of them and answers as cold."""
+    from kvmesh.cache_store.block_record import checksum, decode_record
+    from kvmesh.cache_store.hashing import hash_blocks
+    from kvmesh.cache_store.remote_tier import TAG_BYTES
+
+    key = bytes(range(32))
+    prompt, later = rand_prompt(11, 200), rand_prompt(12, 200)
+    ref, _ = run(cold_engine, prompt)
+    ref_later, _ = run(cold_engine, later)
+    a, b = remote_engine(redis_server.url, remote_record_key=key), remote_engine(redis_server.url,
+                                                                                 remote_record_key=key)
+    try:
+        publish(a, prompt)
+        raw = redis.Redis.from_url(redis_server.url)
+        cluster = a.tiers.remote.cluster
+        forged_keys = list(raw.scan_iter(f"kvmesh:{cluster}:kv:*"))
+        assert len(forged_keys) >= cached_blocks(prompt)
+        sample = None
+        for k in forged_keys:
+            value = raw.get(k)
+            meta, payload = decode_record(value[:-TAG_BYTES])
+            zeros = bytes(len(payload))
+            sample = (meta, len(payload))
+            raw.set(k, encode_record(meta._replace(payload_checksum=checksum(zeros)), zeros) + value[-TAG_BYTES:])
+        # planted before anyone computes `later`: block hashes are public functions of the prompt
+        h0 = hash_blocks(later, BS, b.namespace().root_hash()).hashes[0]
+        meta, n = sample
+        zeros = bytes(n)
+        planted = meta._replace(block_hash=h0, parent_hash=bytes(16), token_bytes=b"".join(
+            int(x).to_bytes(4, "little") for x in later[:BS]), payload_checksum=checksum(zeros))
+        raw.set(block_key(h0, cluster), encode_record(planted, zeros) + bytes(TAG_BYTES))
+        out, _ = run(b, prompt)
+        assert out["usage"]["cached_tokens_by_tier"]["remote"] == 0
+        assert out["token_ids"] == ref["token_ids"]
+        out_later, _ = run(b, later)
+        assert out_later["usage"]["cached_tokens_by_tier"]["remote"] == 0
+        assert out_later["token_ids"] == ref_later["token_ids"]
+        assert b.tier_stats()["remote_damaged"] >= 2
+    finally:
+        a.stop()
+        b.stop()

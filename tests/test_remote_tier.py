@@ -14,7 +14,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvmesh.cache_store.block_record import HEADER_BYTES, encode_record
-from kvmesh.cache_store.remote_tier import RemoteTier, block_key, bytes_key, cap_key, lengths_key, lru_key
+from kvmesh.cache_store.remote_tier import (TAG_BYTES, RemoteTier, block_key, bytes_key, cap_key, lengths_key, lru_key,
+                                            record_key_from_file)
 from kvmesh.services.procs import free_port
 from tests.test_disk_tier import items  # a chain of n (meta, payload) records
 
@@ -420,3 +421,63 @@ def test_eviction_is_fair_between_tenants(new_tier, raw):
     assert t.stats()["remote_blocks"] == 10
     t.clear()
     assert used(raw, cluster) == 0 and not raw.exists(tenant_bytes_key(cluster))
+
+
+KEY = bytes(range(32))
+
+
+def test_keyed_records_carry_a_mac_and_round_trip(new_tier, raw):
+    t = new_tier(record_key=KEY)
+    its = items(3)
+    assert t.put_many(its) == (3, [])
+    value = raw.get(block_key(its[0][0].block_hash))
+    assert len(value) == REC + TAG_BYTES and value[:REC] == encode_record(*its[0])
+    got = t.get_run(hashes(its))
+    assert [m for m, _ in got] == [m for m, _ in its] and [bytes(p) for _, p in got] == [bytes(p) for _, p in its]
+    assert check_accounting(raw) == 3 * (REC + TAG_BYTES)  # the cap counts the MAC too
+
+
+@pytest.mark.parametrize("writer_key, reader_key", [(None, KEY), (KEY, None), (KEY, bytes(32))],
+                         ids=["unkeyed-writer", "unkeyed-reader", "other-key"])
+def test_a_record_without_the_readers_mac_is_dropped(new_tier, raw, writer_key, reader_key):
+    its = items(2)
+    new_tier(record_key=writer_key).put_many(its)
+    reader = new_tier(record_key=reader_key)
+    assert reader.get_run(hashes(its)) == []
+    assert reader.stats()["remote_damaged"] == 1
+    assert raw.get(block_key(its[0][0].block_hash)) is None  # deleted, so the real block can be stored again
+    check_accounting(raw)
+
+
+def test_a_forged_record_with_valid_checksums_is_refused_with_a_key(new_tier, raw):
+    """Someone with write access to Redis (not to the key) stores a record whose KV is all
+    zeros and whose checksums are right; the unkeyed checks pass it, the MAC does not."""
+    from kvmesh.cache_store.block_record import checksum, decode_record
+
+    its = items(2)
+    keyed = new_tier(record_key=KEY)
+    keyed.put_many(its)
+    k = block_key(its[0][0].block_hash)
+    meta, payload = decode_record(raw.get(k)[:-TAG_BYTES])
+    zeros = bytes(len(payload))
+    forged = encode_record(meta._replace(payload_checksum=checksum(zeros)), zeros)
+    assert decode_record(forged)[0].block_hash == meta.block_hash  # passes every unkeyed check
+    for tag in (b"", bytes(TAG_BYTES), raw.get(k)[-TAG_BYTES:]):  # no MAC, a zero one, the real record's
+        raw.set(k, forged + tag)
+        assert keyed.get_run(hashes(its)) == []
+    assert keyed.put_many(its)[0] == 1  # the forged record was dropped: the real one is stored again
+    assert [bytes(p) for _, p in keyed.get_run(hashes(its))] == [bytes(p) for _, p in its]
+
+
+def test_record_key_checks(tmp_path, redis_server):
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        RemoteTier(connect(redis_server.url), 1 << 20, record_key=b"short")
+    f = tmp_path / "record.key"
+    f.write_text("0123456789abcdef" * 4 + "\n")
+    assert record_key_from_file(str(f)) == record_key_from_file(str(f))
+    assert len(record_key_from_file(str(f))) == 32
+    f.write_text("tooshort\n")
+    with pytest.raises(ValueError, match="at least 32"):
+        record_key_from_file(str(f))
+    with pytest.raises(ValueError, match="cannot read"):
+        record_key_from_file(str(tmp_path / "missing"))

@@ -532,3 +532,20 @@ def test_a_client_without_tls_is_told_which_flags_to_pass(cluster, monkeypatch, 
     assert main([command, "--target", cluster.router_address, "--timeout", "30", *extra]) == 2
     err = capsys.readouterr().err
     assert "--tls-ca" in err and "in clear" in err, err
+
+
+def test_a_tls_server_warns_about_a_redis_without_password(caplog):
+    import logging
+
+    from kvmesh.services.security import warn_open_redis
+
+    with caplog.at_level(logging.WARNING, logger="kvmesh.services.security"):
+        assert warn_open_redis(True, "redis://10.0.0.5:6379/0")
+        assert "requirepass" in caplog.text and "KVMESH_REDIS_URL" in caplog.text
+        caplog.clear()
+        assert not warn_open_redis(True, "redis://:s3cret@10.0.0.5:6379/0")
+        assert not warn_open_redis(True, "rediss://user:s3cret@10.0.0.5:6380/0")
+        assert not warn_open_redis(False, "redis://10.0.0.5:6379/0")  # no TLS: nothing is promised
+        assert not warn_open_redis(True, "unix:///run/redis.sock")     # left to file permissions
+        assert not warn_open_redis(True, None)
+        assert caplog.text == ""
