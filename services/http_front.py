@@ -244,6 +244,18 @@ def _top_p(body: dict) -> float:
     return value
 
 
+def _flag(body: dict, name: str, param: str | None = None) -> bool:
+    """A JSON boolean field (absent or null: false). Anything else ("no", 0, 1) is refused
+    rather than read by truthiness. Raises `HttpError` 400 naming ``param`` (default ``name``)."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise HttpError(400, f"{param or name} must be true or false (got {clip(repr(value), 60)})",
+                        param=param or name)
+    return value
+
+
 def _utf8(text: str, name: str) -> str:
     """``text`` if it encodes as UTF-8; JSON's ``\\ud800`` escapes decode to lone surrogates,
     which no tokenizer or protobuf string takes. Raises `HttpError` 400 naming ``name``."""
@@ -535,7 +547,7 @@ class HttpFront:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise HttpError(400, "stream must be true or false", param="stream")
-        return_ids = bool(body.get("return_token_ids", False))
+        return_ids = _flag(body, "return_token_ids")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion" if chat else "text_completion"
         created = int(time.time())
@@ -561,7 +573,7 @@ class HttpFront:
         if not isinstance(options, dict):
             raise HttpError(400, "stream_options must be an object such as {\"include_usage\": true}, or null",
                             param="stream_options")
-        include_usage = bool(options.get("include_usage", False))
+        include_usage = _flag(options, "include_usage", "stream_options.include_usage")
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         gen = self._run(req, request.headers.get("Authorization"))
         # the first message decides the status: an error before any token is a plain HTTP error

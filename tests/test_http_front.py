@@ -163,6 +163,10 @@ def _refused(path: str, body: dict | bytes, **kw) -> tuple[int, dict]:
     ({"prompt": "a", "logprobs": 2}, "logprobs"),
     ({"prompt": [1, -3]}, "prompt"),
     ({"prompt": "a", "stream": "yes"}, "stream"),
+    ({"prompt": "a", "return_token_ids": "no"}, "return_token_ids"),  # truthy: it once meant yes
+    ({"prompt": "a", "return_token_ids": 1}, "return_token_ids"),
+    ({"prompt": "a", "stream": True, "stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),
+    ({"prompt": "a", "stream": True, "stream_options": {"include_usage": 0}}, "stream_options.include_usage"),
 ])
 def test_bad_fields_are_400_naming_the_field(body, param):
     status, err = _refused("completions", body)
