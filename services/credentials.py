@@ -69,8 +69,17 @@ class ClusterCredentials:
 
 
 def _write(path: str, data: bytes, private: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    """Write ``data`` to ``path`` with mode 0600 (``private``) or 0644, whatever the mode of a
+    file already there (it is set with ``fchmod`` before a byte is written). A symlink at
+    ``path`` is never followed (``O_NOFOLLOW``: OSError ELOOP).
+
+    Raises:
+        OSError: the file cannot be created or written, or ``path`` is a symlink.
+    """
+    mode = 0o600 if private else 0o644
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     with os.fdopen(fd, "wb") as f:
+        os.fchmod(fd, mode)
         f.write(data)
 
 

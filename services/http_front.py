@@ -44,10 +44,21 @@ and is not supported (``stop``, ``logprobs``, ``n`` > 1, penalties, tools, ``ech
 `UNSUPPORTED`) is refused with a 400 naming the field, never silently ignored, and so is a
 field that is neither (a typo, another server's extension): the 400 names it and lists
 the fields the route accepts (`accepted_fields`).
+
+Connection limits (`serve_app`, also used by the vLLM router's front): a client has
+``header_timeout_s`` seconds (default `DEFAULT_HEADER_TIMEOUT_S`) to send a request's line
+and headers, from connecting or from the end of its previous response on a kept-alive
+connection (aiohttp's ``keepalive_timeout``); a slower or idle one is closed. A request's
+body must arrive within ``body_timeout_s`` (`DEFAULT_BODY_TIMEOUT_S`, else 408). Neither
+limit applies once the handler answers, so a long streamed completion is never cut. At
+most ``max_connections`` connections are open at once (`default_max_connections`); one
+past the cap is answered 503 and closed without being read. Accept errors for want of file
+descriptors or memory (EMFILE...) are logged at most ``LOG_BURST`` times a window.
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import json
 import logging
@@ -80,6 +91,14 @@ HTTP_STATUS = {
 }
 #: Default deadline of one HTTP request (seconds), as the CLI's gRPC default.
 DEFAULT_TIMEOUT_S = 600.0
+#: Seconds a client has to send a request's line and headers (from connecting, or from the
+#: end of the previous response on a kept-alive connection) before it is closed.
+DEFAULT_HEADER_TIMEOUT_S = 15.0
+#: Seconds to read a request's body once its headers arrived (408 after).
+DEFAULT_BODY_TIMEOUT_S = 60.0
+#: Most connections a front keeps open at once (lowered to a quarter of the process's
+#: open-file limit when that is smaller; see `default_max_connections`).
+DEFAULT_MAX_CONNECTIONS = 1024
 #: context (tokens) assumed when the front is not told the model's
 DEFAULT_CONTEXT_TOKENS = 4096
 #: Request fields refused because kvmesh would otherwise silently ignore them.
@@ -121,16 +140,20 @@ class GrpcAbort(Exception):
         self.details = details
 
 
-async def read_json_object(request: web.Request) -> dict:
-    """The request body parsed as a JSON object.
+async def read_json_object(request: web.Request, timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S) -> dict:
+    """The request body parsed as a JSON object, read within ``timeout_s`` seconds (None: no
+    limit).
 
     Raises:
+        web.HTTPRequestTimeout: the body did not arrive in time (a 408).
         ValueError: the body is not a JSON object; the message (safe to send back, as a
             400) says why: invalid JSON or UTF-8, an integer past Python's digit limit
             (4,300 digits), nesting too deep for the parser, or another JSON value.
     """
     try:
-        body = await request.json()
+        body = json.loads(await asyncio.wait_for(request.text(), timeout_s))
+    except asyncio.TimeoutError:
+        raise web.HTTPRequestTimeout(reason=f"request body not received within {timeout_s:g} s") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         # ValueError covers JSONDecodeError and an integer past Python's digit limit;
         # RecursionError, arrays nested thousands deep
@@ -139,6 +162,191 @@ async def read_json_object(request: web.Request) -> dict:
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object")
     return body
+
+
+def default_max_connections() -> int:
+    """`DEFAULT_MAX_CONNECTIONS`, or a quarter of the process's open-file limit when that is
+    lower: the front's connections never take the descriptors the gRPC port needs."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return DEFAULT_MAX_CONNECTIONS
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return DEFAULT_MAX_CONNECTIONS
+    return max(1, min(DEFAULT_MAX_CONNECTIONS, soft // 4))
+
+
+_BUSY_BODY = json.dumps({"error": {"message": "too many open connections to this server; retry later",
+                                   "type": "service_unavailable", "param": None, "code": "too_many_connections"}})
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+         b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY.encode()))
+
+
+class _GuardedConnection(asyncio.Protocol):
+    """One connection in front of aiohttp's handler (`ConnectionGate`): refused with a 503
+    when the gate is full, else passed on, and closed if its first request's headers have
+    not arrived within the header timeout."""
+
+    def __init__(self, gate: "ConnectionGate", handler: asyncio.Protocol):
+        self.gate, self.handler = gate, handler
+        self.transport: asyncio.BaseTransport | None = None
+        self.admitted = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        gate = self.gate
+        if gate.open >= gate.max_connections:
+            gate.refused += 1
+            transport.write(_BUSY)
+            transport.close()
+            return
+        gate.open += 1
+        self.admitted = True
+        self.timer = asyncio.get_running_loop().call_later(gate.header_timeout_s, self._headers_late)
+        gate.waiting[self.handler] = self
+        self.handler.connection_made(transport)
+
+    def first_request(self) -> None:
+        """The first request's headers arrived: the deadline is aiohttp's from now on."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _headers_late(self) -> None:
+        self.timer = None
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        if not self.admitted:
+            return
+        self.admitted = False
+        self.gate.open -= 1
+        self.gate.waiting.pop(self.handler, None)
+        self.first_request()
+        self.transport = None
+        self.handler.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.admitted:
+            self.handler.data_received(data)
+
+    def eof_received(self):
+        return self.handler.eof_received() if self.admitted else None
+
+    def pause_writing(self) -> None:
+        if self.admitted:
+            self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.admitted:
+            self.handler.resume_writing()
+
+
+class ConnectionGate:
+    """The protocol factory of an HTTP front: aiohttp's `web.Server` behind a cap on open
+    connections and a deadline for the first request's headers.
+
+    aiohttp's ``keepalive_timeout`` (set by `serve_app` to the same value) closes a
+    connection idle between requests; this gate adds the deadline from connecting to the
+    first request's headers (aiohttp releases before 3.14 start that timer only after a
+    response) and the cap: a connection past ``max_connections`` is answered 503 and
+    closed, and never reaches aiohttp.
+    """
+
+    def __init__(self, server: web.Server, header_timeout_s: float, max_connections: int):
+        self.server = server
+        self.header_timeout_s = header_timeout_s
+        self.max_connections = max_connections
+        self.open = 0
+        self.refused = 0
+        # aiohttp handler -> its connection, until the first request's headers arrive
+        self.waiting: dict[asyncio.Protocol, _GuardedConnection] = {}
+        make_request = server.request_factory
+
+        def request_factory(message, payload, protocol, writer, task):
+            conn = self.waiting.pop(protocol, None)
+            if conn is not None:
+                conn.first_request()
+            return make_request(message, payload, protocol, writer, task)
+
+        server.request_factory = request_factory
+
+    def __call__(self) -> asyncio.Protocol:
+        return _GuardedConnection(self, self.server())
+
+
+#: errnos of an accept that failed for want of descriptors or memory
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+class _ResourceErrorLog:
+    """An event-loop exception handler that writes errors for want of file descriptors or
+    memory (asyncio's "socket.accept() out of system resource") through a `LogLimiter`, one
+    line each without a traceback, and hands everything else to the handler before it."""
+
+    def __init__(self, previous):
+        self.previous = previous
+        self.limiter = LogLimiter(log, "accept errors")
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in _RESOURCE_ERRNOS:
+            self.limiter.warn("%s: %s (the process is out of file descriptors or memory; raise `ulimit -n` or "
+                              "lower the connection cap)", context.get("message", "I/O error"), exc)
+            return
+        if self.previous is not None:
+            self.previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+
+def limit_resource_error_logs(loop: asyncio.AbstractEventLoop) -> None:
+    """Install `_ResourceErrorLog` on ``loop`` (once)."""
+    current = loop.get_exception_handler()
+    if not isinstance(current, _ResourceErrorLog):
+        loop.set_exception_handler(_ResourceErrorLog(current))
+
+
+class HttpServing:
+    """An aiohttp application served by `serve_app`; ``port`` is the bound port."""
+
+    def __init__(self, runner: web.AppRunner, server: asyncio.AbstractServer, gate: ConnectionGate):
+        self.runner, self.server, self.gate = runner, server, gate
+        self.port = int(server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        self.server.close()
+        await self.runner.cleanup()
+
+
+async def serve_app(app: web.Application, host: str, port: int, ssl_context=None, *,
+                    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, max_connections: int | None = None,
+                    **runner_kwargs) -> HttpServing:
+    """Serve ``app`` on host:port (0 = a free port) with the limits the module docstring
+    describes: ``header_timeout_s`` for a request's line and headers (and a TLS handshake),
+    at most ``max_connections`` open connections (None: `default_max_connections`).
+    ``runner_kwargs`` go to ``web.AppRunner``.
+
+    Raises:
+        OSError: the port could not be bound.
+    """
+    runner = web.AppRunner(app, keepalive_timeout=header_timeout_s, **runner_kwargs)
+    await runner.setup()
+    assert runner.server is not None
+    gate = ConnectionGate(runner.server, header_timeout_s, max_connections or default_max_connections())
+    loop = asyncio.get_running_loop()
+    limit_resource_error_logs(loop)
+    try:
+        server = await loop.create_server(gate, host, port, ssl=ssl_context,
+                                          ssl_handshake_timeout=header_timeout_s if ssl_context else None)
+    except OSError:
+        await runner.cleanup()
+        raise
+    return HttpServing(runner, server, gate)
 
 
 class HttpError(Exception):
@@ -244,6 +452,18 @@ def _top_p(body: dict) -> float:
     return value
 
 
+def _flag(body: dict, name: str, param: str | None = None) -> bool:
+    """A JSON boolean field (absent or null: false). Anything else ("no", 0, 1) is refused
+    rather than read by truthiness. Raises `HttpError` 400 naming ``param`` (default ``name``)."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise HttpError(400, f"{param or name} must be true or false (got {clip(repr(value), 60)})",
+                        param=param or name)
+    return value
+
+
 def _utf8(text: str, name: str) -> str:
     """``text`` if it encodes as UTF-8; JSON's ``\\ud800`` escapes decode to lone surrogates,
     which no tokenizer or protobuf string takes. Raises `HttpError` 400 naming ``name``."""
@@ -276,11 +496,18 @@ class HttpFront:
             ``authenticate`` is None.
         max_model_len: context limit (tokens), for chat's default ``max_tokens``.
         timeout_s: deadline of each request (seconds).
+        header_timeout_s: seconds a client has to send a request's headers (and to send
+            the next request on a kept-alive connection) before it is closed.
+        body_timeout_s: seconds to read a request's body (408 after).
+        max_connections: most open connections (None: `default_max_connections`); one more
+            is answered 503 and closed unread.
     """
 
     def __init__(self, generate, tokenizer, model_id: str, model_dir: str | None = None, registry=None,
                  authenticate: Authenticator | None = None, max_model_len: int | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, check_key: Authenticator | None = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, check_key: Authenticator | None = None,
+                 header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                 max_connections: int | None = None):
         self.generate = generate
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -290,8 +517,11 @@ class HttpFront:
         self.check_key = check_key
         self.max_model_len = max_model_len
         self.timeout_s = timeout_s
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.max_connections = max_connections
         self.created = int(time.time())
-        self._runner: web.AppRunner | None = None
+        self._serving: HttpServing | None = None
         # bodies capped by what the longest prompt takes as JSON (`workers.limits.http_body_bytes_limit`):
         # a body past it is refused (413) before it is read, let alone parsed
         from kvmesh.workers.limits import http_body_bytes_limit
@@ -318,22 +548,20 @@ class HttpFront:
         """
         # handler_cancellation: a client that leaves cancels its handler, which ends the
         # Generate call, so the worker aborts the request instead of computing it for nobody
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_port=False, ssl_context=ssl_context)
         try:
-            await site.start()
+            self._serving = await serve_app(self.app, host, port, ssl_context, header_timeout_s=self.header_timeout_s,
+                                            max_connections=self.max_connections, access_log=None,
+                                            handle_signals=False, handler_cancellation=True)
         except OSError as exc:
-            await self._runner.cleanup()
             raise RuntimeError(f"--http-port {port}: could not bind {host}:{port} ({exc}); pick a free port") from None
-        bound = self._runner.addresses[-1][1]
+        bound = self._serving.port
         print(f"kvmesh HTTP front on {'https' if ssl_context else 'http'}://{host}:{bound}/v1", flush=True)
         return int(bound)
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._serving is not None:
+            await self._serving.stop()
+            self._serving = None
 
     # ------------------------------------------------------------ plain routes
     async def health(self, request: web.Request) -> web.Response:
@@ -404,7 +632,7 @@ class HttpFront:
         is "completions" or "chat" (`accepted_fields`). Raises `HttpError` (400, 401, 404)."""
         await self._check_key(request)
         try:
-            body = await read_json_object(request)
+            body = await read_json_object(request, self.body_timeout_s)
         except ValueError as exc:
             raise HttpError(400, str(exc)) from None
         accepted = accepted_fields(route)
@@ -535,7 +763,7 @@ class HttpFront:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise HttpError(400, "stream must be true or false", param="stream")
-        return_ids = bool(body.get("return_token_ids", False))
+        return_ids = _flag(body, "return_token_ids")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion" if chat else "text_completion"
         created = int(time.time())
@@ -561,7 +789,7 @@ class HttpFront:
         if not isinstance(options, dict):
             raise HttpError(400, "stream_options must be an object such as {\"include_usage\": true}, or null",
                             param="stream_options")
-        include_usage = bool(options.get("include_usage", False))
+        include_usage = _flag(options, "include_usage", "stream_options.include_usage")
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         gen = self._run(req, request.headers.get("Authorization"))
         # the first message decides the status: an error before any token is a plain HTTP error

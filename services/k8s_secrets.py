@@ -15,7 +15,9 @@ prints three Secrets as YAML, for ``kubectl apply -f secrets.yaml``:
   overlay (``RAY_AUTH_MODE=token`` on the Ray pods and the driver; unused elsewhere).
 
 The CA's private key and the plaintext API keys never go into the YAML: they are written
-to ``--out-dir`` (mode 0700; keys 0600): ``ca.crt`` and ``ca.key`` (keep the key offline;
+to ``--out-dir`` (created 0700; a folder that its group or others may write is refused;
+keys 0600 even where a file with another mode was, and a symlink in place of an output file
+is refused, never followed): ``ca.crt`` and ``ca.key`` (keep the key offline;
 it mints peers), and ``client.env`` with ``KVMESH_TLS_CA`` and ``KVMESH_API_KEY`` for the
 first tenant. Certificates come from `kvmesh.services.credentials` (ECDSA P-256,
 RFC 5280 profiles); Secret objects follow the Kubernetes core/v1 Secret schema.
@@ -36,6 +38,8 @@ from kvmesh.workers.tls import PEER_SERVER_NAME
 
 __all__ = ["router_names", "cluster_secrets", "main"]
 
+#: Files written to ``--out-dir``.
+OUTPUTS = ("ca.crt", "ca.key", "client.env")
 LABELS = {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/part-of": "kvmesh"}
 
 
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dns", action="append", default=[],
                    help="another DNS name clients reach the router by, e.g. an Ingress host (repeatable)")
     p.add_argument("--days", type=int, default=365, help="validity of the CA and certificate (default 365)")
-    p.add_argument("--out-dir", required=True, help="folder for ca.crt, ca.key and client.env (created 0700)")
+    p.add_argument("--out-dir", required=True, help="folder for ca.crt, ca.key and client.env (created 0700; one its group or others "
+                   "may write is refused)")
     p.add_argument("--force", action="store_true",
                    help="replace a CA key and client.env already in --out-dir (the old CA and API keys are lost)")
     args = p.parse_args(argv)
@@ -109,7 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.days < 1:
         print(f"error: --days must be >= 1 (got {args.days})", file=sys.stderr)
         return 2
-    there = [n for n in ("ca.key", "client.env") if os.path.exists(os.path.join(args.out_dir, n))]
+    links = [n for n in OUTPUTS if os.path.islink(os.path.join(args.out_dir, n))]
+    if links:  # a link would have the CA key written wherever it points
+        print(f"error: {' and '.join(os.path.join(args.out_dir, n) for n in links)} "
+              f"{'is a symbolic link' if len(links) == 1 else 'are symbolic links'}; the CA key and API keys are "
+              "never written through a link. Remove the link (the files are written in --out-dir itself) or use "
+              "another --out-dir", file=sys.stderr)
+        return 2
+    there = [n for n in ("ca.key", "client.env") if os.path.lexists(os.path.join(args.out_dir, n))]
     if there and not args.force:
         print(f"error: {args.out_dir} already holds {' and '.join(there)}: a new run makes a new CA and new API "
               "keys, and the old ones (perhaps the only copy of the CA key) would be lost. Use another --out-dir, "
@@ -127,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     env += "".join(f"# tenant {t}: KVMESH_API_KEY={k}\n" for t, k in list(api_keys.items())[1:])
     try:
         os.makedirs(args.out_dir, mode=0o700, exist_ok=True)
+        mode = os.stat(args.out_dir).st_mode & 0o777
+        if mode & 0o022:
+            print(f"error: --out-dir {args.out_dir} is writable by {'others' if mode & 0o002 else 'its group'} "
+                  f"(mode {mode:04o}): whoever can write there could replace or link ca.key and client.env. "
+                  f"Restrict it (chmod 700 {args.out_dir}) or use a new folder, which is created 0700",
+                  file=sys.stderr)
+            return 2
         _write(out("ca.crt"), ca_pem, private=False)
         _write(out("ca.key"), ca_key_pem, private=True)
         _write(out("client.env"), env.encode(), private=True)

@@ -18,15 +18,22 @@ Labels are bounded: ``tier`` (the five mediums), ``finished_reason``, ``decision
 ``policy`` and ``reason`` (fixed sets), and ``worker`` on the router (one per live worker).
 Request ids and tenants never become labels.
 
-`serve_metrics` serves ``/metrics`` on its own daemon thread (prometheus-client's HTTP
-server), independent of the gRPC event loop and the engine thread.
+`serve_metrics` serves ``/metrics`` on its own daemon thread (prometheus-client's WSGI
+app and threading WSGI server), independent of the gRPC event loop and the engine thread.
+Each connection has a socket timeout (``METRICS_SOCKET_TIMEOUT_S``: a client that stops
+sending or reading is dropped) and at most ``METRICS_MAX_CONNECTIONS`` are served at once
+(one thread each); a connection past the cap is closed unread.
 """
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
@@ -52,21 +59,80 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1"):
-    """Serve ``registry`` at ``http://host:port/metrics`` on a daemon thread.
+#: Seconds a metrics connection may stay silent (reading the request or taking the answer)
+#: before it is closed.
+METRICS_SOCKET_TIMEOUT_S = 10.0
+#: Metrics connections served at once (a thread each); one past it is closed unread.
+METRICS_MAX_CONNECTIONS = 16
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """A WSGI request handler that logs nothing (prometheus-client's does the same)."""
+
+    def log_message(self, format, *args):  # noqa: A002 - stdlib signature
+        pass
+
+
+class _CappedWSGIServer(ThreadingWSGIServer):
+    """prometheus-client's threading WSGI server with at most ``max_connections`` handler
+    threads: `verify_request` (socketserver's hook) refuses a connection when every slot is
+    taken, and socketserver then closes it without reading it."""
+
+    max_connections = METRICS_MAX_CONNECTIONS
+
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        super().server_activate()
+
+    def verify_request(self, request, client_address) -> bool:
+        return self._slots.acquire(blocking=False)
+
+    def process_request(self, request, client_address) -> None:
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: its slot is free again
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        import sys
+
+        if isinstance(sys.exc_info()[1], OSError):  # a client that timed out or left: nothing to report
+            return
+        super().handle_error(request, client_address)
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1",
+                  socket_timeout_s: float = METRICS_SOCKET_TIMEOUT_S,
+                  max_connections: int = METRICS_MAX_CONNECTIONS):
+    """Serve ``registry`` at ``http://host:port/metrics`` on a daemon thread, with
+    prometheus-client's WSGI app (`prometheus_client.make_wsgi_app`).
 
     Returns ``(bound_port, server)``; ``server.shutdown()`` stops it.
 
-    Port 0 picks a free one.
+    Port 0 picks a free one. A connection silent for ``socket_timeout_s`` seconds is
+    closed; at most ``max_connections`` are served at once, and one more is closed unread.
 
     Raises:
         RuntimeError: the port could not be bound (names the ``--metrics-port`` flag).
     """
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                       flags=socket.AI_PASSIVE)[0]
+        server_cls = type("MetricsServer", (_CappedWSGIServer,),
+                          {"address_family": family, "max_connections": max_connections})
+        handler_cls = type("MetricsHandler", (_QuietHandler,), {"timeout": socket_timeout_s})
+        server = make_server(sockaddr[0], port, make_wsgi_app(registry), server_cls, handler_class=handler_cls)
     except OSError as exc:
         raise RuntimeError(f"--metrics-port {port}: could not bind {host}:{port} ({exc}); "
                            f"pick a free port or 0") from None
+    threading.Thread(target=server.serve_forever, name="kvmesh-metrics", daemon=True).start()
     return int(server.server_port), server
 
 

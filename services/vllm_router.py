@@ -40,7 +40,7 @@ import aiohttp
 from aiohttp import web
 
 from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
-from kvmesh.services.http_front import read_json_object
+from kvmesh.services.http_front import HttpServing, read_json_object, serve_app
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
 from kvmesh.services.vllm_compat import VllmHashConfig, VllmHasher, check_version
 from kvmesh.services.vllm_events import VllmEventSubscriber
@@ -195,7 +195,7 @@ class VllmRouter:
         self.requests_unhashed = 0
         self._session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task | None = None
-        self._runner: web.AppRunner | None = None
+        self._serving: HttpServing | None = None
 
     def _on_batch(self, batch) -> None:
         if self.metrics is not None:
@@ -500,19 +500,18 @@ class VllmRouter:
         for st in self.servers.values():
             st.subscriber.start()
         self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
-        self._runner = web.AppRunner(self.app(), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
-        await site.start()
-        return int(self._runner.addresses[0][1])
+        # the HTTP front's connection limits (header timeout, connection cap)
+        self._serving = await serve_app(self.app(), host, port, ssl_context, access_log=None)
+        return self._serving.port
 
     async def stop(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
         for st in self.servers.values():
             await st.subscriber.stop()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._serving is not None:
+            await self._serving.stop()
+            self._serving = None
         if self._session is not None:
             await self._session.close()
 

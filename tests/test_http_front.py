@@ -163,6 +163,10 @@ def _refused(path: str, body: dict | bytes, **kw) -> tuple[int, dict]:
     ({"prompt": "a", "logprobs": 2}, "logprobs"),
     ({"prompt": [1, -3]}, "prompt"),
     ({"prompt": "a", "stream": "yes"}, "stream"),
+    ({"prompt": "a", "return_token_ids": "no"}, "return_token_ids"),  # truthy: it once meant yes
+    ({"prompt": "a", "return_token_ids": 1}, "return_token_ids"),
+    ({"prompt": "a", "stream": True, "stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),
+    ({"prompt": "a", "stream": True, "stream_options": {"include_usage": 0}}, "stream_options.include_usage"),
 ])
 def test_bad_fields_are_400_naming_the_field(body, param):
     status, err = _refused("completions", body)
@@ -437,3 +441,167 @@ def test_a_body_larger_than_the_context_could_hold_is_refused_with_413():
         assert escaped < http_body_bytes_limit(ctx) < escaped + (1 << 20)
     assert status == 413 and "shorten the prompt" in body["error"]["message"], body
     assert ok == 200 and seen == [2000]
+
+
+# ------------------------------------------------------------------ connection limits
+# Timeouts here are short and the assertions' margins wide (seconds against a fraction of
+# one), so a busy machine slows the test down without failing it.
+
+async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes | None:
+    """What the server sent before closing the connection, or None if it was still open
+    after ``seconds``."""
+    got = b""
+    try:
+        async with asyncio.timeout(seconds):
+            while chunk := await reader.read(4096):
+                got += chunk
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return got
+
+
+def test_a_client_that_stops_mid_headers_is_closed_after_the_header_timeout():
+    async def never(req, ctx):  # pragma: no cover
+        raise AssertionError("reached Generate")
+        yield
+
+    async def run():
+        front, url = await _serve(never, header_timeout_s=0.5)
+        port = front._serving.port
+        try:
+            r1, w1 = await asyncio.open_connection("127.0.0.1", port)
+            w1.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            r2, w2 = await asyncio.open_connection("127.0.0.1", port)  # sends nothing at all
+            r3, w3 = await asyncio.open_connection("127.0.0.1", port)
+            w3.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # one request, then idle on keep-alive
+            first = await asyncio.wait_for(r3.readuntil(b'{"status": "ok"}'), 20)
+            w3.write(b"GET /health HTTP/1.1\r\n")  # a second one that stops mid-headers
+            out = [await _closed_within(r, 20.0) for r in (r1, r2, r3)]
+            for w in (w1, w2, w3):
+                w.close()
+            return first, out, front._serving.gate.open
+        finally:
+            await front.stop()
+
+    first, (partial, silent, kept_alive), still_open = asyncio.run(run())
+    assert first.startswith(b"HTTP/1.1 200")
+    assert partial is not None, "a partial request line and headers held the connection open"
+    assert silent is not None, "a connection that sent nothing was kept open"
+    assert kept_alive is not None, "a kept-alive connection stopping mid-headers was kept open"
+    assert still_open == 0
+
+
+def test_a_streamed_answer_longer_than_the_header_timeout_is_not_cut():
+    async def slow(req, ctx):
+        for _ in range(8):
+            await asyncio.sleep(0.25)
+            yield pb.GenerateResponse(token_ids=[97], text="a")
+        yield _final("")
+
+    async def run():
+        front, url = await _serve(slow, header_timeout_s=0.3, body_timeout_s=0.3)
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(f"{url}/completions", json={"prompt": "abc", "max_tokens": 9, "stream": True})
+                streamed = (r.status, await r.text())
+                r = await s.post(f"{url}/completions", json={"prompt": "abc", "max_tokens": 9})
+                whole = (r.status, await r.json())
+            return streamed, whole
+        finally:
+            await front.stop()
+
+    (status, text), (status2, body) = asyncio.run(run())
+    assert status == 200 and text.count('"text":"a"') == 8 and text.endswith("data: [DONE]\n\n"), text
+    assert status2 == 200 and body["choices"][0]["text"] == "a" * 8
+
+
+def test_a_body_that_does_not_arrive_is_408():
+    async def never(req, ctx):  # pragma: no cover
+        raise AssertionError("reached Generate")
+        yield
+
+    async def run():
+        front, url = await _serve(never, body_timeout_s=0.5)
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", front._serving.port)
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+            got = await _closed_within(r, 20.0)
+            w.close()
+            return got
+        finally:
+            await front.stop()
+
+    got = asyncio.run(run())
+    assert got is not None and got.startswith(b"HTTP/1.1 408"), got
+
+
+def test_connections_over_the_cap_get_503_unread_and_health_answers_once_the_slow_ones_leave():
+    async def never(req, ctx):  # pragma: no cover
+        raise AssertionError("reached Generate")
+        yield
+
+    async def run():
+        # the header timeout is far away: only the cap can turn the extra connections away
+        front, url = await _serve(never, header_timeout_s=120.0, max_connections=3)
+        gate = front._serving.gate
+        try:
+            slow = []
+            for _ in range(3):
+                r, w = await asyncio.open_connection("127.0.0.1", gate_port := front._serving.port)
+                w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+                slow.append((r, w))
+            async with asyncio.timeout(20):
+                while gate.open < 3:
+                    await asyncio.sleep(0.05)
+            r, w = await asyncio.open_connection("127.0.0.1", gate_port)
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            over = await _closed_within(r, 20.0)
+            w.close()
+            async with aiohttp.ClientSession() as s:
+                async with s.get(url.removesuffix("/v1") + "/health") as resp:
+                    busy = resp.status, await resp.json()
+            for _, w in slow:
+                w.close()
+            async with asyncio.timeout(20):
+                while gate.open:
+                    await asyncio.sleep(0.05)
+            async with aiohttp.ClientSession() as s:
+                async with s.get(url.removesuffix("/v1") + "/health") as resp:
+                    healthy = resp.status, await resp.json()
+            return over, busy, healthy, gate.refused
+        finally:
+            await front.stop()
+
+    over, busy, healthy, refused = asyncio.run(run())
+    assert over is not None and over.startswith(b"HTTP/1.1 503"), over
+    assert busy[0] == 503 and busy[1]["error"]["code"] == "too_many_connections"
+    assert healthy == (200, {"status": "ok"})
+    assert refused == 2
+
+
+def test_accept_errors_for_want_of_descriptors_are_rate_limited(caplog):
+    """asyncio reports a failed accept (EMFILE) through the loop's exception handler, with a
+    traceback each time; under a connection flood that was thousands of lines a second."""
+    import errno
+    import logging
+
+    from kvmesh.services.http_front import limit_resource_error_logs
+    from kvmesh.workers.grpc_guard import LOG_BURST
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        limit_resource_error_logs(loop)
+        limit_resource_error_logs(loop)  # once only
+        for _ in range(500):
+            loop.call_exception_handler({"message": "socket.accept() out of system resource",
+                                         "exception": OSError(errno.EMFILE, "Too many open files")})
+        loop.call_exception_handler({"message": "something else", "exception": ValueError("x")})
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(run())
+    emfile = [r for r in caplog.records if "Too many open files" in r.getMessage()]
+    assert 1 <= len(emfile) <= LOG_BURST and not any(r.exc_info for r in emfile)
+    assert any("something else" in r.getMessage() for r in caplog.records)  # the rest still reach asyncio's

@@ -593,6 +593,66 @@ def test_k8s_secrets_never_replaces_a_ca_key_without_force(tmp_path, capsys):
     assert (out_dir / "ca.key").read_bytes() != first
 
 
+def test_k8s_secrets_forces_key_modes_and_refuses_links_and_shared_folders(tmp_path, capsys):
+    """--force once kept a 0666 file's mode for the new CA key, wrote the key through a
+    (dangling) symlink planted as ca.key, and wrote into a folder anyone could write."""
+    import os
+
+    from kvmesh.services.k8s_secrets import main
+
+    out_dir = tmp_path / "creds"
+    out_dir.mkdir(mode=0o700)
+    for name in ("ca.key", "client.env", "ca.crt"):
+        (out_dir / name).write_text("old")
+        os.chmod(out_dir / name, 0o666)
+    assert main(["--out-dir", str(out_dir), "--force"]) == 0
+    capsys.readouterr()
+    modes = {n: (out_dir / n).stat().st_mode & 0o777 for n in ("ca.key", "client.env", "ca.crt")}
+    assert modes == {"ca.key": 0o600, "client.env": 0o600, "ca.crt": 0o644}
+    assert b"PRIVATE KEY" in (out_dir / "ca.key").read_bytes()
+
+    elsewhere = tmp_path / "elsewhere.key"
+    (out_dir / "ca.key").unlink()
+    (out_dir / "ca.key").symlink_to(elsewhere)  # dangling: os.path.exists says False
+    for argv in ([], ["--force"]):
+        assert main(["--out-dir", str(out_dir), *argv]) == 2
+        err = capsys.readouterr().err
+        assert "ca.key" in err and "symbolic link" in err and "Remove the link" in err
+    assert not elsewhere.exists() and (out_dir / "ca.key").is_symlink()
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    assert main(["--out-dir", str(shared)]) == 2
+    err = capsys.readouterr().err
+    assert "writable by others" in err and "chmod 700" in err and not os.listdir(shared)
+    os.chmod(shared, 0o770)
+    assert main(["--out-dir", str(shared)]) == 2
+    assert "writable by its group" in capsys.readouterr().err
+    os.chmod(shared, 0o700)
+    assert main(["--out-dir", str(shared)]) == 0
+
+
+def test_credential_files_are_written_with_their_mode_and_never_through_a_link(tmp_path):
+    import errno
+    import os
+
+    from kvmesh.services.credentials import _write, generate_cluster_credentials
+
+    path = tmp_path / "key"
+    path.write_text("old")
+    os.chmod(path, 0o666)
+    _write(str(path), b"secret", private=True)
+    assert path.read_bytes() == b"secret" and path.stat().st_mode & 0o777 == 0o600
+    target = tmp_path / "target"
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(OSError) as info:
+        _write(str(tmp_path / "link"), b"secret", private=True)
+    assert info.value.errno == errno.ELOOP and not target.exists()
+    creds = generate_cluster_credentials(str(tmp_path / "run"))  # as `kvmesh up` makes them
+    assert os.stat(creds.ca_key).st_mode & 0o777 == 0o600 and os.stat(creds.ca).st_mode & 0o777 == 0o644
+
+
 @pytest.mark.parametrize("argv", [["--namespace", "Bad NS!"], ["--namespace", ""], ["--dns", "bad name!"]])
 def test_k8s_secrets_refuses_names_kubernetes_would_not_take(argv, tmp_path, capsys):
     """These printed YAML with an invalid namespace, or a certificate naming a bad host, and exit 0."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.services.metrics import ROUTE_REASONS, RouterMetrics, WorkerMetrics, route_reason, serve_metrics
@@ -205,3 +205,71 @@ def test_blocks_that_find_no_host_slot_are_counted_as_not_stored():
         assert s[("kvmesh:tier_blocks_not_stored_total", (("reason", "disk_queue"),))] == 0
     finally:
         e.stop()
+
+
+def _closed_within(sock, seconds: float) -> bool:
+    """Whether the server closes ``sock`` (EOF or reset) within ``seconds``; what it sends
+    first is read and dropped."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            if not sock.recv(4096):
+                return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except socket.timeout:
+            return False
+
+
+def test_a_silent_metrics_connection_is_closed_after_the_socket_timeout():
+    import socket
+
+    registry = CollectorRegistry()
+    port, server = serve_metrics(registry, 0, socket_timeout_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            assert _closed_within(s, 20.0), "a partial request held its metrics thread past the timeout"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_metrics_connections_over_the_cap_are_closed_unread_and_scrapes_resume():
+    import socket
+    import time
+    import urllib.request
+
+    registry = CollectorRegistry()
+    Counter("kvmesh:probe", "probe", registry=registry).inc()
+    port, server = serve_metrics(registry, 0, socket_timeout_s=120.0, max_connections=2)
+    held = []
+    try:
+        for _ in range(2):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")
+            held.append(s)
+        time.sleep(0.5)  # both are accepted and hold their slots (the timeout is far away)
+        with socket.create_connection(("127.0.0.1", port)) as extra:
+            assert _closed_within(extra, 20.0), "a connection over the cap was kept open"
+        for s in held:
+            s.close()
+        deadline = time.monotonic() + 20.0
+        while True:  # the held slots come back once their threads see the close
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=20) as r:
+                    assert b"kvmesh:probe_total 1.0" in r.read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    finally:
+        for s in held:
+            s.close()
+        server.shutdown()
+        server.server_close()
