@@ -310,6 +310,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 on_stopper(lambda: loop.call_soon_threadsafe(stop.set))
             await serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
                                advertise=advertise, stop=stop, max_concurrent_rpcs=args.max_concurrent_rpcs,
+                               max_inflight_per_tenant=args.max_inflight_per_tenant,
                                **ports, **secure)
 
         return run_server(main(), args.port)  # a port taken since it was checked: exit 2 naming its flag

@@ -62,7 +62,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     # a port taken since it was checked is still a usage error naming its flag
     return run_server(serve_router(args.port, args.redis_url, policy=args.policy, host=args.host, model_dir=args.model,
                                    cluster=args.cluster, seed=args.seed, gate=gate, reflection=args.reflection,
-                                   max_concurrent_rpcs=args.max_concurrent_rpcs, **ports), args.port)
+                                   max_concurrent_rpcs=args.max_concurrent_rpcs,
+                                   max_inflight_per_tenant=args.max_inflight_per_tenant, **ports), args.port)
 
 
 #: engine flags of `up` that `ClusterSpec` carries itself (``--disk-dir``: one subfolder per worker)

@@ -138,6 +138,22 @@ def add_server_flags(p, what: str) -> None:
                         f"calls get {CONTROL_RPC_RESERVE} more slots, after which gRPC refuses any call "
                         f"(default {DEFAULT_MAX_CONCURRENT_RPCS})"
                         + ("; not used by --backend vllm" if what == "router" else ""))
+    def non_negative(text: str) -> int:
+        import argparse
+
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"--max-inflight-per-tenant must be an integer >= 0 (0: no limit), "
+                                             f"got {text!r}")
+        return value
+
+    p.add_argument("--max-inflight-per-tenant", type=non_negative, default=0, metavar="N",
+                   help=f"most Generate calls one tenant (from its API key or certificate) has in flight on this "
+                        f"{what}; more get RESOURCE_EXHAUSTED at once, so one tenant's flood cannot take every "
+                        "slot (default 0: no limit)" + ("; not used by --backend vllm" if what == "router" else ""))
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help=f"serve Prometheus metrics of this {what} at http://HOST:PORT/metrics (0 = a free port; "
                         "-1 or unset: off)")

@@ -50,7 +50,7 @@ from kvmesh.services.membership import Compatibility
 from kvmesh.services.shared_load import SharedLoad, matched_prefix
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy, prefix_holder
 from kvmesh.workers.config import ModelConfig
-from kvmesh.workers.grpc_guard import LogLimiter, clip
+from kvmesh.workers.grpc_guard import LogLimiter, TenantCap, clip
 from kvmesh.workers.model_identity import base_model_id
 from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, DEFAULT_MAX_CONCURRENT_RPCS, ChannelPool, GrpcHost
 from kvmesh.workers import limits
@@ -89,6 +89,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.rng = random.Random(seed)
         self.max_attempts = max_attempts
         self.gate = gate or Gate()
+        #: per-tenant bound on Generate calls in flight (`--max-inflight-per-tenant`; 0: none)
+        self.tenant_cap = TenantCap(0)
         self._channels = ChannelPool(tls=self.gate.tls)  # mutual TLS to workers when configured
         self._inflight: dict[str, _Inflight] = {}
         self.routed = RoutedShare()
@@ -172,6 +174,16 @@ class RouterServicer(pb_grpc.RouterServicer):
     # ----------------------------------------------------------------- RPCs
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         tenant, salt = await self.gate.tenant(context, request, edge=True)
+        if not self.tenant_cap.enter(tenant):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.tenant_cap.refusal(tenant))
+        try:
+            async for msg in self._generate(request, context, tenant, salt):
+                yield msg
+        finally:
+            self.tenant_cap.leave(tenant)
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, tenant: str,
+                        salt: str):
         max_len = context_limit(self.subscriber.live_workers(), self.config.max_position_embeddings)
         try:  # before tokenizing or hashing: a huge body costs milliseconds, not the router
             limits.check_prompt_size(request, max_len, "the workers' model")
@@ -410,17 +422,19 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
                        ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                        metrics_port: int | None = None, http_port: int | None = None,
                        gate: Gate | None = None, reflection: bool = False,
-                       max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS) -> None:
+                       max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
+                       max_inflight_per_tenant: int = 0) -> None:
     """Serve kvmesh.v1.Router on host:port until ``stop`` is set or SIGINT/SIGTERM.
 
     ``metrics_port`` serves Prometheus ``/metrics`` (`services.metrics`); ``http_port``
     serves the OpenAI-compatible HTTP front (`services.http_front`); None = off.
     ``gate`` holds the port's TLS config and the tenant resolution (default: no TLS, open);
     its TLS config also secures the calls to workers. ``reflection`` turns on gRPC reflection;
-    ``max_concurrent_rpcs`` caps the Generate and Tokenize calls in flight (`GrpcHost`).
+    ``max_concurrent_rpcs`` caps the Generate and Tokenize calls in flight (`GrpcHost`), and
+    ``max_inflight_per_tenant`` each tenant's Generate calls (`grpc_guard.TenantCap`; 0: no cap).
 
     Raises:
-        ValueError: unknown policy name.
+        ValueError: unknown policy name, or a negative ``max_inflight_per_tenant``.
         RuntimeError: the port could not be bound.
     """
     index = ClusterIndex()
@@ -431,6 +445,7 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
 
     subscriber = IndexSubscriber(redis_url, index, resync, cluster=cluster)
     servicer = RouterServicer(index, subscriber, policy, model_dir=model_dir, seed=seed, gate=gate)
+    servicer.tenant_cap = TenantCap(max_inflight_per_tenant)
     grpc_host = GrpcHost(host, port, [
         (pb_grpc.add_RouterServicer_to_server, servicer, pb.DESCRIPTOR.services_by_name["Router"].full_name),
         (pb_grpc.add_WorkerServicer_to_server, WorkerFacade(servicer),

@@ -9,6 +9,7 @@ process acts as a stranger (TLS + a valid API key, no cluster certificate) or as
 from __future__ import annotations
 
 import random
+import time
 from concurrent import futures
 
 import grpc
@@ -549,3 +550,38 @@ def test_a_tls_server_warns_about_a_redis_without_password(caplog):
         assert not warn_open_redis(True, "unix:///run/redis.sock")     # left to file permissions
         assert not warn_open_redis(True, None)
         assert caplog.text == ""
+
+
+def test_one_tenant_cannot_take_every_slot_of_a_router(cluster, tmp_path):
+    """A router with --max-inflight-per-tenant 1: while tenant default streams a long
+    answer, its second call is RESOURCE_EXHAUSTED naming the flag, tenant-b is served, and
+    default's slot comes back when its first call ends."""
+    from kvmesh.services.client import KvmeshClient
+    from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+
+    port = free_port()
+    proc = spawn(python_cmd("router", "--port", str(port), *cluster._secure_args(), "--cluster", cluster.cluster,
+                            "--max-inflight-per-tenant", "1"), str(tmp_path / "router.log"), env=cluster._env())
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_healthy(address, proc=proc, tls=cluster.tls)
+        with KvmeshClient(address, **client(cluster), timeout=120, retries=0) as a, \
+                KvmeshClient(address, **client(cluster, KEY_B), timeout=120, retries=0) as b:
+            long = a.stream("count slowly", max_tokens=4000, ignore_eos=True)
+            assert next(long).worker_id  # the first call is running on a worker
+            with pytest.raises(grpc.RpcError) as exc:
+                a.generate("hello", max_tokens=1)
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-inflight-per-tenant" in exc.value.details() and "'default'" in exc.value.details()
+            assert b.generate("hello", max_tokens=1).finish_reason  # another tenant is not held up
+            long.close()  # ends the first call: its slot is released
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    assert a.generate("hello", max_tokens=1).finish_reason
+                    break
+                except grpc.RpcError as err:  # the cancellation reaches the router asynchronously
+                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                    time.sleep(0.2)
+    finally:
+        stop_process(proc)

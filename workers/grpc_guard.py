@@ -110,6 +110,45 @@ class RpcCap:
                 f"(--max-concurrent-rpcs); retry later or elsewhere")
 
 
+class TenantCap:
+    """The most Generate calls one tenant has in flight on one server (0: no limit).
+
+    One tenant's flood of long requests would otherwise take every slot of `RpcCap`, the
+    engine's waiting queue and the KV blocks of running requests, and every other tenant
+    would be refused or wait. With a limit, a call past it is answered RESOURCE_EXHAUSTED
+    at once, naming the tenant's own count, and other tenants keep their slots. The tenant
+    is the one the server resolved from credentials (`services.auth.Gate.tenant`); "" in
+    open mode, where every caller is one tenant. Single-threaded (the server's event loop).
+    """
+
+    def __init__(self, limit: int = 0) -> None:
+        if int(limit) < 0:
+            raise ValueError(f"max_inflight_per_tenant must be >= 0 (0: no limit), got {limit}")
+        self.limit = int(limit)
+        self.active: dict[str, int] = {}
+        self.refused = 0
+
+    def enter(self, tenant: str) -> bool:
+        n = self.active.get(tenant, 0)
+        if self.limit and n >= self.limit:
+            self.refused += 1
+            return False
+        self.active[tenant] = n + 1
+        return True
+
+    def leave(self, tenant: str) -> None:
+        n = self.active.get(tenant, 0) - 1
+        if n > 0:
+            self.active[tenant] = n
+        else:
+            self.active.pop(tenant, None)
+
+    def refusal(self, tenant: str) -> str:
+        who = f"tenant {clip(tenant, 64)!r}" if tenant else "this caller"
+        return (f"{who} already has {self.limit} requests in flight here, the most one tenant may have "
+                f"(--max-inflight-per-tenant); retry when one finishes")
+
+
 #: RPCs counted by `RpcCap`: the ones that carry prompts or KV, or run the model.
 DATA_PLANE_METHODS = frozenset({"Generate", "Tokenize", "FetchBlocks"})
 

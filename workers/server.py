@@ -39,7 +39,7 @@ from kvmesh.cache_store.block_record import RECORD_FORMAT_VERSION
 from kvmesh.cache_store.fresh_thread import run_on_fresh_thread, to_fresh_thread
 from kvmesh.cache_store.hashing import HASH_BYTES
 from kvmesh.workers.engine import Engine
-from kvmesh.workers.grpc_guard import LogLimiter, clip
+from kvmesh.workers.grpc_guard import LogLimiter, TenantCap, clip
 from kvmesh.workers.grpc_host import DEFAULT_MAX_CONCURRENT_RPCS, GrpcHost
 from kvmesh.workers.peer_fetch import MAX_FETCH_BLOCKS, PeerFetcher
 from kvmesh.workers.request import InvalidRequest, Overloaded, RequestOutput
@@ -104,6 +104,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._prefetch_pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-prefetch")
         #: `services.metrics.WorkerMetrics` when metrics are served, else None
         self.metrics = None
+        #: per-tenant bound on Generate calls in flight (`--max-inflight-per-tenant`; 0: none)
+        self.tenant_cap = TenantCap(0)
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -115,6 +117,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         raise InvalidRequest("request has no prompt: set text or token_ids")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        tenant, salt = (await self.gate.tenant(context, request) if self.gate is not None
+                        else (request.tenant, request.cache_salt))
+        if not self.tenant_cap.enter(tenant):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.tenant_cap.refusal(tenant))
+        try:
+            async for msg in self._generate(request, context, tenant, salt):
+                yield msg
+        finally:
+            self.tenant_cap.leave(tenant)
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, tenant: str,
+                        salt: str):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -123,8 +137,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
         rid = request.request_id or uuid.uuid4().hex
         arrival = time.monotonic()
-        tenant, salt = (await self.gate.tenant(context, request) if self.gate is not None
-                        else (request.tenant, request.cache_salt))
         if request.model_id and request.model_id != self.engine.kv_model_id:
             await self._refuse_foreign_model(request.model_id, context)
         try:
@@ -292,7 +304,8 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
                        ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                        peer: dict | None = None, advertise: str | None = None,
                        metrics_port: int | None = None, http_port: int | None = None, tls=None, gate=None,
-                       reflection: bool = False, max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS) -> None:
+                       reflection: bool = False, max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
+                       max_inflight_per_tenant: int = 0) -> None:
     """Serve the engine on host:port until ``stop`` is set or SIGINT/SIGTERM arrives.
 
     ``peer`` holds `PeerFetcher` options (``mode``, ``max_fetch_s``, ``holder_check``);
@@ -300,7 +313,8 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     ``host:port``); ``tls`` (`kvmesh.workers.tls.TlsConfig`) serves TLS and makes peer
     fetches mutual TLS; ``gate`` checks each caller (see `WorkerServicer`); ``reflection``
     turns on gRPC server reflection; ``max_concurrent_rpcs`` caps the data-plane RPCs in
-    flight (`GrpcHost`). ``metrics_port`` serves Prometheus ``/metrics``
+    flight (`GrpcHost`), ``max_inflight_per_tenant`` each tenant's Generate calls
+    (`grpc_guard.TenantCap`; 0: no cap). ``metrics_port`` serves Prometheus ``/metrics``
     (`services.metrics`); ``http_port`` serves the OpenAI-compatible HTTP front
     (`services.http_front`); None = off.
 
@@ -310,6 +324,7 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     worker_id = worker_id or f"{socket.gethostname()}:{port}"
     servicer = WorkerServicer(engine, worker_id, advertise or f"{host}:{port}", peer={**(peer or {}), "tls": tls},
                               gate=gate)
+    servicer.tenant_cap = TenantCap(max_inflight_per_tenant)
     grpc_host = GrpcHost(host, port, [(pb_grpc.add_WorkerServicer_to_server, servicer,
                                        pb.DESCRIPTOR.services_by_name["Worker"].full_name)],
                          tls=tls, reflection_on=reflection,
