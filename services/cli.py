@@ -13,7 +13,11 @@ import sys
 import time
 import uuid
 
-import grpc
+# gRPC's C core logs failed TLS handshakes and the like to stderr on its own (read when grpc
+# is imported); the CLI reports each error once, with a hint, so only gRPC's errors are shown
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+import grpc  # noqa: E402
 
 from kvmesh.services.security import add_client_args, add_server_args, client_options, server_gate
 from kvmesh.services.cli_checks import host_port, port_number, positive_float, positive_int
@@ -256,10 +260,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from kvmesh.workers.server import serve_worker
 
-    from kvmesh.services.cli_checks import device_problem, engine_flag_problem, model_problem, with_flag_names
+    from kvmesh.services.cli_checks import (device_problem, engine_flag_problem, model_problem, pool_fit_problem,
+                                            with_flag_names)
 
     problem = (engine_flag_problem(args) or device_problem(args.device)
-               or model_problem(args.model, args.max_model_len))
+               or model_problem(args.model, args.max_model_len) or pool_fit_problem(args))
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -343,7 +348,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if holder is not None:
         print(f"error: --worker-id {worker_id} is in use in cluster {args.cluster!r}: a live worker at "
               f"{holder.get('address', '?')} has renewed its lease for {wait_s:.0f} s; give this "
-              "worker another --worker-id, or stop that one first", file=sys.stderr)
+              "worker another --worker-id, or stop that one first (two `kvmesh up` on one --redis-url need "
+              "different --cluster names: each names its workers worker-0, worker-1, ...)", file=sys.stderr)
         return 2
     instance = uuid.uuid4().hex  # this process's token: its lease and its stream writes are fenced with it
     publisher = KVEventPublisher(args.redis_url, worker_id, cluster=args.cluster, instance=instance)

@@ -530,6 +530,22 @@ def engine_flag_problem(args: argparse.Namespace) -> str | None:
             return f"--{dest.replace('_', '-')} must be >= 1 (got {value})"
     if getattr(args, "max_model_len", None) is not None and args.max_model_len < 1:
         return f"--max-model-len must be >= 1 tokens (got {args.max_model_len})"
+    if getattr(args, "threads", 0) is not None and getattr(args, "threads", 0) < 0:
+        return f"--threads must be >= 0 (got {args.threads})"
+    fetch_s = getattr(args, "peer_fetch_max_s", None)
+    if fetch_s is not None and not fetch_s > 0:
+        return f"--peer-fetch-max-s must be > 0 seconds (got {fetch_s})"
+    if getattr(args, "peer_fetch", None) == "always" and getattr(args, "peer_bytes", None) == 0:
+        return ("--peer-fetch always needs --peer-bytes > 0: fetched blocks wait in that staging memory, and "
+                "--peer-bytes 0 turns peer fetch off; give both or neither")
+    return None
+
+
+def pool_fit_problem(args: argparse.Namespace) -> str | None:
+    """An explicit ``--max-model-len`` whose one request would not fit ``--num-blocks`` of
+    ``--block-size`` (`limits.fit_max_model_len_to_pool`), in flag names; None when it fits.
+    Call after `model_problem`, so that a limit above the model's own context is reported as
+    that first (raising --num-blocks would not help it)."""
     if getattr(args, "max_model_len", None) and getattr(args, "num_blocks", None) and getattr(args, "block_size", None):
         from kvmesh.workers.limits import fit_max_model_len_to_pool
 
@@ -537,11 +553,6 @@ def engine_flag_problem(args: argparse.Namespace) -> str | None:
             fit_max_model_len_to_pool(args.max_model_len, args.max_model_len, args.num_blocks, args.block_size)
         except ValueError as exc:
             return with_flag_names(exc)
-    if getattr(args, "threads", 0) is not None and getattr(args, "threads", 0) < 0:
-        return f"--threads must be >= 0 (got {args.threads})"
-    fetch_s = getattr(args, "peer_fetch_max_s", None)
-    if fetch_s is not None and not fetch_s > 0:
-        return f"--peer-fetch-max-s must be > 0 seconds (got {fetch_s})"
     return None
 
 
@@ -638,13 +649,21 @@ def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str
         try:
             redis.Redis.from_url(args.redis_url, socket_timeout=3.0, socket_connect_timeout=3.0).ping()
         except redis.exceptions.RedisError as exc:
-            return (f"--redis-url {args.redis_url}: cannot reach it ({exc}); leave --redis-url out to start "
+            from kvmesh.services.security import redact_url
+
+            text, url = str(exc), redact_url(args.redis_url)
+            if isinstance(exc, redis.exceptions.AuthenticationError) or "authenticat" in text.lower() \
+                    or "NOAUTH" in text:
+                return (f"--redis-url {url}: that Redis needs a password, or another one ({text}); give it in the URL, "
+                        "redis://:PASSWORD@HOST:PORT/DB, preferably through KVMESH_REDIS_URL to keep it out of ps")
+            return (f"--redis-url {url}: cannot reach it ({exc}); leave --redis-url out to start "
                     "a private one")
         return None
 
     return first_problem(workers, lambda: policy_problem(args.policy), lambda: engine_flag_problem(args),
                          lambda: with_flag_names(tier_problem) if tier_problem else None,
                          lambda: model_problem(args.model, getattr(args, "max_model_len", None)),
+                         lambda: pool_fit_problem(args),
                          lambda: device_problem(args.device),
                          lambda: worker_resource_problem(args, args.workers), port, http_port,
                          redis_reachable)

@@ -86,6 +86,10 @@ def connect_hint(code: str, message: str) -> str:
     if "alpn" in text:  # TLS was spoken, HTTP/2 was not: an HTTPS front, not a gRPC port
         return (HINT_MARK + "that port speaks TLS but not gRPC: it is likely the HTTP front (--http-port) or another "
                 "server; give --target the router's or worker's gRPC --port)")
+    if "wrong_version_number" in text or "wrong version number" in text:  # TLS spoken to a plaintext port
+        return (HINT_MARK + "the server does not speak TLS (a cluster started with --insecure?): leave out --tls-ca, "
+                "--tls-cert, --tls-key and --api-key, and unset the KVMESH_TLS_* and KVMESH_API_KEY variables a "
+                "client.env set)")
     if "certificate_verify_failed" in text or "certificate verify failed" in text:
         return (HINT_MARK + "the server's certificate is not signed by --tls-ca, or does not name this address: credentials "
                 "from another cluster or an earlier `kvmesh up`? Source the client.env the running one printed)")
@@ -194,17 +198,26 @@ def make_request(prompt: str | None = None, token_ids=None, max_tokens: int = 16
     """A ``kvmesh.v1.GenerateRequest``: ``prompt`` text or ``token_ids`` (one of them).
 
     Raises:
-        ValueError: both or neither of ``prompt`` and ``token_ids``.
+        ValueError: both or neither of ``prompt`` and ``token_ids``, or a number the message
+            cannot carry (``max_tokens`` outside 1..2**32-1, ``seed`` outside 0..2**64-1, a
+            token id outside 0..2**32-1); the message names the argument.
     """
     if (prompt is None) == (token_ids is None):
         raise ValueError("give exactly one of prompt (text) and token_ids")
+    for name, value, top in (("max_tokens", max_tokens, 2 ** 32 - 1), ("seed", seed, 2 ** 64 - 1)):
+        low = 1 if name == "max_tokens" else 0
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+            raise ValueError(f"{name} must be an integer in {low}..{top}, got {value!r}")
     req = pb.GenerateRequest(
         request_id=request_id,
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                    ignore_eos=ignore_eos),
         cache_salt=tenant, return_text=return_text)
     if token_ids is not None:
-        req.token_ids.ids.extend(int(t) for t in token_ids)
+        try:
+            req.token_ids.ids.extend(int(t) for t in token_ids)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"token_ids must be integers in 0..{2 ** 32 - 1}: {exc}") from None
     else:
         req.text = prompt
     return req

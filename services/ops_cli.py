@@ -87,9 +87,11 @@ def status_table(status: dict) -> str:
     if status.get("details_withheld"):
         return (f"router policy {status['policy']}; workers, loads and cached blocks are shown to cluster peers "
                 "only: pass --tls-cert/--tls-key of a certificate the cluster CA signed (kvmesh up: "
-                "RUN_DIR/credentials/peer.pem and peer.key)\n")
+                "RUN_DIR/credentials/peer.pem and peer.key). A router started without --client-ca asks no "
+                "client for a certificate, so it sees no peers and shows these to nobody (the k8s overlays "
+                "run it so: read loads from the workers' --metrics-port instead)\n")
     around = [w for w in workers if w.get("routed_around")]
-    lines = [f"router policy {status['policy']}, {len(workers)} live workers"
+    lines = [f"router policy {status['policy']}, {len(workers)} live worker{'' if len(workers) == 1 else 's'}"
              + (f" ({len(around)} routed around, below)" if around else "")
              + f", {status['indexed_blocks']:,} KV blocks indexed (all tenants and models)"]
     header = ("worker", "address", "routed", "model", "block size", "running", "waiting", "queued prefill tokens",

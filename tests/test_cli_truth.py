@@ -827,3 +827,26 @@ def test_generate_refuses_a_prompt_that_is_not_utf8():
     res = subprocess.run([KVMESH, "generate", "--target", "127.0.0.1:1", "--prompt", b"ab\xff\xfe"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "--prompt is not UTF-8 text (byte 0xff at character 2)" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["worker", "--port", "0", "--peer-fetch", "always", "--peer-bytes", "0"], "--peer-bytes > 0"),
+    # over the model's context: that is the fix to name, not a bigger pool
+    (["up", "--max-model-len", "100000"], "model's context"),
+    (["worker", "--port", "0", "--max-model-len", "100000"], "model's context"),
+])
+def test_contradictory_or_impossible_worker_flags_say_what_to_fix(capsys, argv, needle):
+    from kvmesh.services.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "--num-blocks" not in err, err
+
+
+def test_up_against_a_redis_that_needs_a_password_says_so(capsys, redis_server):
+    from kvmesh.services.cli import main
+
+    no_password = f"redis://127.0.0.1:{redis_server.port}/0"
+    assert main(["up", "--redis-url", no_password]) == 2
+    err = capsys.readouterr().err
+    assert "needs a password" in err and "redis://:PASSWORD@" in err and redis_server.password not in err, err

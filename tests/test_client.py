@@ -192,3 +192,25 @@ def test_the_fuzzer_never_sends_a_key_in_clear(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         fuzz.main(["--target", "127.0.0.1:1"])
     assert exc.value.code == 2 and "in clear" in capsys.readouterr().err
+
+
+def test_make_request_names_a_number_the_message_cannot_carry():
+    from kvmesh.services.client import make_request
+
+    for kwargs, name in [({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"),
+                         ({"max_tokens": 2 ** 32}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"),
+                         ({"seed": -1}, "seed"), ({"seed": 2 ** 64}, "seed")]:
+        with pytest.raises(ValueError, match=name):
+            make_request("hi", **kwargs)
+    with pytest.raises(ValueError, match="token_ids"):
+        make_request(token_ids=[1, -2])
+    assert make_request("hi", max_tokens=2 ** 32 - 1, seed=2 ** 64 - 1).sampling.seed == 2 ** 64 - 1
+
+
+def test_the_hint_for_tls_spoken_to_a_plaintext_port():
+    from kvmesh.services.client import connect_hint
+
+    plain = ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Ssl handshake failed "
+             "(TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL routines:OPENSSL_internal:WRONG_VERSION_NUMBER")
+    hint = connect_hint("UNAVAILABLE", plain)
+    assert "does not speak TLS" in hint and "--insecure" in hint and "pass --tls-ca" not in hint

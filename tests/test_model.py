@@ -465,6 +465,15 @@ def test_loader_errors(tmp_path):
     with pytest.raises(ValueError, match=r"'norm.weight' has shape \(7,\), expected \(512,\)"):
         load_model(d)
 
+    # every layer's MLP mis-shaped (an edited intermediate_size): a few named, the rest counted
+    wide = {k: (torch.zeros(v.shape[0] + 1, *v.shape[1:]) if ".mlp." in k else v) for k, v in tensors.items()}
+    save_file(wide, path)
+    with pytest.raises(ValueError) as err:
+        load_model(d)
+    msg = str(err.value)
+    n = sum(".mlp." in k for k in tensors)
+    assert msg.count("has shape") == 4 and f"and {n - 4} more mis-shaped tensors" in msg, msg
+
 
 # --------------------------------------------------------------------------- tokenizers
 

@@ -130,15 +130,28 @@ def _map_tensors(
     missing = sorted(n if n == "lm_head.weight" else "model." + n for n in expected if n not in mapped)
     problems = []
     if missing:
-        problems.append(f"missing tensors: {', '.join(missing)}")
+        problems.append(f"missing tensors: {_first(missing)}")
     if unexpected:
-        problems.append(f"unexpected tensors: {', '.join(sorted(unexpected))}")
-    for name, tensor in mapped.items():
-        if tuple(tensor.shape) != expected[name]:
-            problems.append(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}")
+        problems.append(f"unexpected tensors: {_first(sorted(unexpected))}")
+    shapes = [f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}"
+              for name, tensor in mapped.items() if tuple(tensor.shape) != expected[name]]
+    if shapes:
+        problems.append(_first(shapes, "; ", "mis-shaped tensors"))
     if problems:
         raise ValueError(f"{model_dir}: checkpoint does not match config.json; " + "; ".join(problems))
     return mapped
+
+
+#: Items of one kind a load error names before it counts the rest.
+_NAMED_ITEMS = 4
+
+
+def _first(items: list[str], sep: str = ", ", what: str = "") -> str:
+    """The first `_NAMED_ITEMS` of ``items`` and a count of the rest ("and N more WHAT"): an
+    edited config.json can mis-shape every tensor, and a line per tensor hides the cause."""
+    head = sep.join(items[:_NAMED_ITEMS])
+    rest = len(items) - _NAMED_ITEMS
+    return head + (f"{sep}and {rest} more {what}".rstrip() if rest > 0 else "")
 
 
 def load_model(
