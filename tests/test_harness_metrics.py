@@ -72,6 +72,9 @@ def test_summarize_reports_tpot_itl_goodput_and_cancelled():
     md = report.to_markdown(dict(s, policy="p"))
     assert "| goodput req/s (TTFT <= 50 ms) | 0.50 |" in md
     assert "| cancelled at the deadline | 1 |" in md
+    stopped = report.to_markdown(dict(s, policy="p", partial=True, interrupted_by="SIGINT", num_not_sent=7))
+    assert "| cancelled, interrupted (SIGINT) | 1 |" in stopped and "| not sent, interrupted (SIGINT) | 7 |" in stopped
+    assert "deadline" not in stopped and "time bound" not in stopped
     assert "| TPOT ms p50 / p90 / p99 | 55.0 / 91.0 / 99.1 |" in md
     assert "goodput" not in report.to_markdown(dict(no_slo, policy="p"))
 
