@@ -179,8 +179,8 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"{len(cluster.workers)} workers, redis {redact_url(cluster.redis_url)}, logs in {cluster.log_dir}",
               flush=True)
         print(cluster.router_address, flush=True)
-        for warning in startup_warnings(cluster.log_dir, cluster.workers):
-            print(f"warning: {warning}", flush=True)
+        for warning in startup_warnings(cluster.log_dir, cluster.workers):  # stderr: stdout's lines are fixed
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
         for line in ([cluster.http_url] if cluster.http_url else []) + list(cluster.metrics_urls.values()):
             print(line, flush=True)
         if cluster.credentials is not None:

@@ -827,3 +827,31 @@ def test_generate_refuses_a_prompt_that_is_not_utf8():
     res = subprocess.run([KVMESH, "generate", "--target", "127.0.0.1:1", "--prompt", b"ab\xff\xfe"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "--prompt is not UTF-8 text (byte 0xff at character 2)" in res.stderr, res.stderr
+
+
+@pytest.mark.slow
+def test_up_keeps_its_address_lines_on_stdout_and_warnings_on_stderr(tmp_path):
+    """Scripts read `up`'s stdout lines after the summary (router address, HTTP base URL,
+    metrics URLs); a worker's start-up warning (here: a context capped by a small
+    --num-blocks) goes to stderr, not between them."""
+    up = subprocess.Popen([KVMESH, "up", "--insecure", "--workers", "1", "--threads", "1", "--num-blocks", "4"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        _read_until(up.stdout, "cluster up", up)
+        lines = [up.stdout.readline().strip() for _ in range(4)]  # address, HTTP URL, 2 metrics URLs
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            out, err = up.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+            raise
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", lines[0]), lines
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", lines[1]), lines
+    assert all(re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", ln) for ln in lines[2:]), lines
+    assert "warning: worker-0: " in err and "context limited" in err, err
+    assert "warning: worker-0" not in out, out
+    assert up.returncode == 0, err
+
