@@ -855,3 +855,47 @@ def test_up_keeps_its_address_lines_on_stdout_and_warnings_on_stderr(tmp_path):
     assert "warning: worker-0" not in out, out
     assert up.returncode == 0, err
 
+
+@pytest.mark.slow
+def test_up_interrupted_while_starting_stops_at_once(tmp_path):
+    """SIGINT while `up` waits for its workers: it stops what it started, prints no summary
+    and exits 130 (as `kvmesh bench` interrupted), instead of finishing the start first."""
+    up = subprocess.Popen([KVMESH, "up", "--insecure", "--workers", "2", "--threads", "1", "--num-blocks", "64"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    children: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while not any(" worker " in _cmdline_or_empty(c) for c in children):  # the workers were spawned
+            assert up.poll() is None, up.stderr.read()
+            assert time.monotonic() < deadline, "up started no worker"
+            children |= set(_children(up.pid))
+            time.sleep(0.05)
+        up.send_signal(signal.SIGINT)
+        out, err = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 130, (up.returncode, out, err)
+    assert "cluster up" not in out and "127.0.0.1:" not in out, out
+    assert "interrupted by SIGINT while starting" in err and "Traceback" not in err, err
+    assert "kvmesh cluster stopped" in out
+    left = [c for c in children if _alive(c)]
+    assert not left, [_cmdline_or_empty(c) for c in left]
+
+
+def _cmdline_or_empty(pid: int) -> str:
+    try:
+        return _cmdline(pid)
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
