@@ -168,19 +168,29 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.insecure:
         print("WARNING: kvmesh up --insecure: security is OFF (no TLS, no API keys, every caller may read and "
               "clear every tenant's cache); for local development only", flush=True)
+    from kvmesh.services.procs import StartCancelled
+
     rc = 0
     stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum, _frame):
+        received.append(signum)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: terminal closed
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     cluster = LocalCluster(_spec_from_args(args))
     try:
-        cluster.start()
+        cluster.start(cancel=stop)  # a signal during start-up stops what started, no summary
+        if stop.is_set():
+            raise StartCancelled("start-up interrupted")
         print(f"kvmesh cluster up: router {cluster.router_address} (policy {args.policy}), "
               f"{len(cluster.workers)} workers, redis {redact_url(cluster.redis_url)}, logs in {cluster.log_dir}",
               flush=True)
         print(cluster.router_address, flush=True)
-        for warning in startup_warnings(cluster.log_dir, cluster.workers):
-            print(f"warning: {warning}", flush=True)
+        for warning in startup_warnings(cluster.log_dir, cluster.workers):  # stderr: stdout's lines are fixed
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
         for line in ([cluster.http_url] if cluster.http_url else []) + list(cluster.metrics_urls.values()):
             print(line, flush=True)
         if cluster.credentials is not None:
@@ -190,6 +200,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                   f"{c.client_cert} --tls-key {c.client_key} --api-key KEY; the key is in {c.client_env})\n"
                   f"  e.g. kvmesh generate --target {cluster.router_address} --prompt hello", flush=True)
         rc = _supervise(cluster, RestartPolicy(args.max_restarts), stop)
+    except StartCancelled:  # as `kvmesh bench` interrupted: 130, whichever signal
+        name = signal.Signals(received[0]).name if received else "a signal"
+        print(f"interrupted by {name} while starting: stopping what had started", file=sys.stderr, flush=True)
+        rc = 130
     except RuntimeError as exc:  # a process that did not start: its reason, then stop the rest
         print(f"error: {exc}", file=sys.stderr, flush=True)
         rc = 1

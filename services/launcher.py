@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
-from kvmesh.services.procs import RedisServer, free_port, python_cmd, spawn, stop_process, wait_healthy
+from kvmesh.services.procs import (RedisServer, StartCancelled, free_port, python_cmd, spawn, stop_process,
+                                   wait_healthy)
 
 log = logging.getLogger("kvmesh.up")
 
@@ -109,6 +111,7 @@ class LocalCluster:
         self.http_url = ""
         self.credentials = None   # services.credentials.ClusterCredentials when spec.secure
         self.tls = None           # workers.tls.TlsConfig of the cluster's processes when spec.secure
+        self._cancel: threading.Event | None = None  # set while `start` runs with one
 
     def _secure_args(self, worker: bool = False) -> list[str]:
         """Redis URL (when it has no password) and security flags of a worker or router."""
@@ -172,7 +175,7 @@ class LocalCluster:
         address = f"127.0.0.1:{port}"
         self.workers[worker_id] = (address, proc)
         if wait:
-            wait_healthy(address, proc=proc, tls=self.tls)
+            wait_healthy(address, proc=proc, tls=self.tls, cancel=self._cancel)
         return address
 
     def start_router(self, port: int | None = None, wait: bool = True) -> str:
@@ -191,10 +194,27 @@ class LocalCluster:
         self.router_proc = spawn(cmd, os.path.join(self.log_dir, "router.log"), env=self._env())
         self.router_address = f"127.0.0.1:{port}"
         if wait:
-            wait_healthy(self.router_address, proc=self.router_proc, tls=self.tls)
+            wait_healthy(self.router_address, proc=self.router_proc, tls=self.tls, cancel=self._cancel)
         return self.router_address
 
-    def start(self) -> "LocalCluster":
+    def _check_cancel(self) -> None:
+        if self._cancel is not None and self._cancel.is_set():
+            raise StartCancelled("start-up interrupted")
+
+    def start(self, cancel: threading.Event | None = None) -> "LocalCluster":
+        """Start Redis (unless given), the workers and the router, and wait until the router
+        lists every worker.
+
+        Args:
+            cancel: set (e.g. from a signal handler) to call the start-up off: it is checked
+                between process starts and while waiting for health, and what was started
+                is stopped.
+
+        Raises:
+            RuntimeError: a process failed to start or to become healthy.
+            StartCancelled: ``cancel`` was set before the cluster was up.
+        """
+        self._cancel = cancel
         try:
             if self.redis_url is None:
                 self.redis = RedisServer()
@@ -220,14 +240,18 @@ class LocalCluster:
                 c = self.credentials
                 self.tls = TlsConfig.from_files(c.cert, c.key, c.ca, c.client_ca)
             for i in range(self.spec.num_workers):  # start together, then wait for each
+                self._check_cancel()
                 self.start_worker(f"worker-{i}", wait=False)
             for address, proc in self.workers.values():
-                wait_healthy(address, proc=proc, tls=self.tls)
+                wait_healthy(address, proc=proc, tls=self.tls, cancel=cancel)
+            self._check_cancel()
             self.start_router()
             self.wait_registered()
         except BaseException:
             self.stop()
             raise
+        finally:
+            self._cancel = None
         return self
 
     def wait_registered(self, timeout: float = 30.0) -> None:
@@ -239,6 +263,7 @@ class LocalCluster:
         with self.peer_channel(self.router_address) as ch:
             stub = pb_grpc.RouterStub(ch)
             while True:
+                self._check_cancel()
                 status = stub.Status(pb.RouterStatusRequest(), timeout=5.0)
                 live = {w.worker_id for w in status.workers}
                 alive = {wid for wid, (_, p) in self.workers.items() if p.poll() is None}

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import grpc
@@ -142,7 +143,12 @@ def spawn(cmd: list[str], log_path: str | None = None, env: dict | None = None) 
     return proc
 
 
-def wait_healthy(address: str, timeout: float = 120.0, proc: subprocess.Popen | None = None, tls=None) -> None:
+class StartCancelled(Exception):
+    """Starting processes was called off (``cancel`` was set: SIGINT/SIGTERM during start-up)."""
+
+
+def wait_healthy(address: str, timeout: float = 120.0, proc: subprocess.Popen | None = None, tls=None,
+                 cancel: threading.Event | None = None) -> None:
     """Block until the gRPC health service at ``address`` answers SERVING (over mutual TLS
     with ``tls``, a `kvmesh.workers.tls.TlsConfig`).
 
@@ -152,11 +158,15 @@ def wait_healthy(address: str, timeout: float = 120.0, proc: subprocess.Popen | 
     Raises:
         RuntimeError: ``proc`` exited first (the message has its last error line), or
             ``timeout`` seconds passed.
+        StartCancelled: ``cancel`` was set meanwhile (checked first: a child that an
+            interrupt reached too has not failed on its own).
     """
     deadline = time.monotonic() + timeout
     with (tls.peer_sync_channel(address) if tls is not None else grpc.insecure_channel(address)) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
+            if cancel is not None and cancel.is_set():
+                raise StartCancelled(f"stopped waiting for {address}")
             if proc is not None and proc.poll() is not None:
                 from kvmesh.services.cli_checks import exited_message
 

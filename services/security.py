@@ -74,7 +74,9 @@ def server_gate(args: argparse.Namespace, worker: bool = False) -> Gate:
             TLS, a non-loopback ``--host`` without TLS and without ``--insecure``, or an
             ``--http-port`` without ``--api-keys`` on a port that requires client certificates.
     """
-    tls = TlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_ca, args.client_ca)
+    # the vLLM router mode's certificate serves HTTPS only: no cluster peer checks it
+    tls = TlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_ca, args.client_ca,
+                               peer=getattr(args, "backend", None) != "vllm")
     if tls is not None and worker:
         tls = dataclasses.replace(tls, require_client_cert=True)
     host = getattr(args, "host", "127.0.0.1")

@@ -139,6 +139,8 @@ class VllmEventSubscriber:
             settings do not reproduce that key (counted in ``hash_mismatches``).
         on_batch: called with each applied `EventBatch` (metrics: event lag).
 
+    ``error`` says why reading stopped when the task failed (logged once), else ``""``.
+
     Counters (read by metrics and tests): ``batches``, ``events``, ``gaps``, ``restarts``,
     ``decode_errors``, ``hash_checks``, ``hash_mismatches``, ``last_lag_s`` (seconds from
     a batch's ``ts`` to its apply), ``block_sizes`` seen.
@@ -162,6 +164,7 @@ class VllmEventSubscriber:
         self.last_lag_s = 0.0
         self.block_sizes: set[int] = set()
         self.connected = asyncio.Event()
+        self.error = ""  # why the reading task ended, when it failed
 
     # ----------------------------------------------------------------- apply
     def apply(self, seq: int, payload: bytes, now_wall: float | None = None) -> bool:
@@ -233,16 +236,27 @@ class VllmEventSubscriber:
             self._task = None
 
     async def _run(self) -> None:
+        # nothing awaits this task while the router runs: a failure that ends it is logged
+        # here and kept in ``error`` (the router's /health shows it), not left in the task
+        try:
+            await self._read()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.error = f"KV event subscriber for {self.endpoint} stopped: {type(exc).__name__}: {exc}"
+            log.error("vLLM server %s: %s; routing to it uses load only", self.worker_id, self.error)
+
+    async def _read(self) -> None:
         import zmq
         import zmq.asyncio
 
         ctx = zmq.asyncio.Context()
         sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sub.connect(self.endpoint)
-        self.connected.set()
         try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+            sub.connect(self.endpoint)
+            self.connected.set()
             while True:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:

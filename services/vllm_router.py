@@ -70,12 +70,24 @@ class VllmServerSpec:
     replay: str | None = None
 
 
+#: Hosts that only a bind can use (every interface): a subscriber cannot connect to them.
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "")
+
+
+def _tcp_host(endpoint: str) -> str:
+    """The host of a ``tcp://HOST:PORT`` endpoint (brackets of an IPv6 address removed)."""
+    rest = endpoint[len("tcp://"):]
+    host = rest.rsplit(":", 1)[0] if ":" in rest else rest
+    return host.strip("[]")
+
+
 def parse_server_spec(text: str, index: int = 0) -> VllmServerSpec:
     """Parse ``[NAME=]URL,EVENTS[,REPLAY]`` as given to ``--vllm-server``.
 
     Raises:
-        ValueError: a missing part or a URL/endpoint of the wrong scheme (the message
-            names ``--vllm-server`` and the expected form).
+        ValueError: a missing part, a URL/endpoint of the wrong scheme, or an event
+            endpoint on a wildcard host (``*``, ``0.0.0.0``, ``::``: the server's bind
+            side); the message names ``--vllm-server`` and what to give.
     """
     name = None
     spec = text.strip()
@@ -93,6 +105,10 @@ def parse_server_spec(text: str, index: int = 0) -> VllmServerSpec:
     for ep in parts[1:]:
         if not ep.startswith(("tcp://", "ipc://")):
             raise ValueError(f"{form}: KV event endpoints are ZMQ addresses (tcp:// or ipc://), got {ep!r}")
+        if ep.startswith("tcp://") and _tcp_host(ep) in _WILDCARD_HOSTS:
+            raise ValueError(f"--vllm-server {ep!r}: give the vLLM server's address (tcp://HOST:PORT, e.g. "
+                             f"tcp://127.0.0.1:5557); {_tcp_host(ep) or '*'!r} is the bind side, what the server's "
+                             "--kv-events-config endpoint listens on, and cannot be connected to")
     return VllmServerSpec(name=(name or f"vllm-{index}").strip(), url=url, events=events,
                           replay=parts[2] if len(parts) == 3 else None)
 
@@ -472,7 +488,8 @@ class VllmRouter:
         live = self.live_workers()
         if self.auth is not None:  # probes need the status only; server URLs and errors are the operator's
             return web.json_response({"status": "ok" if live else "no live server"}, status=200 if live else 503)
-        status = {n: {"live": st.live, "error": st.last_error, "version": st.version,
+        status = {n: {"live": st.live, "error": "; ".join(e for e in (st.last_error, st.subscriber.error) if e),
+                      "version": st.version,
                       "kv_event_batches": st.subscriber.batches, "kv_event_gaps": st.subscriber.gaps,
                       "hash_checks": st.subscriber.hash_checks, "hash_mismatches": st.subscriber.hash_mismatches}
                   for n, st in self.servers.items()}

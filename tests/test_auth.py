@@ -81,6 +81,56 @@ def test_tls_config_checks_its_files(tmp_path):
     assert (tmp_path / "run" / "ca.key").stat().st_mode & 0o077 == 0  # private keys are 0600
 
 
+def test_tls_config_refuses_files_the_handshakes_would(tmp_path):
+    """A key of another certificate, a certificate another CA issued, or one without the DNS
+    name peers verify (`PEER_SERVER_NAME`) is a ValueError naming the flag at start, not a
+    traceback once serving or a peer's refused handshake later. The vLLM router mode's
+    certificate (``peer=False``) only needs its key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    from kvmesh.services.credentials import generate_cluster_credentials, issue_certificate, write_cert_and_key
+    from kvmesh.workers.tls import TlsConfig
+
+    c = generate_cluster_credentials(str(tmp_path / "run"))
+    other = generate_cluster_credentials(str(tmp_path / "other"))
+    with pytest.raises(ValueError, match=r"--tls-key .*client.key is not the private key of --tls-cert .*peer.pem"):
+        TlsConfig.from_files(c.cert, c.client_key, c.ca)
+    with pytest.raises(ValueError, match=r"--tls-key .* is not the private key"):
+        TlsConfig.from_files(c.cert, c.key.replace("run", "other"), c.ca, peer=False)
+    with pytest.raises(ValueError, match=r"--tls-cert .*other.*peer.pem .* was not issued by --tls-ca .*run.*ca.pem"):
+        TlsConfig.from_files(other.cert, other.key, c.ca)
+    with pytest.raises(ValueError, match=r"was not issued by --tls-ca"):  # the client CA is not the cluster CA
+        TlsConfig.from_files(c.client_cert, c.client_key, c.ca)
+
+    ca_cert = x509.load_pem_x509_certificate(open(c.ca, "rb").read())
+    ca_key = load_pem_private_key(open(c.ca_key, "rb").read(), None)
+    for name, dns in (("no-san", ()), ("other-name", ("localhost",))):
+        cert, key = issue_certificate(ca_cert, ca_key, "kvmesh-peer", dns=dns, ips=("127.0.0.1",))
+        write_cert_and_key(cert, key, str(tmp_path / f"{name}.pem"), str(tmp_path / f"{name}.key"))
+        with pytest.raises(ValueError, match=r"--tls-cert .* lacks the DNS subjectAltName 'kvmesh-peer'"):
+            TlsConfig.from_files(str(tmp_path / f"{name}.pem"), str(tmp_path / f"{name}.key"), c.ca)
+        # HTTPS only (the vLLM router mode): the pair is enough
+        assert TlsConfig.from_files(str(tmp_path / f"{name}.pem"), str(tmp_path / f"{name}.key"), c.ca,
+                                    peer=False) is not None
+    assert TlsConfig.from_files(c.client_cert, c.client_key, c.ca, peer=False) is not None
+    assert TlsConfig.from_files(c.cert, c.key, c.ca, client_ca=c.client_ca) is not None  # what kvmesh up passes
+
+
+def test_kubernetes_secrets_pass_the_tls_checks(tmp_path):
+    """The certificate `k8s_secrets` writes into kvmesh-tls is what router and workers accept."""
+    import base64
+
+    from kvmesh.services.k8s_secrets import cluster_secrets
+    from kvmesh.workers.tls import TlsConfig
+
+    objs, *_ = cluster_secrets("kvmesh", days=2)
+    tls = next(o for o in objs if o["metadata"]["name"] == "kvmesh-tls")
+    for field in ("tls.crt", "tls.key", "ca.crt"):
+        (tmp_path / field).write_bytes(base64.b64decode(tls["data"][field]))
+    assert TlsConfig.from_files(*(str(tmp_path / f) for f in ("tls.crt", "tls.key", "ca.crt"))) is not None
+
+
 def test_non_loopback_bind_without_tls_refuses_to_start(capsys):
     from kvmesh.services.cli import build_parser, cmd_worker
     from kvmesh.services.cluster_cli import cmd_router

@@ -214,6 +214,18 @@ def test_worker_on_a_busy_http_port_exits_2_before_loading(busy_port):
     _usage_error(res, f"--http-port {busy_port}", "in use")
 
 
+@pytest.mark.parametrize("command", ["worker", "router"])
+def test_a_key_of_another_certificate_exits_2_before_loading(tmp_path, command):
+    """`--tls-key` of another certificate: one line naming the flags, before the worker loads
+    its model (or the router connects to anything), not an SSL traceback once serving."""
+    from kvmesh.services.credentials import generate_cluster_credentials
+
+    c = generate_cluster_credentials(str(tmp_path / "run"))
+    extra = ["--threads", "1"] if command == "worker" else ["--redis-url", "redis://127.0.0.1:1/0"]
+    res = kvmesh(command, "--port", "0", *extra, "--tls-cert", c.cert, "--tls-key", c.client_key, "--tls-ca", c.ca)
+    _usage_error(res, f"--tls-key {c.client_key} is not the private key of --tls-cert {c.cert}")
+
+
 def test_a_bind_lost_after_the_check_still_names_the_flag():
     from kvmesh.services.cli_checks import bind_error_problem
 

@@ -850,3 +850,75 @@ def test_up_against_a_redis_that_needs_a_password_says_so(capsys, redis_server):
     assert main(["up", "--redis-url", no_password]) == 2
     err = capsys.readouterr().err
     assert "needs a password" in err and "redis://:PASSWORD@" in err and redis_server.password not in err, err
+
+
+@pytest.mark.slow
+def test_up_keeps_its_address_lines_on_stdout_and_warnings_on_stderr(tmp_path):
+    """Scripts read `up`'s stdout lines after the summary (router address, HTTP base URL,
+    metrics URLs); a worker's start-up warning (here: a context capped by a small
+    --num-blocks) goes to stderr, not between them."""
+    up = subprocess.Popen([KVMESH, "up", "--insecure", "--workers", "1", "--threads", "1", "--num-blocks", "4"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        _read_until(up.stdout, "cluster up", up)
+        lines = [up.stdout.readline().strip() for _ in range(4)]  # address, HTTP URL, 2 metrics URLs
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            out, err = up.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+            raise
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", lines[0]), lines
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", lines[1]), lines
+    assert all(re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", ln) for ln in lines[2:]), lines
+    assert "warning: worker-0: " in err and "context limited" in err, err
+    assert "warning: worker-0" not in out, out
+    assert up.returncode == 0, err
+
+
+@pytest.mark.slow
+def test_up_interrupted_while_starting_stops_at_once(tmp_path):
+    """SIGINT while `up` waits for its workers: it stops what it started, prints no summary
+    and exits 130 (as `kvmesh bench` interrupted), instead of finishing the start first."""
+    up = subprocess.Popen([KVMESH, "up", "--insecure", "--workers", "2", "--threads", "1", "--num-blocks", "64"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    children: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while not any(" worker " in _cmdline_or_empty(c) for c in children):  # the workers were spawned
+            assert up.poll() is None, up.stderr.read()
+            assert time.monotonic() < deadline, "up started no worker"
+            children |= set(_children(up.pid))
+            time.sleep(0.05)
+        up.send_signal(signal.SIGINT)
+        out, err = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 130, (up.returncode, out, err)
+    assert "cluster up" not in out and "127.0.0.1:" not in out, out
+    assert "interrupted by SIGINT while starting" in err and "Traceback" not in err, err
+    assert "kvmesh cluster stopped" in out
+    left = [c for c in children if _alive(c)]
+    assert not left, [_cmdline_or_empty(c) for c in left]
+
+
+def _cmdline_or_empty(pid: int) -> str:
+    try:
+        return _cmdline(pid)
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -18,6 +18,10 @@ def test_parse_server_spec_forms():
     ("h:8000,tcp://h:1", "must start with http"),
     ("http://h:8000,h:5557", "ZMQ addresses"),
     ("a=http://h:8000,,tcp://h:1", "--vllm-server takes"),
+    ("a=http://h:8000,tcp://*:5557", "bind side"),
+    ("a=http://h:8000,tcp://0.0.0.0:5557", "bind side"),
+    ("a=http://h:8000,tcp://[::]:5557", "bind side"),
+    ("a=http://h:8000,tcp://h:5557,tcp://*:5558", "bind side"),
 ])
 def test_parse_server_spec_errors_name_the_flag(text, word):
     with pytest.raises(ValueError, match=word):
@@ -32,6 +36,8 @@ def test_parse_server_spec_errors_name_the_flag(text, word):
       "--vllm-hash-algo", "xxhash"], "PYTHONHASHSEED"),
     (["--backend", "vllm", "--http-port", "1", "--vllm-server", "http://h:1,tcp://h:2", "--vllm-block-size", "16",
       "--vllm-version", "0.8.5"], "not supported"),
+    (["--backend", "vllm", "--http-port", "1", "--vllm-server", "http://h:1,tcp://*:5557", "--vllm-block-size", "16"],
+     "give the vLLM server's address"),
     (["--port", "1"], "--redis-url"),
 ])
 def test_router_flag_errors(argv, word, capsys):
@@ -246,3 +252,53 @@ def test_bad_json_is_400_and_internal_fields_never_reach_vllm():
     assert out["ok"] == 200 and len(seen) == 1
     assert "kv_transfer_params" in INTERNAL_FIELDS
     assert seen[0] == {"prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0, "cache_salt": "mine"}
+
+
+def test_a_subscriber_that_stops_is_logged_once_and_shown_in_health(caplog):
+    """When reading a server's KV events fails (here an endpoint ZMQ cannot connect to,
+    which `parse_server_spec` refuses and so is given directly), the failure is logged once
+    at ERROR and /health shows it in that server's ``error``; the server stays usable by
+    load. The vLLM server is a stand-in."""
+    import asyncio
+    import logging
+    import time
+
+    import aiohttp
+    from aiohttp import web
+
+    from kvmesh.services.vllm_compat import VllmHashConfig
+    from kvmesh.services.vllm_router import VllmRouter
+
+    async def completions(request):
+        return web.json_response({"choices": [{"text": "ok"}]})
+
+    async def run():
+        runner, port = await _stand_in_vllm(completions)
+        router = VllmRouter([VllmServerSpec("a", f"http://127.0.0.1:{port}", "tcp://*:5557")], VllmHashConfig())
+        fport = await router.start("127.0.0.1", 0)
+        try:
+            await router.wait_live(60)
+            async with aiohttp.ClientSession() as s:
+                deadline = time.monotonic() + 60
+                while True:
+                    async with s.get(f"http://127.0.0.1:{fport}/health") as r:
+                        health = await r.json()
+                    if health["servers"]["a"]["error"] or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(router.poll_s * 3)  # later polls keep the error shown
+                async with s.get(f"http://127.0.0.1:{fport}/health") as r:
+                    later = await r.json()
+        finally:
+            await router.stop()
+            await runner.cleanup()
+        return health, later
+
+    with caplog.at_level(logging.ERROR, logger="kvmesh.services.vllm_events"):
+        health, later = asyncio.run(run())
+    entry = health["servers"]["a"]
+    assert "tcp://*:5557" in entry["error"] and "ZMQError" in entry["error"], entry
+    assert entry["live"] is True and health["status"] == "ok"
+    assert later["servers"]["a"]["error"] == entry["error"]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR and "tcp://*:5557" in r.getMessage()]
+    assert len(errors) == 1, [r.getMessage() for r in caplog.records]

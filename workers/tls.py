@@ -68,7 +68,9 @@ class TlsConfig:
             (default: when there is a client CA).
 
     Raises:
-        ValueError: from `from_files`: a file is missing, unreadable, empty, not PEM, or the
+        ValueError: from `from_files`: a file is missing, unreadable, empty, not PEM, the
+            key does not match the certificate, the certificate was not issued by the
+            cluster CA or lacks the DNS name `PEER_SERVER_NAME` (with ``peer``), or the
             client CA equals the cluster CA (then every client would be a peer).
     """
 
@@ -80,8 +82,16 @@ class TlsConfig:
 
     @classmethod
     def from_files(cls, cert: str | None, key: str | None, ca: str | None,
-                   client_ca: str | None = None) -> "TlsConfig | None":
-        """The config of ``--tls-cert/--tls-key/--tls-ca`` (and ``--client-ca``); None when none is given."""
+                   client_ca: str | None = None, peer: bool = True) -> "TlsConfig | None":
+        """The config of ``--tls-cert/--tls-key/--tls-ca`` (and ``--client-ca``); None when none is given.
+
+        The files are checked as the handshakes later would, so that a process with the
+        wrong files stops at start naming the flag: the key must match the certificate, and,
+        with ``peer`` (a process that other cluster processes call or that calls them; not
+        the vLLM router mode, whose certificate only serves HTTPS), the certificate must be
+        issued directly by a ``--tls-ca`` certificate and carry the DNS subjectAltName
+        `PEER_SERVER_NAME`.
+        """
         given = {"--tls-cert": cert, "--tls-key": key, "--tls-ca": ca}
         if not any(given.values()):
             if client_ca:
@@ -100,6 +110,9 @@ class TlsConfig:
         if out.client_ca and _certs(out.client_ca) & _certs(out.ca):
             raise ValueError("--client-ca must not be the cluster CA (--tls-ca): every certificate the cluster CA "
                              "signs is a peer; issue client certificates from a separate CA")
+        _check_pair(out.cert, out.key, cert, key)
+        if peer:
+            _check_peer_cert(out.cert, out.ca, cert, ca)
         return out
 
     def server_credentials(self) -> grpc.ServerCredentials:
@@ -190,6 +203,65 @@ def _certs(pem: bytes) -> set[bytes]:
     from cryptography.hazmat.primitives.serialization import Encoding
 
     return {c.public_bytes(Encoding.DER) for c in x509.load_pem_x509_certificates(pem)}
+
+
+def _check_pair(cert_pem: bytes, key_pem: bytes, cert_path: str, key_path: str) -> None:
+    """Raise ValueError unless ``key_pem`` is the private key of the first certificate in ``cert_pem``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import (Encoding, PublicFormat,
+                                                              load_pem_private_key)
+
+    try:
+        leaf = x509.load_pem_x509_certificates(cert_pem)[0]
+    except ValueError as exc:
+        raise ValueError(f"--tls-cert {cert_path}: not a readable PEM certificate ({exc})") from None
+    try:
+        key = load_pem_private_key(key_pem, password=None)
+    except TypeError:  # "Password was not given but private key is encrypted"
+        raise ValueError(f"--tls-key {key_path}: the key is encrypted; give it unencrypted (e.g. "
+                         "`openssl pkey -in KEY -out KEY.plain`) and keep the file private") from None
+    except Exception as exc:  # ValueError, or cryptography's UnsupportedAlgorithm
+        raise ValueError(f"--tls-key {key_path}: not a readable PEM private key ({exc})") from None
+
+    def spki(public_key) -> bytes:
+        return public_key.public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
+
+    if spki(key.public_key()) != spki(leaf.public_key()):
+        raise ValueError(f"--tls-key {key_path} is not the private key of --tls-cert {cert_path} (the two files "
+                         "do not belong together): give the key that was issued with that certificate")
+
+
+def _check_peer_cert(cert_pem: bytes, ca_pem: bytes, cert_path: str, ca_path: str) -> None:
+    """Raise ValueError unless the first certificate in ``cert_pem`` was issued directly by a
+    certificate of ``ca_pem`` and names `PEER_SERVER_NAME` in its DNS subjectAltName: what
+    other cluster processes check when they call this one (and `_classify` when it calls them)."""
+    from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
+
+    leaf = x509.load_pem_x509_certificates(cert_pem)[0]
+    try:
+        cas = x509.load_pem_x509_certificates(ca_pem)
+    except ValueError as exc:
+        raise ValueError(f"--tls-ca {ca_path}: not a readable PEM certificate ({exc})") from None
+    for issuer in cas:
+        try:
+            leaf.verify_directly_issued_by(issuer)
+            break
+        except (ValueError, TypeError, InvalidSignature):  # wrong issuer name, key type or signature
+            continue
+    else:
+        raise ValueError(f"--tls-cert {cert_path} (issuer {leaf.issuer.rfc4514_string()!r}) was not issued by "
+                         f"--tls-ca {ca_path} (the cluster CA, {cas[0].subject.rfc4514_string()!r}): peers would "
+                         "refuse it; give a certificate the cluster CA signed directly, or that CA")
+    try:
+        names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value \
+            .get_values_for_type(x509.DNSName)
+    except x509.ExtensionNotFound:
+        names = []
+    if PEER_SERVER_NAME not in names:
+        raise ValueError(f"--tls-cert {cert_path} lacks the DNS subjectAltName {PEER_SERVER_NAME!r} (it has "
+                         f"{names or 'none'}): peers verify every cluster process against that name; reissue "
+                         f"the certificate with it (docs/SECURITY.md)")
 
 
 @functools.lru_cache(maxsize=1024)
