@@ -63,8 +63,11 @@ first computed). With a ``record_key`` every value stored is the record followed
 MAC (`hmac.compare_digest`): a record without the cluster key's MAC is treated as damaged
 (deleted and counted), so a forged or planted record is never loaded and the next put of the
 real block replaces it. Every worker of a cluster needs the same key (`kvmesh worker
---remote-record-key-file`; `kvmesh up` makes one); a worker without it, or with another,
-reads every keyed record as damaged, and the others read its records the same way.
+--remote-record-key-file`; `kvmesh up` makes one). The engine keeps each key's records apart
+(`record_key_id` in the cluster name ``C``, `tier_store._connect_remote`), so workers with
+another key or none never read them, and a key rotation or a rolling upgrade starts an
+empty tier beside the old one (which ages out of Redis only when Redis evicts it or an
+operator deletes ``kvmesh:C:*``) instead of deleting each other's records.
 
 What a read verifies: the MAC (with a ``record_key``), then
 :func:`cache_store.block_record.decode_record` (magic,
@@ -388,6 +391,9 @@ class RemoteTier:
         self._forget = client.register_script(_FORGET)
         self._record_guess = _FIRST_RECORD_GUESS  # largest record of the last read (bytes)
         self._lock = threading.Lock()
+        from kvmesh.workers.grpc_guard import LogLimiter  # one line per damaged record, bounded
+
+        self._damage_log = LogLimiter(log, "damaged records")
         self._counters = {"remote_stored": 0, "remote_present": 0, "remote_evicted": 0, "remote_refused": 0,
                           "remote_hits": 0, "remote_damaged": 0, "remote_errors": 0, "remote_skipped": 0}
 
@@ -565,7 +571,7 @@ class RemoteTier:
                         raise RecordError(f"record of block {meta.block_hash.hex()} stored under {h.hex()}")
                 except RecordError as exc:
                     self._count(remote_damaged=1)
-                    log.warning("remote tier: dropping damaged record %s: %s", h.hex(), exc)
+                    self._damage_log.warn("remote tier: dropping damaged record %s: %s", h.hex(), exc)
                     self._drop_damaged(keys=self._keys,
                                        args=[self._prefix, h.hex(), hashlib.sha1(value).hexdigest()])
                     return
@@ -696,6 +702,12 @@ class RemoteTier:
                             what, type(exc).__name__, exc, self.cooldown_s)
             return
         log.warning("remote tier (%s): %s failed: %s: %s", self.cluster, what, type(exc).__name__, exc)
+
+
+def record_key_id(record_key: bytes) -> str:
+    """8 hex digits naming a record key (keyed BLAKE2b of nothing: the key cannot be
+    recovered from it), for the Redis namespace of the records made with it."""
+    return hashlib.blake2b(b"", key=bytes(record_key)[:64], digest_size=4, person=b"kvmesh-keyid").hexdigest()
 
 
 def _glob_escape(s: str) -> str:

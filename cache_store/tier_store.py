@@ -74,7 +74,7 @@ from kvmesh.cache_store.fresh_thread import run_on_fresh_thread
 from kvmesh.cache_store.host_tier import HostTier
 from kvmesh.cache_store.kv_codec import CODECS, KVCodec, codec_of_rank, loss_rank, make_codec
 from kvmesh.cache_store.prefix_cache import EvictedBlock
-from kvmesh.cache_store.remote_tier import RemoteTier
+from kvmesh.cache_store.remote_tier import RemoteTier, record_key_id
 from kvmesh.cache_store.tier_config import WRITE_MODES, TierConfig
 
 __all__ = ["WRITE_MODES", "TierConfig", "TierStore", "Located", "SOURCES"]
@@ -1129,6 +1129,10 @@ def _connect_remote(config: TierConfig) -> RemoteTier:
     client = redis.Redis.from_url(config.remote_url, socket_timeout=t, socket_connect_timeout=t,
                                   retry=Retry(NoBackoff(), 0))  # one attempt: a failure is a miss
     cluster = f"{config.remote_cluster}.{config.producer}" if config.producer else config.remote_cluster
+    if config.remote_record_key is not None:
+        # workers with another key (or none) keep to their own keys: a MAC failure in here is
+        # tampering, not a rotation or a rolling upgrade deleting the other side's records
+        cluster += ".k" + record_key_id(config.remote_record_key)
     if config.remote_record_key is None:
         log.warning("remote tier: records are not authenticated, so anyone who can write to the cluster's Redis "
                     "can change the KV this worker loads from it; give every worker the same "

@@ -36,6 +36,7 @@ Results are typed: `Completion` (token ids, text, `Usage`, `Timing`, worker id) 
 from __future__ import annotations
 
 import asyncio
+import operator
 import os
 import random
 import time
@@ -206,7 +207,11 @@ def make_request(prompt: str | None = None, token_ids=None, max_tokens: int = 16
         raise ValueError("give exactly one of prompt (text) and token_ids")
     for name, value, top in (("max_tokens", max_tokens, 2 ** 32 - 1), ("seed", seed, 2 ** 64 - 1)):
         low = 1 if name == "max_tokens" else 0
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+        try:
+            number = None if isinstance(value, bool) else operator.index(value)  # int, numpy ints, ...
+        except TypeError:
+            number = None
+        if number is None or not low <= number <= top:
             raise ValueError(f"{name} must be an integer in {low}..{top}, got {value!r}")
     req = pb.GenerateRequest(
         request_id=request_id,

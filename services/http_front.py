@@ -185,29 +185,79 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\
 
 
 class _GuardedConnection(asyncio.Protocol):
-    """One connection in front of aiohttp's handler (`ConnectionGate`): refused with a 503
-    when the gate is full, else passed on, and closed if its first request's headers have
-    not arrived within the header timeout."""
+    """One connection in front of aiohttp's handler (`ConnectionGate`): refused when the
+    gate is full, else passed on, and closed if its first request's headers have not
+    arrived within the header timeout.
+
+    The gate counts a connection from its TCP accept, before any TLS handshake: with a TLS
+    front the listener is plain TCP and an admitted connection is upgraded here
+    (``loop.start_tls``), so a client that connects and never shakes hands holds a slot
+    (until the header timeout), not an uncounted descriptor."""
 
     def __init__(self, gate: "ConnectionGate", handler: asyncio.Protocol):
         self.gate, self.handler = gate, handler
         self.transport: asyncio.BaseTransport | None = None
-        self.admitted = False
+        self.admitted = False   # counted in gate.open
+        self.attached = False   # aiohttp's handler has the connection
         self.timer: asyncio.TimerHandle | None = None
+        self._early: list[bytes] = []  # decrypted bytes that came before the handler was attached
+        self._early_eof = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         gate = self.gate
         if gate.open >= gate.max_connections:
             gate.refused += 1
-            transport.write(_BUSY)
+            if gate.ssl_context is None:  # a TLS client could not read a plaintext answer
+                transport.write(_BUSY)
             transport.close()
             return
         gate.open += 1
         self.admitted = True
-        self.timer = asyncio.get_running_loop().call_later(gate.header_timeout_s, self._headers_late)
-        gate.waiting[self.handler] = self
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_later(gate.header_timeout_s, self._headers_late)  # handshake included
+        if gate.ssl_context is None:
+            self._attach(transport)
+        else:
+            gate.handshakes.add(loop.create_task(self._start_tls(transport)))
+
+    async def _start_tls(self, raw) -> None:
+        try:
+            tls = await asyncio.get_running_loop().start_tls(
+                raw, self, self.gate.ssl_context, server_side=True,
+                ssl_handshake_timeout=self.gate.header_timeout_s)
+        except (OSError, asyncio.TimeoutError, ConnectionError, asyncio.CancelledError):
+            raw.close()  # a failed, timed-out or abandoned handshake: nothing reached aiohttp
+            self._release()
+            return
+        finally:
+            self.gate.handshakes.discard(asyncio.current_task())
+        if not self.admitted or tls is None:  # closed during the handshake (the header timer, a reset)
+            (tls or raw).close()
+            self._release()
+            return
+        self.transport = tls
+        self._attach(tls)
+
+    def _attach(self, transport) -> None:
+        self.attached = True
+        self.gate.waiting[self.handler] = self
         self.handler.connection_made(transport)
+        early, self._early = self._early, []
+        for chunk in early:
+            self.handler.data_received(chunk)
+        if self._early_eof:
+            self.handler.eof_received()
+
+    def _release(self) -> bool:
+        """Uncount an admitted connection (once); True if this call did."""
+        if not self.admitted:
+            return False
+        self.admitted = False
+        self.gate.open -= 1
+        self.gate.waiting.pop(self.handler, None)
+        self.first_request()
+        return True
 
     def first_request(self) -> None:
         """The first request's headers arrived: the deadline is aiohttp's from now on."""
@@ -221,28 +271,30 @@ class _GuardedConnection(asyncio.Protocol):
             self.transport.close()
 
     def connection_lost(self, exc) -> None:
-        if not self.admitted:
-            return
-        self.admitted = False
-        self.gate.open -= 1
-        self.gate.waiting.pop(self.handler, None)
-        self.first_request()
+        self._release()
         self.transport = None
-        self.handler.connection_lost(exc)
+        if self.attached:
+            self.attached = False
+            self.handler.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self.admitted:
+        if self.attached:
             self.handler.data_received(data)
+        elif self.admitted:  # TLS: the first records can arrive before `_start_tls` resumes
+            self._early.append(data)
 
     def eof_received(self):
-        return self.handler.eof_received() if self.admitted else None
+        if self.attached:
+            return self.handler.eof_received()
+        self._early_eof = True
+        return None
 
     def pause_writing(self) -> None:
-        if self.admitted:
+        if self.attached:
             self.handler.pause_writing()
 
     def resume_writing(self) -> None:
-        if self.admitted:
+        if self.attached:
             self.handler.resume_writing()
 
 
@@ -257,10 +309,14 @@ class ConnectionGate:
     closed, and never reaches aiohttp.
     """
 
-    def __init__(self, server: web.Server, header_timeout_s: float, max_connections: int):
+    def __init__(self, server: web.Server, header_timeout_s: float, max_connections: int, ssl_context=None):
         self.server = server
         self.header_timeout_s = header_timeout_s
         self.max_connections = max_connections
+        #: TLS of the front (None: plain HTTP); connections are upgraded after the gate admits them
+        self.ssl_context = ssl_context
+        #: handshakes in progress (tasks), kept referenced until they end
+        self.handshakes: set[asyncio.Task] = set()
         self.open = 0
         self.refused = 0
         # aiohttp handler -> its connection, until the first request's headers arrive
@@ -320,6 +376,8 @@ class HttpServing:
 
     async def stop(self) -> None:
         self.server.close()
+        for task in list(self.gate.handshakes):
+            task.cancel()
         await self.runner.cleanup()
 
 
@@ -337,12 +395,14 @@ async def serve_app(app: web.Application, host: str, port: int, ssl_context=None
     runner = web.AppRunner(app, keepalive_timeout=header_timeout_s, **runner_kwargs)
     await runner.setup()
     assert runner.server is not None
-    gate = ConnectionGate(runner.server, header_timeout_s, max_connections or default_max_connections())
+    gate = ConnectionGate(runner.server, header_timeout_s, max_connections or default_max_connections(),
+                          ssl_context)
     loop = asyncio.get_running_loop()
     limit_resource_error_logs(loop)
     try:
-        server = await loop.create_server(gate, host, port, ssl=ssl_context,
-                                          ssl_handshake_timeout=header_timeout_s if ssl_context else None)
+        # plain TCP even for TLS: the gate counts (and refuses) a connection before its
+        # handshake, then upgrades it (`_GuardedConnection._start_tls`)
+        server = await loop.create_server(gate, host, port)
     except OSError:
         await runner.cleanup()
         raise

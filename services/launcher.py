@@ -13,6 +13,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import grpc
+
 from kvmesh.services.procs import (RedisServer, StartCancelled, free_port, python_cmd, spawn, stop_process,
                                    wait_healthy)
 
@@ -264,7 +266,18 @@ class LocalCluster:
             stub = pb_grpc.RouterStub(ch)
             while True:
                 self._check_cancel()
-                status = stub.Status(pb.RouterStatusRequest(), timeout=5.0)
+                try:
+                    status = stub.Status(pb.RouterStatusRequest(), timeout=5.0)
+                except grpc.RpcError as exc:  # a Ctrl-C reaches the router too; or it died
+                    self._check_cancel()
+                    if self.router_proc is not None and self.router_proc.poll() is not None:
+                        raise RuntimeError(f"the router exited (code {self.router_proc.returncode}) before every "
+                                           f"worker registered; see {os.path.join(self.log_dir, 'router.log')}") \
+                            from None
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the router did not answer Status: {exc.code().name}") from None
+                    time.sleep(0.2)
+                    continue
                 live = {w.worker_id for w in status.workers}
                 alive = {wid for wid, (_, p) in self.workers.items() if p.poll() is None}
                 if alive <= live:

@@ -188,11 +188,10 @@ class ProcessSupervisor:
         folder = os.path.join(self.log_dir, f"{self.name}-credentials")
         os.makedirs(folder, mode=0o700, exist_ok=True)
         os.chmod(folder, 0o700)
+        from kvmesh.services.credentials import _write  # 0600 whatever was there, never through a symlink
+
         for fname, data in files.items():
-            path = os.path.join(folder, fname)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            _write(os.path.join(folder, fname), data, private=True)
         return folder
 
     def _wait_tcp(self, timeout: float) -> None:

@@ -31,6 +31,7 @@ the worker in the cluster-internal ``tenant`` field over mutual TLS. ``Status`` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import re
@@ -177,8 +178,11 @@ class RouterServicer(pb_grpc.RouterServicer):
         if not self.tenant_cap.enter(tenant):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.tenant_cap.refusal(tenant))
         try:
-            async for msg in self._generate(request, context, tenant, salt):
-                yield msg
+            # aclosing: a caller that stops reading (a cancelled stream, the HTTP front's
+            # aclose) runs _generate's own clean-up now (engine abort, in-flight counts)
+            async with contextlib.aclosing(self._generate(request, context, tenant, salt)) as stream:
+                async for msg in stream:
+                    yield msg
         finally:
             self.tenant_cap.leave(tenant)
 

@@ -17,7 +17,7 @@ import ipaddress
 import logging
 import os
 import re
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 import grpc
 
@@ -111,7 +111,7 @@ def warn_open_redis(tls: bool, redis_url: str | None) -> bool:
     if not tls or not redis_url:
         return False
     url = urlparse(redis_url)
-    if url.scheme not in ("redis", "rediss") or url.password:
+    if url.scheme not in ("redis", "rediss") or url.password or "password" in parse_qs(url.query):
         return False
     log.warning("--redis-url has no password while this server uses TLS: whoever reaches that Redis can publish "
                 "KV events and write the remote tier; set requirepass on Redis and pass the URL with it "

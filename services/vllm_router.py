@@ -454,6 +454,8 @@ class VllmRouter:
                 return exc.response()
             except web.HTTPRequestEntityTooLarge:
                 return _HttpError(413, f"request body over {MAX_BODY_BYTES:,} bytes; shorten the prompt").response()
+            except web.HTTPRequestTimeout as exc:  # the body did not arrive in time (`read_json_object`)
+                return _HttpError(408, exc.reason or "request body not received in time; send it at once").response()
 
         app = web.Application(middlewares=[errors], client_max_size=MAX_BODY_BYTES)
         async def completions(request):

@@ -605,3 +605,79 @@ def test_accept_errors_for_want_of_descriptors_are_rate_limited(caplog):
     emfile = [r for r in caplog.records if "Too many open files" in r.getMessage()]
     assert 1 <= len(emfile) <= LOG_BURST and not any(r.exc_info for r in emfile)
     assert any("something else" in r.getMessage() for r in caplog.records)  # the rest still reach asyncio's
+
+
+def _self_signed(tmp_path):
+    import ssl
+    import subprocess
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    return server_ctx, ssl.create_default_context(cafile=str(cert))
+
+
+def test_a_tls_front_counts_connections_before_their_handshake(tmp_path):
+    """Connections that never start TLS hold a counted slot (until the header timeout),
+    so they cannot take descriptors past the cap; HTTPS works once they are gone."""
+    server_ctx, client_ctx = _self_signed(tmp_path)
+
+    async def generate(req, ctx):
+        yield _final("secure")
+
+    async def run():
+        front = HttpFront(generate, load_tokenizer(None, ModelConfig.tiny()), "m", header_timeout_s=120.0,
+                          max_connections=2)
+        port = await front.start("127.0.0.1", 0, ssl_context=server_ctx)
+        gate = front._serving.gate
+        try:
+            silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(5)]
+            async with asyncio.timeout(20):
+                while gate.open + gate.refused < 5:
+                    await asyncio.sleep(0.05)
+            counts = (gate.open, gate.refused)
+            refused_closed = [await _closed_within(r, 20.0) for r, _ in silent[2:]]
+            for _, w in silent:
+                w.close()
+            async with asyncio.timeout(20):
+                while gate.open:
+                    await asyncio.sleep(0.05)
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(f"https://127.0.0.1:{port}/v1/completions", json={"prompt": "a"}, ssl=client_ctx)
+                return counts, refused_closed, r.status, await r.json()
+        finally:
+            await front.stop()
+
+    counts, refused_closed, status, body = asyncio.run(run())
+    assert counts == (2, 3)
+    assert all(c is not None for c in refused_closed)
+    assert status == 200 and body["choices"][0]["text"] == "secure"
+
+
+def test_a_tls_connection_that_never_shakes_hands_is_closed_at_the_header_timeout(tmp_path):
+    server_ctx, _ = _self_signed(tmp_path)
+
+    async def never(req, ctx):  # pragma: no cover
+        raise AssertionError("reached Generate")
+        yield
+
+    async def run():
+        front = HttpFront(never, load_tokenizer(None, ModelConfig.tiny()), "m", header_timeout_s=0.5)
+        port = await front.start("127.0.0.1", 0, ssl_context=server_ctx)
+        gate = front._serving.gate
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            closed = await _closed_within(r, 20.0)
+            w.close()
+            async with asyncio.timeout(20):
+                while gate.open:
+                    await asyncio.sleep(0.05)
+            return closed, gate.open
+        finally:
+            await front.stop()
+
+    closed, still_open = asyncio.run(run())
+    assert closed is not None and still_open == 0

@@ -539,3 +539,33 @@ def test_forged_remote_records_are_never_loaded_with_a_record_key(redis_server, 
     finally:
         a.stop()
         b.stop()
+
+
+def test_workers_with_another_record_key_neither_read_nor_delete_the_records(redis_server, cold_engine):
+    """A key rotation or a rolling upgrade: each key's records keep to their own namespace."""
+    prompt = rand_prompt(13, 200)
+    ref, _ = run(cold_engine, prompt)
+    a = remote_engine(redis_server.url, remote_record_key=bytes(range(32)))
+    others = [remote_engine(redis_server.url, remote_record_key=bytes(range(1, 33))), remote_engine(redis_server.url)]
+    try:
+        publish(a, prompt)
+        raw = redis.Redis.from_url(redis_server.url)
+        stored = set(raw.scan_iter(f"kvmesh:{a.tiers.remote.cluster}:kv:*"))
+        assert len(stored) >= cached_blocks(prompt)
+        for e in others:
+            assert e.tiers.remote.cluster != a.tiers.remote.cluster
+            out, _ = run(e, prompt)
+            assert out["usage"]["cached_tokens_by_tier"]["remote"] == 0 and out["token_ids"] == ref["token_ids"]
+            assert e.tier_stats()["remote_damaged"] == 0
+        assert set(raw.scan_iter(f"kvmesh:{a.tiers.remote.cluster}:kv:*")) >= stored  # nothing deleted
+        b = remote_engine(redis_server.url, remote_record_key=bytes(range(32)))  # the same key: shared
+        try:
+            out, _ = run(b, prompt)
+            assert out["usage"]["cached_tokens_by_tier"]["remote"] == BS * cached_blocks(prompt)
+            assert out["token_ids"] == ref["token_ids"]
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+        for e in others:
+            e.stop()

@@ -546,6 +546,7 @@ def test_a_tls_server_warns_about_a_redis_without_password(caplog):
         caplog.clear()
         assert not warn_open_redis(True, "redis://:s3cret@10.0.0.5:6379/0")
         assert not warn_open_redis(True, "rediss://user:s3cret@10.0.0.5:6380/0")
+        assert not warn_open_redis(True, "redis://10.0.0.5:6379/0?password=s3cret")  # redis-py reads it
         assert not warn_open_redis(False, "redis://10.0.0.5:6379/0")  # no TLS: nothing is promised
         assert not warn_open_redis(True, "unix:///run/redis.sock")     # left to file permissions
         assert not warn_open_redis(True, None)

@@ -23,6 +23,7 @@ trusted, as on a private network.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import socket
@@ -122,8 +123,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if not self.tenant_cap.enter(tenant):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.tenant_cap.refusal(tenant))
         try:
-            async for msg in self._generate(request, context, tenant, salt):
-                yield msg
+            # aclosing: a caller that stops reading (a cancelled stream, the HTTP front's
+            # aclose) runs _generate's own clean-up now (engine abort, in-flight counts)
+            async with contextlib.aclosing(self._generate(request, context, tenant, salt)) as stream:
+                async for msg in stream:
+                    yield msg
         finally:
             self.tenant_cap.leave(tenant)
 
