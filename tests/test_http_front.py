@@ -199,16 +199,7 @@ def test_a_token_id_prompt_past_the_context_is_refused_before_its_ids_are_checke
 
 
 def test_https_with_an_ssl_context(tmp_path):
-    import ssl
-    import subprocess
-
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_ctx.load_cert_chain(cert, key)
-    client_ctx = ssl.create_default_context(cafile=str(cert))
+    server_ctx, client_ctx = _self_signed(tmp_path)
 
     async def generate(req, ctx):
         yield _final("secure")

@@ -14,6 +14,7 @@ one over the cap RESOURCE_EXHAUSTED before parsing it, leaving the control plane
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -142,6 +143,20 @@ class TenantCap:
             self.active[tenant] = n
         else:
             self.active.pop(tenant, None)
+
+    async def stream(self, tenant: str, context, inner):
+        """``inner`` (an async generator of responses) under ``tenant``'s slot: a call past
+        the limit is aborted RESOURCE_EXHAUSTED before ``inner`` starts; the slot is released
+        however the call ends, and ``inner`` is closed at once (``aclosing``) when the caller
+        stops reading, so its own clean-up (engine abort, in-flight counts) runs then."""
+        if not self.enter(tenant):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.refusal(tenant))
+        try:
+            async with contextlib.aclosing(inner) as responses:
+                async for msg in responses:
+                    yield msg
+        finally:
+            self.leave(tenant)
 
     def refusal(self, tenant: str) -> str:
         who = f"tenant {clip(tenant, 64)!r}" if tenant else "this caller"

@@ -120,16 +120,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         tenant, salt = (await self.gate.tenant(context, request) if self.gate is not None
                         else (request.tenant, request.cache_salt))
-        if not self.tenant_cap.enter(tenant):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.tenant_cap.refusal(tenant))
-        try:
-            # aclosing: a caller that stops reading (a cancelled stream, the HTTP front's
-            # aclose) runs _generate's own clean-up now (engine abort, in-flight counts)
-            async with contextlib.aclosing(self._generate(request, context, tenant, salt)) as stream:
-                async for msg in stream:
-                    yield msg
-        finally:
-            self.tenant_cap.leave(tenant)
+        # aclosing at each layer: a caller that stops reading (a cancelled stream, the HTTP
+        # front's aclose) runs _generate's own clean-up now (engine abort, in-flight counts)
+        async with contextlib.aclosing(self.tenant_cap.stream(tenant, context,
+                                                              self._generate(request, context, tenant, salt))) as out:
+            async for msg in out:
+                yield msg
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, tenant: str,
                         salt: str):
