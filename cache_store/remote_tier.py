@@ -59,7 +59,8 @@ Authentication (``record_key``): the checksums above catch accidents, not an att
 can write to Redis, who could store a record with forged KV and recomputed checksums (block
 hashes are unkeyed hashes of public inputs, so one can even be planted before the block is
 first computed). With a ``record_key`` every value stored is the record followed by a
-``TAG_BYTES``-byte MAC, keyed BLAKE2b (RFC 7693) of the record, and a read first checks the
+``TAG_BYTES``-byte MAC, keyed BLAKE2b (RFC 7693) of the tier's key prefix (cluster and KV
+producer) and the record, and a read first checks the
 MAC (`hmac.compare_digest`): a record without the cluster key's MAC is treated as damaged
 (deleted and counted), so a forged or planted record is never loaded and the next put of the
 real block replaces it. Every worker of a cluster needs the same key (`kvmesh worker
@@ -489,7 +490,12 @@ class RemoteTier:
         return int(stored), [bytes.fromhex(h.decode("ascii")) for h in evicted]
 
     def _tag(self, record) -> bytes:
-        return hashlib.blake2b(record, digest_size=TAG_BYTES, key=self._record_key, person=_TAG_PERSON).digest()
+        # the namespace (cluster, KV producer, key id) is under the MAC too: a record copied
+        # to another producer's keys by someone who can write to Redis does not verify there
+        mac = hashlib.blake2b(self._prefix.encode(), digest_size=TAG_BYTES, key=self._record_key,
+                              person=_TAG_PERSON)
+        mac.update(record)
+        return mac.digest()
 
     def _sealed(self, record: bytes) -> bytes:
         """The value stored for ``record``: itself, then its MAC when the tier has a key."""

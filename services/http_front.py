@@ -392,6 +392,9 @@ async def serve_app(app: web.Application, host: str, port: int, ssl_context=None
     Raises:
         OSError: the port could not be bound.
     """
+    # handler_cancellation: a client that disconnects cancels its handler, so a worker stops
+    # generating (and a tenant's slot is freed) for an answer nobody will read
+    runner_kwargs.setdefault("handler_cancellation", True)
     runner = web.AppRunner(app, keepalive_timeout=header_timeout_s, **runner_kwargs)
     await runner.setup()
     assert runner.server is not None
@@ -478,6 +481,9 @@ def _error_middleware(max_body_bytes: int = 0):
                                       "could hold; shorten the prompt").response()
             return HttpError(exc.status, f"{request.method} {request.path}: {exc.reason}",
                              "not_found_error" if exc.status == 404 else "invalid_request_error").response()
+        except ConnectionError:  # the client went away (reset mid-body, closed before the answer): its choice
+            log.debug("HTTP %s %s: client disconnected", request.method, clip(request.path, 200))
+            raise
         except Exception:  # noqa: BLE001 - one failed request never takes the front down
             failures.exception("HTTP %s %s failed", request.method, clip(request.path, 200))
             return HttpError(500, "internal error; see the server log", "server_error").response()

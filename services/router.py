@@ -259,6 +259,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             relayed = False
             stub = pb_grpc.WorkerStub(self._channel(chosen.address))
             timeout = context.time_remaining()
+            call = None
             try:
                 call = stub.Generate(forward, timeout=timeout)
                 async for msg in call:
@@ -281,6 +282,10 @@ class RouterServicer(pb_grpc.RouterServicer):
                     continue
                 await context.abort(code, _client_details(exc) or code.name)
             finally:
+                if call is not None and not call.done():
+                    # the caller left (a cancelled stream, an HTTP client gone): the worker aborts the
+                    # request now instead of generating to the end for nobody
+                    call.cancel()
                 st.running = max(0, st.running - 1)
                 st.last_done_wall = time.time()
                 if not relayed:

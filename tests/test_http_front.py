@@ -672,3 +672,44 @@ def test_a_tls_connection_that_never_shakes_hands_is_closed_at_the_header_timeou
 
     closed, still_open = asyncio.run(run())
     assert closed is not None and still_open == 0
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
+def test_a_client_that_disconnects_cancels_its_request(tmp_path, tls):
+    """A client gone before its (non-streamed) answer: the handler is cancelled, so the
+    generation behind it stops instead of running to the end for nobody."""
+    stopped = None
+    server_ctx, client_ctx = _self_signed(tmp_path) if tls else (None, None)
+
+    async def endless(req, ctx):
+        try:
+            while True:
+                await asyncio.sleep(0.05)
+                yield pb.GenerateResponse(token_ids=[97], text="a")
+        finally:
+            stopped.set()
+
+    async def run():
+        nonlocal stopped
+        stopped = asyncio.Event()
+        if tls:
+            front = HttpFront(endless, load_tokenizer(None, ModelConfig.tiny()), "m")
+            port = await front.start("127.0.0.1", 0, ssl_context=server_ctx)
+        else:
+            front, _ = await _serve(endless)
+            port = front._serving.port
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", port, ssl=client_ctx)
+            body = b'{"prompt": "abc", "max_tokens": 100000}'
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await w.drain()
+            await asyncio.sleep(0.5)
+            w.transport.abort()  # a reset, as a client killed mid-request
+            async with asyncio.timeout(20):
+                await stopped.wait()
+            return True
+        finally:
+            await front.stop()
+
+    assert asyncio.run(run())

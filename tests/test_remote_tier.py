@@ -481,3 +481,15 @@ def test_record_key_checks(tmp_path, redis_server):
         record_key_from_file(str(f))
     with pytest.raises(ValueError, match="cannot read"):
         record_key_from_file(str(tmp_path / "missing"))
+
+
+def test_a_keyed_record_copied_to_another_namespace_does_not_verify(new_tier, raw):
+    """Workers of another KV producer (other kernels or hardware) use other keys in Redis;
+    a record copied there by someone who can write to Redis is not loaded."""
+    its = items(1)
+    a, b = new_tier(cluster="c.prodA", record_key=KEY), new_tier(cluster="c.prodB", record_key=KEY)
+    a.put_many(its)
+    h = its[0][0].block_hash
+    raw.set(block_key(h, "c.prodB"), raw.get(block_key(h, "c.prodA")))
+    assert b.get_run([h]) == [] and b.stats()["remote_damaged"] == 1
+    assert len(a.get_run([h])) == 1  # still good where it was written

@@ -8,7 +8,9 @@ process acts as a stranger (TLS + a valid API key, no cluster certificate) or as
 """
 from __future__ import annotations
 
+import json
 import random
+import struct
 import time
 from concurrent import futures
 
@@ -583,6 +585,56 @@ def test_one_tenant_cannot_take_every_slot_of_a_router(cluster, tmp_path):
                     break
                 except grpc.RpcError as err:  # the cancellation reaches the router asynchronously
                     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                    time.sleep(0.2)
+    finally:
+        stop_process(proc)
+
+
+def test_an_https_client_that_leaves_frees_its_slot_and_its_worker(cluster, tmp_path):
+    """Through a router's HTTPS front with --max-inflight-per-tenant 1: a client that resets
+    its connection while a long non-streamed completion runs frees the tenant's slot at
+    once, and the worker aborts the request (it would otherwise run 4,000 tokens)."""
+    import socket
+    import ssl
+
+    from kvmesh.services.client import KvmeshClient
+    from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+
+    port, http_port = free_port(), free_port()
+    proc = spawn(python_cmd("router", "--port", str(port), *cluster._secure_args(), "--cluster", cluster.cluster,
+                            "--http-port", str(http_port), "--max-inflight-per-tenant", "1"),
+                 str(tmp_path / "router.log"), env=cluster._env())
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_healthy(address, proc=proc, tls=cluster.tls)
+        body = json.dumps({"prompt": "count slowly", "max_tokens": 4000, "ignore_eos": True}).encode()
+        ctx = ssl.create_default_context(cafile=cluster.credentials.ca)
+        raw = socket.create_connection(("127.0.0.1", http_port), timeout=30)
+        conn = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + cluster.credentials.api_key.encode() + b"\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        with KvmeshClient(address, **client(cluster), timeout=120, retries=0) as a:
+            deadline = time.monotonic() + 60
+            while True:  # the HTTP request holds the slot once it reaches the router
+                try:
+                    a.generate("hello", max_tokens=1)
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    break
+                assert time.monotonic() < deadline, "the HTTP request never took the tenant's slot"
+                time.sleep(0.1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+            conn.close()
+            left = time.monotonic()
+            while True:
+                try:
+                    assert a.generate("hello", max_tokens=1).finish_reason
+                    break
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    # 4,000 decode steps take 20 s or more on a CPU; an abort crosses a few RPCs
+                    assert time.monotonic() - left < 10, "the slot was held after the client left"
                     time.sleep(0.2)
     finally:
         stop_process(proc)
