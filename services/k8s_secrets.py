@@ -1,7 +1,7 @@
 """Kubernetes Secrets of a secure kvmesh cluster, generated offline.
 
 ``python -m kvmesh.services.k8s_secrets --namespace NS --out-dir DIR > secrets.yaml``
-prints three Secrets as YAML, for ``kubectl apply -f secrets.yaml``:
+prints four Secrets as YAML, for ``kubectl apply -f secrets.yaml``:
 
 * ``kvmesh-tls`` (type ``kubernetes.io/tls``; keys ``tls.crt``, ``tls.key``, ``ca.crt``):
   one certificate for the routers and workers (``--tls-cert``/``--tls-key``), issued by a
@@ -12,7 +12,9 @@ prints three Secrets as YAML, for ``kubectl apply -f secrets.yaml``:
 * ``kvmesh-api-keys`` (key ``api-keys``): the router's ``--api-keys`` file with one key
   per ``--tenant``, stored as SHA-256 (`kvmesh.services.auth.hash_key`);
 * ``kvmesh-ray-auth`` (key ``token``): a random Ray authentication token for the ``ray``
-  overlay (``RAY_AUTH_MODE=token`` on the Ray pods and the driver; unused elsewhere).
+  overlay (``RAY_AUTH_MODE=token`` on the Ray pods and the driver; unused elsewhere);
+* ``kvmesh-record-key`` (key ``record.key``): the remote tier's record MAC key, for workers
+  run with ``--remote-bytes`` (mount it and pass ``--remote-record-key-file``; docs/DEPLOY.md).
 
 The CA's private key and the plaintext API keys never go into the YAML: they are written
 to ``--out-dir`` (created 0700; a folder that its group or others may write is refused;
@@ -78,13 +80,14 @@ def cluster_secrets(namespace: str = "default", tenants: tuple[str, ...] = ("def
     objs = [_secret("kvmesh-tls", {"tls.crt": _pem_cert(cert), "tls.key": _pem_key(key), "ca.crt": _pem_cert(ca_cert)},
                     ns, "kubernetes.io/tls"),
             _secret("kvmesh-api-keys", {"api-keys": lines.encode()}, ns),
-            _secret("kvmesh-ray-auth", {"token": secrets.token_hex(32).encode()}, ns)]
+            _secret("kvmesh-ray-auth", {"token": secrets.token_hex(32).encode()}, ns),
+            _secret("kvmesh-record-key", {"record.key": (secrets.token_hex(32) + "\n").encode()}, ns)]
     return objs, _pem_cert(ca_cert), _pem_key(ca_key), api_keys
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvmesh.services.k8s_secrets",
-                                description="Print the Secrets kvmesh-tls, kvmesh-api-keys and kvmesh-ray-auth as YAML "
+                                description="Print the Secrets kvmesh-tls, kvmesh-api-keys, kvmesh-ray-auth and kvmesh-record-key as YAML "
                                             "(docs/DEPLOY.md); keep the CA key and API keys in --out-dir.")
     p.add_argument("--namespace", default="default", help="namespace of the cluster (router Service names, "
                    "metadata.namespace); default 'default'")

@@ -39,7 +39,7 @@ OPERATOR_SECRETS = {
 #: Secrets mounted as files, which the operator creates (python -m kvmesh.services.k8s_secrets)
 FILE_SECRETS = {"kvmesh-tls": {"tls.crt", "tls.key", "ca.crt"}, "kvmesh-api-keys": {"api-keys"}}
 #: Everything `kvmesh.services.k8s_secrets` makes: the file Secrets and the Ray token (env)
-GENERATED_SECRETS = {**FILE_SECRETS, "kvmesh-ray-auth": {"token"}}
+GENERATED_SECRETS = {**FILE_SECRETS, "kvmesh-ray-auth": {"token"}, "kvmesh-record-key": {"record.key"}}
 OPERATOR_PVCS = {"kvmesh-model"}
 DOWNWARD = {"status.podIP": "10.0.3.7", "metadata.name": "kvmesh-worker-0"}
 SERVICE_NAMES = {"router": pb.DESCRIPTOR.services_by_name["Router"].full_name,
@@ -555,6 +555,11 @@ def test_k8s_secrets_generator(tmp_path, capsys):
     assert set(data) == set(GENERATED_SECRETS) and all(set(data[n]) == GENERATED_SECRETS[n] for n in data)
     assert len(data["kvmesh-ray-auth"]["token"]) == 64 and data["kvmesh-ray-auth"]["token"] not in ca_key_and_keys(
         out_dir, data)
+    from kvmesh.cache_store.tier_config import record_key_from_file
+
+    key_file = tmp_path / "record.key"
+    key_file.write_bytes(data["kvmesh-record-key"]["record.key"])
+    assert len(record_key_from_file(str(key_file))) == 32  # a key file the workers accept
     cert = x509.load_pem_x509_certificate(data["kvmesh-tls"]["tls.crt"])
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
     assert {"kvmesh-peer", "kvmesh-router", "kvmesh-router.serving.svc"} <= set(names)
