@@ -280,13 +280,14 @@ def test_max_waiting_caps_the_queue():
         engine.submit([1, 2, 3], sp, lambda o: None)
 
 
-def _check_fuzz(report, log_path: str | None):
+def _check_fuzz(report, log_path: str | None, rss: bool = True):
     d = report.to_dict()
     assert report.alive, d
     assert report.unknown == 0, d
     assert report.hangs == 0, d
     assert report.codes.get("INTERNAL", 0) == 0, d
-    assert report.rss_growth is not None and report.rss_growth <= 0.10, d
+    if rss:
+        assert report.rss_growth is not None and report.rss_growth <= 0.10, d
     if log_path:
         with open(log_path, errors="replace") as fh:
             assert "Traceback" not in fh.read(), f"traceback in {log_path}"
@@ -294,18 +295,27 @@ def _check_fuzz(report, log_path: str | None):
 
 def test_fuzz_worker(cluster):
     n = 5000 if FULL_FUZZ else 400
-    report = run_fuzz(worker_address(cluster), n, pid=worker_pid(cluster), seed=1, deadline_s=30.0,
-                      warmup=500 if FULL_FUZZ else 200)
-    assert report.sent == n
-    _check_fuzz(report, os.path.join(cluster.log_dir, "worker-0.log"))
+    _fuzz_twice(worker_address(cluster), n, os.path.join(cluster.log_dir, "worker-0.log"), pid=worker_pid(cluster),
+                seed=1, deadline_s=30.0, warmup=500 if FULL_FUZZ else 200)
 
 
 def test_fuzz_router(cluster):
     n = 2000 if FULL_FUZZ else 200
-    report = run_fuzz(cluster.router_address, n, router=True, pid=cluster.router_proc.pid, seed=2,
-                      warmup=500 if FULL_FUZZ else 200, deadline_s=30.0)
-    assert report.sent == n
-    _check_fuzz(report, os.path.join(cluster.log_dir, "router.log"))
+    _fuzz_twice(cluster.router_address, n, os.path.join(cluster.log_dir, "router.log"), router=True,
+                pid=cluster.router_proc.pid, seed=2, warmup=500 if FULL_FUZZ else 200, deadline_s=30.0)
+
+
+def _fuzz_twice(target: str, n: int, log_path: str, **kw) -> None:
+    """Two fuzz runs of ``n`` requests: every check on both, the RSS bound on the second.
+    One-off allocations the warm-up did not reach (a channel to the other worker, a thread's
+    malloc arena: up to ~10 % of an 80 MB router) land in the first run; a leak grows in
+    both, so the second run's growth is the one that tells."""
+    first = run_fuzz(target, n, **kw)
+    assert first.sent == n
+    _check_fuzz(first, log_path, rss=False)
+    second = run_fuzz(target, n, **{**kw, "warmup": 0, "seed": kw["seed"] + 100})
+    assert second.sent == n
+    _check_fuzz(second, log_path)
 
 
 def test_worker_refuses_tokens_of_another_model(cluster):
