@@ -236,20 +236,13 @@ def _check_peer_cert(cert_pem: bytes, ca_pem: bytes, cert_path: str, ca_path: st
     certificate of ``ca_pem`` and names `PEER_SERVER_NAME` in its DNS subjectAltName: what
     other cluster processes check when they call this one (and `_classify` when it calls them)."""
     from cryptography import x509
-    from cryptography.exceptions import InvalidSignature
 
     leaf = x509.load_pem_x509_certificates(cert_pem)[0]
     try:
         cas = x509.load_pem_x509_certificates(ca_pem)
     except ValueError as exc:
         raise ValueError(f"--tls-ca {ca_path}: not a readable PEM certificate ({exc})") from None
-    for issuer in cas:
-        try:
-            leaf.verify_directly_issued_by(issuer)
-            break
-        except (ValueError, TypeError, InvalidSignature):  # wrong issuer name, key type or signature
-            continue
-    else:
+    if not _issued_by_any(leaf, cas):
         raise ValueError(f"--tls-cert {cert_path} (issuer {leaf.issuer.rfc4514_string()!r}) was not issued by "
                          f"--tls-ca {ca_path} (the cluster CA, {cas[0].subject.rfc4514_string()!r}): peers would "
                          "refuse it; give a certificate the cluster CA signed directly, or that CA")
@@ -269,16 +262,24 @@ def _classify(pem: bytes, ca: bytes, client_ca: bytes) -> tuple[str, str]:
     """(kind, common name) of a handshake-verified certificate: ``peer`` when a cluster CA
     issued it directly, ``client`` otherwise (the handshake only admits the two CAs)."""
     from cryptography import x509
-    from cryptography.exceptions import InvalidSignature
     from cryptography.x509.oid import NameOID
 
     cert = x509.load_pem_x509_certificate(pem)
     names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     name = str(names[0].value) if names else ""
-    for issuer in x509.load_pem_x509_certificates(ca):
+    if _issued_by_any(cert, x509.load_pem_x509_certificates(ca)):
+        return "peer", name
+    return ("client", name) if client_ca else ("anonymous", "")
+
+
+def _issued_by_any(cert, cas) -> bool:
+    """Whether one of ``cas`` (cryptography certificates) issued ``cert`` directly."""
+    from cryptography.exceptions import InvalidSignature
+
+    for issuer in cas:
         try:
             cert.verify_directly_issued_by(issuer)
-            return "peer", name
+            return True
         except (ValueError, TypeError, InvalidSignature):  # wrong issuer name, key type or signature
             continue
-    return ("client", name) if client_ca else ("anonymous", "")
+    return False
