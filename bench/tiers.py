@@ -32,7 +32,20 @@ TTFTs are medians over ``--rounds`` rounds.
 * ``ttft_remote_ms`` / ``ttft_remote_cold_ms``: the same prompt on a second engine whose
   only copy of the prefix is in the cluster's remote tier (a private redis-server on
   loopback; the read, verification and staging count in the TTFT), and cold on that engine
-  (absent without redis-server; no target).
+  (absent without redis-server; no target). Both engines carry a record key, as the workers
+  of ``kvmesh up`` do, so the TTFT includes checking each record's MAC;
+  ``remote_fetch_ms`` is the part of that TTFT spent reading the 1,792 tokens from Redis,
+  checking and staging them (the tier's measured seconds per block, EWMA);
+  ``ttft_remote_cost_ms`` / ``ttft_remote_cost_loaded_tokens`` are the remote case under
+  the ``cost`` policy (below); ``remote_mac_gbps`` is that MAC's rate (keyed BLAKE2b over
+  one 2 MiB block, bytes per second, best of 5) on this machine's CPU.
+* The tier TTFTs above are measured under ``--tier-load-policy always`` (every block found
+  is read, whatever it costs). ``ttft_disk_cost_ms`` is the disk case again under ``cost``,
+  once the engine has measured both the disk's reads and its own prefill: it loads only
+  blocks whose tier reads faster than they compute (docs/TIERS.md), and
+  ``ttft_disk_cost_loaded_tokens`` says how many of the 1,792 it read (median). Where the
+  prefill is faster than the disk (a GPU with a small model) that is 0 and the TTFT is close
+  to cold; on the CPUs measured so far it is 1,792.
 
 Rates are in GB/s (10^9 bytes per second); the ``*_over_*`` fields are the ratios the
 targets are stated in, and ``targets`` says which are met (the exit status is 0 either way:
@@ -314,7 +327,7 @@ def bench_ttft(rounds: int = 5, seed: int = 0, directory: str | None = None, on_
     engine = Engine(device=device, num_blocks=(3 * PROMPT_TOKENS) // BLOCK_SIZE + 64, block_size=BLOCK_SIZE,
                     max_num_batched_tokens=PROMPT_TOKENS,
                     tiers=TierConfig(host_bytes=256 << 20, disk_dir=os.path.join(base, "disk"),
-                                     disk_bytes=1 << 30, peer_bytes=0)).start()
+                                     disk_bytes=1 << 30, peer_bytes=0, load_policy="always")).start()
     rng = random.Random(seed)
     one = SamplingParams(max_tokens=1)
     tail = PROMPT_TOKENS - CACHED_TOKENS
@@ -329,23 +342,36 @@ def bench_ttft(rounds: int = 5, seed: int = 0, directory: str | None = None, on_
             raise RuntimeError(f"expected {CACHED_TOKENS} tokens from {tier}, got {out['usage']}")
         return out["timing"]["ttft_ms"]
 
-    res: dict[str, list[float]] = {"cold": [], "device": [], "host": [], "disk": []}
+    def cached_on(tier: str) -> list[int]:
+        engine.clear_cache()
+        prefix = toks(CACHED_TOKENS)
+        engine.generate(prefix + toks(tail), one)
+        if tier != "device":
+            engine.offload_device_cache()
+            engine.flush_tiers(60)
+        if tier == "disk":
+            engine.drop_host_tier()
+            _drop_page_cache(engine.tiers)
+        return prefix
+
+    res: dict[str, list[float]] = {"cold": [], "device": [], "host": [], "disk": [], "disk_cost": []}
+    loaded: list[int] = []
     try:
         engine.generate(toks(64), one)  # warm-up
         for _ in range(rounds):
             engine.clear_cache()
             res["cold"].append(measured(toks(CACHED_TOKENS), None))
             for tier in ("device", "host", "disk"):
-                engine.clear_cache()
-                prefix = toks(CACHED_TOKENS)
-                engine.generate(prefix + toks(tail), one)
-                if tier != "device":
-                    engine.offload_device_cache()
-                    engine.flush_tiers(60)
-                if tier == "disk":
-                    engine.drop_host_tier()
-                    _drop_page_cache(engine.tiers)
-                res[tier].append(measured(prefix, tier))
+                res[tier].append(measured(cached_on(tier), tier))
+            # the disk case again, weighed: both costs have been measured by now
+            prefix = cached_on("disk")
+            engine.tiers.load_policy = "cost"
+            try:
+                out = engine.generate(prefix + toks(tail), one)
+            finally:
+                engine.tiers.load_policy = "always"
+            res["disk_cost"].append(out["timing"]["ttft_ms"])
+            loaded.append(out["usage"]["cached_tokens_by_tier"]["disk"])
             if on_round is not None:
                 on_round()
     finally:
@@ -354,12 +380,23 @@ def bench_ttft(rounds: int = 5, seed: int = 0, directory: str | None = None, on_
             shutil.rmtree(base, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in res.items()}
     out = {f"ttft_{k}_ms": round(v, 3) for k, v in med.items()}
-    for k in ("device", "host", "disk"):
+    for k in ("device", "host", "disk", "disk_cost"):
         out[f"ttft_{k}_over_cold"] = round(med[k] / med["cold"], 4)
+    out["ttft_disk_cost_loaded_tokens"] = statistics.median(loaded)
     return out
 
 
-def bench_ttft_remote(rounds: int = 5, seed: int = 1, on_round=None) -> dict:
+def bench_record_mac(repeats: int = 5, nbytes: int = 2 << 20) -> dict:
+    """Rate (GB/s, best of ``repeats``) of the remote tier's record MAC, keyed BLAKE2b
+    (RFC 7693) over one ``nbytes`` record, on this machine's CPU."""
+    import hashlib
+
+    data, key = os.urandom(nbytes), os.urandom(32)
+    best = min(_timed(lambda: hashlib.blake2b(data, key=key, digest_size=32).digest()) for _ in range(repeats))
+    return {"remote_mac_gbps": round(nbytes / best / 1e9, 3)}
+
+
+def bench_ttft_remote(rounds: int = 5, seed: int = 1, on_round=None, device: str = "cpu") -> dict:
     """TTFT of the same 2,048-token prompt with its first 1,792 tokens in the cluster's remote
     tier only, read by a second engine (a worker that never saw the prompt), against cold on
     that engine; both engines share a private redis-server. Empty without redis-server.
@@ -373,11 +410,11 @@ def bench_ttft_remote(rounds: int = 5, seed: int = 1, on_round=None) -> dict:
 
     server = RedisServer()
     tiers = TierConfig(host_bytes=64 << 20, peer_bytes=64 << 20, remote_url=server.url, remote_bytes=1 << 30,
-                       remote_cluster="bench")
+                       remote_cluster="bench", remote_record_key=os.urandom(32), load_policy="always")
     blocks = (3 * PROMPT_TOKENS) // BLOCK_SIZE + 64
-    writer = Engine(num_blocks=blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=PROMPT_TOKENS,
+    writer = Engine(device=device, num_blocks=blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=PROMPT_TOKENS,
                     tiers=tiers).start()
-    reader = Engine(num_blocks=blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=PROMPT_TOKENS,
+    reader = Engine(device=device, num_blocks=blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=PROMPT_TOKENS,
                     tiers=tiers).start()
     rng = random.Random(seed)
     one = SamplingParams(max_tokens=1)
@@ -386,7 +423,8 @@ def bench_ttft_remote(rounds: int = 5, seed: int = 1, on_round=None) -> dict:
     def toks(n: int) -> list[int]:
         return [rng.randrange(256) for _ in range(n)]
 
-    res: dict[str, list[float]] = {"cold": [], "remote": []}
+    res: dict[str, list[float]] = {"cold": [], "remote": [], "remote_cost": [], "fetch": []}
+    loaded: list[int] = []
     try:
         reader.generate(toks(64), one)  # warm-up
         for _ in range(rounds):
@@ -402,6 +440,20 @@ def bench_ttft_remote(rounds: int = 5, seed: int = 1, on_round=None) -> dict:
             if out["usage"]["cached_tokens_by_tier"]["remote"] != CACHED_TOKENS:
                 raise RuntimeError(f"expected {CACHED_TOKENS} tokens from the remote tier, got {out['usage']}")
             res["remote"].append(out["timing"]["ttft_ms"])
+            res["fetch"].append(reader.tiers.load_seconds_per_block["remote"] * CACHED_TOKENS / BLOCK_SIZE * 1e3)
+            # again under the "cost" policy, the tier's reads and the prefill both measured
+            prefix = toks(CACHED_TOKENS)
+            writer.generate(prefix + toks(tail), one)
+            writer.offload_device_cache()
+            writer.flush_tiers(60)
+            reader.clear_cache()
+            reader.tiers.load_policy = "cost"
+            try:
+                out = reader.generate(prefix + toks(tail), one)
+            finally:
+                reader.tiers.load_policy = "always"
+            res["remote_cost"].append(out["timing"]["ttft_ms"])
+            loaded.append(out["usage"]["cached_tokens_by_tier"]["remote"])
             if on_round is not None:
                 on_round()
     finally:
@@ -410,7 +462,9 @@ def bench_ttft_remote(rounds: int = 5, seed: int = 1, on_round=None) -> dict:
         server.stop()
     med = {k: statistics.median(v) for k, v in res.items()}
     return {"ttft_remote_cold_ms": round(med["cold"], 3), "ttft_remote_ms": round(med["remote"], 3),
-            "ttft_remote_over_cold": round(med["remote"] / med["cold"], 4)}
+            "ttft_remote_over_cold": round(med["remote"] / med["cold"], 4),
+            "remote_fetch_ms": round(med["fetch"], 3), "ttft_remote_cost_ms": round(med["remote_cost"], 3),
+            "ttft_remote_cost_loaded_tokens": statistics.median(loaded)}
 
 
 def check_targets(results: dict) -> dict:
@@ -452,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                                   device=args.device))
         if not args.no_remote:
             bar.step("TTFT: remote")
-            results.update(bench_ttft_remote(args.rounds, on_round=lambda: bar.advance(1)))
+            results.update(bench_ttft_remote(args.rounds, on_round=lambda: bar.advance(1), device=args.device))
+            results.update(bench_record_mac())
     results["device"] = args.device
     results["targets"] = check_targets(results)
     if args.json:

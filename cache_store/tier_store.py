@@ -185,7 +185,8 @@ class TierStore:
         self._writer: threading.Thread | None = None
         self.stats_counters = {"offloaded": 0, "offload_skipped": 0, "writes_skipped": 0, "write_errors": 0,
                                "segments_written": 0, "loaded": 0, "load_failures": 0,
-                               "remote_puts_skipped": 0, "remote_put_errors": 0, "loads_not_worth_it": 0}
+                               "remote_puts_skipped": 0, "remote_put_errors": 0, "loads_not_worth_it": 0,
+                               "fetches_not_worth_it": 0}
         self.remote: RemoteTier | None = None
         self.remote_codec = self.codec(config.remote_codec)
         self._rjobs: deque[_WriteJob] = deque()
@@ -273,6 +274,25 @@ class TierStore:
                 self.stats_counters["loads_not_worth_it"] += n - i
                 return i
         return n
+
+    def worth_fetching(self, kind: str, compute_seconds_per_block: float | None) -> bool:
+        """Whether :meth:`prefetch` should read from ``kind`` ("disk" or "remote") under
+        ``load_policy``: under ``"cost"`` not when that source has measured slower per block
+        (its read, verification and staging: ``load_seconds_per_block``) than
+        ``compute_seconds_per_block``. As in :meth:`worth_loading`, an unmeasured source or no
+        prefill estimate fetches and every ``PROBE_EVERY``-th cut fetches anyway. Cuts are
+        counted in ``stats_counters["fetches_not_worth_it"]``."""
+        if self.load_policy != "cost" or not compute_seconds_per_block:
+            return True
+        cost = self.load_seconds_per_block.get(kind)
+        if cost is None or cost <= compute_seconds_per_block:
+            return True
+        with self.lock:
+            self._cuts += 1
+            if self._cuts % self.PROBE_EVERY == 0:
+                return True
+            self.stats_counters["fetches_not_worth_it"] += 1
+        return False
 
     def mark_computed(self, block_ids: Sequence[int]) -> None:
         """Pool rows ``block_ids`` are about to hold KV computed here (exact): see ``row_loss``."""
@@ -714,7 +734,7 @@ class TierStore:
         return self.peer is not None and (self.disk is not None or self.remote is not None)
 
     def prefetch(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
-                 root: bytes) -> dict[str, int]:
+                 root: bytes, compute_seconds_per_block: float | None = None) -> dict[str, int]:
         """Stage the request's blocks that only the disk or the remote tier holds (caller's thread).
 
         Runs in the thread of whoever submits the request, not the engine's, so
@@ -732,11 +752,18 @@ class TierStore:
         checks ends the run, as in :meth:`load` (a damaged disk segment is
         dropped). Blocks the staging area has no room for are simply not
         staged: the scheduler reads them from disk itself, or computes them.
+        Under the ``"cost"`` load policy a source measured slower per block than
+        ``compute_seconds_per_block`` is not read at all (:meth:`worth_fetching`): on
+        a GPU a small model's prefill can beat a disk read or a Redis round trip.
+        Each read is timed per block staged and folded into ``load_seconds_per_block``
+        under its medium.
 
         Args:
             hashes, block_tokens, root: the request's chain, as for :meth:`locate`.
             start: the first position not held by the device pool.
             stop: one past the last position worth loading (``(L - 1) // block_size``).
+            compute_seconds_per_block: the worker's prefill time for one block's tokens
+                (seconds), or None when not measured yet.
 
         Returns:
             blocks staged per medium, e.g. ``{"disk": 12, "remote": 40}`` (empty when
@@ -768,18 +795,27 @@ class TierStore:
                 i += 1
         first = i
         if from_disk:
+            if not self.worth_fetching("disk", compute_seconds_per_block):
+                return out  # the scheduler computes these blocks, and everything after them
+            t0 = time.perf_counter()
             entries = [d for _, d in from_disk]
             payloads, ok = self._read_disk(entries)
             if ok < len(entries):
                 first = from_disk[ok][0]  # the run ends at the bad record
             if ok:
-                out["disk"] = self._stage_quietly([(d.meta, p) for d, p in zip(entries[:ok], payloads)], "disk",
-                                                  generation)
+                staged = out["disk"] = self._stage_quietly([(d.meta, p) for d, p in zip(entries[:ok], payloads)],
+                                                           "disk", generation)
+                if staged:
+                    self._note_load_cost("disk", (time.perf_counter() - t0) / staged)
         room = budget - len(from_disk)
-        if self.remote is not None and first < stop and first == i and room > 0:
+        if (self.remote is not None and first < stop and first == i and room > 0
+                and self.worth_fetching("remote", compute_seconds_per_block)):
+            t0 = time.perf_counter()
             run = self._remote_run(hashes, block_tokens, first, min(stop, first + room), root)
             if run:
-                out["remote"] = self._stage_quietly(run, "remote", generation)
+                staged = out["remote"] = self._stage_quietly(run, "remote", generation)
+                if staged:
+                    self._note_load_cost("remote", (time.perf_counter() - t0) / staged)
         return out
 
     def _remote_run(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,

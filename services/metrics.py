@@ -318,6 +318,21 @@ class _EngineCollector:
         skipped.add_metric(["disk_queue"], counters.get("writes_skipped", 0))
         skipped.add_metric(["remote_queue"], counters.get("remote_puts_skipped", 0))
         yield skipped
+        computed = CounterMetricFamily(_name("tier_loads_not_worth_it"), "Under --tier-load-policy cost: blocks "
+                                       "found in a lower tier but computed instead, their tier having measured "
+                                       "slower per block than the prefill (blocks), and prefetches that did not "
+                                       "read the disk or remote tier for the same reason (reads).",
+                                       labels=["stage"])
+        computed.add_metric(["load"], counters.get("loads_not_worth_it", 0))
+        computed.add_metric(["prefetch"], counters.get("fetches_not_worth_it", 0))
+        yield computed
+        if tiers is not None and tiers.load_seconds_per_block:
+            cost = GaugeMetricFamily(_name("tier_load_seconds_per_block"), "Measured time to bring one block "
+                                     "in from a source: host slab, peer staging, disk, remote (EWMA, seconds); "
+                                     "what the cost load policy weighs against the prefill.", labels=["source"])
+            for source, seconds in sorted(tiers.load_seconds_per_block.items()):
+                cost.add_metric([source], seconds)
+            yield cost
         disk_fail = CounterMetricFamily(_name("disk_write_failures"), "Disk tier segment writes that failed.")
         disk_fail.add_metric([], counters.get("write_errors", 0))
         yield disk_fail

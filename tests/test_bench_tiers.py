@@ -38,3 +38,6 @@ def test_main_prints_one_json_object_with_ttfts(tmp_path, capsys, monkeypatch):
         assert 0 < out[f"ttft_{tier}_over_cold"] < 1
     assert set(out["targets"]) == set(tiers.TARGETS)
     assert out["device"] == "cpu"
+    # the disk case under the "cost" policy: it read all of the prefix or none of it
+    assert out["ttft_disk_cost_loaded_tokens"] in (0, tiers.CACHED_TOKENS)
+    assert out["ttft_disk_cost_ms"] > 0 and out["remote_mac_gbps"] > 0

@@ -19,13 +19,24 @@ import torch
 from kvmesh.bench.codec_error import DOCUMENTED_MAX_LOGIT_DIFF
 from kvmesh.cache_store.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.cache_store.hashing import hash_blocks
-from kvmesh.cache_store.tier_store import TierConfig
+from kvmesh.cache_store.tier_store import TierConfig as _TierConfig
 from kvmesh.workers.engine import Engine
 from tests._device import DEVICE
 from kvmesh.workers.request import SamplingParams
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=10)
+
+
+def TierConfig(**kw) -> _TierConfig:
+    """Tier settings for these tests: every block found is read (``load_policy="always"``)
+    unless a test names a policy. On a GPU ``"auto"`` means ``"cost"``, which computes a
+    prefix whenever its tier measured slower than the prefill, and these tests check what
+    was loaded (`KVMESH_TEST_DEVICE`)."""
+    kw.setdefault("load_policy", "always")
+    return _TierConfig(**kw)
+
+
 BLOCK_BYTES = 4 * 2 * 2 * BS * 64 * 4  # built-in model, float32
 
 
@@ -320,9 +331,14 @@ def test_pressure_with_tiers_matches_cold(tmp_path):
         e.stop()
 
 
-def test_auto_load_policy_weighs_costs_on_a_gpu_only(disk_engine):
-    assert disk_engine.tiers.config.load_policy == "auto"
-    assert disk_engine.tiers.load_policy == ("cost" if DEVICE.startswith("cuda") else "always")
+def test_auto_load_policy_weighs_costs_on_a_gpu_only():
+    e = Engine(device=DEVICE, num_blocks=16, block_size=BS,
+               tiers=_TierConfig(host_bytes=8 * BLOCK_BYTES, peer_bytes=0)).start()
+    try:
+        assert e.tiers.config.load_policy == "auto"
+        assert e.tiers.load_policy == ("cost" if DEVICE.startswith("cuda") else "always")
+    finally:
+        e.stop()
 
 
 def test_a_tier_slower_than_prefill_is_skipped_then_probed(tmp_path):

@@ -169,6 +169,9 @@ def test_offload_and_load_bytes_follow_the_tier_store(engine):
     assert off == offloaded * block_bytes
     assert load == 3 * block_bytes
     assert after[("kvmesh:prefix_cache_hits_total", (("tier", "host"),))] == 48
+    # the host load was timed, and nothing was computed instead ("always" on the CPU)
+    assert after[("kvmesh:tier_load_seconds_per_block", (("source", "host"),))] > 0
+    assert after[("kvmesh:tier_loads_not_worth_it_total", (("stage", "load"),))] == 0
 
 
 def test_peer_fetch_outcomes(engine):

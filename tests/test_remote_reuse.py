@@ -569,3 +569,42 @@ def test_workers_with_another_record_key_neither_read_nor_delete_the_records(red
         a.stop()
         for e in others:
             e.stop()
+
+
+def test_remote_slower_than_prefill_is_not_fetched_under_the_cost_policy(redis_server, cold_engine):
+    """Under ``load_policy="cost"`` a remote tier measured slower per block than this
+    worker's prefill (a GPU prefills a small model faster than a Redis round trip returns
+    its KV) is not read at all: the request computes its prefix, outputs equal cold, and the
+    cut is counted; every PROBE_EVERY-th cut reads anyway and measures the tier again."""
+    a, b = remote_engine(redis_server.url), remote_engine(redis_server.url, load_policy="cost")
+    try:
+        warm = rand_prompt(2, 200)
+        publish(a, warm)
+        out, _ = run(b, warm)  # measures the remote tier (and b's prefill)
+        assert out["usage"]["cached_tokens_by_tier"]["remote"] == BS * cached_blocks(warm)
+        measured = b.tiers.load_seconds_per_block["remote"]
+        assert measured > 0
+
+        prompt = rand_prompt(3, 200)
+        ref, ref_logits = run(cold_engine, prompt)
+        publish(a, prompt)
+        slow = 10.0  # injected: a remote tier that took 10 s per block
+        b.tiers.load_seconds_per_block["remote"] = slow
+        b._prefill_rate = b._prefill_rate or 1000.0
+        gets = redis.Redis.from_url(redis_server.url).info("commandstats").get("cmdstat_mget", {}).get("calls", 0)
+        out, logits = run(b, prompt)
+        assert out["usage"]["cached_tokens"] == 0
+        assert out["token_ids"] == ref["token_ids"] and max_diff(logits, ref_logits) < 1e-4
+        assert b.tier_stats()["fetches_not_worth_it"] == 1
+        assert redis.Redis.from_url(redis_server.url).info("commandstats").get(
+            "cmdstat_mget", {}).get("calls", 0) == gets  # nothing was asked of Redis
+
+        b.clear_cache()
+        b.tiers._cuts = b.tiers.PROBE_EVERY - 1  # the next cut is a probe
+        out, logits = run(b, prompt)
+        assert out["usage"]["cached_tokens_by_tier"]["remote"] == BS * cached_blocks(prompt)
+        assert out["token_ids"] == ref["token_ids"]
+        assert b.tiers.load_seconds_per_block["remote"] < slow  # measured again
+    finally:
+        a.stop()
+        b.stop()

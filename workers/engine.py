@@ -567,7 +567,9 @@ class Engine:
         hashed = hash_blocks([int(t) for t in prompt_ids[:limit * self.block_size]], self.block_size, root)
         with self._lock:
             hit = self.cache.index.match(hashed.hashes, hashed.block_tokens).num_blocks
-        return self.tiers.prefetch(hashed.hashes, hashed.block_tokens, hit, limit, root)
+        rate = self._prefill_rate  # measured steps only: never a calibration pass here
+        return self.tiers.prefetch(hashed.hashes, hashed.block_tokens, hit, limit, root,
+                                   compute_seconds_per_block=self.block_size / rate if rate else None)
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
                  cache_salt: str = "", timeout: float = 300.0, tenant: str = "") -> dict:
