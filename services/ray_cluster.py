@@ -316,7 +316,40 @@ class RayPlacement:
                 self._files[name] = f.read()
         self.peer_tls = TlsConfig.from_files(c.cert, c.key, c.ca, c.client_ca)
 
-    def start(self) -> "RayPlacement":
+    #: Seconds between looks at ``cancel`` while `start` waits on Ray.
+    CANCEL_POLL_S = 0.5
+
+    def _cancelled(self, cancel: threading.Event | None) -> None:
+        if cancel is not None and cancel.is_set():
+            from kvmesh.services.procs import StartCancelled
+
+            raise StartCancelled("start-up interrupted")
+
+    def _get(self, ref, timeout: float, cancel: threading.Event | None, what: str):
+        """``ray.get(ref)`` within ``timeout`` seconds, looking at ``cancel`` every
+        `CANCEL_POLL_S` seconds; a timeout or a failed actor is a RuntimeError naming ``what``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._cancelled(cancel)
+            left = deadline - time.monotonic()
+            ready, _ = self.ray.wait([ref], timeout=max(0.0, min(self.CANCEL_POLL_S, left)))
+            if ready:
+                try:
+                    return self.ray.get(ref)
+                except self.ray.exceptions.RayError as exc:
+                    raise RuntimeError(f"{what} did not start: {exc}") from None
+            if left <= 0:
+                raise RuntimeError(f"{what} not serving after {timeout:.0f} s")
+
+    def start(self, cancel: threading.Event | None = None) -> "RayPlacement":
+        """Place Redis (unless given), the workers and the router, and wait until the router
+        lists every worker. Everything placed is removed again on any error.
+
+        Raises:
+            RuntimeError: not placed or not serving within ``ready_timeout`` seconds.
+            StartCancelled: ``cancel`` was set meanwhile (SIGINT/SIGTERM while starting);
+                it is looked at every `CANCEL_POLL_S` seconds of every wait.
+        """
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -327,16 +360,19 @@ class RayPlacement:
             if not s.insecure:
                 self._make_credentials()
             self.pg = placement_group([s.bundle()] * s.workers, strategy=s.strategy, name=f"kvmesh-{s.cluster}")
-            if not self.pg.wait(timeout_seconds=s.ready_timeout):
-                raise RuntimeError(f"placement group of {s.workers} x {s.bundle()} ({s.strategy}) not placed after "
-                                   f"{s.ready_timeout:.0f} s; cluster resources: {ray.cluster_resources()}")
+            while not self.pg.wait(timeout_seconds=max(0, min(self.CANCEL_POLL_S, deadline - time.monotonic()))):
+                self._cancelled(cancel)
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"placement group of {s.workers} x {s.bundle()} ({s.strategy}) not placed "
+                                       f"after {s.ready_timeout:.0f} s; cluster resources: "
+                                       f"{ray.cluster_resources()}")
             head = {"resources": {HEAD_RESOURCE: 0.001}, "num_cpus": 0}
             if self.redis_url is None:
                 password = secrets.token_urlsafe(18)
                 self.redis = self._options(name=f"kvmesh-{s.cluster}-redis", **head).remote(
                     "redis", "redis", "redis", ["--requirepass", password, "--protected-mode", "yes"], 0,
                     s.ready_timeout, s.log_dir)
-                info = ray.get(self.redis.info.remote(), timeout=s.ready_timeout)
+                info = self._get(self.redis.info.remote(), s.ready_timeout, cancel, "redis-server")
                 self.redis_url = f"redis://:{password}@{info['address']}/0"
             env = {"KVMESH_REDIS_URL": self.redis_url}   # the password stays out of every argv
             for i in range(s.workers):
@@ -353,9 +389,9 @@ class RayPlacement:
                 router_cmd += ["--model", s.model]
             self.router = self._options(name=f"kvmesh-{s.cluster}-router", **head).remote(
                 "router", "router", "kvmesh", router_cmd, s.router_port, s.ready_timeout, s.log_dir, env, self._files)
-            infos = self.status(timeout=max(1.0, deadline - time.monotonic()))
-            self.router_address = next(i["address"] for i in infos if i["role"] == "router")
-            self.wait_registered(timeout=max(1.0, deadline - time.monotonic()))
+            router = self._get(self.router.info.remote(), max(1.0, deadline - time.monotonic()), cancel, "router")
+            self.router_address = router["address"]
+            self.wait_registered(timeout=max(1.0, deadline - time.monotonic()), cancel=cancel)
         except BaseException:
             self.stop()
             raise
@@ -380,11 +416,19 @@ class RayPlacement:
             out.append(info)
         return out
 
-    def wait_registered(self, timeout: float = 60.0) -> dict[str, str]:
-        """Wait until the router lists every worker at the address its actor reports."""
+    def wait_registered(self, timeout: float = 60.0, cancel: threading.Event | None = None) -> dict[str, str]:
+        """Wait until the router lists every worker at the address its actor reports.
+
+        Raises:
+            RuntimeError: not within ``timeout`` seconds.
+            StartCancelled: ``cancel`` was set meanwhile.
+        """
         deadline = time.monotonic() + timeout
         while True:
-            want = {i["name"]: i["address"] for i in self.status(timeout=max(1.0, deadline - time.monotonic()))
+            self._cancelled(cancel)
+            # short looks, so that ``cancel`` is seen while a worker actor is still starting
+            look = min(2.0, max(0.5, deadline - time.monotonic()))
+            want = {i["name"]: i["address"] for i in self.status(timeout=look)
                     if i["role"] == "worker" and i.get("state") == "serving"}
             try:
                 seen = _router_sees(self.router_address, self.peer_tls)
@@ -394,7 +438,10 @@ class RayPlacement:
                 return seen
             if time.monotonic() > deadline:
                 raise RuntimeError(f"router at {self.router_address} sees {seen}, expected {want}")
-            time.sleep(0.2)
+            if cancel is not None:
+                cancel.wait(0.2)
+            else:
+                time.sleep(0.2)
 
     def stop(self) -> None:
         """Stop every child gracefully, kill the actors, remove the placement group."""
@@ -504,8 +551,10 @@ def run_until_stopped(spec: RaySpec) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     placement = RayPlacement(spec)
+    from kvmesh.services.procs import StartCancelled
+
     try:
-        placement.start()
+        placement.start(cancel=stop)
         print(f"kvmesh on Ray: router {placement.router_address} (policy {spec.policy}), {spec.workers} workers "
               f"({spec.strategy}), redis {redact_url(placement.redis_url)}; up in {time.monotonic() - t0:.1f} s",
               flush=True)
@@ -524,6 +573,8 @@ def run_until_stopped(spec: RaySpec) -> int:
                     f.write("\n".join(lines) + "\n")
                 os.replace(tmp, spec.status_file)
             stop.wait(spec.status_interval)
+    except StartCancelled:  # as `kvmesh up` interrupted while starting: 130, whichever signal
+        return 130
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

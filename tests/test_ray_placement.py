@@ -241,6 +241,35 @@ def test_kvmesh_ray_command(ray_cluster, tmp_path, redis_server):
     assert not alive
 
 
+def test_interrupt_while_the_placement_waits_stops_at_once(ray_cluster, tmp_path):
+    """SIGINT while the placement group cannot be placed (bundles larger than any node):
+    `kvmesh ray` stops within seconds, not after --ready-timeout, exits 130 and leaves no
+    placement group behind."""
+    from ray.util import placement_group_table
+
+    cmd = python_cmd("ray", "--address", ray_cluster.address, "--workers", "1", "--cpus-per-worker", "64",
+                     "--router-port", "0", "--cluster", "raycancel", "--ready-timeout", "600", "--insecure",
+                     "--log-dir", str(tmp_path / "logs"), *WORKER_ARGS)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
+    try:
+        deadline = time.monotonic() + 120
+        while not [p for p in placement_group_table().values() if p["name"] == "kvmesh-raycancel"]:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no placement group was asked for"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)  # the ready timeout is 600 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "kvmesh on Ray: router" not in out
+    pgs = [p for p in placement_group_table().values() if p["name"] == "kvmesh-raycancel"]
+    assert pgs and all(p["state"] == "REMOVED" for p in pgs)
+
+
 def test_secure_mode_refuses_a_ray_cluster_anyone_can_reach():
     """Ray without token authentication runs anyone's code, and `kvmesh ray` hands its actors
     the peer key, API keys and Redis password: refused unless every node is on loopback (as
