@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/proto/kvmesh.proto\x12\tkvmesh.v1\"j\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\"H\n\x0ePrefixLocation\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"\xa9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x12\n\nadapter_id\x18\x06 \x01(\t\x12\x32\n\x0fprefix_location\x18\x07 \x01(\x0b\x32\x19.kvmesh.v1.PrefixLocation\x12\x13\n\x0breturn_text\x18\x08 \x01(\x08\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x10\n\x08model_id\x18\x0f \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12G\n\x15\x63\x61\x63hed_tokens_by_tier\x18\x03 \x03(\x0b\x32(.kvmesh.v1.Usage.CachedTokensByTierEntry\x12\x1f\n\x17\x63omputed_prefill_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x1a\x39\n\x17\x43\x61\x63hedTokensByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"O\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x04 \x01(\x01\"\xc7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12!\n\x06timing\x18\x07 \x01(\x0b\x32\x11.kvmesh.v1.Timing\x12\x11\n\tworker_id\x18\x08 \x01(\t\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x1f\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x13\n\x11WorkerInfoRequest\"\x94\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\"\r\n\x0bLoadRequest\"\x84\x01\n\x04Load\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\"\x11\n\x0fSnapshotRequest\"L\n\x0b\x43\x61\x63hedBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\x12\x0e\n\x06medium\x18\x03 \x01(\t\"f\n\x08Snapshot\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12&\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x16.kvmesh.v1.CachedBlock\x12\x12\n\nblock_size\x18\x04 \x01(\r\"\x13\n\x11\x43learCacheRequest\",\n\x12\x43learCacheResponse\x12\x16\n\x0e\x62locks_cleared\x18\x01 \x01(\r\"?\n\x12\x46\x65tchBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x0bkv_producer\x18\x02 \x01(\t\"\xb5\x01\n\tBlockData\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\x12\x0f\n\x07payload\x18\x08 \x01(\x0c\x12\x16\n\x0e\x66ormat_version\x18\t \x01(\r\"\x15\n\x13RouterStatusRequest\"\xa5\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1d\n\x04load\x18\x03 \x01(\x0b\x32\x0f.kvmesh.v1.Load\x12\x15\n\rcached_blocks\x18\x04 \x01(\x04\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rrouted_around\x18\x07 \x01(\t\"z\n\x0cRouterStatus\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12(\n\x07workers\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.WorkerStatus\x12\x16\n\x0eindexed_blocks\x18\x03 \x01(\x04\x12\x18\n\x10\x64\x65tails_withheld\x18\x04 \x01(\x08\x32\xd9\x03\n\x06Worker\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1b.kvmesh.v1.TokenizeResponse\x12>\n\x07GetInfo\x12\x1c.kvmesh.v1.WorkerInfoRequest\x1a\x15.kvmesh.v1.WorkerInfo\x12\x32\n\x07GetLoad\x12\x16.kvmesh.v1.LoadRequest\x1a\x0f.kvmesh.v1.Load\x12>\n\x0bGetSnapshot\x12\x1a.kvmesh.v1.SnapshotRequest\x1a\x13.kvmesh.v1.Snapshot\x12I\n\nClearCache\x12\x1c.kvmesh.v1.ClearCacheRequest\x1a\x1d.kvmesh.v1.ClearCacheResponse\x12\x44\n\x0b\x46\x65tchBlocks\x12\x1d.kvmesh.v1.FetchBlocksRequest\x1a\x14.kvmesh.v1.BlockData0\x01\x32\x92\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12\x41\n\x06Status\x12\x1e.kvmesh.v1.RouterStatusRequest\x1a\x17.kvmesh.v1.RouterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/proto/kvmesh.proto\x12\tkvmesh.v1\"j\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\"H\n\x0ePrefixLocation\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"\xa9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x12\n\nadapter_id\x18\x06 \x01(\t\x12\x32\n\x0fprefix_location\x18\x07 \x01(\x0b\x32\x19.kvmesh.v1.PrefixLocation\x12\x13\n\x0breturn_text\x18\x08 \x01(\x08\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x10\n\x08model_id\x18\x0f \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12G\n\x15\x63\x61\x63hed_tokens_by_tier\x18\x03 \x03(\x0b\x32(.kvmesh.v1.Usage.CachedTokensByTierEntry\x12\x1f\n\x17\x63omputed_prefill_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x1a\x39\n\x17\x43\x61\x63hedTokensByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"O\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x04 \x01(\x01\"\xc7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12!\n\x06timing\x18\x07 \x01(\x0b\x32\x11.kvmesh.v1.Timing\x12\x11\n\tworker_id\x18\x08 \x01(\t\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x1f\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x13\n\x11WorkerInfoRequest\"\x94\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\"\r\n\x0bLoadRequest\"\xf0\x01\n\x04Load\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x36\n\x0ctier_weights\x18\x06 \x03(\x0b\x32 .kvmesh.v1.Load.TierWeightsEntry\x1a\x32\n\x10TierWeightsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x11\n\x0fSnapshotRequest\"L\n\x0b\x43\x61\x63hedBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\x12\x0e\n\x06medium\x18\x03 \x01(\t\"f\n\x08Snapshot\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12&\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x16.kvmesh.v1.CachedBlock\x12\x12\n\nblock_size\x18\x04 \x01(\r\"\x13\n\x11\x43learCacheRequest\",\n\x12\x43learCacheResponse\x12\x16\n\x0e\x62locks_cleared\x18\x01 \x01(\r\"?\n\x12\x46\x65tchBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x0bkv_producer\x18\x02 \x01(\t\"\xb5\x01\n\tBlockData\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\x12\x0f\n\x07payload\x18\x08 \x01(\x0c\x12\x16\n\x0e\x66ormat_version\x18\t \x01(\r\"\x15\n\x13RouterStatusRequest\"\xa5\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1d\n\x04load\x18\x03 \x01(\x0b\x32\x0f.kvmesh.v1.Load\x12\x15\n\rcached_blocks\x18\x04 \x01(\x04\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rrouted_around\x18\x07 \x01(\t\"z\n\x0cRouterStatus\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12(\n\x07workers\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.WorkerStatus\x12\x16\n\x0eindexed_blocks\x18\x03 \x01(\x04\x12\x18\n\x10\x64\x65tails_withheld\x18\x04 \x01(\x08\x32\xd9\x03\n\x06Worker\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1b.kvmesh.v1.TokenizeResponse\x12>\n\x07GetInfo\x12\x1c.kvmesh.v1.WorkerInfoRequest\x1a\x15.kvmesh.v1.WorkerInfo\x12\x32\n\x07GetLoad\x12\x16.kvmesh.v1.LoadRequest\x1a\x0f.kvmesh.v1.Load\x12>\n\x0bGetSnapshot\x12\x1a.kvmesh.v1.SnapshotRequest\x1a\x13.kvmesh.v1.Snapshot\x12I\n\nClearCache\x12\x1c.kvmesh.v1.ClearCacheRequest\x1a\x1d.kvmesh.v1.ClearCacheResponse\x12\x44\n\x0b\x46\x65tchBlocks\x12\x1d.kvmesh.v1.FetchBlocksRequest\x1a\x14.kvmesh.v1.BlockData0\x01\x32\x92\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12\x41\n\x06Status\x12\x1e.kvmesh.v1.RouterStatusRequest\x1a\x17.kvmesh.v1.RouterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_USAGE_CACHEDTOKENSBYTIERENTRY']._loaded_options = None
   _globals['_USAGE_CACHEDTOKENSBYTIERENTRY']._serialized_options = b'8\001'
+  _globals['_LOAD_TIERWEIGHTSENTRY']._loaded_options = None
+  _globals['_LOAD_TIERWEIGHTSENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=146
   _globals['_PREFIXLOCATION']._serialized_start=148
@@ -60,29 +62,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADREQUEST']._serialized_start=1316
   _globals['_LOADREQUEST']._serialized_end=1329
   _globals['_LOAD']._serialized_start=1332
-  _globals['_LOAD']._serialized_end=1464
-  _globals['_SNAPSHOTREQUEST']._serialized_start=1466
-  _globals['_SNAPSHOTREQUEST']._serialized_end=1483
-  _globals['_CACHEDBLOCK']._serialized_start=1485
-  _globals['_CACHEDBLOCK']._serialized_end=1561
-  _globals['_SNAPSHOT']._serialized_start=1563
-  _globals['_SNAPSHOT']._serialized_end=1665
-  _globals['_CLEARCACHEREQUEST']._serialized_start=1667
-  _globals['_CLEARCACHEREQUEST']._serialized_end=1686
-  _globals['_CLEARCACHERESPONSE']._serialized_start=1688
-  _globals['_CLEARCACHERESPONSE']._serialized_end=1732
-  _globals['_FETCHBLOCKSREQUEST']._serialized_start=1734
-  _globals['_FETCHBLOCKSREQUEST']._serialized_end=1797
-  _globals['_BLOCKDATA']._serialized_start=1800
-  _globals['_BLOCKDATA']._serialized_end=1981
-  _globals['_ROUTERSTATUSREQUEST']._serialized_start=1983
-  _globals['_ROUTERSTATUSREQUEST']._serialized_end=2004
-  _globals['_WORKERSTATUS']._serialized_start=2007
-  _globals['_WORKERSTATUS']._serialized_end=2172
-  _globals['_ROUTERSTATUS']._serialized_start=2174
-  _globals['_ROUTERSTATUS']._serialized_end=2296
-  _globals['_WORKER']._serialized_start=2299
-  _globals['_WORKER']._serialized_end=2772
-  _globals['_ROUTER']._serialized_start=2775
-  _globals['_ROUTER']._serialized_end=2921
+  _globals['_LOAD']._serialized_end=1572
+  _globals['_LOAD_TIERWEIGHTSENTRY']._serialized_start=1522
+  _globals['_LOAD_TIERWEIGHTSENTRY']._serialized_end=1572
+  _globals['_SNAPSHOTREQUEST']._serialized_start=1574
+  _globals['_SNAPSHOTREQUEST']._serialized_end=1591
+  _globals['_CACHEDBLOCK']._serialized_start=1593
+  _globals['_CACHEDBLOCK']._serialized_end=1669
+  _globals['_SNAPSHOT']._serialized_start=1671
+  _globals['_SNAPSHOT']._serialized_end=1773
+  _globals['_CLEARCACHEREQUEST']._serialized_start=1775
+  _globals['_CLEARCACHEREQUEST']._serialized_end=1794
+  _globals['_CLEARCACHERESPONSE']._serialized_start=1796
+  _globals['_CLEARCACHERESPONSE']._serialized_end=1840
+  _globals['_FETCHBLOCKSREQUEST']._serialized_start=1842
+  _globals['_FETCHBLOCKSREQUEST']._serialized_end=1905
+  _globals['_BLOCKDATA']._serialized_start=1908
+  _globals['_BLOCKDATA']._serialized_end=2089
+  _globals['_ROUTERSTATUSREQUEST']._serialized_start=2091
+  _globals['_ROUTERSTATUSREQUEST']._serialized_end=2112
+  _globals['_WORKERSTATUS']._serialized_start=2115
+  _globals['_WORKERSTATUS']._serialized_end=2280
+  _globals['_ROUTERSTATUS']._serialized_start=2282
+  _globals['_ROUTERSTATUS']._serialized_end=2404
+  _globals['_WORKER']._serialized_start=2407
+  _globals['_WORKER']._serialized_end=2880
+  _globals['_ROUTER']._serialized_start=2883
+  _globals['_ROUTER']._serialized_end=3029
 # @@protoc_insertion_point(module_scope)

@@ -152,18 +152,27 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "queued_prefill_tokens", "free_blocks", "total_blocks")
+    __slots__ = ("running_requests", "waiting_requests", "queued_prefill_tokens", "free_blocks", "total_blocks", "tier_weights")
+    class TierWeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     queued_prefill_tokens: int
     free_blocks: int
     total_blocks: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+    tier_weights: _containers.ScalarMap[str, float]
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., tier_weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ()

@@ -27,7 +27,7 @@ from typing import Iterable, Mapping, Sequence
 
 from kvmesh.cache_store.events import MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
-__all__ = ["TIER_WEIGHTS", "PrefixMatch", "ClusterIndex", "weighted_blocks"]
+__all__ = ["TIER_WEIGHTS", "PrefixMatch", "ClusterIndex", "reported_tier_weights", "weighted_blocks"]
 
 #: Credit of one matched block by the tier it is loaded from, as a fraction of
 #: the cost of recomputing it. A block on the device saves its whole prefill
@@ -36,9 +36,32 @@ __all__ = ["TIER_WEIGHTS", "PrefixMatch", "ClusterIndex", "weighted_blocks"]
 #: These are planning defaults, not measurements: the 0.8 for host memory
 #: assumes a PCIe copy of a block takes about a fifth of its prefill time, 0.5
 #: for local disk about half, 0.4 for a peer or remote store (network plus
-#: serialization). Tune them per deployment from measured load and prefill
-#: throughput: ``weight = 1 - load_time / recompute_time``, clipped to [0, 1].
+#: serialization). Workers measure both and report ``weight = 1 - load_time /
+#: recompute_time``, clipped to [0, 1], for their host, disk and remote tiers in
+#: their load (`reported_tier_weights`); these defaults stand in until they have.
 TIER_WEIGHTS: dict[str, float] = {"device": 1.0, "host": 0.8, "disk": 0.5, "peer": 0.4, "remote": 0.4}
+
+
+
+def reported_tier_weights(reported: object, defaults: Mapping[str, float] = TIER_WEIGHTS) -> Mapping[str, float]:
+    """``defaults`` with the lower tiers' weights a worker measured and reported in its load
+    (``Load.tier_weights``, `workers.engine.Engine.tier_weights`) put in their place.
+
+    Only "host", "disk" and "remote" are taken, each clipped to [0, 1]; anything else in
+    ``reported`` (other media, non-numbers, NaN; a lease from an older worker has none) is
+    ignored. Returns ``defaults`` itself when nothing is taken.
+    """
+    if not isinstance(reported, Mapping) or not reported:
+        return defaults
+    out = None
+    for medium in ("host", "disk", "remote"):
+        v = reported.get(medium)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v:
+            if out is None:
+                out = dict(defaults)
+            out[medium] = min(1.0, max(0.0, float(v)))
+    return defaults if out is None else out
+
 
 _MEDIUM_INDEX = {m: i for i, m in enumerate(MEDIUMS)}
 _DEVICE = _MEDIUM_INDEX["device"]

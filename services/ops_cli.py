@@ -74,7 +74,8 @@ def router_status(target: str, timeout: float = 10.0, api_key: str | None = None
                         "waiting_requests": int(w.load.waiting_requests),
                         "queued_prefill_tokens": int(w.load.queued_prefill_tokens),
                         "free_blocks": int(w.load.free_blocks), "total_blocks": int(w.load.total_blocks),
-                        "model_id": w.model_id, "block_size": int(w.block_size), "routed_around": w.routed_around})
+                        "model_id": w.model_id, "block_size": int(w.block_size), "routed_around": w.routed_around,
+                        "tier_weights": {m: round(v, 4) for m, v in sorted(w.load.tier_weights.items())}})
     out = {"policy": st.policy, "indexed_blocks": int(st.indexed_blocks), "workers": workers}
     if st.details_withheld:
         out["details_withheld"] = True

@@ -45,7 +45,7 @@ from kvmesh.cache_store.hashing import Namespace, hash_blocks
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.services.auth import Gate
-from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
+from kvmesh.services.cluster_index import ClusterIndex, reported_tier_weights, weighted_blocks
 from kvmesh.services.index_subscriber import IndexSubscriber
 from kvmesh.services.membership import Compatibility
 from kvmesh.services.shared_load import SharedLoad, matched_prefix
@@ -131,7 +131,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 worker_id=wid,
                 address=info["address"],
                 matched_blocks=m.num_blocks if m else 0,
-                weighted_blocks=weighted_blocks(m) if m else 0.0,
+                weighted_blocks=weighted_blocks(m, reported_tier_weights(load.get("tier_weights"))) if m else 0.0,
                 running_requests=local.running if stale else max(int(load.get("running_requests", 0)),
                                                                  local.running),
                 waiting_requests=int(load.get("waiting_requests", 0)),
@@ -310,7 +310,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 worker_id=wid, address=info.get("address", ""),
                 load=pb.Load(**{k: int(load.get(k, 0)) for k in (
                     "running_requests", "waiting_requests", "queued_prefill_tokens", "free_blocks",
-                    "total_blocks")}),
+                    "total_blocks")}, tier_weights=reported_tier_weights(load.get("tier_weights"), {})),
                 cached_blocks=self.index.num_blocks(wid), model_id=str(info.get("model_id", "")),
                 block_size=int(info.get("block_size", 0) or 0),
                 routed_around="" if wid in usable else (self.compat.reason(wid) or "not compatible")))

@@ -293,3 +293,38 @@ def test_match_deepest_agrees_with_match_for_the_deepest_holders(steps, req, lim
     assert a == idx.match_deepest(hashes, now=0.5, limit=limit, rng=random.Random(3))
     # every `also` worker with a match is there
     assert {w for w in also if w in full} <= set(got)
+
+
+def test_reported_tier_weights_replace_the_defaults_within_bounds():
+    from kvmesh.services.cluster_index import reported_tier_weights
+
+    assert reported_tier_weights(None) is TIER_WEIGHTS and reported_tier_weights({}) is TIER_WEIGHTS
+    got = reported_tier_weights({"host": 0.93, "disk": -0.4, "remote": 7, "device": 0.1, "peer": 0.9})
+    assert got == {**TIER_WEIGHTS, "host": 0.93, "disk": 0.0, "remote": 1.0}  # device and peer not taken
+    assert TIER_WEIGHTS["disk"] == 0.5  # the defaults are not changed
+    for junk in ({"disk": "0.9"}, {"disk": True}, {"disk": float("nan")}, ["disk"], "disk"):
+        assert reported_tier_weights(junk) is TIER_WEIGHTS, junk
+    assert reported_tier_weights({"disk": 0.25}, {}) == {"disk": 0.25}  # reported only (router Status)
+    m = PrefixMatch(num_blocks=4, by_medium={"device": 2, "disk": 2})
+    assert weighted_blocks(m, reported_tier_weights({"disk": 0.0})) == 2.0
+
+
+def test_router_credits_a_holder_by_the_weights_it_reported():
+    """A worker whose disk measured slower than its prefill reports disk weight 0: the
+    router's view credits its disk-held prefix with nothing (the worker would compute it),
+    while a worker that reported nothing keeps the default credit."""
+    from kvmesh.cache_store.hashing import Namespace, hash_blocks
+    from kvmesh.services.router import RouterServicer
+
+    bs = 16
+    hashes = hash_blocks(list(range(1, 1 + 10 * bs)), bs, Namespace(model_id="m").root_hash()).hashes
+    index = ClusterIndex()
+    for w in ("slow_disk", "default"):
+        index.apply_snapshot(w, 0, [(h, None, "disk") for h in hashes])
+    live = {"slow_disk": {"address": "a:1", "load": {"tier_weights": {"disk": 0.0, "host": 0.9}}},
+            "default": {"address": "b:1", "load": {}}}
+    views = {v.worker_id: v for v in RouterServicer(index, subscriber=None, seed=0)._views(live, list(hashes), 0.0,
+                                                                                          set())}
+    assert views["slow_disk"].matched_blocks == views["default"].matched_blocks == 10
+    assert views["slow_disk"].weighted_blocks == 0.0
+    assert views["default"].weighted_blocks == 10 * TIER_WEIGHTS["disk"]

@@ -507,3 +507,27 @@ def test_record_key_flag_is_checked_and_given_by_up(capsys, tmp_path, redis_serv
     key_file = cmd[cmd.index("--remote-record-key-file") + 1]
     assert key_file == c.credentials.record_key and os.stat(key_file).st_mode & 0o777 == 0o600
     assert "--remote-record-key-file" not in c._secure_args()  # the router has no remote tier
+
+
+def test_tier_weights_report_what_a_load_saves(disk_engine):
+    """`Engine.tier_weights`: 1 - load seconds per block / prefill seconds per block,
+    clipped at 0, for the media measured; carried by the load report and its proto."""
+    from kvmesh.workers import wire
+
+    e = disk_engine
+    saved_rate, saved_costs = e._prefill_rate, dict(e.tiers.load_seconds_per_block)
+    try:
+        e._prefill_rate = None
+        assert e.tier_weights() == {} and e.load()["tier_weights"] == {}
+        e._prefill_rate = BS / 0.001  # 1 ms of prefill per block
+        e.tiers.load_seconds_per_block.clear()
+        e.tiers.load_seconds_per_block.update({"host": 0.0002, "disk": 0.003})
+        assert e.tier_weights() == {"host": pytest.approx(0.8), "disk": 0.0}  # no remote tier measured
+        load = e.load()
+        assert load["tier_weights"] == e.tier_weights()
+        back = wire.load_from_proto(wire.load_to_proto(load))
+        assert back["tier_weights"] == pytest.approx(load["tier_weights"])
+    finally:
+        e._prefill_rate = saved_rate
+        e.tiers.load_seconds_per_block.clear()
+        e.tiers.load_seconds_per_block.update(saved_costs)

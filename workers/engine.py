@@ -613,7 +613,34 @@ class Engine:
         """
         snap = dict(self._load_snapshot)
         snap["waiting_requests"] += len(self._inbox)
+        snap["tier_weights"] = self.tier_weights()
         return snap
+
+    def tier_weights(self) -> dict[str, float]:
+        """Measured credit of one cached block on each lower tier, for routers: the
+        fraction of its prefill that loading it from there saves,
+        ``max(0, 1 - load_seconds_per_block / prefill_seconds_per_block)``
+        (the formula of `services.cluster_index.TIER_WEIGHTS`, here from this worker's
+        own measurements). "host" is the host slab's load; "disk" and "remote" are the
+        disk or Redis read (and checks) plus, where the block came through the staging
+        area, the load from there. Media not measured yet, or all media before any
+        prefill step was timed, are absent. Lock-free; never waits on a model step.
+        """
+        rate = self._prefill_rate
+        if self.tiers is None or not rate:
+            return {}
+        compute = self.block_size / rate  # seconds of prefill per block
+        costs = dict(self.tiers.load_seconds_per_block)
+        staging = costs.get("peer", 0.0)
+        out = {}
+        for medium, cost in (("host", costs.get("host")), ("disk", costs.get("disk")),
+                             ("remote", costs.get("remote"))):
+            if cost is None:
+                continue
+            if medium == "remote" or (medium == "disk" and self.tiers.can_prefetch):
+                cost += staging
+            out[medium] = round(max(0.0, 1.0 - cost / compute), 4)
+        return out
 
     def _count_load(self) -> dict:
         """Load counted from the scheduler (engine thread, or under the engine lock)."""

@@ -82,7 +82,7 @@ def timing_from_proto(t: pb.Timing) -> dict:
 
 
 def load_to_proto(load: dict) -> pb.Load:
-    return pb.Load(**load)
+    return pb.Load(**load)  # tier_weights: a dict fills the proto map
 
 
 def load_from_proto(load: pb.Load) -> dict:
@@ -92,4 +92,5 @@ def load_from_proto(load: pb.Load) -> dict:
         "queued_prefill_tokens": load.queued_prefill_tokens,
         "free_blocks": load.free_blocks,
         "total_blocks": load.total_blocks,
+        "tier_weights": dict(load.tier_weights),
     }
