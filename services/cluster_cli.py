@@ -63,7 +63,9 @@ def cmd_router(args: argparse.Namespace) -> int:
     return run_server(serve_router(args.port, args.redis_url, policy=args.policy, host=args.host, model_dir=args.model,
                                    cluster=args.cluster, seed=args.seed, gate=gate, reflection=args.reflection,
                                    max_concurrent_rpcs=args.max_concurrent_rpcs,
-                                   max_inflight_per_tenant=args.max_inflight_per_tenant, **ports), args.port)
+                                   max_inflight_per_tenant=args.max_inflight_per_tenant,
+                                   tenant_request_limit=args.tenant_request_limit,
+                                   tenant_token_limit=args.tenant_token_limit, **ports), args.port)
 
 
 #: engine flags of `up` that `ClusterSpec` carries itself (``--disk-dir``: one subfolder per worker)
@@ -239,6 +241,19 @@ def add_worker_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="Redis key namespace of the cluster: 1-64 of A-Z a-z 0-9 . _ - (default 'default')")
 
 
+def _budget(flag: str):
+    """argparse type of a ``N/PERIOD`` budget flag (`services.rate_limit.parse_limit`)."""
+    def parse(text: str) -> str:
+        from kvmesh.services.rate_limit import parse_limit
+
+        try:
+            parse_limit(flag, text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text.strip()
+    return parse
+
+
 def register(sub) -> None:
     from kvmesh.services.cli import _add_engine_args
 
@@ -259,6 +274,15 @@ def register(sub) -> None:
                    help=f"routing policy, one of: {policies} (default kv_aware)")
     p.add_argument("--model", default=None, help="model directory (for its tokenizer); default built-in")
     p.add_argument("--seed", type=int, default=None, help="seed of the router's tie-breaking")
+    p.add_argument("--tenant-request-limit", type=_budget("--tenant-request-limit"), default=None,
+                   metavar="N/PERIOD",
+                   help="most Generate requests one tenant (from its API key or certificate) may send per period, "
+                        "e.g. 600/minute (PERIOD: second, minute, hour or day), counted in --redis-url for every "
+                        "router of the --cluster; more get RESOURCE_EXHAUSTED with a retry-after (default: none)")
+    p.add_argument("--tenant-token-limit", type=_budget("--tenant-token-limit"), default=None,
+                   metavar="N/PERIOD",
+                   help="most prompt tokens one tenant may send per period, e.g. 2000000/minute, as "
+                        "--tenant-request-limit (default: none)")
     from kvmesh.services.observability import add_server_flags
 
     add_server_flags(p, "router")

@@ -134,10 +134,11 @@ Authenticator = Callable[[str | None], "str | Awaitable[str]"]
 class GrpcAbort(Exception):
     """Raised by `_HttpContext.abort`: the request ends with this gRPC status."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple = ()):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.trailing_metadata = trailing_metadata
 
 
 async def read_json_object(request: web.Request, timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S) -> dict:
@@ -416,20 +417,24 @@ class HttpError(Exception):
     """An error answered with OpenAI's error body."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     @classmethod
     def from_abort(cls, exc: GrpcAbort) -> "HttpError":
         status, type_ = HTTP_STATUS.get(exc.code, (500, "server_error"))
-        return cls(status, exc.details or exc.code.name, type_, code=exc.code.name.lower())
+        # a rate limit's "retry-after" (seconds) becomes the Retry-After header (RFC 9110, 10.2.3)
+        retry = next((v for k, v in exc.trailing_metadata if k == "retry-after" and str(v).isdigit()), None)
+        return cls(status, exc.details or exc.code.name, type_, code=exc.code.name.lower(),
+                   headers={"Retry-After": str(retry)} if retry is not None else None)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
 class _HttpContext:
@@ -438,9 +443,13 @@ class _HttpContext:
     def __init__(self, timeout_s: float, metadata: tuple = ()):
         self._deadline = time.monotonic() + timeout_s
         self._metadata = metadata
+        self._trailing: tuple = ()
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise GrpcAbort(code, details)
+        raise GrpcAbort(code, details, self._trailing)
+
+    def set_trailing_metadata(self, metadata: tuple) -> None:
+        self._trailing = tuple(metadata)
 
     def time_remaining(self) -> float:
         return max(0.0, self._deadline - time.monotonic())

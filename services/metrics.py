@@ -437,3 +437,16 @@ class _RouterCollector:
                                   "(or was withdrawn at shutdown).")
         exp.add_metric([], getattr(sub, "lease_expiries", 0))
         yield exp
+        limited = getattr(router, "rate_limit", None)
+        if limited is not None:
+            refused = CounterMetricFamily(_name("router_rate_limited"), "Generate requests refused for a tenant's "
+                                          "--tenant-request-limit or --tenant-token-limit, by budget.",
+                                          labels=["budget"])
+            for budget, n in sorted(limited.refused.items()):
+                refused.add_metric([budget], n)
+            yield refused
+            failed = CounterMetricFamily(_name("router_rate_limit_failed_open"), "Requests admitted without a "
+                                         "rate-limit check because the cluster's Redis failed or took over "
+                                         "a second.")
+            failed.add_metric([], limited.failed_open)
+            yield failed

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import re
 import time
@@ -50,6 +51,7 @@ from kvmesh.services.index_subscriber import IndexSubscriber
 from kvmesh.services.membership import Compatibility
 from kvmesh.services.shared_load import SharedLoad, matched_prefix
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy, prefix_holder
+from kvmesh.services.rate_limit import TenantRateLimit
 from kvmesh.workers.config import ModelConfig
 from kvmesh.workers.grpc_guard import LogLimiter, TenantCap, clip
 from kvmesh.workers.model_identity import base_model_id
@@ -92,6 +94,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.gate = gate or Gate()
         #: per-tenant bound on Generate calls in flight (`--max-inflight-per-tenant`; 0: none)
         self.tenant_cap = TenantCap(0)
+        #: per-tenant request and token budgets (`services.rate_limit`); None: none
+        self.rate_limit: TenantRateLimit | None = None
         self._channels = ChannelPool(tls=self.gate.tls)  # mutual TLS to workers when configured
         self._inflight: dict[str, _Inflight] = {}
         self.routed = RoutedShare()
@@ -219,6 +223,13 @@ class RouterServicer(pb_grpc.RouterServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the router tokenizes for model {self.config.model_id!r} but workers serve {model_id!r}: start the "
                 f"router with --model pointing at the workers' model directory, or send token_ids")
+        if self.rate_limit is not None:  # last: a request refused for any other reason spends nothing
+            refused = await self.rate_limit.check(tenant, len(ids))
+            if refused is not None:
+                message, wait = refused
+                if wait > 0:
+                    context.set_trailing_metadata((("retry-after", str(math.ceil(wait))),))
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         ns = Namespace(model_id=model_id, cache_salt=salt, adapter_id=request.adapter_id, tenant=tenant)
         hashes = list(hash_blocks(ids, block_size, ns.root_hash()).hashes)
         forward = pb.GenerateRequest()
@@ -428,7 +439,8 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
                        metrics_port: int | None = None, http_port: int | None = None,
                        gate: Gate | None = None, reflection: bool = False,
                        max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
-                       max_inflight_per_tenant: int = 0) -> None:
+                       max_inflight_per_tenant: int = 0, tenant_request_limit: str | None = None,
+                       tenant_token_limit: str | None = None) -> None:
     """Serve kvmesh.v1.Router on host:port until ``stop`` is set or SIGINT/SIGTERM.
 
     ``metrics_port`` serves Prometheus ``/metrics`` (`services.metrics`); ``http_port``
@@ -437,9 +449,13 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
     its TLS config also secures the calls to workers. ``reflection`` turns on gRPC reflection;
     ``max_concurrent_rpcs`` caps the Generate and Tokenize calls in flight (`GrpcHost`), and
     ``max_inflight_per_tenant`` each tenant's Generate calls (`grpc_guard.TenantCap`; 0: no cap).
+    ``tenant_request_limit`` / ``tenant_token_limit`` ("N/minute", ...; None: none) are each
+    tenant's request and prompt-token budgets, counted in ``redis_url`` for every router of
+    the cluster (`services.rate_limit.TenantRateLimit`).
 
     Raises:
-        ValueError: unknown policy name, or a negative ``max_inflight_per_tenant``.
+        ValueError: unknown policy name, a negative ``max_inflight_per_tenant`` or a malformed
+            budget.
         RuntimeError: the port could not be bound.
     """
     index = ClusterIndex()
@@ -451,6 +467,8 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
     subscriber = IndexSubscriber(redis_url, index, resync, cluster=cluster)
     servicer = RouterServicer(index, subscriber, policy, model_dir=model_dir, seed=seed, gate=gate)
     servicer.tenant_cap = TenantCap(max_inflight_per_tenant)
+    if tenant_request_limit or tenant_token_limit:
+        servicer.rate_limit = TenantRateLimit(redis_url, cluster, tenant_request_limit, tenant_token_limit)
     grpc_host = GrpcHost(host, port, [
         (pb_grpc.add_RouterServicer_to_server, servicer, pb.DESCRIPTOR.services_by_name["Router"].full_name),
         (pb_grpc.add_WorkerServicer_to_server, WorkerFacade(servicer),
@@ -479,4 +497,6 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
     await grpc_host.stop()
     await subscriber.stop()
     await servicer.shared.close()
+    if servicer.rate_limit is not None:
+        await servicer.rate_limit.close()
     await servicer.close()

@@ -48,6 +48,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--backend vllm needs at least one --vllm-server URL,EVENTS")
     if args.vllm_block_size is None:
         parser.error("--backend vllm needs --vllm-block-size (the servers' --block-size)")
+    for flag in ("tenant_request_limit", "tenant_token_limit"):
+        if getattr(args, flag, None):  # a limit that would be silently ignored is refused
+            parser.error(f"--{flag.replace('_', '-')} is not supported with --backend vllm "
+                         "(its counters live in the cluster's Redis, which this mode has none of)")
     port = args.http_port if args.http_port is not None else args.port
     if port is None:
         parser.error("--backend vllm serves OpenAI HTTP: give --http-port (or --port)")

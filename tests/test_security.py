@@ -638,3 +638,61 @@ def test_an_https_client_that_leaves_frees_its_slot_and_its_worker(cluster, tmp_
                     time.sleep(0.2)
     finally:
         stop_process(proc)
+
+
+def test_tenant_rate_limits_at_the_router_over_grpc_and_https(cluster, tmp_path):
+    """A router with --tenant-request-limit 2/minute: tenant default's third request (gRPC
+    or HTTPS) is refused RESOURCE_EXHAUSTED / 429 naming the flag, with a retry-after in
+    seconds (trailing metadata; Retry-After header), while tenant-b keeps its own budget;
+    a prompt larger than --tenant-token-limit is refused as such. Outputs of admitted
+    requests are the same as without limits (the cluster's own router)."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from kvmesh.services.client import KvmeshClient
+    from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+
+    port, http_port = free_port(), free_port()
+    proc = spawn(python_cmd("router", "--port", str(port), *cluster._secure_args(), "--cluster", cluster.cluster,
+                            "--http-port", str(http_port), "--tenant-request-limit", "2/minute",
+                            "--tenant-token-limit", "50/minute"),
+                 str(tmp_path / "router.log"), env=cluster._env())
+    address = f"127.0.0.1:{port}"
+    ctx = ssl.create_default_context(cafile=cluster.credentials.ca)
+
+    def post(key):
+        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 1}).encode()
+        req = urllib.request.Request(f"https://127.0.0.1:{http_port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=60) as r:
+                return r.status, dict(r.headers), json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), json.loads(e.read())
+
+    try:
+        wait_healthy(address, proc=proc, tls=cluster.tls)
+        with KvmeshClient(address, **client(cluster), timeout=120, retries=0) as a, \
+                KvmeshClient(address, **client(cluster, KEY_C), timeout=120, retries=0) as c, \
+                KvmeshClient(cluster.router_address, **client(cluster), timeout=120, retries=0) as unlimited:
+            want = unlimited.generate(token_ids=[9, 8, 7, 6], max_tokens=3).token_ids
+            assert a.generate(token_ids=[9, 8, 7, 6], max_tokens=3).token_ids == want
+            status, _, _ = post(cluster.credentials.api_key)  # the second request, over HTTPS
+            assert status == 200
+            with pytest.raises(grpc.RpcError) as exc:
+                a.generate(token_ids=[9, 8, 7, 6], max_tokens=3)
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--tenant-request-limit" in exc.value.details() and "'default'" in exc.value.details()
+            retry = dict(exc.value.trailing_metadata() or ())["retry-after"]
+            assert 1 <= int(retry) <= 120
+            status, headers, body = post(cluster.credentials.api_key)
+            assert status == 429 and body["error"]["type"] == "rate_limit_error"
+            assert 1 <= int(headers["Retry-After"]) <= 120 and "--tenant-request-limit" in body["error"]["message"]
+            assert c.generate(token_ids=[9, 8, 7, 6], max_tokens=3).token_ids == want  # another tenant's budget
+            with pytest.raises(grpc.RpcError) as exc:
+                c.generate(token_ids=list(range(1, 62)), max_tokens=1)
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "whole token budget" in exc.value.details()
+    finally:
+        stop_process(proc)
