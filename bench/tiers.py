@@ -315,6 +315,17 @@ def _drop_page_cache(store) -> None:
             os.close(fd)
 
 
+def _under_cost_policy(engine, prompt: list[int]) -> dict:
+    """One 1-token request on ``engine`` under the "cost" load policy (then "always" again)."""
+    from kvmesh.workers.request import SamplingParams
+
+    engine.tiers.load_policy = "cost"
+    try:
+        return engine.generate(prompt, SamplingParams(max_tokens=1))
+    finally:
+        engine.tiers.load_policy = "always"
+
+
 def bench_ttft(rounds: int = 5, seed: int = 0, directory: str | None = None, on_round=None,
                device: str = "cpu") -> dict:
     """TTFT of a 2,048-token prompt, cold and with 1,792 tokens cached on each tier.
@@ -364,12 +375,7 @@ def bench_ttft(rounds: int = 5, seed: int = 0, directory: str | None = None, on_
             for tier in ("device", "host", "disk"):
                 res[tier].append(measured(cached_on(tier), tier))
             # the disk case again, weighed: both costs have been measured by now
-            prefix = cached_on("disk")
-            engine.tiers.load_policy = "cost"
-            try:
-                out = engine.generate(prefix + toks(tail), one)
-            finally:
-                engine.tiers.load_policy = "always"
+            out = _under_cost_policy(engine, cached_on("disk") + toks(tail))
             res["disk_cost"].append(out["timing"]["ttft_ms"])
             loaded.append(out["usage"]["cached_tokens_by_tier"]["disk"])
             if on_round is not None:
@@ -447,11 +453,7 @@ def bench_ttft_remote(rounds: int = 5, seed: int = 1, on_round=None, device: str
             writer.offload_device_cache()
             writer.flush_tiers(60)
             reader.clear_cache()
-            reader.tiers.load_policy = "cost"
-            try:
-                out = reader.generate(prefix + toks(tail), one)
-            finally:
-                reader.tiers.load_policy = "always"
+            out = _under_cost_policy(reader, prefix + toks(tail))
             res["remote_cost"].append(out["timing"]["ttft_ms"])
             loaded.append(out["usage"]["cached_tokens_by_tier"]["remote"])
             if on_round is not None:
