@@ -90,6 +90,17 @@ class Located:
     medium: str
 
 
+@dataclass(slots=True, frozen=True)
+class _Staged:
+    """The identity a staging-area entry keeps: the record's, plus the tenant it was read for
+    (``owner``, what `host_tier.HostTier` evicts fairly by)."""
+
+    block_hash: bytes
+    parent_hash: bytes
+    token_bytes: bytes
+    owner: object = None
+
+
 class CodecNotAccepted(RecordError):
     """A sound record in a codec this worker's tiers do not accept (`TierStore.check_codec`)."""
 
@@ -164,8 +175,10 @@ class TierStore:
         #: lossiest codec the KV went through).
         self.row_loss = bytearray(kv_cache.shape[0])
         #: per source kind ("host", "peer", "disk"), an EWMA of the wall seconds one block
-        #: took to load into the pool (read, verify, decode, copy); unset until measured
+        #: took to load into the pool (read, verify, decode, copy); "disk" and "remote" also
+        #: from the prefetch's reads into the staging area; unset until measured
         self.load_seconds_per_block: dict[str, float] = {}
+        self._cuts: dict[tuple[str, str], int] = {}  # (stage, source) -> cuts so far (`_probe`)
         on_cuda = kv_cache.device.type == "cuda"
         #: `TierConfig.load_policy` with "auto" resolved for this pool's device
         self.load_policy = (config.load_policy if config.load_policy != "auto"
@@ -174,6 +187,10 @@ class TierStore:
                      if config.host_bytes > 0 else None)
         self.peer = (HostTier(config.peer_bytes, self.codec("none"), pin_memory=on_cuda, medium="peer")
                      if config.peer_bytes > 0 else None)
+        if self.peer is not None and self.peer.num_slots == 0:
+            raise ValueError(f"peer_bytes {config.peer_bytes} cannot hold one block "
+                             f"({self.codec('none').payload_bytes} bytes): give at least that, or 0 for no "
+                             "staging area")
         self.disk: DiskTier | None = None
         self.disk_codec = self.codec(config.disk_codec)
         self._generation = 0
@@ -243,9 +260,22 @@ class TierStore:
 
     #: Weight of the newest sample in ``load_seconds_per_block``.
     LOAD_COST_ALPHA = 0.25
-    #: One in this many cuts by `worth_loading` loads anyway (a fresh measurement).
+    #: One in this many cuts of one source at one stage (`worth_loading`, `worth_fetching`)
+    #: reads anyway: a fresh measurement.
     PROBE_EVERY = 16
-    _cuts = 0
+    #: Reads of fewer blocks than this are not folded into the prefetch's per-block costs:
+    #: their time is mostly the round trip or the seek, not the blocks.
+    MIN_COST_SAMPLE_BLOCKS = 4
+
+    def _probe(self, stage: str, kind: str) -> bool:
+        """Count one cut of ``kind`` at ``stage`` ("load" or "fetch"); True when this one is
+        the ``PROBE_EVERY``-th of that pair and should read anyway. Each (stage, source)
+        pair counts on its own, so that a request cutting at both stages cannot keep every
+        probe on one of them."""
+        with self.lock:
+            key = (stage, kind)
+            n = self._cuts[key] = self._cuts.get(key, 0) + 1
+            return n % self.PROBE_EVERY == 0
 
     def _note_load_cost(self, kind: str, seconds: float) -> None:
         old = self.load_seconds_per_block.get(kind)
@@ -257,9 +287,11 @@ class TierStore:
         ``"cost"``: up to the first block whose source has measured slower per block
         (``load_seconds_per_block``) than ``compute_seconds_per_block``, the worker's
         prefill time for one block's tokens; a source not measured yet, or no prefill
-        estimate, loads. Every ``PROBE_EVERY``-th cut is skipped, so that a tier that got
-        faster (a warm page cache, a quieter disk) is measured again. Cut blocks are
-        counted in ``stats_counters["loads_not_worth_it"]``.
+        estimate, loads. Every ``PROBE_EVERY``-th cut of a source is skipped, so that a tier
+        that got faster (a warm page cache, a quieter disk) is measured again; except the
+        disk where :meth:`prefetch` reads it (a staging area): its probes happen there, off
+        the engine thread, never in scheduling. Cut blocks are counted in
+        ``stats_counters["loads_not_worth_it"]``.
         """
         n = len(located)
         if self.load_policy != "cost" or not compute_seconds_per_block or not n:
@@ -268,10 +300,11 @@ class TierStore:
         for i, loc in enumerate(located):
             cost = costs.get(loc.source.kind)
             if cost is not None and cost > compute_seconds_per_block:
-                self._cuts += 1
-                if self._cuts % self.PROBE_EVERY == 0:
+                kind = loc.source.kind
+                if not (kind == "disk" and self.can_prefetch) and self._probe("load", kind):
                     return n
-                self.stats_counters["loads_not_worth_it"] += n - i
+                with self.lock:
+                    self.stats_counters["loads_not_worth_it"] += n - i
                 return i
         return n
 
@@ -285,12 +318,9 @@ class TierStore:
         if self.load_policy != "cost" or not compute_seconds_per_block:
             return True
         cost = self.load_seconds_per_block.get(kind)
-        if cost is None or cost <= compute_seconds_per_block:
+        if cost is None or cost <= compute_seconds_per_block or self._probe("fetch", kind):
             return True
         with self.lock:
-            self._cuts += 1
-            if self._cuts % self.PROBE_EVERY == 0:
-                return True
             self.stats_counters["fetches_not_worth_it"] += 1
         return False
 
@@ -734,7 +764,8 @@ class TierStore:
         return self.peer is not None and (self.disk is not None or self.remote is not None)
 
     def prefetch(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
-                 root: bytes, compute_seconds_per_block: float | None = None) -> dict[str, int]:
+                 root: bytes, compute_seconds_per_block: float | None = None, owner: object = None
+                 ) -> dict[str, int]:
         """Stage the request's blocks that only the disk or the remote tier holds (caller's thread).
 
         Runs in the thread of whoever submits the request, not the engine's, so
@@ -755,8 +786,8 @@ class TierStore:
         Under the ``"cost"`` load policy a source measured slower per block than
         ``compute_seconds_per_block`` is not read at all (:meth:`worth_fetching`): on
         a GPU a small model's prefill can beat a disk read or a Redis round trip.
-        Each read is timed per block staged and folded into ``load_seconds_per_block``
-        under its medium.
+        Each read of at least ``MIN_COST_SAMPLE_BLOCKS`` blocks is timed per block read
+        and folded into ``load_seconds_per_block`` under its medium.
 
         Args:
             hashes, block_tokens, root: the request's chain, as for :meth:`locate`.
@@ -764,6 +795,8 @@ class TierStore:
             stop: one past the last position worth loading (``(L - 1) // block_size``).
             compute_seconds_per_block: the worker's prefill time for one block's tokens
                 (seconds), or None when not measured yet.
+            owner: the request's tenant: staged blocks count as its when the staging area
+                evicts (fairly between tenants, as the host tier).
 
         Returns:
             blocks staged per medium, e.g. ``{"disk": 12, "remote": 40}`` (empty when
@@ -803,19 +836,19 @@ class TierStore:
             if ok < len(entries):
                 first = from_disk[ok][0]  # the run ends at the bad record
             if ok:
-                staged = out["disk"] = self._stage_quietly([(d.meta, p) for d, p in zip(entries[:ok], payloads)],
-                                                           "disk", generation)
-                if staged:
-                    self._note_load_cost("disk", (time.perf_counter() - t0) / staged)
+                out["disk"] = self._stage_quietly([(d.meta, p) for d, p in zip(entries[:ok], payloads)], "disk",
+                                                  generation, owner)
+                if len(entries) >= self.MIN_COST_SAMPLE_BLOCKS:
+                    self._note_load_cost("disk", (time.perf_counter() - t0) / len(entries))
         room = budget - len(from_disk)
         if (self.remote is not None and first < stop and first == i and room > 0
                 and self.worth_fetching("remote", compute_seconds_per_block)):
             t0 = time.perf_counter()
             run = self._remote_run(hashes, block_tokens, first, min(stop, first + room), root)
             if run:
-                staged = out["remote"] = self._stage_quietly(run, "remote", generation)
-                if staged:
-                    self._note_load_cost("remote", (time.perf_counter() - t0) / staged)
+                out["remote"] = self._stage_quietly(run, "remote", generation, owner)
+                if len(run) >= self.MIN_COST_SAMPLE_BLOCKS:
+                    self._note_load_cost("remote", (time.perf_counter() - t0) / len(run))
         return out
 
     def _remote_run(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
@@ -866,15 +899,17 @@ class TierStore:
                     self._drop_damaged(exc)
             return good, ok
 
-    def _stage_quietly(self, blocks: list[tuple[RecordMeta, object]], origin: str, generation: int) -> int:
+    def _stage_quietly(self, blocks: list[tuple[RecordMeta, object]], origin: str, generation: int,
+                       owner: object = None) -> int:
         try:
-            return self.stage(blocks, origin=origin, generation=generation)
+            return self.stage(blocks, origin=origin, generation=generation, owner=owner)
         except RecordError as exc:
             log.warning("%s tier: blocks not staged: %s", origin, exc)
             return 0
 
     # -- peer staging ----------------------------------------------------------------------------
-    def stage(self, blocks: list[tuple[RecordMeta, object]], origin: str = "peer", generation: int | None = None) -> int:
+    def stage(self, blocks: list[tuple[RecordMeta, object]], origin: str = "peer", generation: int | None = None,
+              owner: object = None) -> int:
         """Keep verified blocks fetched from a peer (or the remote tier) until the request that
         asked for them loads them.
 
@@ -885,6 +920,9 @@ class TierStore:
             origin: the medium the blocks are credited to when loaded.
             generation: the store's ``generation`` when the caller started reading
                 the blocks; if the cache was cleared since, nothing is staged.
+            owner: the tenant of the request they were read for (None: unknown). The
+                staging area evicts fairly between tenants, as the host tier does, so one
+                tenant's prefetches cannot push out the blocks staged for another's request.
 
         Returns:
             how many were staged (0 without a staging area; fewer when it is full).
@@ -903,14 +941,16 @@ class TierStore:
             if generation is not None and generation != self._generation:
                 return 0  # cleared while these were read: they must not outlive the clear
             fresh = [i for i, (m, _) in enumerate(blocks) if m.block_hash not in peer]
-            slots, _, _ = peer.reserve(len(fresh))
+            slots, _, _ = peer.reserve(len(fresh), incoming={owner: len(fresh)})
             fresh = fresh[:len(slots)]
             if not fresh:
                 return 0
             rows = peer.codec.encode(decoded[fresh])
             for row, slot in zip(rows, slots):
                 peer.slab[slot].copy_(row)
-            peer.insert_many([blocks[i][0] for i in fresh], slots, origin=None if origin == peer.medium else origin,
+            peer.insert_many([_Staged(blocks[i][0].block_hash, blocks[i][0].parent_hash, blocks[i][0].token_bytes,
+                                      owner) for i in fresh],
+                             slots, origin=None if origin == peer.medium else origin,
                              loss=[loss_rank(blocks[i][0].codec) for i in fresh])
             return len(fresh)
 

@@ -31,7 +31,7 @@ class PrefixLocation(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "adapter_id", "prefix_location", "return_text", "tenant", "model_id")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "adapter_id", "prefix_location", "return_text", "tenant", "model_id", "caller_tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class GenerateRequest(_message.Message):
     RETURN_TEXT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CALLER_TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -52,7 +53,8 @@ class GenerateRequest(_message.Message):
     return_text: bool
     tenant: str
     model_id: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., prefix_location: _Optional[_Union[PrefixLocation, _Mapping]] = ..., return_text: _Optional[bool] = ..., tenant: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
+    caller_tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., prefix_location: _Optional[_Union[PrefixLocation, _Mapping]] = ..., return_text: _Optional[bool] = ..., tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., caller_tenant: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -260,15 +260,27 @@ class Gate:
 
     async def tenant(self, context, request, edge: bool = False) -> tuple[str, str]:
         """(tenant, cache salt) of a Generate request; aborts the RPC on a refusal.
+        See `identity`."""
+        _, tenant, salt = await self.identity(context, request, edge)
+        return tenant, salt
 
-        A peer's request carries the tenant the router resolved (``request.tenant``),
-        trusted as is, unless ``edge`` (the router: clients only). Anyone else is resolved
-        from credentials, and may not set ``tenant`` or ``prefix_location``.
+    async def identity(self, context, request, edge: bool = False) -> tuple[str, str, str]:
+        """(caller's tenant, cache tenant, cache salt) of a Generate request; aborts the RPC
+        on a refusal.
+
+        The cache tenant and salt are the namespace the request's blocks are cached under
+        (`Authenticator.scope`: a ``shared:`` salt moves them to the shared namespace); the
+        caller's tenant is the one its credentials name, which per-tenant limits count
+        against, so that shared-namespace requests are not one bucket for every tenant.
+        A peer's request carries what the router resolved (``request.tenant``,
+        ``request.caller_tenant``), trusted as is, unless ``edge`` (the router: clients
+        only). Anyone else is resolved from credentials, and may not set ``tenant``,
+        ``caller_tenant`` or ``prefix_location``.
         """
         caller = self.caller(context)
         if caller.is_peer and not edge:
-            return request.tenant, request.cache_salt
-        for field in ("tenant", "prefix_location"):
+            return request.caller_tenant or request.tenant, request.tenant, request.cache_salt
+        for field in ("tenant", "caller_tenant", "prefix_location"):
             if request.HasField(field) if field == "prefix_location" else getattr(request, field):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     f"GenerateRequest.{field} is cluster-internal (set by the router); leave it "
@@ -276,7 +288,7 @@ class Gate:
         try:
             tenant = self.auth.tenant_for(_metadata(context, "authorization"),
                                           caller.name if caller.kind == "client" else None)
-            return self.auth.scope(tenant, request.cache_salt)
+            return (tenant, *self.auth.scope(tenant, request.cache_salt))
         except Unauthenticated as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         except Forbidden as exc:

@@ -336,16 +336,23 @@ def host_memory_problem(args: argparse.Namespace, cfg, workers: int = 1) -> str 
 
 
 def tier_size_problem(args: argparse.Namespace, cfg) -> str | None:
-    """A message naming ``--host-bytes``, ``--disk-bytes`` or ``--remote-bytes`` when it is
-    set (> 0) but cannot hold one block of the model ``cfg`` in its codec: a host tier of 0
-    slots, a disk tier whose one-block segment is over its capacity, a remote tier smaller
-    than one record. None otherwise."""
+    """A message naming ``--host-bytes``, ``--peer-bytes``, ``--disk-bytes`` or
+    ``--remote-bytes`` when it is set (> 0) but cannot hold one block of the model ``cfg``
+    in its codec: a host tier or staging area of 0 slots, a disk tier whose one-block
+    segment is over its capacity, a remote tier smaller than one record. None otherwise."""
     host = getattr(args, "host_bytes", 0) or 0
     if host > 0:
         need = tier_block_bytes(cfg, args.block_size, args.host_codec)
         if host < need:
             return (f"--host-bytes {host} cannot hold one block: a block of {args.block_size} tokens takes {need:,} "
                     f"bytes with --host-codec {args.host_codec}; give at least {need} (e.g. {_size_hint(need)})")
+    peer = getattr(args, "peer_bytes", 0) or 0
+    if peer > 0:  # the staging area keeps exact KV: remote reads, disk prefetches, peer fetches
+        need = tier_block_bytes(cfg, args.block_size, "none")
+        if peer < need:
+            return (f"--peer-bytes {peer} cannot hold one block: a block of {args.block_size} tokens takes {need:,} "
+                    f"bytes in the staging area, which the remote tier, disk prefetches and peer fetches read "
+                    f"into; give at least {need} (e.g. {_size_hint(need)}), or 0 to turn staging off")
     disk = getattr(args, "disk_bytes", 0) or 0
     remote = getattr(args, "remote_bytes", 0) or 0
     if not (disk > 0 and getattr(args, "disk_dir", None)) and not remote > 0:

@@ -195,16 +195,23 @@ class Completion:
 
 def make_request(prompt: str | None = None, token_ids=None, max_tokens: int = 16, tenant: str = "",
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False,
-                 request_id: str = "", return_text: bool = True) -> pb.GenerateRequest:
+                 request_id: str = "", return_text: bool = True, cache_salt: str = "") -> pb.GenerateRequest:
     """A ``kvmesh.v1.GenerateRequest``: ``prompt`` text or ``token_ids`` (one of them).
 
+    ``cache_salt`` splits the caller's cache namespace further (``"shared:NAME"``: the
+    shared namespace, for tenants allowed it); ``tenant`` is its older name, kept for
+    existing callers (the tenant itself always comes from the API key or certificate).
+
     Raises:
-        ValueError: both or neither of ``prompt`` and ``token_ids``, or a number the message
-            cannot carry (``max_tokens`` outside 1..2**32-1, ``seed`` outside 0..2**64-1, a
-            token id outside 0..2**32-1); the message names the argument.
+        ValueError: both or neither of ``prompt`` and ``token_ids``; ``tenant`` and
+            ``cache_salt`` both given and different; or a number the message cannot carry
+            (``max_tokens`` outside 1..2**32-1, ``seed`` outside 0..2**64-1, a token id
+            outside 0..2**32-1); the message names the argument.
     """
     if (prompt is None) == (token_ids is None):
         raise ValueError("give exactly one of prompt (text) and token_ids")
+    if tenant and cache_salt and tenant != cache_salt:
+        raise ValueError("tenant is the older name of cache_salt: give one of them")
     for name, value, top in (("max_tokens", max_tokens, 2 ** 32 - 1), ("seed", seed, 2 ** 64 - 1)):
         low = 1 if name == "max_tokens" else 0
         try:
@@ -217,7 +224,7 @@ def make_request(prompt: str | None = None, token_ids=None, max_tokens: int = 16
         request_id=request_id,
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                    ignore_eos=ignore_eos),
-        cache_salt=tenant, return_text=return_text)
+        cache_salt=cache_salt or tenant, return_text=return_text)
     if token_ids is not None:
         try:
             req.token_ids.ids.extend(int(t) for t in token_ids)

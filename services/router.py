@@ -178,16 +178,16 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     # ----------------------------------------------------------------- RPCs
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        tenant, salt = await self.gate.tenant(context, request, edge=True)
+        caller, tenant, salt = await self.gate.identity(context, request, edge=True)
         # aclosing at each layer: a caller that stops reading (a cancelled stream, the HTTP
         # front's aclose) runs _generate's own clean-up now (engine abort, in-flight counts)
-        async with contextlib.aclosing(self.tenant_cap.stream(tenant, context,
-                                                              self._generate(request, context, tenant, salt))) as out:
+        async with contextlib.aclosing(self.tenant_cap.stream(
+                caller, context, self._generate(request, context, tenant, salt, caller))) as out:
             async for msg in out:
                 yield msg
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, tenant: str,
-                        salt: str):
+                        salt: str, caller: str):
         max_len = context_limit(self.subscriber.live_workers(), self.config.max_position_embeddings)
         try:  # before tokenizing or hashing: a huge body costs milliseconds, not the router
             limits.check_prompt_size(request, max_len, "the workers' model")
@@ -224,7 +224,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 f"the router tokenizes for model {self.config.model_id!r} but workers serve {model_id!r}: start the "
                 f"router with --model pointing at the workers' model directory, or send token_ids")
         if self.rate_limit is not None:  # last: a request refused for any other reason spends nothing
-            refused = await self.rate_limit.check(tenant, len(ids))
+            refused = await self.rate_limit.check(caller, len(ids))
             if refused is not None:
                 message, wait = refused
                 if wait > 0:
@@ -237,7 +237,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         forward.DiscardUnknownFields()  # fields this router does not know never reach a worker
         forward.token_ids.ids[:] = ids  # tokenized once; workers never re-tokenize
         forward.request_id = request.request_id or uuid.uuid4().hex
-        forward.tenant, forward.cache_salt = tenant, salt
+        forward.tenant, forward.cache_salt, forward.caller_tenant = tenant, salt, caller
         forward.model_id = model_id  # a worker of another model refuses (and logs) instead of computing
         tried: set[str] = set()
         last_error = ""

@@ -182,11 +182,17 @@ def test_tier_minimum_is_exactly_one_block():
         assert f"give at least {need}" in tier_size_problem(args, cfg)
         args.host_bytes = need
         assert tier_size_problem(args, cfg) is None
+    need = tier_block_bytes(cfg, 16, "none")  # the staging area keeps exact KV
+    args = argparse.Namespace(block_size=16, host_bytes=0, host_codec="none", peer_bytes=need - 1)
+    assert "--peer-bytes" in tier_size_problem(args, cfg) and f"give at least {need}" in tier_size_problem(args, cfg)
+    args.peer_bytes = need
+    assert tier_size_problem(args, cfg) is None
 
 
 @pytest.mark.parametrize("argv, flag", [
     (["--host-bytes", "1"], "--host-bytes"),
     (["--host-bytes", "1M", "--disk-dir", "DIR", "--disk-bytes", "1"], "--disk-bytes"),
+    (["--host-bytes", "1M", "--peer-bytes", "32K"], "--peer-bytes"),
 ])
 def test_worker_tier_smaller_than_one_block_exits_2(tmp_path, argv, flag):
     argv = [str(tmp_path / "disk") if a == "DIR" else a for a in argv]

@@ -372,7 +372,7 @@ def test_a_tier_slower_than_prefill_is_skipped_then_probed(tmp_path):
         assert e.tier_stats()["loads_not_worth_it"] == blocks
 
         disk_only()
-        e.tiers._cuts = e.tiers.PROBE_EVERY - 1  # the next cut is a probe
+        e.tiers._cuts[("load", "disk")] = e.tiers.PROBE_EVERY - 1  # the next cut is a probe
         out, logits = run(e, prompt)
         assert out["usage"]["cached_tokens_by_tier"]["disk"] == BS * blocks
         assert out["token_ids"] == ref["token_ids"]
@@ -531,3 +531,121 @@ def test_tier_weights_report_what_a_load_saves(disk_engine):
         e._prefill_rate = saved_rate
         e.tiers.load_seconds_per_block.clear()
         e.tiers.load_seconds_per_block.update(saved_costs)
+
+
+def _staging_engine(tmp_path, **kw) -> Engine:
+    """Host, disk and a staging area (so `Engine.prefetch` reads the disk), "cost" policy."""
+    return Engine(device=DEVICE, num_blocks=64, block_size=BS,
+                  tiers=TierConfig(host_bytes=48 * BLOCK_BYTES, disk_dir=str(tmp_path), disk_bytes=64 << 20,
+                                   peer_bytes=kw.pop("staging_blocks", 32) * BLOCK_BYTES, load_policy="cost",
+                                   **kw)).start()
+
+
+def _disk_only(e: Engine) -> None:
+    to_host(e)
+    e.drop_host_tier()
+
+
+def test_a_slow_disk_is_probed_by_the_prefetch_never_on_the_engine_thread(tmp_path):
+    """With a staging area the disk is read by the prefetch, on the submitter's thread. Under
+    "cost" a disk measured slower than the prefill is cut at both stages, and its probes
+    (every PROBE_EVERY-th cut) happen in the prefetch only: the engine thread, which every
+    running request waits on, never reads the disk to re-measure it."""
+    e = _staging_engine(tmp_path)
+    readers: list[str] = []
+    read = e.tiers.disk.read
+
+    def traced(entries):
+        readers.append(threading.current_thread().name)
+        return read(entries)
+
+    e.tiers.disk.read = traced
+    try:
+        prompt = rand_prompt(43, 150)
+        ref, ref_logits = cold(e, prompt)
+        run(e, prompt + [7])
+        _disk_only(e)
+        out, _ = run(e, prompt)  # not measured yet: the prefetch reads and stages it
+        assert out["usage"]["cached_tokens_by_tier"]["disk"] == BS * cap_blocks(prompt)
+        assert readers and "kvmesh-engine" not in readers
+
+        e.tiers.load_seconds_per_block["disk"] = 10.0  # injected: 10 s per block
+        e._prefill_rate = e._prefill_rate or 1000.0
+        e.tiers._cuts[("load", "disk")] = e.tiers.PROBE_EVERY - 1  # would be a probe, in scheduling
+        _disk_only(e)
+        readers.clear()
+        out, logits = run(e, prompt)
+        assert out["usage"]["cached_tokens"] == 0 and readers == []  # cut at both stages, read nowhere
+        assert out["token_ids"] == ref["token_ids"] and max_diff(logits, ref_logits) < 1e-4
+
+        e.tiers._cuts[("fetch", "disk")] = e.tiers.PROBE_EVERY - 1  # the prefetch's next cut probes
+        _disk_only(e)
+        out, _ = run(e, prompt)
+        assert out["usage"]["cached_tokens_by_tier"]["disk"] == BS * cap_blocks(prompt)
+        assert readers and "kvmesh-engine" not in readers
+        assert e.tiers.load_seconds_per_block["disk"] < 10.0  # measured again
+    finally:
+        e.stop()
+
+
+def test_each_source_and_stage_is_probed_on_its_own(disk_engine):
+    """A request cutting at two stages (say a slow host tier while loading, a slow remote
+    tier while prefetching) must not keep every probe on one of them."""
+    t = disk_engine.tiers
+    saved = dict(t._cuts)
+    try:
+        t._cuts.clear()
+        probes = {("fetch", "remote"): 0, ("load", "host"): 0}
+        for _ in range(2 * t.PROBE_EVERY):
+            for stage, kind in probes:
+                probes[(stage, kind)] += t._probe(stage, kind)
+        assert probes == {("fetch", "remote"): 2, ("load", "host"): 2}
+    finally:
+        t._cuts.clear()
+        t._cuts.update(saved)
+
+
+def test_prefetch_costs_come_from_reads_of_several_blocks(tmp_path):
+    """A read of fewer than MIN_COST_SAMPLE_BLOCKS blocks (its time mostly the seek or the
+    round trip) does not set the per-block estimate; a longer one does."""
+    e = _staging_engine(tmp_path)
+    try:
+        assert e.tiers.MIN_COST_SAMPLE_BLOCKS > 2
+        short = rand_prompt(44, 2 * BS + 1)  # 2 blocks
+        run(e, short)
+        _disk_only(e)
+        assert e.prefetch(short) == {"disk": 2}
+        assert "disk" not in e.tiers.load_seconds_per_block
+        long = rand_prompt(45, 9 * BS + 1)
+        run(e, long)
+        _disk_only(e)
+        assert e.prefetch(long) == {"disk": 9}
+        assert e.tiers.load_seconds_per_block["disk"] > 0
+    finally:
+        e.stop()
+
+
+def test_the_staging_area_evicts_fairly_between_tenants(tmp_path):
+    """One tenant's prefetches do not push out the blocks staged for another tenant's
+    request: the staging area evicts from the tenant holding the most (as the host tier)."""
+    e = _staging_engine(tmp_path, staging_blocks=16)
+    try:
+        bob = rand_prompt(46, 6 * BS + 1)
+        alice = [rand_prompt(47 + i, 8 * BS + 1) for i in range(2)]
+        for p, who in [(bob, "bob"), *((p, "alice") for p in alice)]:
+            e.generate(p, SamplingParams(max_tokens=1), tenant=who)
+        _disk_only(e)
+        assert e.prefetch(bob, tenant="bob") == {"disk": 6}
+        for p in alice:
+            assert e.prefetch(p, tenant="alice") == {"disk": 8}
+        held = e.tiers.peer.entries_by_tenant()
+        assert held.get("bob") == 6 and held.get("alice") == 10
+        out = e.generate(bob, SamplingParams(max_tokens=1), tenant="bob")
+        assert out["usage"]["cached_tokens_by_tier"]["disk"] == 6 * BS
+    finally:
+        e.stop()
+
+
+def test_a_staging_area_smaller_than_one_block_is_refused():
+    with pytest.raises(ValueError, match="peer_bytes 100 cannot hold one block"):
+        Engine(device=DEVICE, num_blocks=16, block_size=BS, tiers=TierConfig(host_bytes=8 * BLOCK_BYTES, peer_bytes=100))

@@ -600,7 +600,7 @@ def test_remote_slower_than_prefill_is_not_fetched_under_the_cost_policy(redis_s
             "cmdstat_mget", {}).get("calls", 0) == gets  # nothing was asked of Redis
 
         b.clear_cache()
-        b.tiers._cuts = b.tiers.PROBE_EVERY - 1  # the next cut is a probe
+        b.tiers._cuts[("fetch", "remote")] = b.tiers.PROBE_EVERY - 1  # the next cut is a probe
         out, logits = run(b, prompt)
         assert out["usage"]["cached_tokens_by_tier"]["remote"] == BS * cached_blocks(prompt)
         assert out["token_ids"] == ref["token_ids"]

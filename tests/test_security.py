@@ -696,3 +696,31 @@ def test_tenant_rate_limits_at_the_router_over_grpc_and_https(cluster, tmp_path)
             assert "whole token budget" in exc.value.details()
     finally:
         stop_process(proc)
+
+
+def test_shared_namespace_requests_count_against_their_own_tenants_cap(cluster, tmp_path):
+    """--max-inflight-per-tenant counts a request in the shared namespace (cache_salt
+    "shared:...") against the tenant whose key sent it: tenant-c's long shared request
+    takes tenant-c's slot, not one slot of every shared tenant, so tenant-d (also allowed
+    the shared namespace) is served, and tenant-c's next request is refused naming it."""
+    from kvmesh.services.client import KvmeshClient
+    from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+
+    port = free_port()
+    proc = spawn(python_cmd("router", "--port", str(port), *cluster._secure_args(), "--cluster", cluster.cluster,
+                            "--max-inflight-per-tenant", "1"), str(tmp_path / "router.log"), env=cluster._env())
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_healthy(address, proc=proc, tls=cluster.tls)
+        with KvmeshClient(address, **client(cluster, KEY_C), timeout=120, retries=0) as c, \
+                KvmeshClient(address, **client(cluster, KEY_D), timeout=120, retries=0) as d:
+            long = c.stream("count slowly", max_tokens=4000, ignore_eos=True, cache_salt="shared:sys")
+            assert next(long).worker_id  # running on a worker
+            assert d.generate("hello", max_tokens=1, cache_salt="shared:sys").finish_reason
+            with pytest.raises(grpc.RpcError) as exc:
+                c.generate("hello", max_tokens=1)
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "'tenant-c'" in exc.value.details() and "*shared*" not in exc.value.details()
+            long.close()
+    finally:
+        stop_process(proc)

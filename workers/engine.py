@@ -569,7 +569,8 @@ class Engine:
             hit = self.cache.index.match(hashed.hashes, hashed.block_tokens).num_blocks
         rate = self._prefill_rate  # measured steps only: never a calibration pass here
         return self.tiers.prefetch(hashed.hashes, hashed.block_tokens, hit, limit, root,
-                                   compute_seconds_per_block=self.block_size / rate if rate else None)
+                                   compute_seconds_per_block=self.block_size / rate if rate else None,
+                                   owner=tenant or None)
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
                  cache_salt: str = "", timeout: float = 300.0, tenant: str = "") -> dict:

@@ -325,7 +325,8 @@ class PeerFetcher:
             model.observe(first_at - t0, res.nbytes - (len(verified[0][1]) if verified else 0), end - first_at)
         if verified:
             try:
-                res.staged = await to_fresh_thread(tiers.stage, verified, name="kvmesh-stage")
+                res.staged = await to_fresh_thread(tiers.stage, verified, owner=namespace.tenant or None,
+                                                   name="kvmesh-stage")
             except RecordError as exc:
                 res.outcome = f"not staged: {exc}"
         return self._done(res)

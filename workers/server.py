@@ -118,11 +118,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         raise InvalidRequest("request has no prompt: set text or token_ids")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        tenant, salt = (await self.gate.tenant(context, request) if self.gate is not None
-                        else (request.tenant, request.cache_salt))
+        caller, tenant, salt = (await self.gate.identity(context, request) if self.gate is not None
+                                else (request.caller_tenant or request.tenant, request.tenant, request.cache_salt))
         # aclosing at each layer: a caller that stops reading (a cancelled stream, the HTTP
         # front's aclose) runs _generate's own clean-up now (engine abort, in-flight counts)
-        async with contextlib.aclosing(self.tenant_cap.stream(tenant, context,
+        async with contextlib.aclosing(self.tenant_cap.stream(caller, context,
                                                               self._generate(request, context, tenant, salt))) as out:
             async for msg in out:
                 yield msg
