@@ -172,8 +172,10 @@ def cmd_up(args: argparse.Namespace) -> int:
               "clear every tenant's cache); for local development only", flush=True)
     from kvmesh.services.procs import StartCancelled
 
+    from kvmesh.services.procs import SignalEvent
+
     rc = 0
-    stop = threading.Event()
+    stop = SignalEvent()  # set by the signal handler: a threading.Event could deadlock there
     received: list[int] = []
 
     def on_signal(signum, _frame):

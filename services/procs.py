@@ -143,6 +143,41 @@ def spawn(cmd: list[str], log_path: str | None = None, env: dict | None = None) 
     return proc
 
 
+class SignalEvent:
+    """A stop flag a signal handler may set: ``set``, ``is_set`` and ``wait`` as
+    `threading.Event`'s.
+
+    `threading.Event.set` takes the event's internal lock, a plain `threading.Lock`. A
+    handler runs in the main thread between two bytecodes, so when the signal lands while
+    the main thread itself holds that lock (inside `Event.wait`, as it wakes from a timed
+    wait), the handler's ``set`` waits for a lock its own thread holds: the process hangs
+    and never stops. Here ``set`` only stores a flag, and ``wait`` polls it every
+    `POLL_S` seconds with `time.sleep`, which holds no lock.
+    """
+
+    #: Seconds between looks at the flag while waiting.
+    POLL_S = 0.05
+
+    def __init__(self) -> None:
+        self._flag = False
+
+    def set(self) -> None:
+        self._flag = True
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until set or ``timeout`` seconds (None: no limit); returns whether it is set."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._flag:
+            left = self.POLL_S if deadline is None else min(self.POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                break
+            time.sleep(left)
+        return self._flag
+
+
 class StartCancelled(Exception):
     """Starting processes was called off (``cancel`` was set: SIGINT/SIGTERM during start-up)."""
 

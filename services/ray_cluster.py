@@ -546,7 +546,9 @@ def run_until_stopped(spec: RaySpec) -> int:
             return 2
         if exposure:
             print(f"WARNING: --allow-unauthenticated-ray: {exposure}", file=sys.stderr, flush=True)
-    stop = threading.Event()
+    from kvmesh.services.procs import SignalEvent
+
+    stop = SignalEvent()  # set by the signal handler: a threading.Event could deadlock there
     # after ray.init, which installs its own SIGTERM handler (one that aborts the process)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())

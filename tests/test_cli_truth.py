@@ -922,3 +922,25 @@ def _alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_the_stop_flag_is_set_by_a_signal_handler_while_waited_on():
+    """`up` and `ray` stop on a flag their SIGINT/SIGTERM handler sets. `SignalEvent.wait`
+    returns once a handler set it (a `threading.Event` can deadlock there: its `set` takes
+    the lock the interrupted `wait` may be holding), and times out otherwise."""
+    from kvmesh.services.procs import SignalEvent
+
+    stop = SignalEvent()
+    t0 = time.monotonic()
+    assert stop.wait(0.2) is False and time.monotonic() - t0 >= 0.19
+    previous = signal.signal(signal.SIGALRM, lambda *_: stop.set())
+    try:
+        for _ in range(20):  # signals landing at many points of the wait loop
+            stop = SignalEvent()
+            signal.setitimer(signal.ITIMER_REAL, 0.013)
+            t0 = time.monotonic()
+            assert stop.wait(10) is True and stop.is_set()
+            assert time.monotonic() - t0 < 2.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
