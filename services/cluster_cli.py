@@ -85,7 +85,17 @@ def _spec_from_args(args: argparse.Namespace, policy: str | None = None):
                        extra_worker_args=engine_worker_args(args, skip=_SPEC_ENGINE_FLAGS),
                        disk_dir=args.disk_dir, cluster=getattr(args, "cluster", None),
                        http_port=None if getattr(args, "http_port", -1) in (None, -1) else args.http_port,
-                       secure=not getattr(args, "insecure", True))
+                       secure=not getattr(args, "insecure", True), extra_router_args=_tenant_limit_args(args))
+
+
+def _tenant_limit_args(args: argparse.Namespace) -> list[str]:
+    """The router flags of `up`'s per-tenant limits that were given (`add_tenant_limit_flags`)."""
+    out: list[str] = []
+    for flag in TENANT_LIMIT_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value:
+            out += [flag, str(value)]
+    return out
 
 
 def _tier_flag_problem(args: argparse.Namespace) -> str | None:
@@ -256,6 +266,24 @@ def _budget(flag: str):
     return parse
 
 
+#: `up`'s and `router`'s per-tenant limit flags (`add_tenant_limit_flags`)
+TENANT_LIMIT_FLAGS = ("--tenant-request-limit", "--tenant-token-limit")
+
+
+def add_tenant_limit_flags(p: argparse.ArgumentParser, what: str = "router") -> None:
+    """The router's per-tenant rate limits (`services.rate_limit`), on ``router`` and ``up``."""
+    p.add_argument("--tenant-request-limit", type=_budget("--tenant-request-limit"), default=None,
+                   metavar="N/PERIOD",
+                   help=f"most Generate requests one tenant (from its API key or certificate) may send per period "
+                        f"to the {what}, e.g. 600/minute (PERIOD: second, minute, hour or day), counted in the "
+                        "cluster's Redis for every router of the cluster; more get RESOURCE_EXHAUSTED with a "
+                        "retry-after (default: none)")
+    p.add_argument("--tenant-token-limit", type=_budget("--tenant-token-limit"), default=None,
+                   metavar="N/PERIOD",
+                   help="most prompt tokens one tenant may send per period, e.g. 2000000/minute, as "
+                        "--tenant-request-limit (default: none)")
+
+
 def register(sub) -> None:
     from kvmesh.services.cli import _add_engine_args
 
@@ -276,15 +304,7 @@ def register(sub) -> None:
                    help=f"routing policy, one of: {policies} (default kv_aware)")
     p.add_argument("--model", default=None, help="model directory (for its tokenizer); default built-in")
     p.add_argument("--seed", type=int, default=None, help="seed of the router's tie-breaking")
-    p.add_argument("--tenant-request-limit", type=_budget("--tenant-request-limit"), default=None,
-                   metavar="N/PERIOD",
-                   help="most Generate requests one tenant (from its API key or certificate) may send per period, "
-                        "e.g. 600/minute (PERIOD: second, minute, hour or day), counted in --redis-url for every "
-                        "router of the --cluster; more get RESOURCE_EXHAUSTED with a retry-after (default: none)")
-    p.add_argument("--tenant-token-limit", type=_budget("--tenant-token-limit"), default=None,
-                   metavar="N/PERIOD",
-                   help="most prompt tokens one tenant may send per period, e.g. 2000000/minute, as "
-                        "--tenant-request-limit (default: none)")
+    add_tenant_limit_flags(p)
     from kvmesh.services.observability import add_server_flags
 
     add_server_flags(p, "router")
@@ -314,6 +334,7 @@ def register(sub) -> None:
                    help="a worker or the router that dies is started again on its port after 1, 2, 4, ... s, "
                         "up to N times per process in 10 minutes; past that, or if redis-server dies, up stops "
                         "the cluster and exits 1 (default 5; 0: never restart; -1: always)")
+    add_tenant_limit_flags(p, "cluster's router")
     _add_engine_args(p)
     p.set_defaults(func=cmd_up)
 

@@ -36,6 +36,7 @@ class ClusterSpec:
     max_batched_tokens: int = 1024
     cluster: str = ""                    # Redis key namespace; "" = unique per cluster
     extra_worker_args: list[str] = field(default_factory=list)
+    extra_router_args: list[str] = field(default_factory=list)  # e.g. ["--tenant-request-limit", "600/minute"]
     log_dir: str | None = None
     disk_dir: str | None = None          # each worker gets --disk-dir DISK_DIR/<worker id>
     metrics: bool = True                 # every process serves /metrics on a free port
@@ -188,7 +189,7 @@ class LocalCluster:
                          "--cluster", self.cluster)
         if s.model:
             cmd += ["--model", s.model]
-        cmd += self._metrics_args("router")
+        cmd += [*s.extra_router_args, *self._metrics_args("router")]
         if s.http_port is not None:
             http = s.http_port or self._kept_port("http")
             cmd += ["--http-port", str(http)]

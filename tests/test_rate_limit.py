@@ -179,3 +179,23 @@ def test_router_metrics_show_refusals_and_fail_open_admissions(redis_server):
     assert s[("kvmesh:router_rate_limited_total", (("budget", "requests"),))] == 2
     assert s[("kvmesh:router_rate_limited_total", (("budget", "tokens"),))] == 0
     assert s[("kvmesh:router_rate_limit_failed_open_total", ())] == 0
+
+
+def test_up_passes_the_limits_to_its_router(monkeypatch, tmp_path):
+    from kvmesh.services import launcher
+    from kvmesh.services.cli import build_parser
+    from kvmesh.services.cluster_cli import _spec_from_args
+
+    spec = _spec_from_args(build_parser().parse_args(["up", "--insecure", "--tenant-request-limit", "5/second",
+                                                      "--tenant-token-limit", "900/minute"]))
+    assert spec.extra_router_args == ["--tenant-request-limit", "5/second", "--tenant-token-limit", "900/minute"]
+    assert _spec_from_args(build_parser().parse_args(["up"])).extra_router_args == []
+    seen = []
+    monkeypatch.setattr(launcher, "spawn", lambda cmd, *a, **k: seen.append(cmd))
+    spec.log_dir = str(tmp_path)
+    cluster = launcher.LocalCluster(spec)
+    cluster.cluster = "c"
+    cluster.start_router(port=1, wait=False)
+    cmd = seen[0]
+    assert cmd[cmd.index("--tenant-request-limit") + 1] == "5/second"
+    assert cmd[cmd.index("--tenant-token-limit") + 1] == "900/minute"
