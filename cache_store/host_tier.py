@@ -276,6 +276,9 @@ class HostTier:
                     break
             else:  # every remaining entry of this tenant is pinned
                 del left[t]
+                if incoming.get(t):  # the tenant storing now: nobody smaller loses a block to it
+                    break
+                del totals[t]  # pinned (being read or written): the next largest holder gives
                 continue
             left[t] -= 1
             totals[t] -= 1

@@ -34,6 +34,9 @@ WRITE_MODES = ("through", "back")
 LOAD_POLICIES = ("auto", "cost", "always")
 
 
+#: Default size of the staging area (bytes): `TierConfig.peer_bytes`, ``--peer-bytes``.
+DEFAULT_PEER_BYTES = 64 << 20
+
 #: Shortest accepted ``record_key`` (bytes).
 MIN_RECORD_KEY_BYTES = 16
 
@@ -107,7 +110,7 @@ class TierConfig:
     disk_codec: str = "none"
     write_mode: str = "through"
     segment_bytes: int = 16 << 20
-    peer_bytes: int = 64 << 20
+    peer_bytes: int = DEFAULT_PEER_BYTES
     max_pending_write_bytes: int = 256 << 20
     fsync: bool = True
     remote_url: str | None = None

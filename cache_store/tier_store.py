@@ -75,7 +75,7 @@ from kvmesh.cache_store.host_tier import HostTier
 from kvmesh.cache_store.kv_codec import CODECS, KVCodec, codec_of_rank, loss_rank, make_codec
 from kvmesh.cache_store.prefix_cache import EvictedBlock
 from kvmesh.cache_store.remote_tier import RemoteTier, record_key_id
-from kvmesh.cache_store.tier_config import WRITE_MODES, TierConfig
+from kvmesh.cache_store.tier_config import DEFAULT_PEER_BYTES, WRITE_MODES, TierConfig
 
 __all__ = ["WRITE_MODES", "TierConfig", "TierStore", "Located", "SOURCES"]
 
@@ -188,9 +188,13 @@ class TierStore:
         self.peer = (HostTier(config.peer_bytes, self.codec("none"), pin_memory=on_cuda, medium="peer")
                      if config.peer_bytes > 0 else None)
         if self.peer is not None and self.peer.num_slots == 0:
-            raise ValueError(f"peer_bytes {config.peer_bytes} cannot hold one block "
-                             f"({self.codec('none').payload_bytes} bytes): give at least that, or 0 for no "
-                             "staging area")
+            problem = (f"peer_bytes {config.peer_bytes} cannot hold one block "
+                       f"({self.codec('none').payload_bytes} bytes)")
+            if config.remote_bytes or config.peer_bytes != DEFAULT_PEER_BYTES:
+                raise ValueError(f"{problem}: give at least that, or 0 for no staging area")
+            log.warning("%s: no staging area (no peer fetch; disk blocks are read in scheduling); "
+                        "give --peer-bytes at least one block to have one", problem)
+            self.peer = None
         self.disk: DiskTier | None = None
         self.disk_codec = self.codec(config.disk_codec)
         self._generation = 0
@@ -260,7 +264,7 @@ class TierStore:
 
     #: Weight of the newest sample in ``load_seconds_per_block``.
     LOAD_COST_ALPHA = 0.25
-    #: One in this many cuts of one source at one stage (`worth_loading`, `worth_fetching`)
+    #: One in this many cuts of one source at one stage (`worth_loading`, `fetch_decision`)
     #: reads anyway: a fresh measurement.
     PROBE_EVERY = 16
     #: Reads of fewer blocks than this are not folded into the prefetch's per-block costs:
@@ -308,21 +312,24 @@ class TierStore:
                 return i
         return n
 
-    def worth_fetching(self, kind: str, compute_seconds_per_block: float | None) -> bool:
-        """Whether :meth:`prefetch` should read from ``kind`` ("disk" or "remote") under
-        ``load_policy``: under ``"cost"`` not when that source has measured slower per block
-        (its read, verification and staging: ``load_seconds_per_block``) than
-        ``compute_seconds_per_block``. As in :meth:`worth_loading`, an unmeasured source or no
-        prefill estimate fetches and every ``PROBE_EVERY``-th cut fetches anyway. Cuts are
-        counted in ``stats_counters["fetches_not_worth_it"]``."""
+    def fetch_decision(self, kind: str, compute_seconds_per_block: float | None) -> str:
+        """Whether :meth:`prefetch` reads from ``kind`` ("disk" or "remote") under
+        ``load_policy``: "fetch", "cut" or "probe" (a cut source read anyway, to measure it
+        again). Under ``"cost"`` a source that has measured slower per block (its read,
+        verification and staging: ``load_seconds_per_block``) than
+        ``compute_seconds_per_block`` is cut; as in :meth:`worth_loading`, an unmeasured
+        source or no prefill estimate fetches, and every ``PROBE_EVERY``-th cut probes. Cuts
+        are counted in ``stats_counters["fetches_not_worth_it"]``."""
         if self.load_policy != "cost" or not compute_seconds_per_block:
-            return True
+            return "fetch"
         cost = self.load_seconds_per_block.get(kind)
-        if cost is None or cost <= compute_seconds_per_block or self._probe("fetch", kind):
-            return True
+        if cost is None or cost <= compute_seconds_per_block:
+            return "fetch"
+        if self._probe("fetch", kind):
+            return "probe"
         with self.lock:
             self.stats_counters["fetches_not_worth_it"] += 1
-        return False
+        return "cut"
 
     def mark_computed(self, block_ids: Sequence[int]) -> None:
         """Pool rows ``block_ids`` are about to hold KV computed here (exact): see ``row_loss``."""
@@ -784,10 +791,12 @@ class TierStore:
         dropped). Blocks the staging area has no room for are simply not
         staged: the scheduler reads them from disk itself, or computes them.
         Under the ``"cost"`` load policy a source measured slower per block than
-        ``compute_seconds_per_block`` is not read at all (:meth:`worth_fetching`): on
+        ``compute_seconds_per_block`` is not read at all (:meth:`fetch_decision`): on
         a GPU a small model's prefill can beat a disk read or a Redis round trip.
-        Each read of at least ``MIN_COST_SAMPLE_BLOCKS`` blocks is timed per block read
-        and folded into ``load_seconds_per_block`` under its medium.
+        Each read of at least ``MIN_COST_SAMPLE_BLOCKS`` blocks, and every probe, is timed
+        per block read and folded into ``load_seconds_per_block`` under its medium (a probe
+        of a few blocks still measures: otherwise a source cut on a workload of short runs
+        would never be measured again).
 
         Args:
             hashes, block_tokens, root: the request's chain, as for :meth:`locate`.
@@ -828,7 +837,8 @@ class TierStore:
                 i += 1
         first = i
         if from_disk:
-            if not self.worth_fetching("disk", compute_seconds_per_block):
+            decision = self.fetch_decision("disk", compute_seconds_per_block)
+            if decision == "cut":
                 return out  # the scheduler computes these blocks, and everything after them
             t0 = time.perf_counter()
             entries = [d for _, d in from_disk]
@@ -838,16 +848,17 @@ class TierStore:
             if ok:
                 out["disk"] = self._stage_quietly([(d.meta, p) for d, p in zip(entries[:ok], payloads)], "disk",
                                                   generation, owner)
-                if len(entries) >= self.MIN_COST_SAMPLE_BLOCKS:
+                if len(entries) >= self.MIN_COST_SAMPLE_BLOCKS or decision == "probe":
                     self._note_load_cost("disk", (time.perf_counter() - t0) / len(entries))
         room = budget - len(from_disk)
-        if (self.remote is not None and first < stop and first == i and room > 0
-                and self.worth_fetching("remote", compute_seconds_per_block)):
+        decision = ("cut" if self.remote is None or not (first < stop and first == i and room > 0)
+                    else self.fetch_decision("remote", compute_seconds_per_block))
+        if decision != "cut":
             t0 = time.perf_counter()
             run = self._remote_run(hashes, block_tokens, first, min(stop, first + room), root)
             if run:
                 out["remote"] = self._stage_quietly(run, "remote", generation, owner)
-                if len(run) >= self.MIN_COST_SAMPLE_BLOCKS:
+                if len(run) >= self.MIN_COST_SAMPLE_BLOCKS or decision == "probe":
                     self._note_load_cost("remote", (time.perf_counter() - t0) / len(run))
         return out
 

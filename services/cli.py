@@ -97,7 +97,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-partial-prefills", type=_int_at_least(1, "--max-num-partial-prefills"),
                    default=2, help="most requests with a partly computed prompt at once (default 2)")
     # the built-in names (tier_config imports no torch; the codec registry does)
-    from kvmesh.cache_store.tier_config import BUILTIN_CODECS as codecs
+    from kvmesh.cache_store.tier_config import BUILTIN_CODECS as codecs, DEFAULT_PEER_BYTES
     t = p.add_argument_group("cache tiers (sizes in bytes; K/M/G/T suffixes are powers of 1024)")
     t.add_argument("--host-bytes", type=parse_bytes, default=0,
                    help="host-memory tier for blocks evicted from the device pool (default 0: off)")
@@ -121,7 +121,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--remote-record-key-file", default=None, metavar="PATH",
                    help="secret (at least 32 characters) keying the MAC of every remote-tier record, the same "
                         "file on every worker: a record without it is never loaded (kvmesh up makes one)")
-    t.add_argument("--peer-bytes", type=parse_bytes, default=64 << 20,
+    t.add_argument("--peer-bytes", type=parse_bytes, default=DEFAULT_PEER_BYTES,
                    help="staging memory for blocks fetched from peers or read from the remote tier "
                         "(default 64M; 0 disables peer fetch, and a remote tier needs it)")
     t.add_argument("--peer-fetch", choices=("auto", "never", "always"), default="auto",

@@ -56,10 +56,16 @@ def reported_tier_weights(reported: object, defaults: Mapping[str, float] = TIER
     out = None
     for medium in ("host", "disk", "remote"):
         v = reported.get(medium)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v:
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            continue
+        try:
+            v = float(v)
+        except OverflowError:  # an int past float's range
+            continue
+        if v == v:  # not NaN
             if out is None:
                 out = dict(defaults)
-            out[medium] = min(1.0, max(0.0, float(v)))
+            out[medium] = min(1.0, max(0.0, v))
     return defaults if out is None else out
 
 

@@ -15,9 +15,14 @@ per tenant. They use the `limits` library's sliding-window counter
 fixed windows' counts, the previous one weighted by how much of it the sliding window
 still covers), one key pair per tenant and limit.
 
-A request is checked against both budgets first and counted in both only if it fits both,
-so a request refused for tokens does not spend a request (two replicas checking at the
-same instant may both admit: the limits are a rate control, not a ledger). A prompt larger
+A request is first looked at against both budgets (nothing counted) and, if it fits
+both, counted in each with the library's atomic check-and-count (`hit`), so requests
+racing each other, on one router or several, are admitted only while the counters have
+room. A request refused at the look spends nothing and is told the longest wait of the
+budgets it is over; one that loses a race at the second budget has spent the first. Each
+budget has its own counters (requests and tokens never share a key, whatever their
+numbers). A request is counted when it is admitted, before it is routed: one that then
+fails (no worker reachable) has spent its share, and a client's retry counts again. A prompt larger
 than the whole token budget can never fit and is refused as such. If Redis cannot be
 reached the request is admitted (fail open, logged at a limited rate): an outage of the
 counters never becomes an outage of the service.
@@ -111,7 +116,10 @@ class TenantRateLimit:
             from limits.aio.storage import RedisStorage
 
             # redis-py's asyncio client (kvmesh's own Redis client), not the library's default
-            storage = RedisStorage(f"async+{redis_url}", implementation="redispy",
+            # the library's schemes: async+redis://, async+rediss://, async+redis+unix://
+            scheme, sep, rest = redis_url.partition("://")
+            url = f"async+{'redis+unix' if scheme == 'unix' else scheme}{sep}{rest}"
+            storage = RedisStorage(url, implementation="redispy",
                                    key_prefix=f"kvmesh:{cluster}:ratelimit",
                                    socket_timeout=self.TIMEOUT_S, socket_connect_timeout=self.TIMEOUT_S)
         self.storage = storage
@@ -152,22 +160,36 @@ class TenantRateLimit:
                     self.refused[name] += 1
                     return (f"a prompt of {cost:,} tokens is larger than this tenant's whole token budget "
                             f"({flag} {text}): shorten it"), 0.0
-                if not await self.limiter.test(item, who, cost=cost):
-                    self.refused[name] += 1
-                    return self._refusal(tenant, name, flag, text, await self._wait(item, who, cost))
-            for item, cost, _name, _flag, _text in budgets:
-                await self.limiter.hit(item, who, cost=cost)
+            # a look first (nothing counted): a request over any budget spends none, and is
+            # told the longest wait, so that a client retrying when told is not refused again
+            over = [b for b in budgets if not await self.limiter.test(b[0], b[2], who, cost=b[1])]
+            if not over:
+                # then the atomic check-and-count per budget (`hit`): requests racing past the
+                # look are admitted only while the counters have room
+                for k, (item, cost, name, _flag, _text) in enumerate(budgets):
+                    if not await self.limiter.hit(item, name, who, cost=cost):
+                        over = [budgets[k]]  # the budgets before it counted this request (a race)
+                        break
+            if over:
+                waits = [(await self._wait(item, name, who, cost), name, flag, text)
+                         for item, cost, name, flag, text in over]
+                wait, name, flag, text = max(waits, key=lambda w: w[0])
+                for _item, _cost, n, _flag, _text in over:
+                    self.refused[n] += 1
+                return self._refusal(tenant, name, flag, text, wait)
         except Exception as exc:  # noqa: BLE001 - Redis down or slow: admit, never fail the request
             self.failed_open += 1
             self._errors.warn("rate limits not applied (request admitted): %s: %s", type(exc).__name__, exc)
         return None
 
-    async def _wait(self, item, who: str, cost: int) -> float:
-        """Seconds until ``cost`` more fits ``item`` for ``who`` (at least 1; the window's
-        length when the counters cannot be read): `retry_after` of its counters."""
+    async def _wait(self, item, name: str, who: str, cost: int) -> float:
+        """Seconds until ``cost`` more fits budget ``name`` (``item``) for ``who`` (at least
+        1; the window's length when the counters cannot be read): `retry_after` of its
+        counters."""
         window = float(item.get_expiry())
         try:
-            prev, prev_ttl, cur, cur_ttl = await self.storage.get_sliding_window(item.key_for(who), int(window))
+            prev, prev_ttl, cur, cur_ttl = await self.storage.get_sliding_window(item.key_for(name, who),
+                                                                                 int(window))
         except Exception:  # noqa: BLE001
             return window
         return max(1.0, retry_after(item.amount, cost, window, prev, prev_ttl, cur, cur_ttl))

@@ -316,7 +316,8 @@ class RayPlacement:
                 self._files[name] = f.read()
         self.peer_tls = TlsConfig.from_files(c.cert, c.key, c.ca, c.client_ca)
 
-    #: Seconds between looks at ``cancel`` while `start` waits on Ray.
+    #: Seconds between looks at ``cancel`` while `start` waits on Ray (1 s while the placement
+    #: group is pending: `PlacementGroup.wait` takes whole seconds).
     CANCEL_POLL_S = 0.5
 
     def _cancelled(self, cancel: threading.Event | None) -> None:
@@ -360,7 +361,8 @@ class RayPlacement:
             if not s.insecure:
                 self._make_credentials()
             self.pg = placement_group([s.bundle()] * s.workers, strategy=s.strategy, name=f"kvmesh-{s.cluster}")
-            while not self.pg.wait(timeout_seconds=max(0, min(self.CANCEL_POLL_S, deadline - time.monotonic()))):
+            # Ray takes whole seconds here (0.5 would be 0: a busy loop of GCS calls)
+            while not self.pg.wait(timeout_seconds=1):
                 self._cancelled(cancel)
                 if time.monotonic() >= deadline:
                     raise RuntimeError(f"placement group of {s.workers} x {s.bundle()} ({s.strategy}) not placed "

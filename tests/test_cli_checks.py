@@ -187,6 +187,15 @@ def test_tier_minimum_is_exactly_one_block():
     assert "--peer-bytes" in tier_size_problem(args, cfg) and f"give at least {need}" in tier_size_problem(args, cfg)
     args.peer_bytes = need
     assert tier_size_problem(args, cfg) is None
+    # the default staging size, too small for a large block: left to the engine (staging off,
+    # with a warning) unless a remote tier needs it
+    from kvmesh.cache_store.tier_config import DEFAULT_PEER_BYTES
+
+    args = argparse.Namespace(block_size=32768, host_bytes=0, host_codec="none", peer_bytes=DEFAULT_PEER_BYTES)
+    assert tier_block_bytes(cfg, 32768, "none") > DEFAULT_PEER_BYTES
+    assert tier_size_problem(args, cfg) is None
+    args.remote_bytes = 1 << 40
+    assert "--peer-bytes" in tier_size_problem(args, cfg)
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -302,7 +302,7 @@ def test_reported_tier_weights_replace_the_defaults_within_bounds():
     got = reported_tier_weights({"host": 0.93, "disk": -0.4, "remote": 7, "device": 0.1, "peer": 0.9})
     assert got == {**TIER_WEIGHTS, "host": 0.93, "disk": 0.0, "remote": 1.0}  # device and peer not taken
     assert TIER_WEIGHTS["disk"] == 0.5  # the defaults are not changed
-    for junk in ({"disk": "0.9"}, {"disk": True}, {"disk": float("nan")}, ["disk"], "disk"):
+    for junk in ({"disk": "0.9"}, {"disk": True}, {"disk": float("nan")}, {"disk": 10 ** 400}, ["disk"], "disk"):
         assert reported_tier_weights(junk) is TIER_WEIGHTS, junk
     assert reported_tier_weights({"disk": 0.25}, {}) == {"disk": 0.25}  # reported only (router Status)
     m = PrefixMatch(num_blocks=4, by_medium={"device": 2, "disk": 2})

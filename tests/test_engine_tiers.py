@@ -533,12 +533,11 @@ def test_tier_weights_report_what_a_load_saves(disk_engine):
         e.tiers.load_seconds_per_block.update(saved_costs)
 
 
-def _staging_engine(tmp_path, **kw) -> Engine:
-    """Host, disk and a staging area (so `Engine.prefetch` reads the disk), "cost" policy."""
+def _staging_engine(tmp_path, staging_blocks: int = 32, load_policy: str = "cost") -> Engine:
+    """Host, disk and a staging area (so `Engine.prefetch` reads the disk)."""
     return Engine(device=DEVICE, num_blocks=64, block_size=BS,
                   tiers=TierConfig(host_bytes=48 * BLOCK_BYTES, disk_dir=str(tmp_path), disk_bytes=64 << 20,
-                                   peer_bytes=kw.pop("staging_blocks", 32) * BLOCK_BYTES, load_policy="cost",
-                                   **kw)).start()
+                                   peer_bytes=staging_blocks * BLOCK_BYTES, load_policy=load_policy)).start()
 
 
 def _disk_only(e: Engine) -> None:
@@ -607,7 +606,8 @@ def test_each_source_and_stage_is_probed_on_its_own(disk_engine):
 
 def test_prefetch_costs_come_from_reads_of_several_blocks(tmp_path):
     """A read of fewer than MIN_COST_SAMPLE_BLOCKS blocks (its time mostly the seek or the
-    round trip) does not set the per-block estimate; a longer one does."""
+    round trip) does not set the per-block estimate; a longer one does; a probe of a cut
+    source measures whatever its length (else short runs would never measure it again)."""
     e = _staging_engine(tmp_path)
     try:
         assert e.tiers.MIN_COST_SAMPLE_BLOCKS > 2
@@ -621,6 +621,15 @@ def test_prefetch_costs_come_from_reads_of_several_blocks(tmp_path):
         _disk_only(e)
         assert e.prefetch(long) == {"disk": 9}
         assert e.tiers.load_seconds_per_block["disk"] > 0
+        e.tiers.load_seconds_per_block["disk"] = 10.0  # injected: a disk measured very slow
+        e._prefill_rate = e._prefill_rate or 1000.0
+        e.tiers._cuts[("fetch", "disk")] = e.tiers.PROBE_EVERY - 1  # the next cut is a probe
+        e.drop_host_tier()
+        e.clear_cache()
+        run(e, short)
+        _disk_only(e)
+        assert e.prefetch(short) == {"disk": 2}  # the probe, of 2 blocks
+        assert e.tiers.load_seconds_per_block["disk"] < 10.0
     finally:
         e.stop()
 
@@ -628,7 +637,7 @@ def test_prefetch_costs_come_from_reads_of_several_blocks(tmp_path):
 def test_the_staging_area_evicts_fairly_between_tenants(tmp_path):
     """One tenant's prefetches do not push out the blocks staged for another tenant's
     request: the staging area evicts from the tenant holding the most (as the host tier)."""
-    e = _staging_engine(tmp_path, staging_blocks=16)
+    e = _staging_engine(tmp_path, staging_blocks=16, load_policy="always")
     try:
         bob = rand_prompt(46, 6 * BS + 1)
         alice = [rand_prompt(47 + i, 8 * BS + 1) for i in range(2)]
@@ -646,6 +655,17 @@ def test_the_staging_area_evicts_fairly_between_tenants(tmp_path):
         e.stop()
 
 
-def test_a_staging_area_smaller_than_one_block_is_refused():
+def test_a_staging_area_smaller_than_one_block_is_refused_unless_it_is_the_default(monkeypatch, caplog):
+    """A size given for the staging area must hold a block; the default size, too small for
+    a large model's blocks, turns staging off with a warning instead of refusing to start."""
+    import logging
+
+    from kvmesh.cache_store import tier_store
+
     with pytest.raises(ValueError, match="peer_bytes 100 cannot hold one block"):
         Engine(device=DEVICE, num_blocks=16, block_size=BS, tiers=TierConfig(host_bytes=8 * BLOCK_BYTES, peer_bytes=100))
+    monkeypatch.setattr(tier_store, "DEFAULT_PEER_BYTES", 100)  # as if 100 bytes were the default
+    with caplog.at_level(logging.WARNING, logger="kvmesh.cache_store.tier_store"):
+        e = Engine(device=DEVICE, num_blocks=16, block_size=BS,
+                   tiers=TierConfig(host_bytes=8 * BLOCK_BYTES, peer_bytes=100))
+    assert e.tiers.peer is None and "no staging area" in caplog.text

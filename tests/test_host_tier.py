@@ -140,6 +140,26 @@ def test_eviction_is_fair_between_tenants():
     assert solo.reserve(1)[1] == [b"x".ljust(16, b".")]
 
 
+def test_a_largest_holder_whose_entries_are_all_pinned_lets_the_next_one_give():
+    """"a" holds 5 entries, all pinned (being read); "b" holds 3; "c" stores 2: b gives
+    (before, eviction stopped at a and c got nothing), down to one fewer than c would hold
+    (on a tie the holder with entries gives)."""
+    t = tier(8)
+
+    def put(name: bytes, owner: str) -> int:
+        (slot,), _, _ = t.reserve(1)
+        t.insert(EvictedBlock(0, name.ljust(16, b"."), None, bytes(16), owner), slot)
+        return slot
+
+    for n in range(5):
+        t.pin(put(b"a%d" % n, "a"))
+    for n in range(3):
+        put(b"b%d" % n, "b")
+    slots, evicted, _ = t.reserve(2, incoming={"c": 2})
+    assert len(slots) == 2 and [h[:2] for h in evicted] == [b"b0", b"b1"]
+    assert t.entries_by_tenant() == {"a": 5, "b": 1}
+
+
 def test_a_batch_larger_than_the_tier_does_not_push_out_a_smaller_tenant():
     """The host tier holds 2 blocks of tenant "a"; tenant "b" stores a batch of 6 into 4
     slots: b takes the 2 free slots and evicts nothing of a's (a holds less than b would);

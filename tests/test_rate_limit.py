@@ -80,11 +80,11 @@ def test_token_budget_counts_prompt_tokens_and_a_refusal_spends_nothing(redis_se
             assert "this caller" in message and "--tenant-token-limit" in message and wait >= 1.0
             # the refused request spent no request: two more fit in the request budget
             assert await r.check("", 20) is None and await r.check("", 20) is None
-            message, _ = await r.check("", 1)
-            assert "--tenant-request-limit" in message
+            message, _ = await r.check("", 1)  # over both budgets now: counted as refused by each
+            assert "--tenant-request-limit" in message or "--tenant-token-limit" in message
             message, wait = await r.check("big", 101)  # can never fit
             assert "larger than this tenant's whole token budget" in message and wait == 0.0
-            assert r.refused == {"requests": 1, "tokens": 2}
+            assert r.refused == {"requests": 1, "tokens": 3}
         finally:
             await r.close()
     run(main())
@@ -199,3 +199,64 @@ def test_up_passes_the_limits_to_its_router(monkeypatch, tmp_path):
     cmd = seen[0]
     assert cmd[cmd.index("--tenant-request-limit") + 1] == "5/second"
     assert cmd[cmd.index("--tenant-token-limit") + 1] == "900/minute"
+
+
+def test_requests_racing_each_other_are_admitted_only_while_there_is_room(redis_server):
+    """50 checks at once for one tenant under 5/minute, from two router replicas: 5 admitted
+    (the look alone would let every one through before any was counted)."""
+    async def main():
+        a = TenantRateLimit(redis_server.url, "race", requests="5/minute")
+        b = TenantRateLimit(redis_server.url, "race", requests="5/minute")
+        try:
+            got = await asyncio.gather(*(r.check("t", 1) for r in [a, b] * 25))
+            assert sum(g is None for g in got) == 5
+            assert a.refused["requests"] + b.refused["requests"] == 45
+        finally:
+            await a.close()
+            await b.close()
+    run(main())
+
+
+def test_equal_budgets_keep_their_own_counters_and_the_longest_wait_is_told(redis_server):
+    async def main():
+        r = TenantRateLimit(redis_server.url, "eq", requests="10/minute", tokens="10/minute")
+        try:
+            assert [await r.check("t", 1) for _ in range(10)] == [None] * 10  # 10 requests, 10 tokens
+            message, _ = await r.check("t", 1)
+            assert "--tenant-request-limit" in message or "--tenant-token-limit" in message
+        finally:
+            await r.close()
+        r = TenantRateLimit(redis_server.url, "both", requests="2/second", tokens="30/minute")
+        try:
+            assert await r.check("t", 15) is None and await r.check("t", 15) is None
+            message, wait = await r.check("t", 15)  # over both: told the tokens' wait, not 1-2 s
+            assert "--tenant-token-limit" in message and wait > 5
+        finally:
+            await r.close()
+    run(main())
+
+
+def test_a_unix_socket_redis_url_works(tmp_path):
+    import shutil
+    import subprocess
+
+    sock = str(tmp_path / "r.sock")
+    proc = subprocess.Popen([shutil.which("redis-server"), "--port", "0", "--unixsocket", sock, "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "r.sock").exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+
+        async def main():
+            r = TenantRateLimit(f"unix://{sock}", "u", requests="1/minute")
+            try:
+                assert await r.check("t", 1) is None
+                assert await r.check("t", 1) is not None and r.failed_open == 0
+            finally:
+                await r.close()
+        run(main())
+    finally:
+        proc.terminate()
+        proc.wait(10)
