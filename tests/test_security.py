@@ -555,16 +555,24 @@ def test_a_tls_server_warns_about_a_redis_without_password(caplog):
         assert caplog.text == ""
 
 
+def extra_router(cluster, tmp_path, port: int, *flags: str):
+    """A second router of ``cluster`` (its Redis, credentials and cluster name) on ``port``
+    with ``flags``: a started process; its log is ``tmp_path/router.log``."""
+    from kvmesh.services.procs import python_cmd, spawn
+
+    return spawn(python_cmd("router", "--port", str(port), *cluster._secure_args(), "--cluster", cluster.cluster,
+                            *flags), str(tmp_path / "router.log"), env=cluster._env())
+
+
 def test_one_tenant_cannot_take_every_slot_of_a_router(cluster, tmp_path):
     """A router with --max-inflight-per-tenant 1: while tenant default streams a long
     answer, its second call is RESOURCE_EXHAUSTED naming the flag, tenant-b is served, and
     default's slot comes back when its first call ends."""
     from kvmesh.services.client import KvmeshClient
-    from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+    from kvmesh.services.procs import free_port, stop_process, wait_healthy
 
     port = free_port()
-    proc = spawn(python_cmd("router", "--port", str(port), *cluster._secure_args(), "--cluster", cluster.cluster,
-                            "--max-inflight-per-tenant", "1"), str(tmp_path / "router.log"), env=cluster._env())
+    proc = extra_router(cluster, tmp_path, port, "--max-inflight-per-tenant", "1")
     address = f"127.0.0.1:{port}"
     try:
         wait_healthy(address, proc=proc, tls=cluster.tls)
@@ -598,12 +606,10 @@ def test_an_https_client_that_leaves_frees_its_slot_and_its_worker(cluster, tmp_
     import ssl
 
     from kvmesh.services.client import KvmeshClient
-    from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+    from kvmesh.services.procs import free_port, stop_process, wait_healthy
 
     port, http_port = free_port(), free_port()
-    proc = spawn(python_cmd("router", "--port", str(port), *cluster._secure_args(), "--cluster", cluster.cluster,
-                            "--http-port", str(http_port), "--max-inflight-per-tenant", "1"),
-                 str(tmp_path / "router.log"), env=cluster._env())
+    proc = extra_router(cluster, tmp_path, port, "--http-port", str(http_port), "--max-inflight-per-tenant", "1")
     address = f"127.0.0.1:{port}"
     try:
         wait_healthy(address, proc=proc, tls=cluster.tls)
@@ -651,13 +657,11 @@ def test_tenant_rate_limits_at_the_router_over_grpc_and_https(cluster, tmp_path)
     import urllib.request
 
     from kvmesh.services.client import KvmeshClient
-    from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+    from kvmesh.services.procs import free_port, stop_process, wait_healthy
 
     port, http_port = free_port(), free_port()
-    proc = spawn(python_cmd("router", "--port", str(port), *cluster._secure_args(), "--cluster", cluster.cluster,
-                            "--http-port", str(http_port), "--tenant-request-limit", "2/minute",
-                            "--tenant-token-limit", "50/minute"),
-                 str(tmp_path / "router.log"), env=cluster._env())
+    proc = extra_router(cluster, tmp_path, port, "--http-port", str(http_port), "--tenant-request-limit", "2/minute",
+                        "--tenant-token-limit", "50/minute")
     address = f"127.0.0.1:{port}"
     ctx = ssl.create_default_context(cafile=cluster.credentials.ca)
 
@@ -704,11 +708,10 @@ def test_shared_namespace_requests_count_against_their_own_tenants_cap(cluster, 
     takes tenant-c's slot, not one slot of every shared tenant, so tenant-d (also allowed
     the shared namespace) is served, and tenant-c's next request is refused naming it."""
     from kvmesh.services.client import KvmeshClient
-    from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+    from kvmesh.services.procs import free_port, stop_process, wait_healthy
 
     port = free_port()
-    proc = spawn(python_cmd("router", "--port", str(port), *cluster._secure_args(), "--cluster", cluster.cluster,
-                            "--max-inflight-per-tenant", "1"), str(tmp_path / "router.log"), env=cluster._env())
+    proc = extra_router(cluster, tmp_path, port, "--max-inflight-per-tenant", "1")
     address = f"127.0.0.1:{port}"
     try:
         wait_healthy(address, proc=proc, tls=cluster.tls)
