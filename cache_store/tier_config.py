@@ -41,6 +41,13 @@ DEFAULT_PEER_BYTES = 64 << 20
 MIN_RECORD_KEY_BYTES = 16
 
 
+def staging_must_fit(peer_bytes: int, remote_bytes: int) -> bool:
+    """Whether a staging area of ``peer_bytes`` must hold at least one block: a size the user
+    chose, or any size with a remote tier (which reads only through it). The default size,
+    too small for a large model's blocks, only turns staging off (with a warning)."""
+    return peer_bytes > 0 and (peer_bytes != DEFAULT_PEER_BYTES or remote_bytes > 0)
+
+
 def record_key_from_file(path: str) -> bytes:
     """The remote tier's record key from a key file: SHA-256 of the file's content with
     surrounding whitespace stripped (`kvmesh up` writes 64 random hex digits).

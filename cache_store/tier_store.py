@@ -75,7 +75,7 @@ from kvmesh.cache_store.host_tier import HostTier
 from kvmesh.cache_store.kv_codec import CODECS, KVCodec, codec_of_rank, loss_rank, make_codec
 from kvmesh.cache_store.prefix_cache import EvictedBlock
 from kvmesh.cache_store.remote_tier import RemoteTier, record_key_id
-from kvmesh.cache_store.tier_config import DEFAULT_PEER_BYTES, WRITE_MODES, TierConfig
+from kvmesh.cache_store.tier_config import WRITE_MODES, TierConfig, staging_must_fit
 
 __all__ = ["WRITE_MODES", "TierConfig", "TierStore", "Located", "SOURCES"]
 
@@ -190,7 +190,7 @@ class TierStore:
         if self.peer is not None and self.peer.num_slots == 0:
             problem = (f"peer_bytes {config.peer_bytes} cannot hold one block "
                        f"({self.codec('none').payload_bytes} bytes)")
-            if config.remote_bytes or config.peer_bytes != DEFAULT_PEER_BYTES:
+            if staging_must_fit(config.peer_bytes, config.remote_bytes):
                 raise ValueError(f"{problem}: give at least that, or 0 for no staging area")
             log.warning("%s: no staging area (no peer fetch; disk blocks are read in scheduling); "
                         "give --peer-bytes at least one block to have one", problem)
@@ -851,15 +851,17 @@ class TierStore:
                 if len(entries) >= self.MIN_COST_SAMPLE_BLOCKS or decision == "probe":
                     self._note_load_cost("disk", (time.perf_counter() - t0) / len(entries))
         room = budget - len(from_disk)
-        decision = ("cut" if self.remote is None or not (first < stop and first == i and room > 0)
-                    else self.fetch_decision("remote", compute_seconds_per_block))
-        if decision != "cut":
-            t0 = time.perf_counter()
-            run = self._remote_run(hashes, block_tokens, first, min(stop, first + room), root)
-            if run:
-                out["remote"] = self._stage_quietly(run, "remote", generation, owner)
-                if len(run) >= self.MIN_COST_SAMPLE_BLOCKS or decision == "probe":
-                    self._note_load_cost("remote", (time.perf_counter() - t0) / len(run))
+        if self.remote is None or not (first < stop and first == i and room > 0):
+            return out
+        decision = self.fetch_decision("remote", compute_seconds_per_block)
+        if decision == "cut":
+            return out
+        t0 = time.perf_counter()
+        run = self._remote_run(hashes, block_tokens, first, min(stop, first + room), root)
+        if run:
+            out["remote"] = self._stage_quietly(run, "remote", generation, owner)
+            if len(run) >= self.MIN_COST_SAMPLE_BLOCKS or decision == "probe":
+                self._note_load_cost("remote", (time.perf_counter() - t0) / len(run))
         return out
 
     def _remote_run(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,

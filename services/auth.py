@@ -41,6 +41,7 @@ from typing import NamedTuple
 import grpc
 
 from kvmesh.workers.tls import Caller, TlsConfig, caller_of
+from kvmesh.workers.wire import forwarded_identity
 
 __all__ = ["Unauthenticated", "Forbidden", "Authenticator", "Gate", "SHARED_TENANT", "SHARED_SALT_PREFIX",
            "hash_key", "DEFAULT_TENANT"]
@@ -279,7 +280,7 @@ class Gate:
         """
         caller = self.caller(context)
         if caller.is_peer and not edge:
-            return request.caller_tenant or request.tenant, request.tenant, request.cache_salt
+            return forwarded_identity(request)
         for field in ("tenant", "caller_tenant", "prefix_location"):
             if request.HasField(field) if field == "prefix_location" else getattr(request, field):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,

@@ -347,12 +347,10 @@ def tier_size_problem(args: argparse.Namespace, cfg) -> str | None:
             return (f"--host-bytes {host} cannot hold one block: a block of {args.block_size} tokens takes {need:,} "
                     f"bytes with --host-codec {args.host_codec}; give at least {need} (e.g. {_size_hint(need)})")
     peer = getattr(args, "peer_bytes", 0) or 0
-    # the staging area keeps exact KV: remote reads, disk prefetches, peer fetches. The default
-    # size that cannot hold one block of a large model is left to the engine, which turns
-    # staging off with a warning; a size the user chose, or a remote tier, must fit one
-    from kvmesh.cache_store.tier_config import DEFAULT_PEER_BYTES
+    # the staging area keeps exact KV: remote reads, disk prefetches, peer fetches
+    from kvmesh.cache_store.tier_config import staging_must_fit
 
-    if peer > 0 and (peer != DEFAULT_PEER_BYTES or (getattr(args, "remote_bytes", 0) or 0) > 0):
+    if staging_must_fit(peer, getattr(args, "remote_bytes", 0) or 0):
         need = tier_block_bytes(cfg, args.block_size, "none")
         if peer < need:
             return (f"--peer-bytes {peer} cannot hold one block: a block of {args.block_size} tokens takes {need:,} "

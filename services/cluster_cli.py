@@ -180,9 +180,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.insecure:
         print("WARNING: kvmesh up --insecure: security is OFF (no TLS, no API keys, every caller may read and "
               "clear every tenant's cache); for local development only", flush=True)
-    from kvmesh.services.procs import StartCancelled
-
-    from kvmesh.services.procs import SignalEvent
+    from kvmesh.services.procs import SignalEvent, StartCancelled
 
     rc = 0
     stop = SignalEvent()  # set by the signal handler: a threading.Event could deadlock there

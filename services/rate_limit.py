@@ -34,6 +34,7 @@ import logging
 import math
 import re
 import time
+from typing import NamedTuple
 
 from kvmesh.workers.grpc_guard import LogLimiter, clip
 
@@ -87,6 +88,17 @@ def retry_after(limit: int, cost: int, window: float, prev: int, prev_ttl: float
     return max(0.0, cur_ttl - window) + max(0.0, window * (1.0 - room / cur))
 
 
+class _Budget(NamedTuple):
+    """One budget a request is checked against: its limit, what the request costs in it
+    (1 request, or its prompt tokens), its counters' name, and its flag as given."""
+
+    item: object  # a `limits.RateLimitItem`
+    cost: int
+    name: str     # "requests" or "tokens"
+    flag: str
+    text: str
+
+
 class TenantRateLimit:
     """Request and prompt-token budgets per tenant, shared through Redis by every router of
     a cluster (see the module docstring).
@@ -115,10 +127,10 @@ class TenantRateLimit:
         if storage is None and self.enabled:
             from limits.aio.storage import RedisStorage
 
-            # redis-py's asyncio client (kvmesh's own Redis client), not the library's default
             # the library's schemes: async+redis://, async+rediss://, async+redis+unix://
             scheme, sep, rest = redis_url.partition("://")
             url = f"async+{'redis+unix' if scheme == 'unix' else scheme}{sep}{rest}"
+            # redis-py's asyncio client (kvmesh's own Redis client), not the library's default
             storage = RedisStorage(url, implementation="redispy",
                                    key_prefix=f"kvmesh:{cluster}:ratelimit",
                                    socket_timeout=self.TIMEOUT_S, socket_connect_timeout=self.TIMEOUT_S)
@@ -151,32 +163,31 @@ class TenantRateLimit:
 
     async def _check(self, tenant: str, prompt_tokens: int) -> tuple[str, float] | None:
         who = tenant or "-"
-        budgets = [(item, cost, name, flag, text) for item, cost, name, flag, text in (
-            (self.requests, 1, "requests", "--tenant-request-limit", self.requests_text),
-            (self.tokens, prompt_tokens, "tokens", "--tenant-token-limit", self.tokens_text)) if item is not None]
+        budgets = [b for b in (_Budget(self.requests, 1, "requests", "--tenant-request-limit", self.requests_text),
+                               _Budget(self.tokens, prompt_tokens, "tokens", "--tenant-token-limit", self.tokens_text))
+                   if b.item is not None]
         try:
-            for item, cost, name, flag, text in budgets:
-                if cost > item.amount:
-                    self.refused[name] += 1
-                    return (f"a prompt of {cost:,} tokens is larger than this tenant's whole token budget "
-                            f"({flag} {text}): shorten it"), 0.0
+            for b in budgets:
+                if b.cost > b.item.amount:
+                    self.refused[b.name] += 1
+                    return (f"a prompt of {b.cost:,} tokens is larger than this tenant's whole token budget "
+                            f"({b.flag} {b.text}): shorten it"), 0.0
             # a look first (nothing counted): a request over any budget spends none, and is
             # told the longest wait, so that a client retrying when told is not refused again
-            over = [b for b in budgets if not await self.limiter.test(b[0], b[2], who, cost=b[1])]
+            over = [b for b in budgets if not await self.limiter.test(b.item, b.name, who, cost=b.cost)]
             if not over:
                 # then the atomic check-and-count per budget (`hit`): requests racing past the
                 # look are admitted only while the counters have room
-                for k, (item, cost, name, _flag, _text) in enumerate(budgets):
-                    if not await self.limiter.hit(item, name, who, cost=cost):
-                        over = [budgets[k]]  # the budgets before it counted this request (a race)
+                for b in budgets:
+                    if not await self.limiter.hit(b.item, b.name, who, cost=b.cost):
+                        over = [b]  # the budgets before it counted this request (a race)
                         break
             if over:
-                waits = [(await self._wait(item, name, who, cost), name, flag, text)
-                         for item, cost, name, flag, text in over]
-                wait, name, flag, text = max(waits, key=lambda w: w[0])
-                for _item, _cost, n, _flag, _text in over:
-                    self.refused[n] += 1
-                return self._refusal(tenant, name, flag, text, wait)
+                waits = [(await self._wait(b.item, b.name, who, b.cost), b) for b in over]
+                wait, worst = max(waits, key=lambda w: w[0])
+                for b in over:
+                    self.refused[b.name] += 1
+                return self._refusal(tenant, worst.name, worst.flag, worst.text, wait)
         except Exception as exc:  # noqa: BLE001 - Redis down or slow: admit, never fail the request
             self.failed_open += 1
             self._errors.warn("rate limits not applied (request admitted): %s: %s", type(exc).__name__, exc)

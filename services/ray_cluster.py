@@ -440,10 +440,7 @@ class RayPlacement:
                 return seen
             if time.monotonic() > deadline:
                 raise RuntimeError(f"router at {self.router_address} sees {seen}, expected {want}")
-            if cancel is not None:
-                cancel.wait(0.2)
-            else:
-                time.sleep(0.2)
+            time.sleep(0.2)  # ``cancel`` is looked at on the next turn
 
     def stop(self) -> None:
         """Stop every child gracefully, kill the actors, remove the placement group."""
@@ -548,15 +545,13 @@ def run_until_stopped(spec: RaySpec) -> int:
             return 2
         if exposure:
             print(f"WARNING: --allow-unauthenticated-ray: {exposure}", file=sys.stderr, flush=True)
-    from kvmesh.services.procs import SignalEvent
+    from kvmesh.services.procs import SignalEvent, StartCancelled
 
     stop = SignalEvent()  # set by the signal handler: a threading.Event could deadlock there
     # after ray.init, which installs its own SIGTERM handler (one that aborts the process)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     placement = RayPlacement(spec)
-    from kvmesh.services.procs import StartCancelled
-
     try:
         placement.start(cancel=stop)
         print(f"kvmesh on Ray: router {placement.router_address} (policy {spec.policy}), {spec.workers} workers "

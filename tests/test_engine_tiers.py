@@ -540,6 +540,19 @@ def _staging_engine(tmp_path, staging_blocks: int = 32, load_policy: str = "cost
                                    peer_bytes=staging_blocks * BLOCK_BYTES, load_policy=load_policy)).start()
 
 
+def spy_disk_reads(e: Engine) -> list[str]:
+    """Names of the threads that read the disk tier from now on (a spy, not a fake)."""
+    names: list[str] = []
+    real = e.tiers.disk.read
+
+    def read(entries):
+        names.append(threading.current_thread().name)
+        return real(entries)
+
+    e.tiers.disk.read = read
+    return names
+
+
 def _disk_only(e: Engine) -> None:
     to_host(e)
     e.drop_host_tier()
@@ -551,14 +564,7 @@ def test_a_slow_disk_is_probed_by_the_prefetch_never_on_the_engine_thread(tmp_pa
     (every PROBE_EVERY-th cut) happen in the prefetch only: the engine thread, which every
     running request waits on, never reads the disk to re-measure it."""
     e = _staging_engine(tmp_path)
-    readers: list[str] = []
-    read = e.tiers.disk.read
-
-    def traced(entries):
-        readers.append(threading.current_thread().name)
-        return read(entries)
-
-    e.tiers.disk.read = traced
+    readers = spy_disk_reads(e)
     try:
         prompt = rand_prompt(43, 150)
         ref, ref_logits = cold(e, prompt)
@@ -660,11 +666,11 @@ def test_a_staging_area_smaller_than_one_block_is_refused_unless_it_is_the_defau
     a large model's blocks, turns staging off with a warning instead of refusing to start."""
     import logging
 
-    from kvmesh.cache_store import tier_store
+    from kvmesh.cache_store import tier_config
 
     with pytest.raises(ValueError, match="peer_bytes 100 cannot hold one block"):
         Engine(device=DEVICE, num_blocks=16, block_size=BS, tiers=TierConfig(host_bytes=8 * BLOCK_BYTES, peer_bytes=100))
-    monkeypatch.setattr(tier_store, "DEFAULT_PEER_BYTES", 100)  # as if 100 bytes were the default
+    monkeypatch.setattr(tier_config, "DEFAULT_PEER_BYTES", 100)  # as if 100 bytes were the default
     with caplog.at_level(logging.WARNING, logger="kvmesh.cache_store.tier_store"):
         e = Engine(device=DEVICE, num_blocks=16, block_size=BS,
                    tiers=TierConfig(host_bytes=8 * BLOCK_BYTES, peer_bytes=100))

@@ -7,7 +7,7 @@ import threading
 
 from kvmesh.cache_store.hashing import hash_blocks
 from kvmesh.cache_store.tier_store import TierConfig
-from tests.test_engine_tiers import BLOCK_BYTES, BS, cap_blocks, max_diff, rand_prompt, run
+from tests.test_engine_tiers import BLOCK_BYTES, BS, cap_blocks, max_diff, rand_prompt, run, spy_disk_reads
 from kvmesh.workers.engine import Engine
 
 
@@ -22,19 +22,6 @@ def push_to_disk_only(e: Engine, prompt) -> None:
     e.offload_device_cache()
     assert e.flush_tiers(30)
     e.drop_host_tier()
-
-
-def spy_disk_reads(e: Engine) -> list[str]:
-    """Names of the threads that read the disk tier from now on (a spy, not a fake)."""
-    names: list[str] = []
-    real = e.tiers.disk.read
-
-    def read(entries):
-        names.append(threading.current_thread().name)
-        return real(entries)
-
-    e.tiers.disk.read = read
-    return names
 
 
 def test_disk_hit_is_read_by_the_submitter_not_the_engine(tmp_path):

@@ -119,7 +119,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         caller, tenant, salt = (await self.gate.identity(context, request) if self.gate is not None
-                                else (request.caller_tenant or request.tenant, request.tenant, request.cache_salt))
+                                else wire.forwarded_identity(request))
         # aclosing at each layer: a caller that stops reading (a cancelled stream, the HTTP
         # front's aclose) runs _generate's own clean-up now (engine abort, in-flight counts)
         async with contextlib.aclosing(self.tenant_cap.stream(caller, context,

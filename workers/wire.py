@@ -81,6 +81,12 @@ def timing_from_proto(t: pb.Timing) -> dict:
     return {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "ttft_ms": t.ttft_ms, "e2e_ms": t.e2e_ms}
 
 
+def forwarded_identity(request: pb.GenerateRequest) -> tuple[str, str, str]:
+    """(caller's tenant, cache tenant, cache salt) a router forwarded in a peer's request
+    (``caller_tenant`` is empty from an older router: the cache tenant stands in)."""
+    return request.caller_tenant or request.tenant, request.tenant, request.cache_salt
+
+
 def load_to_proto(load: dict) -> pb.Load:
     return pb.Load(**load)  # tier_weights: a dict fills the proto map
 
