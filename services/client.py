@@ -47,6 +47,7 @@ import grpc
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.services.aio import within
 
 #: Tiers of ``Usage.cached_tokens_by_tier`` (always all present, 0 when unused).
 TIERS = ("device", "host", "disk", "peer", "remote")
@@ -412,7 +413,7 @@ async def _tcp_reason(target: str, timeout: float, tls: bool = False) -> str | N
     if not sep or not host or not port.isdigit() or "/" in host:
         return None
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+        _, writer = await within(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
     except ConnectionRefusedError:
         return "connection refused: nothing listens on that port"
     except asyncio.TimeoutError:

@@ -58,6 +58,7 @@ descriptors or memory (EMFILE...) are logged at most ``LOG_BURST`` times a windo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import inspect
 import json
@@ -71,6 +72,7 @@ import grpc
 from aiohttp import web
 
 from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.services.aio import within
 from kvmesh.services.chat_template import ChatTemplate, ChatTemplateError
 from kvmesh.workers.grpc_guard import LogLimiter, clip
 from kvmesh.workers.limits import MAX_CACHE_SALT_CHARS
@@ -152,7 +154,7 @@ async def read_json_object(request: web.Request, timeout_s: float | None = DEFAU
             (4,300 digits), nesting too deep for the parser, or another JSON value.
     """
     try:
-        body = json.loads(await asyncio.wait_for(request.text(), timeout_s))
+        body = json.loads(await within(request.text(), timeout_s))
     except asyncio.TimeoutError:
         raise web.HTTPRequestTimeout(reason=f"request body not received within {timeout_s:g} s") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -844,11 +846,16 @@ class HttpFront:
         created = int(time.time())
         if not stream:
             text, ids, final = [], [], None
-            async for msg in self._run(req, request.headers.get("Authorization")):
-                text.append(msg.text)
-                ids.extend(msg.token_ids)
-                if msg.finished:
-                    final = msg
+            async with contextlib.aclosing(self._run(req, request.headers.get("Authorization"))) as messages:
+                async for msg in messages:
+                    if request.transport is None:
+                        # the client left but the cancellation that says so was lost on the way
+                        # (see services.aio): the next message notices, and aclosing aborts the call
+                        raise ConnectionResetError("the HTTP client went away")
+                    text.append(msg.text)
+                    ids.extend(msg.token_ids)
+                    if msg.finished:
+                        final = msg
             if final is None:
                 raise HttpError(502, "the stream ended without a final message", "server_error")
             choice: dict = {"index": 0, "finish_reason": final.finish_reason}

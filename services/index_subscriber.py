@@ -34,6 +34,7 @@ import redis
 import redis.asyncio as aioredis
 
 from kvmesh.cache_store.events import decode_batch
+from kvmesh.services.aio import within
 from kvmesh.services.cluster_index import ClusterIndex
 from kvmesh.workers.kv_publisher import DEFAULT_CLUSTER, lease_key, stream_key, workers_key
 
@@ -161,7 +162,7 @@ class IndexSubscriber:
                 log.warning("kv index subscriber: %d task(s) did not stop within %.1f s", len(pending), timeout)
         self._task = None
         try:
-            await asyncio.wait_for(self._redis.aclose(), timeout)
+            await within(self._redis.aclose(), timeout)
         except (asyncio.TimeoutError, redis.RedisError, OSError) as exc:
             log.warning("kv index subscriber: redis client did not close within %.1f s (%r)", timeout, exc)
 
@@ -179,7 +180,7 @@ class IndexSubscriber:
             RuntimeError: the subscriber is not running.
         """
         try:
-            await asyncio.wait_for(self._wait_synced(), timeout)
+            await within(self._wait_synced(), timeout)
         except asyncio.TimeoutError:  # a distinct class before Python 3.11
             raise TimeoutError(f"index not synced within {timeout} s") from None
 
@@ -351,7 +352,7 @@ class IndexSubscriber:
             return
         if not wanted:
             try:
-                await asyncio.wait_for(self._poll_now.wait(), wait_s)
+                await within(self._poll_now.wait(), wait_s)
             except asyncio.TimeoutError:  # builtin TimeoutError only from Python 3.11
                 pass
             return

@@ -36,6 +36,7 @@ import re
 import time
 from typing import NamedTuple
 
+from kvmesh.services.aio import within
 from kvmesh.workers.grpc_guard import LogLimiter, clip
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class TenantRateLimit:
         if not self.enabled:
             return None
         try:
-            return await asyncio.wait_for(self._check(tenant, prompt_tokens), self.TIMEOUT_S)
+            return await within(self._check(tenant, prompt_tokens), self.TIMEOUT_S)
         except asyncio.TimeoutError:
             self.failed_open += 1
             self._errors.warn("rate limits not applied (request admitted): Redis took over %.1f s",

@@ -36,6 +36,8 @@ import uuid
 import redis
 import redis.asyncio as aioredis
 
+from kvmesh.services.aio import within
+
 log = logging.getLogger(__name__)
 
 #: Seconds between two warnings about Redis failures.
@@ -124,7 +126,7 @@ class SharedLoad:
         if not self._available():
             return {}
         try:
-            raw = await asyncio.wait_for(self._redis.hgetall(self.key), self.timeout_s)
+            raw = await within(self._redis.hgetall(self.key), self.timeout_s)
         except (asyncio.TimeoutError, redis.RedisError, OSError) as exc:
             self._warn("read", exc)
             return {}
@@ -159,7 +161,7 @@ class SharedLoad:
 
     async def _drop(self, fields: list) -> None:
         try:
-            await asyncio.wait_for(self._redis.hdel(self.key, *fields), self.timeout_s)
+            await within(self._redis.hdel(self.key, *fields), self.timeout_s)
         except (asyncio.TimeoutError, redis.RedisError, OSError) as exc:
             self._warn("cleanup", exc)
 
@@ -184,7 +186,7 @@ class SharedLoad:
             value = json.dumps({"ts": now, "w": {w: [r, p, round(s, 3)] for w, (r, p, s) in counts.items()},
                                 "s": spec}, separators=(",", ":"))
             try:
-                await asyncio.wait_for(self._redis.hset(self.key, self.router_id, value), self.timeout_s)
+                await within(self._redis.hset(self.key, self.router_id, value), self.timeout_s)
                 self._last_write = time.monotonic()
             except (asyncio.TimeoutError, redis.RedisError, OSError) as exc:
                 self._warn("write", exc)
@@ -204,10 +206,10 @@ class SharedLoad:
     async def close(self) -> None:
         """Remove this router's entry (best effort) and close the client."""
         try:
-            await asyncio.wait_for(self._redis.hdel(self.key, self.router_id), self.timeout_s)
+            await within(self._redis.hdel(self.key, self.router_id), self.timeout_s)
         except (asyncio.TimeoutError, redis.RedisError, OSError):
             pass
         try:
-            await asyncio.wait_for(self._redis.aclose(), 2.0)
+            await within(self._redis.aclose(), 2.0)
         except (asyncio.TimeoutError, redis.RedisError, OSError):
             pass

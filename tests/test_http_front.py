@@ -713,3 +713,43 @@ def test_a_client_that_disconnects_cancels_its_request(tmp_path, tls):
             await front.stop()
 
     assert asyncio.run(run())
+
+
+def test_a_client_gone_is_noticed_even_when_its_cancellation_was_lost(tmp_path):
+    """The Generate behind the front swallows the cancellation the client's reset causes
+    (as `asyncio.wait_for` can before Python 3.12, gh-86296): the next message it yields
+    finds the client gone, and the front closes the call instead of waiting for its end."""
+    swallowed = stopped = None
+
+    async def deaf(req, ctx):
+        try:
+            while True:
+                try:
+                    await asyncio.sleep(0.05)
+                except asyncio.CancelledError:
+                    if swallowed.is_set():
+                        raise  # the front's own stop, after the test
+                    swallowed.set()  # the fault: carry on once as if never cancelled
+                yield pb.GenerateResponse(token_ids=[97], text="a")
+        finally:
+            stopped.set()
+
+    async def run():
+        nonlocal swallowed, stopped
+        swallowed, stopped = asyncio.Event(), asyncio.Event()
+        front, _ = await _serve(deaf)
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", front._serving.port)
+            body = b'{"prompt": "abc", "max_tokens": 100000}'
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await w.drain()
+            await asyncio.sleep(0.5)
+            w.transport.abort()  # a reset
+            async with asyncio.timeout(20):
+                await stopped.wait()
+            return swallowed.is_set()
+        finally:
+            await front.stop()
+
+    assert asyncio.run(run()), "the fault was not injected: the handler's cancellation never reached Generate"
