@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -21,6 +22,7 @@ import grpc  # noqa: E402
 
 from kvmesh.services.security import add_client_args, add_server_args, client_options, server_gate
 from kvmesh.services.cli_checks import host_port, port_number, positive_float, positive_int
+from kvmesh.workers.request import DEFAULT_DEADLINE_SHED_FACTOR
 
 
 #: How long a starting worker waits for another process renewing a lease under its
@@ -40,6 +42,19 @@ def _int_at_least(low: int, flag: str, below: int | None = None):
             raise argparse.ArgumentTypeError(f"{flag} must be in [{low}, {below}), got {value}")
         if value < low:
             raise argparse.ArgumentTypeError(f"{flag} must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _float_at_least(low: float, flag: str):
+    """argparse type: a finite number >= ``low``; the error names ``flag``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be a finite number >= {low:g}, got {text!r}")
         return value
     return parse
 
@@ -96,6 +111,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "quarter of --max-batched-tokens)")
     p.add_argument("--max-num-partial-prefills", type=_int_at_least(1, "--max-num-partial-prefills"),
                    default=2, help="most requests with a partly computed prompt at once (default 2)")
+    p.add_argument("--deadline-shed-factor", type=_float_at_least(0.0, "--deadline-shed-factor"),
+                   default=DEFAULT_DEADLINE_SHED_FACTOR, metavar="F",
+                   help="a request whose gRPC deadline leaves less than F x its estimated prefill time (uncached "
+                   "tokens / measured prefill rate) is failed DEADLINE_EXCEEDED before computing its prompt, as is "
+                   f"one whose deadline passed while it waited (0 = only those; default {DEFAULT_DEADLINE_SHED_FACTOR:g})")
     # the built-in names (tier_config imports no torch; the codec registry does)
     from kvmesh.cache_store.tier_config import BUILTIN_CODECS as codecs, DEFAULT_PEER_BYTES
     t = p.add_argument_group("cache tiers (sizes in bytes; K/M/G/T suffixes are powers of 1024)")
@@ -219,6 +239,7 @@ def make_engine(args: argparse.Namespace, event_sink=None):
                     max_waiting=getattr(args, "max_waiting", 512), tiers=tier_config(args),
                     long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", None),
                     max_num_partial_prefills=getattr(args, "max_num_partial_prefills", 2),
+                    deadline_shed_factor=getattr(args, "deadline_shed_factor", DEFAULT_DEADLINE_SHED_FACTOR),
                     compute_dtype=getattr(args, "compute_dtype", "auto"))
     if engine.pool_capped:
         logging.getLogger("kvmesh.worker").warning(

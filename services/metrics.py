@@ -66,6 +66,12 @@ METRICS_SOCKET_TIMEOUT_S = 10.0
 METRICS_MAX_CONNECTIONS = 16
 
 
+#: ``finished_reason`` label values of the request counter: "shed" is a request failed
+#: DEADLINE_EXCEEDED before its prefill (`workers.scheduler.Scheduler`), "abort" one
+#: whose caller left or whose deadline passed while it ran.
+FINISH_REASONS = ("stop", "length", "error", "shed", "abort")
+
+
 class _QuietHandler(WSGIRequestHandler):
     """A WSGI request handler that logs nothing (prometheus-client's does the same)."""
 
@@ -193,7 +199,7 @@ class WorkerMetrics:
             self.hits.labels(tier=t)
         for d in FETCH_DECISIONS:
             self.fetch_decisions.labels(decision=d)
-        for reason in ("stop", "length", "error", "abort"):
+        for reason in FINISH_REASONS:
             self.requests.labels(finished_reason=reason)
         r.register(_EngineCollector(self))
 
@@ -207,11 +213,11 @@ class WorkerMetrics:
                 ``computed_prefill_tokens``, ``completion_tokens``; tokens), None for a
                 failed request.
             timing: the engine's timing dict (``ttft_ms``, ``e2e_ms``, ``queue_ms``).
-            finish_reason: "stop", "length", "error" or "abort".
+            finish_reason: "stop", "length", "error", "shed" (dropped before its prefill:
+                its deadline could not be met) or "abort".
             token_times: ``time.monotonic()`` of each streamed message that carried tokens.
         """
-        self.requests.labels(finished_reason=finish_reason if finish_reason in ("stop", "length", "error")
-                             else "abort").inc()
+        self.requests.labels(finished_reason=finish_reason if finish_reason in FINISH_REASONS else "abort").inc()
         if usage:
             prompt = int(usage.get("prompt_tokens", 0))
             self.queries.inc(prompt)

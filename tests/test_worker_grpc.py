@@ -213,3 +213,43 @@ def test_a_cache_salt_past_its_cap_is_invalid_argument(worker):
                 token_ids=pb.TokenIds(ids=[1, 2, 3]), cache_salt="s" * 5000,
                 sampling=pb.SamplingParams(max_tokens=1)), timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 1024" in err.value.details()
+
+
+def test_a_request_that_cannot_meet_its_grpc_deadline_is_shed_before_its_prefill(tmp_path):
+    """A worker with --deadline-shed-factor 1000 (so the deadlines here are seconds long):
+    a 900-token prompt whose 5 s deadline is under 1000x its estimated prefill is answered
+    DEADLINE_EXCEEDED by the worker at once, naming the estimate, and counted as shed in
+    its metrics; without a deadline the same prompt is served, nothing of it cached."""
+    import urllib.request
+
+    from kvmesh.services.procs import free_port, python_cmd, spawn, stop_process, wait_healthy
+
+    port, metrics_port = free_port(), free_port()
+    proc = spawn(python_cmd("worker", "--port", str(port), "--worker-id", "w-shed", "--num-blocks", "64",
+                            "--threads", "1", "--deadline-shed-factor", "1000", "--metrics-port", str(metrics_port)),
+                 str(tmp_path / "worker.log"))
+    address = f"127.0.0.1:{port}"
+    rng = random.Random(5)
+    ids = [rng.randrange(256) for _ in range(900)]
+    try:
+        wait_healthy(address, proc=proc)
+        with grpc.insecure_channel(address) as ch:
+            stub = pb_grpc.WorkerStub(ch)
+            warm = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[rng.randrange(256) for _ in range(200)]),
+                                      sampling=pb.SamplingParams(max_tokens=1))
+            list(stub.Generate(warm))  # the worker measures its prefill rate
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(max_tokens=4))
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(req, timeout=5))
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "shed before its prefill" in err.value.details(), err.value.details()  # the worker's, not ours
+            assert time.monotonic() - t0 < 4
+            served = list(stub.Generate(req))
+            assert served[-1].finished and served[-1].usage.cached_tokens == 0
+            assert served[-1].usage.completion_tokens == 4
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        counted = [line for line in text.splitlines() if line.startswith('kvmesh:request_success_total{finished_reason="shed"}')]
+        assert [line.split()[-1] for line in counted] == ["1.0"], counted
+    finally:
+        stop_process(proc)

@@ -35,6 +35,7 @@ from kvmesh.workers import limits, model_identity
 from kvmesh.workers.loader import load_model
 from kvmesh.workers.model import AttentionMetadata, allocate_kv_cache
 from kvmesh.workers.request import (
+    DEFAULT_DEADLINE_SHED_FACTOR,
     InvalidRequest,
     Overloaded,
     Request,
@@ -70,6 +71,9 @@ class Engine:
             (`cache_store.tier_store.TierConfig`); None for the device pool only.
         long_prefill_token_threshold, max_num_partial_prefills: fair scheduling of long
             prefills (`workers.scheduler.Scheduler`; threshold None = a quarter of the budget).
+        deadline_shed_factor: how sure the scheduler must be that a request with a deadline
+            (`submit`) misses it before it sheds the request instead of computing its prompt
+            (`workers.scheduler.Scheduler`; 0 = only requests already past it).
 
     Raises:
         ValueError: bad sizes or tier configuration, or ``max_model_len`` above the model's
@@ -93,6 +97,7 @@ class Engine:
         long_prefill_token_threshold: int | None = None,
         max_num_partial_prefills: int = DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
         compute_dtype: str = "auto",
+        deadline_shed_factor: float = DEFAULT_DEADLINE_SHED_FACTOR,
     ):
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
@@ -135,7 +140,8 @@ class Engine:
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, tiers=self.tiers,
                                    long_prefill_token_threshold=long_prefill_token_threshold,
                                    max_num_partial_prefills=max_num_partial_prefills,
-                                   prefill_rate=lambda: self._prefill_rate)
+                                   prefill_rate=lambda: self._prefill_rate,
+                                   deadline_shed_factor=deadline_shed_factor)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or ())
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -229,6 +235,7 @@ class Engine:
         request_id: str = "",
         arrival: float | None = None,
         tenant: str = "",
+        deadline: float | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Thread-safe.
 
@@ -236,6 +243,9 @@ class Engine:
         ``adapter_id`` choose the request's hash namespace (`namespace`).
         ``arrival`` (``time.monotonic()`` seconds) is when the request reached the worker,
         if earlier than now (e.g. before a peer fetch); timing is measured from it.
+        ``deadline`` (``time.monotonic()`` seconds; None: none) is when the caller stops
+        waiting: a request that cannot reach its first token by then is shed before its
+        prefill, its output an error with code DEADLINE_EXCEEDED (``deadline_shed_factor``).
 
         Raises:
             InvalidRequest, Overloaded: see `validate`.
@@ -247,6 +257,7 @@ class Engine:
                       self.block_size, on_output)
         if arrival is not None:
             req.arrival = min(arrival, req.arrival)
+        req.deadline = deadline
         with self._cv:
             self._inbox.append(("add", req))
             self._cv.notify()
@@ -331,6 +342,8 @@ class Engine:
     def _step_locked(self) -> int:
         self._drain_inbox()
         batch = self.scheduler.schedule()
+        for req, why in batch.shed:  # before any compute: the caller would be gone by its first token
+            self._fail(req, why, "DEADLINE_EXCEEDED")
         self._load_snapshot = self._count_load()  # what the forward below is busy with
         if not batch:
             return 0

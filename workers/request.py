@@ -26,6 +26,13 @@ class Overloaded(RuntimeError):
     """The worker cannot take the request now or ever with its pool (RESOURCE_EXHAUSTED)."""
 
 
+#: Default ``--deadline-shed-factor`` (`workers.scheduler.Scheduler`): a request is shed
+#: before its prefill when this fraction of its estimated prefill time is already more than
+#: its deadline leaves, i.e. when it would miss even at four times the measured prefill
+#: rate (which can read low: a step's decodes are charged to its prompt tokens).
+DEFAULT_DEADLINE_SHED_FACTOR = 0.25
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -105,6 +112,10 @@ class Request:
     first_token: float | None = None
     num_preemptions: int = 0
     num_emitted: int = 0
+    #: when the caller stops waiting (``time.monotonic()`` seconds; None: never): the
+    #: scheduler sheds a request that cannot reach its first token by then before computing
+    #: its prompt (`workers.scheduler.Scheduler`, ``deadline_shed_factor``)
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

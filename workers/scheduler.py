@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
-from dataclasses import dataclass
 
 from kvmesh.cache_store.prefix_cache import PrefixCache
 from kvmesh.cache_store.tier_store import TierStore
-from kvmesh.workers.request import Request, RequestStatus
+from kvmesh.workers.request import DEFAULT_DEADLINE_SHED_FACTOR, Request, RequestStatus
 
 
 @dataclass
@@ -48,6 +48,9 @@ class ScheduledBatch:
 
     requests: list[Request]
     num_new_tokens: list[int]
+    #: requests dropped before their prefill, each with why (its deadline could not be
+    #: met): the engine fails them with DEADLINE_EXCEEDED; they hold no blocks
+    shed: list[tuple[Request, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +83,15 @@ class Scheduler:
             (>= 1). A waiting request that would become one more is passed over (a later
             request that finishes its prompt in this step can still start), so short
             prompts are not queued behind several long ones.
+        deadline_shed_factor: a request with a ``deadline`` is shed when it is first
+            scheduled (its cached prefix known, nothing computed yet) if its deadline has
+            passed, or if ``factor x uncached prompt tokens / prefill rate`` seconds
+            exceed what is left of it (0: shed only requests already past their deadline).
+            The rate is the engine's measured one, which charges decode time in mixed
+            steps to the prompt tokens, so the default of 0.25 sheds only requests that
+            would miss at four times that rate. A shed request costs no prefill; it would
+            otherwise run until its caller's deadline cancels it, delaying the requests
+            queued behind it for nothing (the goodput collapse of an overloaded server).
 
     Fair scheduling of long prefills follows vLLM's ``long_prefill_token_threshold`` and
     ``max_num_partial_prefills`` (vLLM engine arguments, v0.8+).
@@ -94,13 +106,16 @@ class Scheduler:
                  tiers: TierStore | None = None,
                  long_prefill_token_threshold: int | None = None,
                  max_num_partial_prefills: int = DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
-                 prefill_rate: Callable[[], float | None] | None = None):
+                 prefill_rate: Callable[[], float | None] | None = None,
+                 deadline_shed_factor: float = DEFAULT_DEADLINE_SHED_FACTOR):
         if long_prefill_token_threshold is None:
             long_prefill_token_threshold = max(1, max_num_batched_tokens // LONG_PREFILL_BUDGET_SHARE)
         if long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (got {long_prefill_token_threshold})")
         if max_num_partial_prefills < 1:
             raise ValueError(f"max_num_partial_prefills must be >= 1 (got {max_num_partial_prefills})")
+        if not deadline_shed_factor >= 0:  # NaN too
+            raise ValueError(f"deadline_shed_factor must be >= 0 (got {deadline_shed_factor})")
         self.cache = cache
         self.tiers = tiers
         #: the engine's measured prefill throughput (tokens/s), None until measured: what a
@@ -111,6 +126,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_num_partial_prefills = max_num_partial_prefills
+        self.deadline_shed_factor = float(deadline_shed_factor)
+        #: requests shed so far (`deadline_shed_factor`)
+        self.num_shed = 0
         self._contended = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -181,6 +199,13 @@ class Scheduler:
             if not self._lock_cached_prefix(req, inflight):
                 passed.append(req)  # its prefix is being computed: attach once committed
                 continue
+            why = self._hopeless(req) if req.deadline is not None and req.first_scheduled is None else None
+            if why is not None:
+                self._release(req)
+                req.status = RequestStatus.FINISHED
+                batch.shed.append((req, why))
+                self.num_shed += 1
+                continue
             n = min(self._chunk(req), budget)
             unfinished = req.num_computed + n < req.num_prompt_tokens
             if unfinished and partial >= self.max_num_partial_prefills:
@@ -213,6 +238,23 @@ class Scheduler:
                     batch.num_new_tokens[k] += extra
                     budget -= extra
         return batch
+
+    def _hopeless(self, req: Request) -> str | None:
+        """Why ``req`` (its cached prefix locked, nothing computed) cannot reach its first
+        token before its deadline, or None if it may (see ``deadline_shed_factor``)."""
+        left = req.deadline - time.monotonic()
+        if left <= 0:
+            return f"its deadline passed {-left:.3f} s ago while it waited; send a longer deadline"
+        rate = self.prefill_rate() if self.prefill_rate is not None else None
+        uncached = req.num_prompt_tokens - req.num_computed
+        if not rate or self.deadline_shed_factor <= 0:
+            return None
+        need = uncached / rate
+        if self.deadline_shed_factor * need <= left:
+            return None
+        return (f"shed before its prefill: its {uncached} uncached prompt tokens need about {need:.2f} s at this "
+                f"worker's prefill rate ({rate:.0f} tokens/s) but only {left:.2f} s of its deadline were left; "
+                f"send a longer deadline or a shorter prompt")
 
     def _chunk(self, req: Request) -> int:
         """Tokens ``req`` may compute this step before the budget: its remaining tokens,

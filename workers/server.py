@@ -153,9 +153,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     name="kvmesh-prefetch"))
             # the engine keys requests by its own unique id: two clients reusing one
             # request_id never cancel each other
+            remaining = context.time_remaining()  # seconds; None: the caller set no deadline
             engine_rid = self.engine.submit(prompt_ids, sampling, on_output,
                                             cache_salt=salt, adapter_id=request.adapter_id,
-                                            request_id=rid, arrival=arrival, tenant=tenant)
+                                            request_id=rid, arrival=arrival, tenant=tenant,
+                                            deadline=None if remaining is None else time.monotonic() + remaining)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Overloaded as exc:
@@ -169,8 +171,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 if out.new_token_ids:
                     token_times.append(time.monotonic())
                 if out.finished and self.metrics is not None:
-                    self.metrics.observe_finished(out.usage, out.timing, "error" if out.error else out.finish_reason,
-                                                  token_times)
+                    reason = out.finish_reason
+                    if out.error:
+                        reason = "shed" if out.error_code == "DEADLINE_EXCEEDED" else "error"
+                    self.metrics.observe_finished(out.usage, out.timing, reason, token_times)
                 if out.error:
                     finished = True
                     await context.abort(wire.STATUS_CODES.get(out.error_code, grpc.StatusCode.INTERNAL),

@@ -1,0 +1,105 @@
+"""Deadline shedding: a request that cannot reach its first token before its caller's
+deadline is failed DEADLINE_EXCEEDED before its prefill computes anything, and requests
+that are served give the same tokens as a cold run without a deadline."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from kvmesh.workers.engine import Engine
+from kvmesh.workers.request import SamplingParams
+from tests._device import DEVICE
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=8)
+#: the engine's shed factor in the estimate tests: large, so the deadlines they set are
+#: seconds long and scheduling jitter cannot decide the outcome
+FACTOR = 200.0
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = Engine(device=DEVICE, num_blocks=512, block_size=BS, deadline_shed_factor=FACTOR).start()
+    e.generate(prompt(9, 300), GREEDY)  # measures the prefill rate
+    yield e
+    e.stop()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def submit(engine: Engine, ids: list[int], deadline: float | None) -> dict:
+    """Run one request with ``deadline`` (monotonic seconds) to its end; its outputs joined."""
+    done = threading.Event()
+    out: dict = {"token_ids": []}
+
+    def on_output(o):
+        out["token_ids"].extend(o.new_token_ids)
+        if o.finished:
+            out.update(finish_reason=o.finish_reason, error=o.error, error_code=o.error_code, usage=o.usage)
+            done.set()
+
+    engine.submit(ids, GREEDY, on_output, deadline=deadline)
+    assert done.wait(120), "no answer"
+    return out
+
+
+def test_a_request_whose_deadline_has_passed_is_shed_and_computes_nothing():
+    e = Engine(device=DEVICE, num_blocks=256, block_size=BS).start()  # the default factor
+    try:
+        ids = prompt(1, 200)
+        shed_before = e.scheduler.num_shed
+        out = submit(e, ids, deadline=time.monotonic() - 0.01)
+        assert out["error_code"] == "DEADLINE_EXCEEDED" and "deadline passed" in out["error"], out
+        assert out["token_ids"] == []
+        assert e.scheduler.num_shed == shed_before + 1
+        again = e.generate(ids, GREEDY)  # nothing of the shed prompt was computed or cached
+        assert again["usage"]["cached_tokens"] == 0
+        assert len(again["token_ids"]) == GREEDY.max_tokens
+    finally:
+        e.stop()
+
+
+def test_a_request_that_cannot_make_its_deadline_is_shed_and_one_that_can_is_served(engine):
+    ids = prompt(2, 900)
+    need = len(ids) / engine.prefill_tokens_per_s()  # seconds of prefill, uncached
+    engine.clear_cache()
+    out = submit(engine, ids, deadline=time.monotonic() + FACTOR * need / 4)
+    assert out["error_code"] == "DEADLINE_EXCEEDED", out
+    assert "shed before its prefill" in out["error"] and "900 uncached prompt tokens" in out["error"], out["error"]
+    served = submit(engine, ids, deadline=time.monotonic() + FACTOR * need * 4)
+    assert not served["error"], served
+    engine.clear_cache()
+    cold = engine.generate(ids, GREEDY)
+    assert cold["usage"]["cached_tokens"] == 0
+    assert served["token_ids"] == cold["token_ids"] and len(cold["token_ids"]) == GREEDY.max_tokens
+
+
+def test_the_estimate_counts_only_the_uncached_tokens(engine):
+    """A deadline that sheds the cold prompt serves it once its prefix is cached, with the
+    tokens of a cold run."""
+    ids = prompt(3, 900)
+    need = len(ids) / engine.prefill_tokens_per_s()
+    engine.clear_cache()
+    tight = FACTOR * need / 4  # seconds: sheds 900 uncached tokens, not 900 - 864 of them
+    assert submit(engine, ids, deadline=time.monotonic() + tight)["error_code"] == "DEADLINE_EXCEEDED"
+    cold = engine.generate(ids, GREEDY)  # computes and caches the prompt
+    assert cold["usage"]["cached_tokens"] == 0
+    hit = submit(engine, ids, deadline=time.monotonic() + tight)
+    assert not hit["error"], hit
+    assert hit["usage"]["cached_tokens"] == BS * ((len(ids) - 1) // BS)
+    assert hit["token_ids"] == cold["token_ids"]
+
+
+def test_a_negative_or_nan_shed_factor_is_refused():
+    from kvmesh.cache_store.prefix_cache import PrefixCache
+    from kvmesh.workers.scheduler import Scheduler
+
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(ValueError, match="deadline_shed_factor"):
+            Scheduler(PrefixCache(8, BS), deadline_shed_factor=bad)
