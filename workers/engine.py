@@ -151,6 +151,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.steps = 0
+        #: prompt tokens computed by model steps so far (tokens; cached ones not counted)
+        self.computed_prompt_tokens = 0
         #: Called under the engine lock when a snapshot is taken; returns the sequence
         #: number of the last KV event batch the snapshot reflects (the publisher's).
         self.snapshot_seq_fn: Callable[[], int] | None = None
@@ -356,6 +358,8 @@ class Engine:
             for req in list(batch.requests):
                 self._fail(req, f"model step failed: {exc}", "INTERNAL")
             return 0
+        self.computed_prompt_tokens += sum(min(n, max(0, r.num_prompt_tokens - r.num_computed))
+                                           for r, n in zip(batch.requests, batch.num_new_tokens))
         self.scheduler.update_after_step(batch)
         self._sample_and_emit(batch, logits)
         self.steps += 1
