@@ -103,3 +103,18 @@ def test_a_negative_or_nan_shed_factor_is_refused():
     for bad in (-0.1, float("nan")):
         with pytest.raises(ValueError, match="deadline_shed_factor"):
             Scheduler(PrefixCache(8, BS), deadline_shed_factor=bad)
+
+
+def test_the_overload_bench_runs_and_accounts_for_every_request(capsys):
+    import json
+
+    from kvmesh.bench import deadline_shed
+
+    assert deadline_shed.main(["--json", "--seconds", "1.5", "--rounds", "1", "--prompt-tokens", "64",
+                               "--factors", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["modes"]) == {"off", "shed 0"}
+    for mode in out["modes"].values():
+        assert mode["requests"] >= 1 and 0.0 <= mode["on_time"] <= 1.0
+        assert mode["wasted_prefill_tokens"] >= 0 and mode["shed"] >= 0
+    assert out["modes"]["off"]["shed"] == 0  # the engine was never told a deadline
