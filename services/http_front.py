@@ -873,53 +873,52 @@ class HttpFront:
                             param="stream_options")
         include_usage = _flag(options, "include_usage", "stream_options.include_usage")
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-        gen = self._run(req, request.headers.get("Authorization"))
-        # the first message decides the status: an error before any token is a plain HTTP error
-        try:
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            raise HttpError(502, "the stream ended without a final message", "server_error") from None
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        # aclosing: however the answer ends (a client gone before or after the headers, an
+        # error event), the Generate call is closed now, not when a cycle collector gets to it
+        async with contextlib.aclosing(self._run(req, request.headers.get("Authorization"))) as gen:
+            # the first message decides the status: an error before any token is a plain HTTP error
+            try:
+                first = await gen.__anext__()
+            except StopAsyncIteration:
+                raise HttpError(502, "the stream ended without a final message", "server_error") from None
+            if request.transport is None:  # gone while it waited, its cancellation lost (services.aio)
+                raise ConnectionResetError("the HTTP client went away")
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
 
-        async def send(payload: dict) -> None:
-            await resp.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+            async def send(payload: dict) -> None:
+                await resp.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
-        def chunk(delta_text: str, ids: list[int], finish: str | None, first_chunk: bool = False) -> dict:
-            c: dict = {"index": 0, "finish_reason": finish}
-            if chat:
-                delta = {"role": "assistant", "content": delta_text} if first_chunk else {"content": delta_text}
-                c["delta"] = delta
-            else:
-                c.update(text=delta_text, logprobs=None)
-            if return_ids:
-                c["token_ids"] = ids
-            return {"id": rid, "object": chunk_obj, "created": created, "model": self.model_id, "choices": [c]}
+            def chunk(delta_text: str, ids: list[int], finish: str | None, first_chunk: bool = False) -> dict:
+                c: dict = {"index": 0, "finish_reason": finish}
+                if chat:
+                    delta = {"role": "assistant", "content": delta_text} if first_chunk else {"content": delta_text}
+                    c["delta"] = delta
+                else:
+                    c.update(text=delta_text, logprobs=None)
+                if return_ids:
+                    c["token_ids"] = ids
+                return {"id": rid, "object": chunk_obj, "created": created, "model": self.model_id, "choices": [c]}
 
-        try:
-            msg, first_chunk, final = first, True, None
-            while True:
-                if msg.finished:
-                    final = msg
-                if msg.token_ids or msg.text or msg.finished or first_chunk:
-                    await send(chunk(msg.text, list(msg.token_ids), msg.finish_reason if msg.finished else None,
-                                     first_chunk))
-                    first_chunk = False
-                try:
-                    msg = await gen.__anext__()
-                except StopAsyncIteration:
-                    break
-            if include_usage and final is not None:
-                await send({"id": rid, "object": chunk_obj, "created": created, "model": self.model_id,
-                            "choices": [], "usage": self._usage(final)})
-        except (GrpcAbort, HttpError) as exc:  # after the headers: the error travels as an SSE event
-            err = HttpError.from_abort(exc) if isinstance(exc, GrpcAbort) else exc
-            await send(err.body())
-        except (ConnectionResetError, asyncio.CancelledError):
-            await gen.aclose()
-            raise
-        finally:
-            await gen.aclose()
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+            try:
+                msg, first_chunk, final = first, True, None
+                while True:
+                    if msg.finished:
+                        final = msg
+                    if msg.token_ids or msg.text or msg.finished or first_chunk:
+                        await send(chunk(msg.text, list(msg.token_ids), msg.finish_reason if msg.finished else None,
+                                         first_chunk))
+                        first_chunk = False
+                    try:
+                        msg = await gen.__anext__()
+                    except StopAsyncIteration:
+                        break
+                if include_usage and final is not None:
+                    await send({"id": rid, "object": chunk_obj, "created": created, "model": self.model_id,
+                                "choices": [], "usage": self._usage(final)})
+            except (GrpcAbort, HttpError) as exc:  # after the headers: the error travels as an SSE event
+                err = HttpError.from_abort(exc) if isinstance(exc, GrpcAbort) else exc
+                await send(err.body())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp

@@ -715,7 +715,9 @@ def test_a_client_that_disconnects_cancels_its_request(tmp_path, tls):
     assert asyncio.run(run())
 
 
-def test_a_client_gone_is_noticed_even_when_its_cancellation_was_lost(tmp_path):
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("first_after_s", [1.0, 0.05], ids=["before-first-token", "while-tokens-flow"])
+def test_a_client_gone_is_noticed_even_when_its_cancellation_was_lost(stream, first_after_s):
     """The Generate behind the front swallows the cancellation the client's reset causes
     (as `asyncio.wait_for` can before Python 3.12, gh-86296): the next message it yields
     finds the client gone, and the front closes the call instead of waiting for its end."""
@@ -723,9 +725,11 @@ def test_a_client_gone_is_noticed_even_when_its_cancellation_was_lost(tmp_path):
 
     async def deaf(req, ctx):
         try:
+            wait = first_after_s  # the client resets at 0.5 s: before the first token, or while they flow
             while True:
                 try:
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(wait)
+                    wait = 0.05
                 except asyncio.CancelledError:
                     if swallowed.is_set():
                         raise  # the front's own stop, after the test
@@ -740,7 +744,7 @@ def test_a_client_gone_is_noticed_even_when_its_cancellation_was_lost(tmp_path):
         front, _ = await _serve(deaf)
         try:
             r, w = await asyncio.open_connection("127.0.0.1", front._serving.port)
-            body = b'{"prompt": "abc", "max_tokens": 100000}'
+            body = json.dumps({"prompt": "abc", "max_tokens": 100000, "stream": stream}).encode()
             w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             await w.drain()
