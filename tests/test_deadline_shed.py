@@ -23,9 +23,16 @@ FACTOR = 200.0
 @pytest.fixture(scope="module")
 def engine():
     e = Engine(device=DEVICE, num_blocks=512, block_size=BS, deadline_shed_factor=FACTOR).start()
-    e.generate(prompt(9, 300), GREEDY)  # measures the prefill rate
+    warm(e)
     yield e
     e.stop()
+
+
+def warm(e: Engine) -> None:
+    """Enough measured prefill steps for `Engine.peak_prefill_rate` to answer."""
+    for seed in range(Engine.PEAK_RATE_MIN_SAMPLES):
+        e.generate(prompt(100 + seed, 200), GREEDY)
+    assert e.peak_prefill_rate() is not None
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -50,8 +57,18 @@ def submit(engine: Engine, ids: list[int], deadline: float | None) -> dict:
 
 
 def test_a_request_whose_deadline_has_passed_is_shed_and_computes_nothing():
-    e = Engine(device=DEVICE, num_blocks=256, block_size=BS).start()  # the default factor
+    from kvmesh.cache_store.tier_store import TierConfig
+
+    e = Engine(device=DEVICE, num_blocks=256, block_size=BS,  # the default factor
+               tiers=TierConfig(host_bytes=64 << 20, load_policy="always")).start()
     try:
+        held = prompt(11, 200)
+        e.generate(held, GREEDY)
+        e.offload_device_cache()  # its prefix now only on the host tier
+        loaded = e.tiers.stats()["loaded"]
+        late = submit(e, held, deadline=time.monotonic() - 0.01)
+        assert late["error_code"] == "DEADLINE_EXCEEDED"
+        assert e.tiers.stats()["loaded"] == loaded  # shed before its prefix was looked up, no host read
         ids = prompt(1, 200)
         shed_before = e.scheduler.num_shed
         out = submit(e, ids, deadline=time.monotonic() - 0.01)
@@ -67,7 +84,7 @@ def test_a_request_whose_deadline_has_passed_is_shed_and_computes_nothing():
 
 def test_a_request_that_cannot_make_its_deadline_is_shed_and_one_that_can_is_served(engine):
     ids = prompt(2, 900)
-    need = len(ids) / engine.prefill_tokens_per_s()  # seconds of prefill, uncached
+    need = len(ids) / engine.peak_prefill_rate()  # seconds of prefill, uncached, at the fastest recent rate
     engine.clear_cache()
     out = submit(engine, ids, deadline=time.monotonic() + FACTOR * need / 4)
     assert out["error_code"] == "DEADLINE_EXCEEDED", out
@@ -84,7 +101,7 @@ def test_the_estimate_counts_only_the_uncached_tokens(engine):
     """A deadline that sheds the cold prompt serves it once its prefix is cached, with the
     tokens of a cold run."""
     ids = prompt(3, 900)
-    need = len(ids) / engine.prefill_tokens_per_s()
+    need = len(ids) / engine.peak_prefill_rate()
     engine.clear_cache()
     tight = FACTOR * need / 4  # seconds: sheds 900 uncached tokens, not 900 - 864 of them
     assert submit(engine, ids, deadline=time.monotonic() + tight)["error_code"] == "DEADLINE_EXCEEDED"
@@ -94,6 +111,50 @@ def test_the_estimate_counts_only_the_uncached_tokens(engine):
     assert not hit["error"], hit
     assert hit["usage"]["cached_tokens"] == BS * ((len(ids) - 1) // BS)
     assert hit["token_ids"] == cold["token_ids"]
+
+
+def test_a_fresh_engine_sheds_on_the_estimate_only_after_several_measured_steps():
+    """One cold step can read many times slower than the engine is: until
+    `Engine.PEAK_RATE_MIN_SAMPLES` steps are measured, only past deadlines are shed."""
+    e = Engine(device=DEVICE, num_blocks=256, block_size=BS, deadline_shed_factor=1e9).start()
+    try:
+        e.generate(prompt(12, 200), GREEDY)  # one measured step
+        assert e.peak_prefill_rate() is None
+        out = submit(e, prompt(13, 200), deadline=time.monotonic() + 60)  # 1e9 x any estimate would shed it
+        assert not out["error"], out
+    finally:
+        e.stop()
+
+
+def test_a_slow_spell_does_not_make_the_engine_shed_what_it_can_serve(engine):
+    """Steps slowed 20-fold for a while (an injected fault: a stalled forward) leave the
+    rate shedding estimates with where it was, so a request that fits at the engine's real
+    speed is served, with the tokens of a cold run."""
+    warm(engine)  # fresh samples: none ages out during the spell
+    fast = engine.peak_prefill_rate()
+    model = engine.model
+    forward = model.forward
+
+    def stalled(*a, **kw):
+        t0 = time.perf_counter()
+        out = forward(*a, **kw)
+        time.sleep(20 * (time.perf_counter() - t0))
+        return out
+
+    model.forward = stalled
+    try:
+        for seed in range(6):
+            engine.generate(prompt(200 + seed, 200), GREEDY)
+    finally:
+        del model.forward
+    assert engine.prefill_tokens_per_s() < fast / 2  # the cautious rate did fall
+    assert engine.peak_prefill_rate() >= fast * 0.99
+    ids = prompt(14, 900)
+    need = len(ids) / fast
+    served = submit(engine, ids, deadline=time.monotonic() + FACTOR * need * 4)
+    assert not served["error"], served
+    engine.clear_cache()
+    assert served["token_ids"] == engine.generate(ids, GREEDY)["token_ids"]
 
 
 def test_a_negative_or_nan_shed_factor_is_refused():

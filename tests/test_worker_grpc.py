@@ -235,9 +235,10 @@ def test_a_request_that_cannot_meet_its_grpc_deadline_is_shed_before_its_prefill
         wait_healthy(address, proc=proc)
         with grpc.insecure_channel(address) as ch:
             stub = pb_grpc.WorkerStub(ch)
-            warm = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[rng.randrange(256) for _ in range(200)]),
-                                      sampling=pb.SamplingParams(max_tokens=1))
-            list(stub.Generate(warm))  # the worker measures its prefill rate
+            for _ in range(4):  # the worker measures its prefill rate (Engine.PEAK_RATE_MIN_SAMPLES steps)
+                warm = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[rng.randrange(256) for _ in range(200)]),
+                                          sampling=pb.SamplingParams(max_tokens=1))
+                list(stub.Generate(warm))
             req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(max_tokens=4))
             t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as err:

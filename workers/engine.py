@@ -12,6 +12,7 @@ drive `step()` directly on a stopped one.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -141,7 +142,8 @@ class Engine:
                                    long_prefill_token_threshold=long_prefill_token_threshold,
                                    max_num_partial_prefills=max_num_partial_prefills,
                                    prefill_rate=lambda: self._prefill_rate,
-                                   deadline_shed_factor=deadline_shed_factor)
+                                   deadline_shed_factor=deadline_shed_factor,
+                                   shed_rate=self.peak_prefill_rate)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids or ())
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -159,6 +161,8 @@ class Engine:
         #: EWMA of prefill throughput measured on this engine's own steps (tokens/s), None
         #: until measured; see `prefill_tokens_per_s`.
         self._prefill_rate: float | None = None
+        #: ``(time.monotonic(), tokens/s)`` of the latest measured steps (`peak_prefill_rate`)
+        self._rate_samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=self.PEAK_RATE_SAMPLES)
         #: Optional observer of every sampled logits row ``[vocab_size]`` (float32), called
         #: on the engine thread with the request id; tests use it to compare cold and hit runs.
         self.logits_hook: Callable[[str, torch.Tensor], None] | None = None
@@ -409,6 +413,28 @@ class Engine:
         rate = n / seconds
         old = self._prefill_rate
         self._prefill_rate = rate if old is None else old + self.RATE_ALPHA * (rate - old)
+        self._rate_samples.append((time.monotonic(), rate))
+
+    #: Steps whose rates `peak_prefill_rate` keeps (the newest), and how recent they must be
+    #: (seconds) and how many of them there must be before it answers.
+    PEAK_RATE_SAMPLES = 32
+    PEAK_RATE_MAX_AGE_S = 60.0
+    PEAK_RATE_MIN_SAMPLES = 4
+
+    def peak_prefill_rate(self) -> float | None:
+        """The fastest prefill rate (tokens/s) of the last ``PEAK_RATE_SAMPLES`` measured steps
+        that ran in the last ``PEAK_RATE_MAX_AGE_S`` seconds; None with fewer than
+        ``PEAK_RATE_MIN_SAMPLES`` of them.
+
+        Optimistic where `prefill_tokens_per_s` is cautious, for deadline shedding, which
+        must not drop a request that could have made it: one slow step (a cold first pass,
+        a step full of decodes, a noisy neighbour) does not lower it, and since shed requests
+        run no steps, an old slow spell ages out instead of shedding everything after it.
+        Engine thread (the scheduler), or any thread for a reading.
+        """
+        horizon = time.monotonic() - self.PEAK_RATE_MAX_AGE_S
+        recent = [rate for t, rate in list(self._rate_samples) if t >= horizon]
+        return max(recent) if len(recent) >= self.PEAK_RATE_MIN_SAMPLES else None
 
     def prefill_tokens_per_s(self) -> float:
         """Measured prefill throughput (tokens/s): an EWMA over steps of at least

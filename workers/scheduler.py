@@ -84,14 +84,17 @@ class Scheduler:
             request that finishes its prompt in this step can still start), so short
             prompts are not queued behind several long ones.
         deadline_shed_factor: a request with a ``deadline`` is shed when it is first
-            scheduled (its cached prefix known, nothing computed yet) if its deadline has
-            passed, or if ``factor x uncached prompt tokens / prefill rate`` seconds
-            exceed what is left of it (0: shed only requests already past their deadline).
-            The rate is the engine's measured one, which charges decode time in mixed
-            steps to the prompt tokens, so the default of 0.25 sheds only requests that
-            would miss at four times that rate. A shed request costs no prefill; it would
-            otherwise run until its caller's deadline cancels it, delaying the requests
-            queued behind it for nothing (the goodput collapse of an overloaded server).
+            scheduled if its deadline has passed (checked before its cached prefix is
+            looked up, so no tier load is made for it), or, once its cached prefix is
+            locked and before anything is computed, if ``factor x uncached prompt tokens
+            / shed_rate()`` seconds exceed what is left of it (0: shed only requests
+            already past their deadline). ``shed_rate`` is optimistic (the fastest recent
+            step, `Engine.peak_prefill_rate`), and the default factor of 0.25 sheds only
+            requests that would miss even at four times that rate. A shed request costs
+            no prefill; it would otherwise run until its caller's deadline cancels it,
+            delaying the requests queued behind it for nothing.
+        shed_rate: the prefill rate (tokens/s; None: not known yet) deadline shedding
+            estimates with; None (the argument): shed only requests past their deadline.
 
     Fair scheduling of long prefills follows vLLM's ``long_prefill_token_threshold`` and
     ``max_num_partial_prefills`` (vLLM engine arguments, v0.8+).
@@ -107,7 +110,8 @@ class Scheduler:
                  long_prefill_token_threshold: int | None = None,
                  max_num_partial_prefills: int = DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
                  prefill_rate: Callable[[], float | None] | None = None,
-                 deadline_shed_factor: float = DEFAULT_DEADLINE_SHED_FACTOR):
+                 deadline_shed_factor: float = DEFAULT_DEADLINE_SHED_FACTOR,
+                 shed_rate: Callable[[], float | None] | None = None):
         if long_prefill_token_threshold is None:
             long_prefill_token_threshold = max(1, max_num_batched_tokens // LONG_PREFILL_BUDGET_SHARE)
         if long_prefill_token_threshold < 0:
@@ -121,6 +125,9 @@ class Scheduler:
         #: the engine's measured prefill throughput (tokens/s), None until measured: what a
         #: lower tier's load is weighed against (`TierStore.worth_loading`)
         self.prefill_rate = prefill_rate
+        #: an optimistic prefill rate (tokens/s; None: not known), what deadline shedding
+        #: estimates with (`Engine.peak_prefill_rate`); None: shed only past deadlines
+        self.shed_rate = shed_rate
         self.block_size = cache.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -196,10 +203,13 @@ class Scheduler:
         passed: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
-            if not self._lock_cached_prefix(req, inflight):
+            check = req.deadline is not None and req.first_scheduled is None
+            why = self._past_deadline(req) if check else None
+            if why is None and not self._lock_cached_prefix(req, inflight):
                 passed.append(req)  # its prefix is being computed: attach once committed
                 continue
-            why = self._hopeless(req) if req.deadline is not None and req.first_scheduled is None else None
+            if check and why is None:
+                why = self._hopeless(req)
             if why is not None:
                 self._release(req)
                 req.status = RequestStatus.FINISHED
@@ -239,13 +249,23 @@ class Scheduler:
                     budget -= extra
         return batch
 
+    @staticmethod
+    def _past_deadline(req: Request) -> str | None:
+        """Why ``req`` is shed if its deadline has passed, else None."""
+        late = time.monotonic() - req.deadline
+        if late < 0:
+            return None
+        return (f"its deadline passed {late:.3f} s ago while it waited; retry with a longer deadline or when the "
+                f"worker is less busy")
+
     def _hopeless(self, req: Request) -> str | None:
         """Why ``req`` (its cached prefix locked, nothing computed) cannot reach its first
         token before its deadline, or None if it may (see ``deadline_shed_factor``)."""
+        why = self._past_deadline(req)
+        if why is not None:
+            return why
         left = req.deadline - time.monotonic()
-        if left <= 0:
-            return f"its deadline passed {-left:.3f} s ago while it waited; send a longer deadline"
-        rate = self.prefill_rate() if self.prefill_rate is not None else None
+        rate = self.shed_rate() if self.shed_rate is not None else None
         uncached = req.num_prompt_tokens - req.num_computed
         if not rate or self.deadline_shed_factor <= 0:
             return None
@@ -253,8 +273,8 @@ class Scheduler:
         if self.deadline_shed_factor * need <= left:
             return None
         return (f"shed before its prefill: its {uncached} uncached prompt tokens need about {need:.2f} s at this "
-                f"worker's prefill rate ({rate:.0f} tokens/s) but only {left:.2f} s of its deadline were left; "
-                f"send a longer deadline or a shorter prompt")
+                f"worker's fastest recent prefill rate ({rate:.0f} tokens/s) but only {left:.2f} s of its deadline "
+                f"were left; retry with a longer deadline, a shorter prompt, or when the worker is less busy")
 
     def _chunk(self, req: Request) -> int:
         """Tokens ``req`` may compute this step before the budget: its remaining tokens,
