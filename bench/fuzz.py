@@ -33,6 +33,7 @@ import collections
 import json
 import math
 import random
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +57,8 @@ ROUTER_METHODS = {
     "/kvmesh.v1.Router/Generate": (True, pb.GenerateRequest),
     "/kvmesh.v1.Router/Status": (False, pb.RouterStatusRequest),
 }
-#: Status codes that mean the server did not handle the request.
+#: Status codes that mean the server did not handle the request (a worker's own answer that a
+#: request could not meet its deadline is counted as "SHED", not as a hang).
 FAILING = ("UNKNOWN", "DEADLINE_EXCEEDED")
 #: Codes a server with authentication on may answer instead of looking at the body.
 AUTH_CODES = ("PERMISSION_DENIED", "UNAUTHENTICATED")
@@ -224,7 +226,14 @@ def _call(channel: grpc.Channel, method: str, streaming: bool, body: bytes, dead
             call(body, timeout=deadline_s, metadata=metadata)
         return "OK"
     except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and _SHED_DETAILS.match(exc.details() or ""):
+            return "SHED"  # the worker's prompt answer that the deadline could not be met: not a hang
         return exc.code().name
+
+
+#: Details of a worker's DEADLINE_EXCEEDED for a request shed before its prefill
+#: (`workers.scheduler.Scheduler`), as against a deadline the fuzzer's own call ran into.
+_SHED_DETAILS = re.compile(r"(shed before its prefill|its deadline passed .* while it waited)")
 
 
 def run_fuzz(target: str, count: int, router: bool = False, seed: int = 0, pid: int | None = None,
