@@ -58,7 +58,8 @@ def test_cli_generate_json_hit_and_fields(worker):
 
 
 def test_token_ids_and_tenant_isolation(worker):
-    ids = [random.Random(4).randrange(256) for _ in range(50)]
+    rng = random.Random(4)
+    ids = [rng.randrange(256) for _ in range(50)]  # one generator: 50 varied tokens
     a = generate(worker, token_ids=ids, max_tokens=4, tenant="acme")
     b = generate(worker, token_ids=ids, max_tokens=4, tenant="globex")
     assert b["usage"]["cached_tokens"] == 0
