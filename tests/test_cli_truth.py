@@ -374,7 +374,7 @@ _UP_WORKER_FLAG_VALUES = {  # a value other than the default for every worker fl
     "--model": "MODEL", "--block-size": "32", "--num-blocks": "100", "--device": "cuda:1",
     "--max-batched-tokens": "512", "--max-seqs": "5", "--max-model-len": "40", "--max-waiting": "7",
     "--threads": "3", "--compute-dtype": "float32", "--long-prefill-token-threshold": "0",
-    "--max-num-partial-prefills": "3", "--host-bytes": "8M", "--host-codec": "fp8", "--disk-dir": "DISK",
+    "--max-num-partial-prefills": "3", "--deadline-shed-factor": "1.5", "--host-bytes": "8M", "--host-codec": "fp8", "--disk-dir": "DISK",
     "--disk-bytes": "1G", "--disk-codec": "int4", "--disk-write-mode": "back", "--tier-load-policy": "cost", "--remote-bytes": "2M",
     "--remote-codec": "fp8", "--peer-bytes": "1M", "--peer-fetch": "always", "--peer-fetch-max-s": "0.5",
     "--remote-record-key-file": "KEYFILE",

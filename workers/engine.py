@@ -415,25 +415,34 @@ class Engine:
         self._prefill_rate = rate if old is None else old + self.RATE_ALPHA * (rate - old)
         self._rate_samples.append((time.monotonic(), rate))
 
-    #: Steps whose rates `peak_prefill_rate` keeps (the newest), and how recent they must be
-    #: (seconds) and how many of them there must be before it answers.
+    #: Steps whose rates `peak_prefill_rate` keeps (the newest), how recent they must be
+    #: (seconds), how many of them there must be, and how recent the newest must be
+    #: (seconds), before it answers.
     PEAK_RATE_SAMPLES = 32
     PEAK_RATE_MAX_AGE_S = 60.0
     PEAK_RATE_MIN_SAMPLES = 4
+    PEAK_RATE_STALE_S = 5.0
 
     def peak_prefill_rate(self) -> float | None:
         """The fastest prefill rate (tokens/s) of the last ``PEAK_RATE_SAMPLES`` measured steps
         that ran in the last ``PEAK_RATE_MAX_AGE_S`` seconds; None with fewer than
-        ``PEAK_RATE_MIN_SAMPLES`` of them.
+        ``PEAK_RATE_MIN_SAMPLES`` of them, or when no step was measured in the last
+        ``PEAK_RATE_STALE_S`` seconds.
 
         Optimistic where `prefill_tokens_per_s` is cautious, for deadline shedding, which
         must not drop a request that could have made it: one slow step (a cold first pass,
-        a step full of decodes, a noisy neighbour) does not lower it, and since shed requests
-        run no steps, an old slow spell ages out instead of shedding everything after it.
+        a step full of decodes, a noisy neighbour) does not lower it. Shed requests run no
+        steps, so samples from a slow spell would otherwise stay until they age out, and
+        every tight-deadline request meanwhile be shed: with no fresh sample the answer is
+        None, shedding on the estimate pauses, and the next request admitted measures the
+        engine again (a probe, at most ``PEAK_RATE_STALE_S`` seconds after the last step).
         Engine thread (the scheduler), or any thread for a reading.
         """
-        horizon = time.monotonic() - self.PEAK_RATE_MAX_AGE_S
-        recent = [rate for t, rate in list(self._rate_samples) if t >= horizon]
+        now = time.monotonic()
+        samples = list(self._rate_samples)
+        if not samples or now - samples[-1][0] > self.PEAK_RATE_STALE_S:
+            return None
+        recent = [rate for t, rate in samples if t >= now - self.PEAK_RATE_MAX_AGE_S]
         return max(recent) if len(recent) >= self.PEAK_RATE_MIN_SAMPLES else None
 
     def prefill_tokens_per_s(self) -> float:
