@@ -92,6 +92,7 @@ def test_a_request_that_cannot_make_its_deadline_is_shed_and_one_that_can_is_ser
     out = submit(engine, ids, deadline=time.monotonic() + FACTOR * need / 4)
     assert out["error_code"] == "DEADLINE_EXCEEDED", out
     assert "shed before its prefill" in out["error"] and "900 uncached prompt tokens" in out["error"], out["error"]
+    assert f"--deadline-shed-factor {FACTOR:g} x that" in out["error"], out["error"]  # why, when need < left
     served = submit(engine, ids, deadline=time.monotonic() + FACTOR * need * 4)
     assert not served["error"], served
     engine.clear_cache()

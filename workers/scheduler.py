@@ -273,8 +273,10 @@ class Scheduler:
         if self.deadline_shed_factor * need <= left:
             return None
         return (f"shed before its prefill: its {uncached} uncached prompt tokens need about {need:.2f} s at this "
-                f"worker's fastest recent prefill rate ({rate:.0f} tokens/s) but only {left:.2f} s of its deadline "
-                f"were left; retry with a longer deadline, a shorter prompt, or when the worker is less busy")
+                f"worker's fastest recent prefill rate ({rate:.0f} tokens/s), and --deadline-shed-factor "
+                f"{self.deadline_shed_factor:g} x that ({self.deadline_shed_factor * need:.2f} s) is more than the "
+                f"{left:.2f} s left of its deadline; retry with a longer deadline, a shorter prompt, or when the worker "
+                f"is less busy (a worker operator can lower the factor)")
 
     def _chunk(self, req: Request) -> int:
         """Tokens ``req`` may compute this step before the budget: its remaining tokens,
