@@ -43,6 +43,27 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
 
+def slow_spell(e: Engine, steps: int, tokens: int, stall: float) -> None:
+    """Run ``steps`` one-step requests of ``tokens`` fresh tokens with every forward pass
+    followed by ``stall`` times its own duration of sleep (an injected fault: a slowed
+    engine), then restore the model."""
+    model = e.model
+    forward = model.forward
+
+    def stalled(*a, **kw):
+        t0 = time.perf_counter()
+        out = forward(*a, **kw)
+        time.sleep(stall * (time.perf_counter() - t0))
+        return out
+
+    model.forward = stalled
+    try:
+        for seed in range(steps):
+            e.generate(prompt(1000 + 97 * steps + seed, tokens), SamplingParams(max_tokens=1))
+    finally:
+        del model.forward
+
+
 def submit(engine: Engine, ids: list[int], deadline: float | None) -> dict:
     """Run one request with ``deadline`` (monotonic seconds) to its end; its outputs joined."""
     done = threading.Event()
@@ -135,21 +156,7 @@ def test_a_slow_spell_does_not_make_the_engine_shed_what_it_can_serve(engine):
     rate shedding estimates with where it was, so a request that fits at the engine's real
     speed is served, with the tokens of a cold run."""
     fast = warm(engine)  # fresh samples: none ages out during the spell
-    model = engine.model
-    forward = model.forward
-
-    def stalled(*a, **kw):
-        t0 = time.perf_counter()
-        out = forward(*a, **kw)
-        time.sleep(10 * (time.perf_counter() - t0))
-        return out
-
-    model.forward = stalled
-    try:
-        for seed in range(5):
-            engine.generate(prompt(200 + seed, 128), SamplingParams(max_tokens=1))
-    finally:
-        del model.forward
+    slow_spell(engine, steps=5, tokens=128, stall=10)
     assert engine.prefill_tokens_per_s() < fast / 2  # the cautious rate did fall
     assert engine.peak_prefill_rate() >= fast * 0.99
     ids = prompt(14, 900)
@@ -168,21 +175,7 @@ def test_a_long_slow_spell_pauses_estimate_shedding_until_a_probe_measures_the_e
     e.PEAK_RATE_STALE_S = 1.0  # the instance's own: the test need not wait 5 s
     try:
         fast = warm(e)
-        model = e.model
-        forward = model.forward
-
-        def stalled(*a, **kw):
-            t0 = time.perf_counter()
-            out = forward(*a, **kw)
-            time.sleep(6 * (time.perf_counter() - t0))
-            return out
-
-        model.forward = stalled
-        try:
-            for seed in range(Engine.PEAK_RATE_SAMPLES + 1):
-                e.generate(prompt(300 + seed, 64), SamplingParams(max_tokens=1))
-        finally:
-            del model.forward
+        slow_spell(e, steps=Engine.PEAK_RATE_SAMPLES + 1, tokens=64, stall=6)
         slow = e.peak_prefill_rate()
         assert slow is not None and slow < fast / 2  # every slot holds a slow step
         ids = prompt(15, 900)
