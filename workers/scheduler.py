@@ -83,12 +83,12 @@ class Scheduler:
             (>= 1). A waiting request that would become one more is passed over (a later
             request that finishes its prompt in this step can still start), so short
             prompts are not queued behind several long ones.
-        deadline_shed_factor: a request with a ``deadline`` is shed when it is first
-            scheduled if its deadline has passed (checked before its cached prefix is
-            looked up, so no tier load is made for it), or, once its cached prefix is
-            locked and before anything is computed, if ``factor x uncached prompt tokens
-            / shed_rate()`` seconds exceed what is left of it (0: shed only requests
-            already past their deadline). ``shed_rate`` is optimistic (the fastest recent
+        deadline_shed_factor: a request with a ``deadline`` is checked each time it is
+            considered until it first runs, and shed if its deadline has passed (checked
+            before its cached prefix is looked up, so no tier load is made for it), or, once
+            its cached prefix is locked and before anything is computed, if ``factor x
+            uncached prompt tokens / shed_rate()`` seconds exceed what is left of it (0:
+            shed only requests already past their deadline). ``shed_rate`` is optimistic (the fastest recent
             step, `Engine.peak_prefill_rate`), and the default factor of 0.25 sheds only
             requests that would miss even at four times that rate. A shed request costs
             no prefill; it would otherwise run until its caller's deadline cancels it,
