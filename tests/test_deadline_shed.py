@@ -194,6 +194,82 @@ def test_a_long_slow_spell_pauses_estimate_shedding_until_a_probe_measures_the_e
         e.stop()
 
 
+def test_a_step_is_timed_to_the_end_of_its_device_work():
+    """On a GPU the forward pass returns once its kernels are queued; the rate must count
+    their run. A device wait that takes 1 s (an injected stand-in for queued kernels) is
+    inside the measured step."""
+    e = Engine(device=DEVICE, num_blocks=64, block_size=BS).start()
+    try:
+        for seed in (16, 17):  # the first step pays one-off costs
+            e.generate(prompt(seed, 200), SamplingParams(max_tokens=1))
+        _, warm_rate = e._rate_samples[-1]
+        assert warm_rate > 200 / 1.0  # 200 tokens take well under a second here
+        e._sync_device = lambda: time.sleep(1.0)
+        e.generate(prompt(18, 200), SamplingParams(max_tokens=1))
+        _, rate = e._rate_samples[-1]
+        assert rate <= 200 / 1.0, rate
+    finally:
+        e.stop()
+
+
+def _sched_request(rid: str, n: int, deadline: float | None):
+    from kvmesh.cache_store.hashing import Namespace
+    from kvmesh.workers.request import Request
+
+    return Request(rid, prompt(sum(map(ord, rid)), n), GREEDY, Namespace("m"), BS, lambda o: None, deadline=deadline)
+
+
+def test_the_estimate_counts_the_prefill_running_requests_have_left():
+    """A request admitted behind a long prompt still in prefill waits for that prompt's
+    remaining chunks (running requests take each step's budget first), so a deadline that
+    its own prefill fits but the two together do not is shed, naming the tokens ahead; the
+    same deadline is served once nothing runs ahead. A fixed rate: no model, no timing."""
+    from kvmesh.cache_store.prefix_cache import PrefixCache
+    from kvmesh.workers.scheduler import Scheduler
+
+    rate = 1000.0  # tokens/s
+    s = Scheduler(PrefixCache(256, BS), max_num_batched_tokens=64, shed_rate=lambda: rate,
+                  deadline_shed_factor=1.0)
+    long = _sched_request("long", 1000, None)
+    s.add(long)
+    batch = s.schedule()
+    assert batch.requests == [long] and batch.num_new_tokens == [64]
+    s.update_after_step(batch)
+    left = 936  # prompt tokens the long request has still to compute
+    # 100 tokens alone need 0.1 s; behind the long prompt, (936 + 100) / 1000 = 1.04 s
+    short = _sched_request("short", 100, time.monotonic() + 0.6)
+    s.add(short)
+    batch = s.schedule()
+    assert batch.requests == [long]
+    assert [r for r, _ in batch.shed] == [short]
+    why = batch.shed[0][1]
+    assert f"after the {left} prompt tokens running requests have still to compute" in why, why
+    assert "100 uncached prompt tokens" in why, why
+    s.remove(long)  # nothing runs ahead now: the same deadline fits
+    again = _sched_request("again", 100, time.monotonic() + 0.6)
+    s.add(again)
+    batch = s.schedule()
+    assert batch.requests == [again] and not batch.shed
+
+
+def test_requests_admitted_in_one_step_count_for_those_behind_them():
+    """Two requests considered in the same step: the second is estimated behind the
+    first's whole prompt, which was admitted just before it."""
+    from kvmesh.cache_store.prefix_cache import PrefixCache
+    from kvmesh.workers.scheduler import Scheduler
+
+    s = Scheduler(PrefixCache(256, BS), max_num_batched_tokens=2048, shed_rate=lambda: 1000.0,
+                  deadline_shed_factor=1.0)
+    first = _sched_request("first", 800, time.monotonic() + 30)
+    second = _sched_request("second", 300, time.monotonic() + 0.8)  # 0.3 s alone, 1.1 s behind the first
+    s.add(first)
+    s.add(second)
+    batch = s.schedule()
+    assert batch.requests == [first]
+    assert [r for r, _ in batch.shed] == [second]
+    assert "after the 800 prompt tokens" in batch.shed[0][1]
+
+
 def test_a_negative_or_nan_shed_factor_is_refused():
     from kvmesh.cache_store.prefix_cache import PrefixCache
     from kvmesh.workers.scheduler import Scheduler

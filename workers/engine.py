@@ -356,6 +356,7 @@ class Engine:
         try:
             t0 = time.perf_counter()
             logits = self._forward(batch)
+            self._sync_device()  # the step's kernels have run, not only been queued
             self._note_step_rate(batch, time.perf_counter() - t0)
         except Exception as exc:  # keep the worker up; fail what was in flight
             log.exception("model step failed")
@@ -395,6 +396,15 @@ class Engine:
             self.kv_cache,
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
         ).float()
+
+    def _sync_device(self) -> None:
+        """Wait until the device has run the work queued on it. CUDA kernels run
+        asynchronously to the host, so a step timed without this measures their launch,
+        not their compute, and the prefill rates (tier weights, load policy, deadline
+        shedding) would read far high. No-op on CPU. The wait costs nothing extra: sampling
+        the step's logits waits for them anyway."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     #: Smoothing of the prefill-rate EWMA (weight of the newest sample).
     RATE_ALPHA = 0.25
@@ -470,6 +480,7 @@ class Engine:
         for _ in range(2):  # the first pass pays one-off allocation costs
             t0 = time.perf_counter()
             self.model(ids, pos, meta, scratch)
+            self._sync_device()
             best = min(best, time.perf_counter() - t0)
         return n / max(best, 1e-6)
 

@@ -87,8 +87,10 @@ class Scheduler:
             considered until it first runs, and shed if its deadline has passed (checked
             before its cached prefix is looked up, so no tier load is made for it), or, once
             its cached prefix is locked and before anything is computed, if ``factor x
-            uncached prompt tokens / shed_rate()`` seconds exceed what is left of it (0:
-            shed only requests already past their deadline). ``shed_rate`` is optimistic (the fastest recent
+            (prompt tokens running requests have still to compute + its uncached prompt
+            tokens) / shed_rate()`` seconds exceed what is left of it (0: shed only requests
+            already past their deadline); running requests take each step's budget first,
+            so their prefill is what it waits for. ``shed_rate`` is optimistic (the fastest recent
             step, `Engine.peak_prefill_rate`), and the default factor of 0.25 sheds only
             requests that would miss even at four times that rate. A shed request costs
             no prefill; it would otherwise run until its caller's deadline cancels it,
@@ -200,6 +202,7 @@ class Scheduler:
         partial = sum(1 for r, n in zip(batch.requests, batch.num_new_tokens)
                       if r.num_computed + n < r.num_prompt_tokens)
         inflight = self._inflight_blocks()
+        ahead = self._prefill_ahead() if self.shed_rate is not None else 0
         passed: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
@@ -209,7 +212,7 @@ class Scheduler:
                 passed.append(req)  # its prefix is being computed: attach once committed
                 continue
             if check and why is None:
-                why = self._hopeless(req)
+                why = self._hopeless(req, ahead)
             if why is not None:
                 self._release(req)
                 req.status = RequestStatus.FINISHED
@@ -234,6 +237,7 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
             partial += unfinished
+            ahead += req.num_prompt_tokens - req.num_computed
             for j in range(req.num_committed_blocks, len(req.block_hashes)):
                 inflight.add(req.block_hashes[j])
         self.waiting.extendleft(reversed(passed))
@@ -258,9 +262,21 @@ class Scheduler:
         return (f"its deadline passed {late:.3f} s ago while it waited; retry with a longer deadline or when the "
                 f"worker is less busy")
 
-    def _hopeless(self, req: Request) -> str | None:
+    def _prefill_ahead(self) -> int:
+        """Prompt tokens that running requests have still to compute (tokens): the prefill
+        a request admitted now waits for, since running requests take the step's budget
+        first."""
+        return sum(r.num_prompt_tokens - r.num_computed for r in self.running
+                   if r.num_computed < r.num_prompt_tokens)
+
+    def _hopeless(self, req: Request, ahead: int = 0) -> str | None:
         """Why ``req`` (its cached prefix locked, nothing computed) cannot reach its first
-        token before its deadline, or None if it may (see ``deadline_shed_factor``)."""
+        token before its deadline, or None if it may (see ``deadline_shed_factor``).
+
+        ``ahead`` is the prompt tokens running requests have still to compute before it
+        (tokens, `_prefill_ahead`): the estimate is ``(ahead + uncached) / shed_rate()``
+        seconds.
+        """
         why = self._past_deadline(req)
         if why is not None:
             return why
@@ -269,11 +285,12 @@ class Scheduler:
         uncached = req.num_prompt_tokens - req.num_computed
         if not rate or self.deadline_shed_factor <= 0:
             return None
-        need = uncached / rate
+        need = (ahead + uncached) / rate
         if self.deadline_shed_factor * need <= left:
             return None
-        return (f"shed before its prefill: its {uncached} uncached prompt tokens need about {need:.2f} s at this "
-                f"worker's fastest recent prefill rate ({rate:.0f} tokens/s), and --deadline-shed-factor "
+        queue = f" after the {ahead} prompt tokens running requests have still to compute" if ahead else ""
+        return (f"shed before its prefill: its {uncached} uncached prompt tokens{queue} need about {need:.2f} s at "
+                f"this worker's fastest recent prefill rate ({rate:.0f} tokens/s), and --deadline-shed-factor "
                 f"{self.deadline_shed_factor:g} x that ({self.deadline_shed_factor * need:.2f} s) is more than the "
                 f"{left:.2f} s left of its deadline; retry with a longer deadline, a shorter prompt, or when the worker "
                 f"is less busy (a worker operator can lower the factor)")
