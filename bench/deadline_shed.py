@@ -12,7 +12,10 @@ and aborts the request then (what a gRPC deadline does to a worker's request).
 Modes, run in turn within each round (``--rounds``), so machine noise hits all alike:
     off: the engine is not told the deadline (it learns only from the abort);
     shed F: the engine gets the deadline and sheds with ``deadline_shed_factor`` F
-        (``--factors``, default "0,0.25,1": 0 sheds only requests already past it).
+        (``--factors``, default "0,0.25,1": 0 sheds only requests already past it), raised
+        while admitted requests miss (`workers.scheduler.DeadlinePressure`), as served;
+    fixed F: the same with the factor held at F (``--fixed-factors``, default "0.25"), to
+        show what the raising adds.
 
 Per mode (medians over rounds): ``goodput`` (requests finished before their deadline, per
 second offered), ``on_time`` (their share of the requests), ``shed`` (requests failed
@@ -31,10 +34,16 @@ import threading
 import time
 
 
-def _engine(factor: float, num_blocks: int):
+def _engine(factor: float, num_blocks: int, fixed: bool = False):
     from kvmesh.workers.engine import Engine
+    from kvmesh.workers.scheduler import DeadlinePressure
 
-    return Engine(num_blocks=num_blocks, block_size=16, deadline_shed_factor=factor).start()
+    engine = Engine(num_blocks=num_blocks, block_size=16, deadline_shed_factor=factor)
+    if fixed:  # one multiplier for every tenant that outcomes never move
+        held = DeadlinePressure()
+        held.note = lambda *args, **kwargs: None
+        engine.scheduler.deadline_pressure = lambda tenant: held
+    return engine.start()
 
 
 def _capacity(engine, prompt_tokens: int, max_tokens: int, rng: random.Random) -> tuple[float, float]:
@@ -134,14 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-x", type=float, default=4.0,
                         help="each request's deadline, in idle-engine TTFTs after its arrival")
     parser.add_argument("--factors", default="0,0.25,1", help="deadline_shed_factor values to compare")
+    parser.add_argument("--fixed-factors", default="0.25",
+                        help="deadline_shed_factor values to run held fixed as well (\"\": none)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     factors = [float(f) for f in args.factors.split(",") if f.strip()]
-    modes = [("off", None)] + [(f"shed {f:g}", f) for f in factors]
+    fixed = [float(f) for f in args.fixed_factors.split(",") if f.strip()]
+    modes = [("off", None)] + [(f"shed {f:g}", f) for f in factors] + [(f"fixed {f:g}", f) for f in fixed]
     num_blocks = 4096
-    engines = {name: _engine(f if f is not None else 0.0, num_blocks) for name, f in modes}
+    engines = {name: _engine(f if f is not None else 0.0, num_blocks, fixed=name.startswith("fixed"))
+               for name, f in modes}
     rng = random.Random(args.seed)
     try:
         ttft, capacity = _capacity(engines["off"], args.prompt_tokens, args.max_tokens, rng)

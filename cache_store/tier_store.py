@@ -753,8 +753,6 @@ class TierStore:
                 t0 = time.perf_counter()
                 ok = src.load(handles, rows)
                 if ok:
-                    if self.kv_cache.device.type == "cuda":  # copies run async: time them, not their launch
-                        torch.cuda.synchronize(self.kv_cache.device)
                     self._note_load_cost(src.kind, (time.perf_counter() - t0) / ok)
                 media.extend(loc.medium for loc in located[pos:pos + ok])
                 if ok < len(handles):

@@ -113,9 +113,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=2, help="most requests with a partly computed prompt at once (default 2)")
     p.add_argument("--deadline-shed-factor", type=_float_at_least(0.0, "--deadline-shed-factor"),
                    default=DEFAULT_DEADLINE_SHED_FACTOR, metavar="F",
-                   help="a request whose gRPC deadline leaves less than F x its estimated prefill time (uncached "
-                   "tokens / measured prefill rate) is failed DEADLINE_EXCEEDED before computing its prompt, as is "
-                   f"one whose deadline passed while it waited (0 = only those; default {DEFAULT_DEADLINE_SHED_FACTOR:g})")
+                   help="a request whose gRPC deadline leaves less than F x its estimated time to first token "
+                   "(its uncached tokens and the prefill running requests have left, over the fastest recent prefill "
+                   "rate) is failed DEADLINE_EXCEEDED before computing its prompt, as is one whose deadline passed "
+                   "while it waited (0 = only those). F is a floor: a tenant's is raised while its admitted requests "
+                   f"miss their deadlines (default {DEFAULT_DEADLINE_SHED_FACTOR:g})")
     # the built-in names (tier_config imports no torch; the codec registry does)
     from kvmesh.cache_store.tier_config import BUILTIN_CODECS as codecs, DEFAULT_PEER_BYTES
     t = p.add_argument_group("cache tiers (sizes in bytes; K/M/G/T suffixes are powers of 1024)")

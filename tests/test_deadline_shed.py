@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from kvmesh.workers.engine import Engine
 from kvmesh.workers.request import SamplingParams
@@ -194,80 +195,202 @@ def test_a_long_slow_spell_pauses_estimate_shedding_until_a_probe_measures_the_e
         e.stop()
 
 
-def test_a_step_is_timed_to_the_end_of_its_device_work():
-    """On a GPU the forward pass returns once its kernels are queued; the rate must count
-    their run. A device wait that takes 1 s (an injected stand-in for queued kernels) is
-    inside the measured step."""
+def test_step_rates_come_from_the_step_clock_when_it_reports():
+    """The engine folds a step into its rates with the seconds its `StepClock` measured on
+    the device, when the clock reports them (on CUDA, after the step's end event
+    completes), not the forward call's wall time. A clock that holds its reports (an
+    injected stand-in for kernels still running) and then reports 1 s per step."""
+    from kvmesh.workers.engine import StepClock
+
+    class HeldClock(StepClock):
+        def __init__(self):
+            super().__init__(torch.device("cpu"))
+            self.held = []
+
+        def stop(self, started, done):
+            self.held.append(done)
+
     e = Engine(device=DEVICE, num_blocks=64, block_size=BS).start()
     try:
-        for seed in (16, 17):  # the first step pays one-off costs
-            e.generate(prompt(seed, 200), SamplingParams(max_tokens=1))
-        _, warm_rate = e._rate_samples[-1]
-        assert warm_rate > 200 / 1.0  # 200 tokens take well under a second here
-        e._sync_device = lambda: time.sleep(1.0)
-        e.generate(prompt(18, 200), SamplingParams(max_tokens=1))
+        e.generate(prompt(16, 200), SamplingParams(max_tokens=1))
+        before = len(e._rate_samples)
+        e.step_clock = clock = HeldClock()
+        e.generate(prompt(17, 200), SamplingParams(max_tokens=1))
+        assert len(e._rate_samples) == before and clock.held  # nothing folded in before the report
+        for done in clock.held:
+            done(1.0)
         _, rate = e._rate_samples[-1]
-        assert rate <= 200 / 1.0, rate
+        assert rate == pytest.approx(200.0)  # 200 prompt tokens in the 1 s the clock measured
     finally:
         e.stop()
 
 
-def _sched_request(rid: str, n: int, deadline: float | None):
+def test_the_step_clock_on_cpu_reports_the_wall_time_at_once():
+    from kvmesh.workers.engine import StepClock
+
+    clock = StepClock(torch.device("cpu"))
+    got = []
+    t = clock.start()
+    time.sleep(0.05)
+    clock.stop(t, got.append)
+    assert len(got) == 1 and got[0] >= 0.05
+
+
+def _sched_request(rid: str, n: int, deadline: float | None, tenant: str = ""):
     from kvmesh.cache_store.hashing import Namespace
     from kvmesh.workers.request import Request
 
-    return Request(rid, prompt(sum(map(ord, rid)), n), GREEDY, Namespace("m"), BS, lambda o: None, deadline=deadline)
+    return Request(rid, prompt(sum(map(ord, rid)), n), GREEDY, Namespace("m", tenant=tenant), BS, lambda o: None,
+                   deadline=deadline)
 
 
-def test_the_estimate_counts_the_prefill_running_requests_have_left():
-    """A request admitted behind a long prompt still in prefill waits for that prompt's
-    remaining chunks (running requests take each step's budget first), so a deadline that
-    its own prefill fits but the two together do not is shed, naming the tokens ahead; the
-    same deadline is served once nothing runs ahead. A fixed rate: no model, no timing."""
+def test_the_estimate_counts_what_running_requests_compute_before_it():
+    """Running requests take each step's budget first. With no long-prefill threshold a
+    long prompt in prefill computes all it has left in the step a short request joins, so
+    the short one's first token waits for it: a deadline that its own prefill fits but the
+    two together do not is shed, naming the tokens ahead, and the same deadline is served
+    once nothing runs ahead. A fixed rate of 100 tokens/s: no model, deadlines of seconds."""
     from kvmesh.cache_store.prefix_cache import PrefixCache
     from kvmesh.workers.scheduler import Scheduler
 
-    rate = 1000.0  # tokens/s
-    s = Scheduler(PrefixCache(256, BS), max_num_batched_tokens=64, shed_rate=lambda: rate,
-                  deadline_shed_factor=1.0)
+    s = Scheduler(PrefixCache(256, BS), max_num_batched_tokens=2048, long_prefill_token_threshold=0,
+                  shed_rate=lambda: 100.0, deadline_shed_factor=1.0)
     long = _sched_request("long", 1000, None)
     s.add(long)
-    batch = s.schedule()
-    assert batch.requests == [long] and batch.num_new_tokens == [64]
-    s.update_after_step(batch)
-    left = 936  # prompt tokens the long request has still to compute
-    # 100 tokens alone need 0.1 s; behind the long prompt, (936 + 100) / 1000 = 1.04 s
-    short = _sched_request("short", 100, time.monotonic() + 0.6)
+    s.update_after_step(_partial(s.schedule(), long, 64))
+    # 100 tokens alone need 1 s; after the 936 the long prompt has left, 10.36 s
+    short = _sched_request("short", 100, time.monotonic() + 6)
     s.add(short)
     batch = s.schedule()
-    assert batch.requests == [long]
+    assert batch.requests == [long] and batch.num_new_tokens == [936]
     assert [r for r, _ in batch.shed] == [short]
     why = batch.shed[0][1]
-    assert f"after the {left} prompt tokens running requests have still to compute" in why, why
+    assert "after at least 936 tokens of the requests running before it" in why, why
     assert "100 uncached prompt tokens" in why, why
     s.remove(long)  # nothing runs ahead now: the same deadline fits
-    again = _sched_request("again", 100, time.monotonic() + 0.6)
+    again = _sched_request("again", 100, time.monotonic() + 6)
     s.add(again)
     batch = s.schedule()
     assert batch.requests == [again] and not batch.shed
 
 
-def test_requests_admitted_in_one_step_count_for_those_behind_them():
-    """Two requests considered in the same step: the second is estimated behind the
-    first's whole prompt, which was admitted just before it."""
+def _partial(batch, req, n: int):
+    """``batch`` with ``req`` computing only ``n`` tokens (a step cut short, for a test)."""
+    k = batch.requests.index(req)
+    batch.num_new_tokens[k] = n
+    return batch
+
+
+def test_with_chunked_prefill_a_short_request_is_not_charged_a_long_prompt_it_runs_beside():
+    """With a long-prefill threshold T, a long prompt computes at most T tokens per step
+    and a short request runs beside it, so only T x (the short one's steps) of the long
+    prompt counts ahead of it: a deadline the short request meets is not shed, whatever
+    the long prompt's length. Requests admitted earlier in the same step count the same
+    way."""
+    from kvmesh.cache_store.prefix_cache import PrefixCache
+    from kvmesh.workers.scheduler import Scheduler
+
+    s = Scheduler(PrefixCache(4096, BS), max_num_batched_tokens=1024, long_prefill_token_threshold=256,
+                  shed_rate=lambda: 100.0, deadline_shed_factor=1.0)
+    long = _sched_request("long", 20000, time.monotonic() + 1000)
+    first = _sched_request("first", 300, time.monotonic() + 1000)  # two steps of 256: 512 of the long one
+    fits = _sched_request("fits", 100, time.monotonic() + 4.5)  # (256 + 256 + 100) / 100 = 6.12 s > 4.5 s
+    for r in (long, first, fits):
+        s.add(r)
+    batch = s.schedule()
+    assert batch.requests[:2] == [long, first]
+    assert [r for r, _ in batch.shed] == [fits]
+    assert "after at least 512 tokens" in batch.shed[0][1], batch.shed[0][1]
+    # a deadline that 256 + 256 + 100 tokens fit is served (the long prompt's 19,744 others do not count)
+    served = _sched_request("served", 100, time.monotonic() + 9)
+    s.add(served)
+    batch = s.schedule()
+    assert served in batch.requests and not batch.shed
+
+
+def test_pressure_rises_on_misses_falls_on_requests_in_time_and_decays():
+    from kvmesh.workers.scheduler import DeadlinePressure
+
+    p = DeadlinePressure(up=2.0, down=0.5, most=8.0, half_life_s=10.0)
+    t = 100.0
+    assert p.value(t) == 1.0
+    p.note(True, t)
+    p.note(True, t)
+    assert p.value(t) == pytest.approx(4.0)
+    for _ in range(5):
+        p.note(True, t)
+    assert p.value(t) == pytest.approx(8.0)  # capped at `most`
+    p.note(False, t)
+    assert p.value(t) == pytest.approx(4.0)
+    assert p.value(t + 10.0) == pytest.approx(2.0)  # log halves per half-life
+    for _ in range(10):
+        p.note(False, t + 10.0)
+    assert p.value(t + 10.0) == 1.0  # never below the configured factor
+    assert (p.misses, p.in_time) == (7, 11)
+    with pytest.raises(ValueError):
+        DeadlinePressure(up=1.0)
+
+
+def test_admitted_requests_that_miss_raise_the_factor_and_ones_in_time_do_not():
+    """The scheduler learns from how admitted requests with deadlines end: one aborted at
+    or after its deadline is a miss, one that finished before it is in time, one aborted
+    before it (its caller left) tells nothing. After misses, a deadline that the
+    configured factor admits is shed, and the message says the factor was raised."""
     from kvmesh.cache_store.prefix_cache import PrefixCache
     from kvmesh.workers.scheduler import Scheduler
 
     s = Scheduler(PrefixCache(256, BS), max_num_batched_tokens=2048, shed_rate=lambda: 1000.0,
                   deadline_shed_factor=1.0)
-    first = _sched_request("first", 800, time.monotonic() + 30)
-    second = _sched_request("second", 300, time.monotonic() + 0.8)  # 0.3 s alone, 1.1 s behind the first
-    s.add(first)
-    s.add(second)
+
+    def admit(rid: str, deadline: float):
+        r = _sched_request(rid, 100, deadline)
+        s.add(r)
+        batch = s.schedule()
+        assert batch.requests == [r] and not batch.shed
+        return r
+
+    pressure = s.deadline_pressure("")
+    done = admit("done", time.monotonic() + 5)
+    s.remove(done, finished=True)
+    left = admit("left", time.monotonic() + 5)
+    s.remove(left)  # aborted with time to spare: the caller went away
+    assert (pressure.misses, pressure.in_time) == (0, 1) and pressure.value() == 1.0
+    for i in range(8):
+        late = admit(f"late{i}", time.monotonic() + 5)
+        late.deadline = time.monotonic() - 0.001  # its caller's deadline has come
+        s.remove(late)
+    assert pressure.misses == 8 and pressure.value() > 5
+    # 100 tokens at 1000 tokens/s need 0.1 s: factor 1 admits a 0.3 s deadline, the raised one does not
+    r = _sched_request("after", 100, time.monotonic() + 0.3)
+    s.add(r)
     batch = s.schedule()
-    assert batch.requests == [first]
-    assert [r for r, _ in batch.shed] == [second]
-    assert "after the 800 prompt tokens" in batch.shed[0][1]
+    assert [x for x, _ in batch.shed] == [r]
+    assert "--deadline-shed-factor 1 (raised" in batch.shed[0][1], batch.shed[0][1]
+    # another tenant's misses are not this tenant's: the same deadline is admitted for it
+    other = _sched_request("other", 100, time.monotonic() + 0.3, tenant="b")
+    s.add(other)
+    batch = s.schedule()
+    assert batch.requests == [other] and not batch.shed
+    assert s.deadline_pressure("b").value() == 1.0
+
+
+def test_an_idle_engine_serving_tight_deadlines_keeps_its_factor(engine):
+    """Requests with tight but sufficient deadlines that finish in time never raise the
+    factor: the pressure stays at 1 and every one is served, with the cold run's tokens."""
+    ids = prompt(19, 300)
+    engine.clear_cache()
+    need = len(ids) / warm(engine)
+    before = engine.scheduler.deadline_pressure("").misses
+    outs = []
+    for _ in range(5):
+        engine.clear_cache()
+        outs.append(submit(engine, ids, deadline=time.monotonic() + FACTOR * need * 4))
+    assert all(not o["error"] for o in outs), outs
+    assert engine.scheduler.deadline_pressure("").misses == before
+    assert engine.scheduler.deadline_pressure("").value() == pytest.approx(1.0)
+    engine.clear_cache()
+    cold = engine.generate(ids, GREEDY)
+    assert all(o["token_ids"] == cold["token_ids"] for o in outs)
 
 
 def test_a_negative_or_nan_shed_factor_is_refused():
@@ -285,9 +408,9 @@ def test_the_overload_bench_runs_and_accounts_for_every_request(capsys):
     from kvmesh.bench import deadline_shed
 
     assert deadline_shed.main(["--json", "--seconds", "1.5", "--rounds", "1", "--prompt-tokens", "64",
-                               "--factors", "0"]) == 0
+                               "--factors", "0", "--fixed-factors", "0.5"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out["modes"]) == {"off", "shed 0"}
+    assert set(out["modes"]) == {"off", "shed 0", "fixed 0.5"}
     for mode in out["modes"].values():
         assert mode["requests"] >= 1 and 0.0 <= mode["on_time"] <= 1.0
         assert mode["wasted_prefill_tokens"] >= 0 and mode["shed"] >= 0

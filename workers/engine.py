@@ -49,6 +49,50 @@ from kvmesh.workers.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 
+class StepClock:
+    """Times model steps on their device without waiting for it.
+
+    On CPU a step's time is the wall time of its forward call. CUDA kernels run
+    asynchronously, so timing the call would measure their launch, not their compute, and
+    the prefill rates built on it (tier weights, the tier load policy, deadline shedding)
+    would read far high; a synchronize would make the host stop overlapping the next
+    step's scheduling with the device. Instead a pair of CUDA events is recorded around
+    the step on its stream (`torch.cuda.Event`, ``enable_timing=True``), and the time
+    between them is read once the second has completed, at a later `stop` or `poll`.
+    Events also leave out work queued on the stream before the step (tier copies).
+
+    ``stop(start, done)`` calls ``done(seconds)`` now on CPU, later on CUDA. Engine thread.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._pending: collections.deque = collections.deque()
+
+    def start(self):
+        """A mark for `stop`: a recorded CUDA event, or `time.perf_counter()` seconds."""
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, started, done: Callable[[float], None]) -> None:
+        """The step begun at ``started`` was queued in full: ``done(seconds)`` once it ran."""
+        if not self.cuda:
+            done(time.perf_counter() - started)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((started, end, done))
+        self.poll()
+
+    def poll(self) -> None:
+        """Report the steps whose end event has completed, oldest first."""
+        while self._pending and self._pending[0][1].query():
+            started, end, done = self._pending.popleft()
+            done(started.elapsed_time(end) / 1000.0)  # elapsed_time is in milliseconds
+
+
 class Engine:
     """A single-model inference engine with prefix caching.
 
@@ -163,6 +207,9 @@ class Engine:
         self._prefill_rate: float | None = None
         #: ``(time.monotonic(), tokens/s)`` of the latest measured steps (`peak_prefill_rate`)
         self._rate_samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=self.PEAK_RATE_SAMPLES)
+        #: how long each step runs on the device (`StepClock`): CUDA steps by events, read
+        #: once they complete, so timing never waits for the device
+        self.step_clock = StepClock(self.device)
         #: Optional observer of every sampled logits row ``[vocab_size]`` (float32), called
         #: on the engine thread with the request id; tests use it to compare cold and hit runs.
         self.logits_hook: Callable[[str, torch.Tensor], None] | None = None
@@ -354,10 +401,10 @@ class Engine:
         if not batch:
             return 0
         try:
-            t0 = time.perf_counter()
+            prompt_tokens = self._step_prompt_tokens(batch)  # before num_computed advances
+            started = self.step_clock.start()
             logits = self._forward(batch)
-            self._sync_device()  # the step's kernels have run, not only been queued
-            self._note_step_rate(batch, time.perf_counter() - t0)
+            self.step_clock.stop(started, lambda seconds: self._note_step_rate(prompt_tokens, seconds))
         except Exception as exc:  # keep the worker up; fail what was in flight
             log.exception("model step failed")
             for req in list(batch.requests):
@@ -397,27 +444,23 @@ class Engine:
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
         ).float()
 
-    def _sync_device(self) -> None:
-        """Wait until the device has run the work queued on it. CUDA kernels run
-        asynchronously to the host, so a step timed without this measures their launch,
-        not their compute, and the prefill rates (tier weights, load policy, deadline
-        shedding) would read far high. No-op on CPU. The wait costs nothing extra: sampling
-        the step's logits waits for them anyway."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     #: Smoothing of the prefill-rate EWMA (weight of the newest sample).
     RATE_ALPHA = 0.25
     #: Steps with fewer prompt tokens than this do not update the prefill rate (decode-bound).
     RATE_MIN_TOKENS = 64
 
-    def _note_step_rate(self, batch: ScheduledBatch, seconds: float) -> None:
-        """Fold one step into the prefill-rate EWMA (called before ``num_computed`` advances).
+    @staticmethod
+    def _step_prompt_tokens(batch: ScheduledBatch) -> int:
+        """Prompt tokens the step computes (before ``num_computed`` advances)."""
+        return sum(k for r, k in zip(batch.requests, batch.num_new_tokens) if r.num_computed < r.num_prompt_tokens)
+
+    def _note_step_rate(self, n: int, seconds: float) -> None:
+        """Fold one step of ``n`` prompt tokens that took ``seconds`` on the device into
+        the prefill-rate EWMA and the peak rate's samples.
 
         Only prompt tokens count; a step that also decodes charges its whole time to them,
         which errs towards a slower rate (more fetching, never less).
         """
-        n = sum(k for r, k in zip(batch.requests, batch.num_new_tokens) if r.num_computed < r.num_prompt_tokens)
         if n < self.RATE_MIN_TOKENS or seconds <= 0:
             return
         rate = n / seconds
@@ -480,7 +523,8 @@ class Engine:
         for _ in range(2):  # the first pass pays one-off allocation costs
             t0 = time.perf_counter()
             self.model(ids, pos, meta, scratch)
-            self._sync_device()
+            if self.device.type == "cuda":  # once, before serving: time the kernels, not their launch
+                torch.cuda.synchronize(self.device)
             best = min(best, time.perf_counter() - t0)
         return n / max(best, 1e-6)
 
@@ -565,7 +609,7 @@ class Engine:
             req.num_emitted += len(new)
             if reason:
                 self._requests.pop(req.request_id, None)
-                self.scheduler.remove(req)
+                self.scheduler.remove(req, finished=True)
                 req.on_output(RequestOutput(req.request_id, new, True, reason,
                                             usage=self._usage(req), timing=self._timing(req, now)))
             else:

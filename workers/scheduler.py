@@ -32,8 +32,9 @@ engine's context limit (``max_model_len``) is at most what the pool holds
 """
 from __future__ import annotations
 
+import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -66,6 +67,67 @@ LONG_PREFILL_BUDGET_SHARE = 4
 DEFAULT_MAX_NUM_PARTIAL_PREFILLS = 2
 
 
+class DeadlinePressure:
+    """How much more cautious deadline shedding is than its configured factor now: a
+    multiplier (>= 1) that grows each time a request admitted with a deadline ends past
+    it, shrinks each time one ends in time, and decays back to 1 with time.
+
+    The estimate that sheds counts prefill only. It cannot see what else makes an
+    admitted request miss under overload: decode steps slowed by the prefills of requests
+    admitted after it, or prompts slower per token than the linear estimate. Outcomes show
+    it: a worker whose admitted requests miss their deadlines sheds on a larger factor,
+    and one whose requests make it (an idle worker serving tight but sufficient deadlines)
+    stays at the configured factor. Feedback from accepted work to admission follows the
+    adaptive throttling of Google's SRE book (ch. 21, "Handling Overload"); the update is
+    multiplicative (in log space), as in AIMD controllers.
+
+    Args:
+        up: multiplier per miss (> 1).
+        down: multiplier per request in time (in (0, 1]).
+        most: the largest multiplier.
+        half_life_s: seconds for the multiplier's logarithm to halve with no outcomes,
+            so a worker whose requests are all shed (no outcomes) returns to the
+            configured factor.
+    """
+
+    UP = 1.25
+    DOWN = 0.98
+    MOST = 16.0
+    HALF_LIFE_S = 10.0
+
+    def __init__(self, up: float = UP, down: float = DOWN, most: float = MOST, half_life_s: float = HALF_LIFE_S):
+        if not (up > 1 and 0 < down <= 1 and most >= 1 and half_life_s > 0):
+            raise ValueError("need up > 1, 0 < down <= 1, most >= 1 and half_life_s > 0")
+        self._up, self._down = math.log(up), math.log(down)
+        self._most = math.log(most)
+        self.half_life_s = half_life_s
+        self._level = 0.0  # log of the multiplier
+        self._at = time.monotonic()
+        #: admitted requests with a deadline that ended past it / in time, so far
+        self.misses = 0
+        self.in_time = 0
+
+    def _decay(self, now: float) -> None:
+        if self._level:
+            self._level *= 0.5 ** (max(0.0, now - self._at) / self.half_life_s)
+        self._at = now
+
+    def value(self, now: float | None = None) -> float:
+        """The multiplier now (>= 1)."""
+        self._decay(time.monotonic() if now is None else now)
+        return math.exp(self._level)
+
+    def note(self, missed: bool, now: float | None = None) -> None:
+        """One admitted request with a deadline ended: past it (``missed``) or in time."""
+        self._decay(time.monotonic() if now is None else now)
+        if missed:
+            self.misses += 1
+            self._level = min(self._most, self._level + self._up)
+        else:
+            self.in_time += 1
+            self._level = max(0.0, self._level + self._down)
+
+
 class Scheduler:
     """Decides which requests run each step and owns their block tables.
 
@@ -87,10 +149,13 @@ class Scheduler:
             considered until it first runs, and shed if its deadline has passed (checked
             before its cached prefix is looked up, so no tier load is made for it), or, once
             its cached prefix is locked and before anything is computed, if ``factor x
-            (prompt tokens running requests have still to compute + its uncached prompt
-            tokens) / shed_rate()`` seconds exceed what is left of it (0: shed only requests
-            already past their deadline); running requests take each step's budget first,
-            so their prefill is what it waits for. ``shed_rate`` is optimistic (the fastest recent
+            (tokens running requests compute before it + its uncached prompt tokens) /
+            shed_rate()`` seconds exceed what is left of it (0: shed only requests already
+            past their deadline). Running requests take each step's budget first; what
+            they compute before it is counted at its least (`_tokens_ahead`: chunked
+            prefill lets it run beside a long prompt). The factor is the configured floor:
+            each tenant's is raised while that tenant's admitted requests miss their
+            deadlines and falls back as they make them (`DeadlinePressure`). ``shed_rate`` is optimistic (the fastest recent
             step, `Engine.peak_prefill_rate`), and the default factor of 0.25 sheds only
             requests that would miss even at four times that rate. A shed request costs
             no prefill; it would otherwise run until its caller's deadline cancels it,
@@ -138,6 +203,10 @@ class Scheduler:
         self.deadline_shed_factor = float(deadline_shed_factor)
         #: requests shed so far (`deadline_shed_factor`)
         self.num_shed = 0
+        #: how far outcomes have raised the shed factor, per tenant (`DeadlinePressure`,
+        #: `deadline_pressure`): one tenant's hopeless deadlines make only its own
+        #: requests shed sooner
+        self._pressure: OrderedDict[str, DeadlinePressure] = OrderedDict()
         self._contended = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -152,6 +221,20 @@ class Scheduler:
             r.num_tokens for r in self.waiting
         )
 
+    #: Most tenants whose `DeadlinePressure` is kept; the least recently used go first.
+    MAX_PRESSURE_TENANTS = 4096
+
+    def deadline_pressure(self, tenant: str) -> DeadlinePressure:
+        """The shed factor's multiplier for ``tenant``'s requests (created at 1)."""
+        p = self._pressure.get(tenant)
+        if p is None:
+            p = self._pressure[tenant] = DeadlinePressure()
+            while len(self._pressure) > self.MAX_PRESSURE_TENANTS:
+                self._pressure.popitem(last=False)
+        else:
+            self._pressure.move_to_end(tenant)
+        return p
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -160,13 +243,27 @@ class Scheduler:
         """Queue a validated request (arrival order)."""
         self.waiting.append(req)
 
-    def remove(self, req: Request) -> None:
-        """Drop a request wherever it is and release its blocks (abort or finish)."""
+    def remove(self, req: Request, finished: bool = False) -> None:
+        """Drop a request wherever it is and release its blocks (abort, failure, or, with
+        ``finished``, its last token).
+
+        A request that carried a deadline and was admitted tells its tenant's
+        `deadline_pressure` whether it ended past the deadline (whatever the end: an abort
+        then is its caller's deadline cancelling it) or finished in time; an abort or
+        failure before the deadline (a caller that left) tells nothing.
+        """
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
+        if (req.deadline is not None and req.first_scheduled is not None
+                and req.status is not RequestStatus.FINISHED):
+            now = time.monotonic()
+            if now >= req.deadline:
+                self.deadline_pressure(req.namespace.tenant).note(True, now)
+            elif finished:
+                self.deadline_pressure(req.namespace.tenant).note(False, now)
         req.status = RequestStatus.FINISHED
 
     def schedule(self) -> ScheduledBatch:
@@ -202,7 +299,9 @@ class Scheduler:
         partial = sum(1 for r, n in zip(batch.requests, batch.num_new_tokens)
                       if r.num_computed + n < r.num_prompt_tokens)
         inflight = self._inflight_blocks()
-        ahead = self._prefill_ahead() if self.shed_rate is not None else 0
+        # tokens each running request has still to compute (prompt, or generated tokens a
+        # resumed request recomputes, or its next decode token), admitted ones appended
+        ahead = [r.num_tokens - r.num_computed for r in self.running] if self.shed_rate is not None else []
         passed: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
@@ -237,7 +336,8 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
             partial += unfinished
-            ahead += req.num_prompt_tokens - req.num_computed
+            if self.shed_rate is not None:
+                ahead.append(req.num_tokens - req.num_computed)
             for j in range(req.num_committed_blocks, len(req.block_hashes)):
                 inflight.add(req.block_hashes[j])
         self.waiting.extendleft(reversed(passed))
@@ -262,20 +362,31 @@ class Scheduler:
         return (f"its deadline passed {late:.3f} s ago while it waited; retry with a longer deadline or when the "
                 f"worker is less busy")
 
-    def _prefill_ahead(self) -> int:
-        """Prompt tokens that running requests have still to compute (tokens): the prefill
-        a request admitted now waits for, since running requests take the step's budget
-        first."""
-        return sum(r.num_prompt_tokens - r.num_computed for r in self.running
-                   if r.num_computed < r.num_prompt_tokens)
+    def _tokens_ahead(self, uncached: int, ahead: list[int]) -> int:
+        """The fewest tokens that running requests (``ahead``: what each has still to
+        compute) compute before a request with ``uncached`` prompt tokens, admitted now,
+        reaches its first token (tokens): a lower bound, so that the estimate errs towards
+        serving.
 
-    def _hopeless(self, req: Request, ahead: int = 0) -> str | None:
+        Running requests take each step's budget first. Without a long-prefill threshold
+        each may take all it has left in the first step; with threshold T, a running
+        prefill computes at most T tokens per step, and this request's prompt takes at
+        least ``ceil(uncached / T)`` steps, so each running request computes at least
+        ``min(left, T * ceil(uncached / T))`` tokens before it.
+        """
+        cap = self.long_prefill_token_threshold
+        if not cap:
+            return sum(ahead)
+        most = cap * -(-uncached // cap)
+        return sum(min(left, most) for left in ahead)
+
+    def _hopeless(self, req: Request, ahead: list[int] | None = None) -> str | None:
         """Why ``req`` (its cached prefix locked, nothing computed) cannot reach its first
         token before its deadline, or None if it may (see ``deadline_shed_factor``).
 
-        ``ahead`` is the prompt tokens running requests have still to compute before it
-        (tokens, `_prefill_ahead`): the estimate is ``(ahead + uncached) / shed_rate()``
-        seconds.
+        ``ahead`` holds the tokens each running request (those admitted earlier in this
+        step included) has still to compute: the estimate is
+        ``(_tokens_ahead(uncached, ahead) + uncached) / shed_rate()`` seconds.
         """
         why = self._past_deadline(req)
         if why is not None:
@@ -285,13 +396,18 @@ class Scheduler:
         uncached = req.num_prompt_tokens - req.num_computed
         if not rate or self.deadline_shed_factor <= 0:
             return None
-        need = (ahead + uncached) / rate
-        if self.deadline_shed_factor * need <= left:
+        before = self._tokens_ahead(uncached, ahead) if ahead else 0
+        need = (before + uncached) / rate
+        pressure = self.deadline_pressure(req.namespace.tenant).value()
+        factor = self.deadline_shed_factor * pressure
+        if factor * need <= left:
             return None
-        queue = f" after the {ahead} prompt tokens running requests have still to compute" if ahead else ""
+        queue = f" after at least {before} tokens of the requests running before it" if before else ""
+        raised = (f" (raised {pressure:.2f}x while this worker's admitted requests missed their deadlines)"
+                  if pressure >= 1.005 else "")
         return (f"shed before its prefill: its {uncached} uncached prompt tokens{queue} need about {need:.2f} s at "
                 f"this worker's fastest recent prefill rate ({rate:.0f} tokens/s), and --deadline-shed-factor "
-                f"{self.deadline_shed_factor:g} x that ({self.deadline_shed_factor * need:.2f} s) is more than the "
+                f"{self.deadline_shed_factor:g}{raised} x that ({factor * need:.2f} s) is more than the "
                 f"{left:.2f} s left of its deadline; retry with a longer deadline, a shorter prompt, or when the worker "
                 f"is less busy (a worker operator can lower the factor)")
 
