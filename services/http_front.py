@@ -70,6 +70,8 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.services.aio import within
@@ -150,13 +152,22 @@ async def read_json_object(request: web.Request, timeout_s: float | None = DEFAU
     Raises:
         web.HTTPRequestTimeout: the body did not arrive in time (a 408).
         ValueError: the body is not a JSON object; the message (safe to send back, as a
-            400) says why: invalid JSON or UTF-8, an integer past Python's digit limit
-            (4,300 digits), nesting too deep for the parser, or another JSON value.
+            400) says why: invalid JSON or UTF-8, a charset Python does not know, a body
+            that does not decode as its Content-Encoding says, an integer past Python's
+            digit limit (4,300 digits), nesting too deep for the parser, or another JSON
+            value.
     """
     try:
         body = json.loads(await within(request.text(), timeout_s))
     except asyncio.TimeoutError:
         raise web.HTTPRequestTimeout(reason=f"request body not received within {timeout_s:g} s") from None
+    except LookupError:  # Content-Type names a charset Python does not know
+        raise ValueError(f"request body's charset {clip(str(request.charset), 40)!r} is not supported: send UTF-8 "
+                         "(Content-Type: application/json)") from None
+    except (RequestPayloadError, HttpProcessingError) as exc:  # e.g. Content-Encoding gzip on a plain body
+        raise ValueError(f"request body could not be read as sent (Content-Encoding "
+                         f"{clip(request.headers.get('Content-Encoding', 'none'), 40)!r}): "
+                         f"{clip(str(exc.__cause__ or exc), 120)}; send it plain or correctly encoded") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         # ValueError covers JSONDecodeError and an integer past Python's digit limit;
         # RecursionError, arrays nested thousands deep

@@ -135,9 +135,9 @@ def test_client_disconnect_closes_the_generate_stream(stream):
     assert asyncio.run(run())
 
 
-def _refused(path: str, body: dict | bytes, **kw) -> tuple[int, dict]:
-    """POST ``body`` (a JSON object, or raw bytes) to ``/v1/<path>`` on a front whose Generate
-    must never be reached; ``kw`` goes to `HttpFront`."""
+def _refused(path: str, body: dict | bytes, headers: dict | None = None, **kw) -> tuple[int, dict]:
+    """POST ``body`` (a JSON object, or raw bytes, with ``headers``) to ``/v1/<path>`` on a
+    front whose Generate must never be reached; ``kw`` goes to `HttpFront`."""
     async def never(req, ctx):  # pragma: no cover - a refused request never reaches Generate
         raise AssertionError("reached Generate")
         yield
@@ -146,7 +146,8 @@ def _refused(path: str, body: dict | bytes, **kw) -> tuple[int, dict]:
         front, url = await _serve(never, **kw)
         try:
             async with aiohttp.ClientSession() as s:
-                r = await (s.post(f"{url}/{path}", data=body, headers={"Content-Type": "application/json"})
+                r = await (s.post(f"{url}/{path}", data=body,
+                                  headers={"Content-Type": "application/json", **(headers or {})})
                            if isinstance(body, bytes) else s.post(f"{url}/{path}", json=body))
                 return r.status, await r.json()
         finally:
@@ -191,6 +192,18 @@ def test_odd_json_is_400_not_500(path, body, param, says):
     and a traceback in the log per request."""
     status, err = _refused(path, body)
     assert status == 400 and err["error"]["param"] == param and says in err["error"]["message"], err
+
+
+@pytest.mark.parametrize("headers,says", [
+    ({"Content-Type": "application/json; charset=bogus"}, "charset 'bogus' is not supported"),
+    ({"Content-Encoding": "gzip"}, "Content-Encoding 'gzip'"),
+    ({"Content-Encoding": "deflate"}, "Content-Encoding 'deflate'"),
+], ids=["unknown-charset", "gzip-not-gzip", "deflate-not-deflate"])
+def test_a_body_that_does_not_decode_as_its_headers_say_is_400(headers, says):
+    """These once raised LookupError or aiohttp's payload errors inside the front: a 500
+    and a traceback per request."""
+    status, err = _refused("completions", b'{"prompt": "ab", "max_tokens": 2}', headers=headers)
+    assert status == 400 and says in err["error"]["message"], err
 
 
 def test_a_token_id_prompt_past_the_context_is_refused_before_its_ids_are_checked():
