@@ -25,6 +25,10 @@ DEFAULT_POOL_FRACTION = 0.6
 #: Acceptance thresholds printed by the demo.
 MIN_FRACTION_OF_POOLED = 0.90
 MAX_SHARE_OVER_MEAN = 1.25
+#: Fewest requests per worker for the share and round_robin checks: on fewer, a couple of
+#: requests more on one worker pass MAX_SHARE_OVER_MEAN by chance (30 requests on 2
+#: workers: 19 and 11), and both policies hit about what a cache holding everything would.
+MIN_REQUESTS_PER_WORKER_CHECKED = 100
 
 
 def distinct_blocks(reqs, tokens_per_block: int, block_size: int) -> int:
@@ -98,6 +102,43 @@ def max_share_over_mean(share: dict) -> float:
     return max(share.values()) / mean
 
 
+def demo_checks(results: list[dict], pooled_hit: float, num_requests: int, workers: int) -> tuple[dict, list[str]]:
+    """The demo's acceptance checks: ``(checks, failed)``, ``failed`` naming each check
+    missed with its threshold (empty: all passed).
+
+    ``results`` are the harness's per-policy results; ``pooled_hit`` the block hit rate of
+    one pooled LRU cache of the fleet's size. No request may fail, and kv_aware must reach
+    `MIN_FRACTION_OF_POOLED` of the pooled hit rate. From `MIN_REQUESTS_PER_WORKER_CHECKED`
+    requests per worker, it must also keep its busiest worker's share within
+    `MAX_SHARE_OVER_MEAN` of the mean and hit more than round_robin; on fewer, two
+    requests more on one worker pass the share limit and the two policies' hits differ
+    by a block or two (``*_checked``: False).
+    """
+    by_policy = {r["policy"]: r for r in results}
+    checks: dict = {}
+    failed = [f"{r['policy']}: {r['num_errors']} requests failed" for r in results if r["num_errors"]]
+    kv = by_policy.get("kv_aware")
+    if kv is None:
+        return checks, failed
+    checks["kv_aware_vs_pooled"] = kv["hit_rate_blocks"] / max(1e-9, pooled_hit)
+    if checks["kv_aware_vs_pooled"] < MIN_FRACTION_OF_POOLED:
+        failed.append(f"kv_aware_vs_pooled {checks['kv_aware_vs_pooled']:.3f} < {MIN_FRACTION_OF_POOLED}")
+    checks["kv_aware_max_share_over_mean"] = share = max_share_over_mean(kv["worker_share"])
+    long_enough = num_requests >= MIN_REQUESTS_PER_WORKER_CHECKED * workers
+    if not long_enough:
+        checks["kv_aware_max_share_over_mean_checked"] = False
+    elif share > MAX_SHARE_OVER_MEAN:
+        failed.append(f"kv_aware_max_share_over_mean {share:.3f} > {MAX_SHARE_OVER_MEAN}")
+    if "round_robin" in by_policy:
+        kv_hit, rr_hit = kv["hit_rate_blocks"], by_policy["round_robin"]["hit_rate_blocks"]
+        checks["kv_aware_hit_rate_above_round_robin"] = kv_hit > rr_hit
+        if not long_enough:
+            checks["kv_aware_hit_rate_above_round_robin_checked"] = False
+        elif kv_hit <= rr_hit:
+            failed.append(f"kv_aware hit rate {kv_hit:.4f} is not above round_robin's {rr_hit:.4f}")
+    return checks, failed
+
+
 def run_demo(workers: int = 2, max_requests: int | None = None, tokens_per_block: int = 16,
              max_output_tokens: int = 4, concurrency: int = 4, num_blocks: int | None = None,
              out_dir: str = os.path.join("runs", "demo"), trace: str | None = None,
@@ -133,20 +174,8 @@ def run_demo(workers: int = 2, max_requests: int | None = None, tokens_per_block
                                            policy_label=policy, credentials=cluster.client_options()))
         results.append(result)
     pooled = simulate_pooled(reqs, tokens_per_block, workers * num_blocks, block_size, max_output_tokens)
-    by_policy = {r["policy"]: r for r in results}
-    checks = {}
-    if "kv_aware" in by_policy:
-        kv = by_policy["kv_aware"]
-        checks["kv_aware_vs_pooled"] = kv["hit_rate_blocks"] / max(1e-9, pooled["hit_rate_blocks"])
-        checks["kv_aware_max_share_over_mean"] = max_share_over_mean(kv["worker_share"])
-        if "round_robin" in by_policy:
-            checks["kv_aware_hit_rate_above_round_robin"] = kv["hit_rate_blocks"] > by_policy["round_robin"]["hit_rate_blocks"]
-    ok = all(r["num_errors"] == 0 for r in results)
-    if "kv_aware_vs_pooled" in checks:
-        ok = ok and checks["kv_aware_vs_pooled"] >= MIN_FRACTION_OF_POOLED
-        ok = ok and checks["kv_aware_max_share_over_mean"] <= MAX_SHARE_OVER_MEAN
-    if "kv_aware_hit_rate_above_round_robin" in checks:
-        ok = ok and checks["kv_aware_hit_rate_above_round_robin"]
+    checks, failed = demo_checks(results, pooled["hit_rate_blocks"], len(reqs), workers)
+    ok = not failed
     comparison = {"results": results, "pooled": pooled, "checks": checks, "ok": ok,
                   "workers": workers, "num_blocks_per_worker": num_blocks}
     md = compare_markdown(results) + (
@@ -159,5 +188,6 @@ def run_demo(workers: int = 2, max_requests: int | None = None, tokens_per_block
     with open(os.path.join(out_dir, "comparison.md"), "w") as f:
         f.write(md)
     print(md, flush=True)
-    print(("OK" if ok else "CHECKS FAILED") + f": results in {out_dir}", file=sys.stderr if not ok else sys.stdout)
+    print(("OK" if ok else "CHECKS FAILED: " + "; ".join(failed)) + f": results in {out_dir}",
+          file=sys.stderr if not ok else sys.stdout)
     return comparison

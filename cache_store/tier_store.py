@@ -1225,7 +1225,8 @@ def _connect_remote(config: TierConfig) -> RemoteTier:
     if config.remote_record_key is None:
         log.warning("remote tier: records are not authenticated, so anyone who can write to the cluster's Redis "
                     "can change the KV this worker loads from it; give every worker the same "
-                    "--remote-record-key-file (kvmesh up makes one) and keep Redis behind a password")
+                    "--remote-record-key-file (kvmesh up and kvmesh ray make one unless --insecure) and keep Redis "
+                    "behind a password")
     return RemoteTier(client, config.remote_bytes, cluster=cluster, record_key=config.remote_record_key)
 
 

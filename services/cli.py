@@ -142,7 +142,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="codec of the blocks this worker puts in the remote tier (default none)")
     t.add_argument("--remote-record-key-file", default=None, metavar="PATH",
                    help="secret (at least 32 characters) keying the MAC of every remote-tier record, the same "
-                        "file on every worker: a record without it is never loaded (kvmesh up makes one)")
+                        "file on every worker: a record without it is never loaded (kvmesh up and kvmesh ray make "
+                        "one unless --insecure)")
     t.add_argument("--peer-bytes", type=parse_bytes, default=DEFAULT_PEER_BYTES,
                    help="staging memory for blocks fetched from peers or read from the remote tier "
                         "(default 64M; 0 disables peer fetch, and a remote tier needs it)")
