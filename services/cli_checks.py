@@ -622,6 +622,17 @@ def exited_message(name: str, proc, when: str = "") -> str:
     return text
 
 
+def live_workers_in(client, cluster: str) -> list[str]:
+    """Ids of the workers of ``cluster`` whose lease is live in the Redis ``client`` talks
+    to (sorted), from the cluster's worker set and their lease keys (`workers.kv_publisher`)."""
+    from kvmesh.workers.kv_publisher import lease_key, workers_key
+
+    ids = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in client.smembers(workers_key(cluster)))
+    if not ids:
+        return []
+    return [w for w, lease in zip(ids, client.mget([lease_key(w, cluster) for w in ids])) if lease is not None]
+
+
 def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str | None:
     """Everything `kvmesh up` can check before it starts Redis or any process: worker count,
     routing policy, engine and tier flags (``tier_problem``: the tier check's message),
@@ -657,7 +668,9 @@ def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str
         import redis
 
         try:
-            redis.Redis.from_url(args.redis_url, socket_timeout=3.0, socket_connect_timeout=3.0).ping()
+            client = redis.Redis.from_url(args.redis_url, socket_timeout=3.0, socket_connect_timeout=3.0)
+            client.ping()
+            live = live_workers_in(client, getattr(args, "cluster", None) or "default")
         except redis.exceptions.RedisError as exc:
             from kvmesh.services.security import redact_url
 
@@ -668,6 +681,11 @@ def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str
                         "redis://:PASSWORD@HOST:PORT/DB, preferably through KVMESH_REDIS_URL to keep it out of ps")
             return (f"--redis-url {url}: cannot reach it ({exc}); leave --redis-url out to start "
                     "a private one")
+        if live:
+            cluster = getattr(args, "cluster", None) or "default"
+            return (f"--cluster {cluster}: that Redis already holds live leases of {len(live)} worker(s) under this "
+                    f"name ({', '.join(live[:5])}{', ...' if len(live) > 5 else ''}): another cluster is using it; "
+                    "give this one another --cluster, or stop that one first")
         return None
 
     return first_problem(workers, lambda: policy_problem(args.policy), lambda: engine_flag_problem(args),

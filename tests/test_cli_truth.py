@@ -852,6 +852,30 @@ def test_up_against_a_redis_that_needs_a_password_says_so(capsys, redis_server):
     assert "needs a password" in err and "redis://:PASSWORD@" in err and redis_server.password not in err, err
 
 
+def test_up_refuses_a_cluster_name_whose_workers_are_live_in_that_redis(capsys, redis_server):
+    """Two `up`s on one Redis with one --cluster would mix their workers (the second's
+    registered into the first's namespace and were routed to): the second is refused
+    before it starts anything. A worker whose lease expired does not count."""
+    import redis
+
+    from kvmesh.services.cli import main
+    from kvmesh.services.cli_checks import live_workers_in
+    from kvmesh.workers.kv_publisher import lease_key, workers_key
+
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        r.sadd(workers_key("taken"), "worker-0", "worker-1")
+        r.set(lease_key("worker-1", "taken"), "{}", ex=60)  # worker-0's lease expired
+        assert live_workers_in(r, "taken") == ["worker-1"]
+        assert live_workers_in(r, "free") == []
+        assert main(["up", "--redis-url", redis_server.url, "--cluster", "taken"]) == 2
+        err = capsys.readouterr().err
+        assert "--cluster taken" in err and "worker-1" in err and "worker-0" not in err, err
+        assert "another --cluster" in err and redis_server.password not in err, err
+    finally:
+        r.delete(workers_key("taken"), lease_key("worker-1", "taken"))
+
+
 @pytest.mark.slow
 def test_up_keeps_its_address_lines_on_stdout_and_warnings_on_stderr(tmp_path):
     """Scripts read `up`'s stdout lines after the summary (router address, HTTP base URL,
