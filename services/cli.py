@@ -114,10 +114,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline-shed-factor", type=_float_at_least(0.0, "--deadline-shed-factor"),
                    default=DEFAULT_DEADLINE_SHED_FACTOR, metavar="F",
                    help="a request whose gRPC deadline leaves less than F x its estimated time to first token "
-                   "(its uncached tokens and the prefill running requests have left, over the fastest recent prefill "
-                   "rate) is failed DEADLINE_EXCEEDED before computing its prompt, as is one whose deadline passed "
-                   "while it waited (0 = only those). F is a floor: a tenant's is raised while its admitted requests "
-                   f"miss their deadlines (default {DEFAULT_DEADLINE_SHED_FACTOR:g})")
+                   "(its uncached tokens and the least that running requests compute before it, over the fastest "
+                   "recent prefill rate) is failed DEADLINE_EXCEEDED before computing its prompt, as is one whose "
+                   "deadline passed while it waited (0 = only those). F is a floor: a caller's is raised, up to 16x, "
+                   "while its admitted requests miss their deadlines, and decays back with a 10 s half-life "
+                   f"(default {DEFAULT_DEADLINE_SHED_FACTOR:g})")
     # the built-in names (tier_config imports no torch; the codec registry does)
     from kvmesh.cache_store.tier_config import BUILTIN_CODECS as codecs, DEFAULT_PEER_BYTES
     t = p.add_argument_group("cache tiers (sizes in bytes; K/M/G/T suffixes are powers of 1024)")

@@ -208,7 +208,7 @@ def test_step_rates_come_from_the_step_clock_when_it_reports():
             self.held = []
 
         def stop(self, started, done):
-            self.held.append(done)
+            self.held.append(done)  # reported below, as CUDA would once the step completes
 
     e = Engine(device=DEVICE, num_blocks=64, block_size=BS).start()
     try:
@@ -217,10 +217,12 @@ def test_step_rates_come_from_the_step_clock_when_it_reports():
         e.step_clock = clock = HeldClock()
         e.generate(prompt(17, 200), SamplingParams(max_tokens=1))
         assert len(e._rate_samples) == before and clock.held  # nothing folded in before the report
+        ran_at = time.monotonic() - 3.0
         for done in clock.held:
-            done(1.0)
-        _, rate = e._rate_samples[-1]
+            done(1.0, ran_at)
+        at, rate = e._rate_samples[-1]
         assert rate == pytest.approx(200.0)  # 200 prompt tokens in the 1 s the clock measured
+        assert at == ran_at  # dated when the step ran, not when it was reported
     finally:
         e.stop()
 
@@ -232,16 +234,16 @@ def test_the_step_clock_on_cpu_reports_the_wall_time_at_once():
     got = []
     t = clock.start()
     time.sleep(0.05)
-    clock.stop(t, got.append)
-    assert len(got) == 1 and got[0] >= 0.05
+    clock.stop(t, lambda seconds, at: got.append((seconds, at)))
+    assert len(got) == 1 and got[0][0] >= 0.05 and got[0][1] <= time.monotonic()
 
 
-def _sched_request(rid: str, n: int, deadline: float | None, tenant: str = ""):
+def _sched_request(rid: str, n: int, deadline: float | None, caller: str = ""):
     from kvmesh.cache_store.hashing import Namespace
     from kvmesh.workers.request import Request
 
-    return Request(rid, prompt(sum(map(ord, rid)), n), GREEDY, Namespace("m", tenant=tenant), BS, lambda o: None,
-                   deadline=deadline)
+    return Request(rid, prompt(sum(map(ord, rid)), n), GREEDY, Namespace("m"), BS, lambda o: None,
+                   deadline=deadline, caller=caller)
 
 
 def test_the_estimate_counts_what_running_requests_compute_before_it():
@@ -308,6 +310,80 @@ def test_with_chunked_prefill_a_short_request_is_not_charged_a_long_prompt_it_ru
     assert served in batch.requests and not batch.shed
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_tokens_counted_ahead_never_exceed_what_runs_before_the_first_token(seed):
+    """`Scheduler._tokens_ahead` is a lower bound: replay random arrivals through the real
+    scheduler (no model: each step's tokens count as computed, prompts are done when their
+    last token is, decodes of 0-6 tokens follow) with small and large pools (preemption,
+    blocks refused), several thresholds, budgets and partial-prefill limits, shared
+    prefixes; for each request admitted, the tokens its estimate counted ahead must be at
+    most those that requests running at its admission computed from then to its first
+    token."""
+    from kvmesh.cache_store.prefix_cache import PrefixCache
+    from kvmesh.workers.scheduler import Scheduler
+
+    rng = random.Random(seed)
+    violations, checked = [], 0
+    for trial in range(12):
+        blocks = rng.choice([24, 40, 64, 256, 2048])
+        budget = rng.choice([64, 256, 512, 1024])
+        s = Scheduler(PrefixCache(blocks, BS), max_num_batched_tokens=budget,
+                      long_prefill_token_threshold=rng.choice([0, 32, 64, None]),
+                      max_num_partial_prefills=rng.choice([1, 2, 4]), shed_rate=lambda: 1e9,
+                      deadline_shed_factor=1.0)
+        counted: dict = {}  # request -> (estimate, ids running before it, tokens they computed so far)
+        estimate = s._tokens_ahead
+
+        def hopeless(req, ahead=None):
+            before = estimate(req.num_prompt_tokens - req.num_computed, ahead) if ahead else 0
+            # running now, or admitted earlier in this step: `schedule` appends to running as it admits
+            counted[req] = [before, {id(r) for r in s.running}, 0]
+            return None
+
+        s._hopeless = hopeless
+        prefixes = [prompt(1000 * seed + trial * 10 + k, rng.choice([16, 48, 96])) for k in range(3)]
+        decodes: dict = {}
+        steps = 0
+        for step in range(400):
+            if step < 60 and rng.random() < 0.5:
+                most = min(blocks * BS // 2, 700)
+                n = rng.randrange(8, most)
+                ids = (rng.choice(prefixes) if rng.random() < 0.4 else []) + prompt(rng.randrange(10**6), n)
+                ids = ids[:most]
+                from kvmesh.cache_store.hashing import Namespace
+                from kvmesh.workers.request import Request
+                r = Request(f"r{step}", ids, GREEDY, Namespace("m"), BS, lambda o: None, deadline=time.monotonic() + 1e6)
+                decodes[r] = rng.randrange(0, 7)
+                s.add(r)
+            if not s.has_work():
+                if step >= 60:
+                    break
+                continue
+            batch = s.schedule()
+            steps += 1
+            for r, n in zip(batch.requests, batch.num_new_tokens):
+                for x, entry in counted.items():
+                    if entry is not None and id(r) in entry[1]:
+                        entry[2] += n
+            s.update_after_step(batch)
+            for r in list(batch.requests):
+                if r.num_computed < r.num_tokens:
+                    continue
+                if r in counted and counted[r] is not None:  # its first token: compare
+                    before, _, ran = counted[r]
+                    checked += 1
+                    if before > ran:
+                        violations.append((trial, r.request_id, before, ran))
+                    counted[r] = None
+                if decodes[r] > 0:
+                    decodes[r] -= 1
+                    r.append_token(1)
+                else:
+                    s.remove(r, finished=True)
+    assert checked > 50
+    assert not violations, violations[:5]
+
+
 def test_pressure_rises_on_misses_falls_on_requests_in_time_and_decays():
     from kvmesh.workers.scheduler import DeadlinePressure
 
@@ -339,7 +415,7 @@ def test_admitted_requests_that_miss_raise_the_factor_and_ones_in_time_do_not():
     from kvmesh.cache_store.prefix_cache import PrefixCache
     from kvmesh.workers.scheduler import Scheduler
 
-    s = Scheduler(PrefixCache(256, BS), max_num_batched_tokens=2048, shed_rate=lambda: 1000.0,
+    s = Scheduler(PrefixCache(256, BS), max_num_batched_tokens=2048, shed_rate=lambda: 100.0,
                   deadline_shed_factor=1.0)
 
     def admit(rid: str, deadline: float):
@@ -354,20 +430,24 @@ def test_admitted_requests_that_miss_raise_the_factor_and_ones_in_time_do_not():
     s.remove(done, finished=True)
     left = admit("left", time.monotonic() + 5)
     s.remove(left)  # aborted with time to spare: the caller went away
+    broken = admit("broken", time.monotonic() + 5)
+    broken.deadline = time.monotonic() - 0.001
+    s.remove(broken, failed=True)  # the worker's failure (a step error, shutdown), late or not: not a miss
     assert (pressure.misses, pressure.in_time) == (0, 1) and pressure.value() == 1.0
     for i in range(8):
         late = admit(f"late{i}", time.monotonic() + 5)
         late.deadline = time.monotonic() - 0.001  # its caller's deadline has come
         s.remove(late)
     assert pressure.misses == 8 and pressure.value() > 5
-    # 100 tokens at 1000 tokens/s need 0.1 s: factor 1 admits a 0.3 s deadline, the raised one does not
-    r = _sched_request("after", 100, time.monotonic() + 0.3)
+    # 100 tokens at 100 tokens/s need 1 s: factor 1 admits a 3 s deadline, the raised one (> 5) does not
+    r = _sched_request("after", 100, time.monotonic() + 3)
     s.add(r)
     batch = s.schedule()
     assert [x for x, _ in batch.shed] == [r]
     assert "--deadline-shed-factor 1 (raised" in batch.shed[0][1], batch.shed[0][1]
-    # another tenant's misses are not this tenant's: the same deadline is admitted for it
-    other = _sched_request("other", 100, time.monotonic() + 0.3, tenant="b")
+    # another caller's misses are not this caller's: the same deadline is admitted for it,
+    # though both share one cache namespace (a shared salt)
+    other = _sched_request("other", 100, time.monotonic() + 3, caller="b")
     s.add(other)
     batch = s.schedule()
     assert batch.requests == [other] and not batch.shed
@@ -380,13 +460,15 @@ def test_an_idle_engine_serving_tight_deadlines_keeps_its_factor(engine):
     ids = prompt(19, 300)
     engine.clear_cache()
     need = len(ids) / warm(engine)
-    before = engine.scheduler.deadline_pressure("").misses
+    pressure = engine.scheduler.deadline_pressure("")
+    before, in_time = pressure.misses, pressure.in_time
     outs = []
     for _ in range(5):
         engine.clear_cache()
         outs.append(submit(engine, ids, deadline=time.monotonic() + FACTOR * need * 4))
     assert all(not o["error"] for o in outs), outs
-    assert engine.scheduler.deadline_pressure("").misses == before
+    assert pressure.misses == before
+    assert pressure.in_time == in_time + 5  # the engine reports each finish in time
     assert engine.scheduler.deadline_pressure("").value() == pytest.approx(1.0)
     engine.clear_cache()
     cold = engine.generate(ids, GREEDY)

@@ -61,36 +61,43 @@ class StepClock:
     between them is read once the second has completed, at a later `stop` or `poll`.
     Events also leave out work queued on the stream before the step (tier copies).
 
-    ``stop(start, done)`` calls ``done(seconds)`` now on CPU, later on CUDA. Engine thread.
+    ``stop(start, done)`` calls ``done(seconds, at)`` now on CPU, later on CUDA. Engine
+    thread.
     """
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
         self._pending: collections.deque = collections.deque()
 
     def start(self):
-        """A mark for `stop`: a recorded CUDA event, or `time.perf_counter()` seconds."""
+        """A mark for `stop`: a CUDA event recorded on the device's current stream (the
+        engine's device, not the thread's: ``cuda:1`` included), or `time.perf_counter()`
+        seconds."""
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device))
             return ev
         return time.perf_counter()
 
-    def stop(self, started, done: Callable[[float], None]) -> None:
-        """The step begun at ``started`` was queued in full: ``done(seconds)`` once it ran."""
+    def stop(self, started, done: Callable[[float, float], None]) -> None:
+        """The step begun at ``started`` was queued in full: ``done(seconds, at)`` once it
+        ran, ``at`` being `time.monotonic()` when it was queued (when it ran, near enough),
+        not when it is reported."""
+        at = time.monotonic()
         if not self.cuda:
-            done(time.perf_counter() - started)
+            done(time.perf_counter() - started, at)
             return
         end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._pending.append((started, end, done))
+        end.record(torch.cuda.current_stream(self.device))
+        self._pending.append((started, end, done, at))
         self.poll()
 
     def poll(self) -> None:
         """Report the steps whose end event has completed, oldest first."""
         while self._pending and self._pending[0][1].query():
-            started, end, done = self._pending.popleft()
-            done(started.elapsed_time(end) / 1000.0)  # elapsed_time is in milliseconds
+            started, end, done, at = self._pending.popleft()
+            done(started.elapsed_time(end) / 1000.0, at)  # elapsed_time is in milliseconds
 
 
 class Engine:
@@ -289,6 +296,7 @@ class Engine:
         arrival: float | None = None,
         tenant: str = "",
         deadline: float | None = None,
+        caller: str = "",
     ) -> str:
         """Validate and queue a request; returns its id. Thread-safe.
 
@@ -299,6 +307,8 @@ class Engine:
         ``deadline`` (``time.monotonic()`` seconds; None: none) is when the caller stops
         waiting: a request that cannot reach its first token by then is shed before its
         prefill, its output an error with code DEADLINE_EXCEEDED (``deadline_shed_factor``).
+        ``caller`` (the server's caller identity) is whose deadline outcomes it counts
+        towards (`workers.scheduler.DeadlinePressure`); "" for callers not told apart.
 
         Raises:
             InvalidRequest, Overloaded: see `validate`.
@@ -311,6 +321,7 @@ class Engine:
         if arrival is not None:
             req.arrival = min(arrival, req.arrival)
         req.deadline = deadline
+        req.caller = caller
         with self._cv:
             self._inbox.append(("add", req))
             self._cv.notify()
@@ -404,7 +415,7 @@ class Engine:
             prompt_tokens = self._step_prompt_tokens(batch)  # before num_computed advances
             started = self.step_clock.start()
             logits = self._forward(batch)
-            self.step_clock.stop(started, lambda seconds: self._note_step_rate(prompt_tokens, seconds))
+            self.step_clock.stop(started, lambda seconds, at: self._note_step_rate(prompt_tokens, seconds, at))
         except Exception as exc:  # keep the worker up; fail what was in flight
             log.exception("model step failed")
             for req in list(batch.requests):
@@ -454,9 +465,10 @@ class Engine:
         """Prompt tokens the step computes (before ``num_computed`` advances)."""
         return sum(k for r, k in zip(batch.requests, batch.num_new_tokens) if r.num_computed < r.num_prompt_tokens)
 
-    def _note_step_rate(self, n: int, seconds: float) -> None:
-        """Fold one step of ``n`` prompt tokens that took ``seconds`` on the device into
-        the prefill-rate EWMA and the peak rate's samples.
+    def _note_step_rate(self, n: int, seconds: float, at: float | None = None) -> None:
+        """Fold one step of ``n`` prompt tokens that took ``seconds`` on the device, run at
+        ``at`` (`time.monotonic()`; None: now), into the prefill-rate EWMA and the peak
+        rate's samples.
 
         Only prompt tokens count; a step that also decodes charges its whole time to them,
         which errs towards a slower rate (more fetching, never less).
@@ -466,7 +478,7 @@ class Engine:
         rate = n / seconds
         old = self._prefill_rate
         self._prefill_rate = rate if old is None else old + self.RATE_ALPHA * (rate - old)
-        self._rate_samples.append((time.monotonic(), rate))
+        self._rate_samples.append((time.monotonic() if at is None else at, rate))
 
     #: Steps whose rates `peak_prefill_rate` keeps (the newest), how recent they must be
     #: (seconds), how many of them there must be, and how recent the newest must be
@@ -624,7 +636,7 @@ class Engine:
 
     def _fail(self, req: Request, message: str, code: str) -> None:
         self._requests.pop(req.request_id, None)
-        self.scheduler.remove(req)
+        self.scheduler.remove(req, failed=True)
         req.on_output(RequestOutput(req.request_id, [], True, "error", error=message, error_code=code))
 
     @staticmethod

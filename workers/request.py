@@ -27,9 +27,10 @@ class Overloaded(RuntimeError):
 
 
 #: Default ``--deadline-shed-factor`` (`workers.scheduler.Scheduler`): a request is shed
-#: before its prefill when this fraction of its estimated prefill time is already more than
-#: its deadline leaves, i.e. when it would miss even at four times the measured prefill
-#: rate (which can read low: a step's decodes are charged to its prompt tokens).
+#: before its prefill when this fraction of its estimated time to first token is already
+#: more than its deadline leaves, i.e. when it would miss even at four times the fastest
+#: recent prefill rate. It is the floor: a caller's factor is raised while its admitted
+#: requests miss their deadlines (`workers.scheduler.DeadlinePressure`).
 DEFAULT_DEADLINE_SHED_FACTOR = 0.25
 
 
@@ -116,6 +117,10 @@ class Request:
     #: scheduler sheds a request that cannot reach its first token by then before computing
     #: its prompt (`workers.scheduler.Scheduler`, ``deadline_shed_factor``)
     deadline: float | None = None
+    #: who sent it (the server's caller identity, "" when unknown): what deadline shedding's
+    #: pressure is kept per (`workers.scheduler.DeadlinePressure`); the cache tenant is
+    #: ``namespace.tenant``, shared by every caller of a shared salt
+    caller: str = ""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

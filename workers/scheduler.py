@@ -75,9 +75,12 @@ class DeadlinePressure:
     The estimate that sheds counts prefill only. It cannot see what else makes an
     admitted request miss under overload: decode steps slowed by the prefills of requests
     admitted after it, or prompts slower per token than the linear estimate. Outcomes show
-    it: a worker whose admitted requests miss their deadlines sheds on a larger factor,
-    and one whose requests make it (an idle worker serving tight but sufficient deadlines)
-    stays at the configured factor. Feedback from accepted work to admission follows the
+    it: a caller whose admitted requests miss their deadlines is shed on a larger factor,
+    and one whose requests make it (on an idle worker, with tight but sufficient
+    deadlines) stays at the configured factor. A miss is a whole request's: a caller whose
+    deadlines do not cover its own generations raises its own factor too, which sheds its
+    later requests sooner (they would miss as well). Kept per caller
+    (`Scheduler.deadline_pressure`). Feedback from accepted work to admission follows the
     adaptive throttling of Google's SRE book (ch. 21, "Handling Overload"); the update is
     multiplicative (in log space), as in AIMD controllers.
 
@@ -154,10 +157,11 @@ class Scheduler:
             past their deadline). Running requests take each step's budget first; what
             they compute before it is counted at its least (`_tokens_ahead`: chunked
             prefill lets it run beside a long prompt). The factor is the configured floor:
-            each tenant's is raised while that tenant's admitted requests miss their
-            deadlines and falls back as they make them (`DeadlinePressure`). ``shed_rate`` is optimistic (the fastest recent
-            step, `Engine.peak_prefill_rate`), and the default factor of 0.25 sheds only
-            requests that would miss even at four times that rate. A shed request costs
+            each caller's is raised while that caller's admitted requests miss their
+            deadlines and falls back as they make them (`DeadlinePressure`). ``shed_rate``
+            is optimistic (the fastest recent step, `Engine.peak_prefill_rate`), and at its
+            floor the default factor of 0.25 sheds only requests that would miss even at
+            four times that rate. A shed request costs
             no prefill; it would otherwise run until its caller's deadline cancels it,
             delaying the requests queued behind it for nothing.
         shed_rate: the prefill rate (tokens/s; None: not known yet) deadline shedding
@@ -203,9 +207,9 @@ class Scheduler:
         self.deadline_shed_factor = float(deadline_shed_factor)
         #: requests shed so far (`deadline_shed_factor`)
         self.num_shed = 0
-        #: how far outcomes have raised the shed factor, per tenant (`DeadlinePressure`,
-        #: `deadline_pressure`): one tenant's hopeless deadlines make only its own
-        #: requests shed sooner
+        #: how far outcomes have raised the shed factor, per caller (`DeadlinePressure`,
+        #: `deadline_pressure`; `Request.caller`): one caller's hopeless deadlines make
+        #: only its own requests shed sooner
         self._pressure: OrderedDict[str, DeadlinePressure] = OrderedDict()
         self._contended = False
         self.waiting: deque[Request] = deque()
@@ -221,18 +225,19 @@ class Scheduler:
             r.num_tokens for r in self.waiting
         )
 
-    #: Most tenants whose `DeadlinePressure` is kept; the least recently used go first.
-    MAX_PRESSURE_TENANTS = 4096
+    #: Most callers whose `DeadlinePressure` is kept; the least recently used go first
+    #: (back to the configured factor: errs towards serving).
+    MAX_PRESSURE_CALLERS = 4096
 
-    def deadline_pressure(self, tenant: str) -> DeadlinePressure:
-        """The shed factor's multiplier for ``tenant``'s requests (created at 1)."""
-        p = self._pressure.get(tenant)
+    def deadline_pressure(self, caller: str) -> DeadlinePressure:
+        """The shed factor's multiplier for ``caller``'s requests (created at 1)."""
+        p = self._pressure.get(caller)
         if p is None:
-            p = self._pressure[tenant] = DeadlinePressure()
-            while len(self._pressure) > self.MAX_PRESSURE_TENANTS:
+            p = self._pressure[caller] = DeadlinePressure()
+            while len(self._pressure) > self.MAX_PRESSURE_CALLERS:
                 self._pressure.popitem(last=False)
         else:
-            self._pressure.move_to_end(tenant)
+            self._pressure.move_to_end(caller)
         return p
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -243,27 +248,28 @@ class Scheduler:
         """Queue a validated request (arrival order)."""
         self.waiting.append(req)
 
-    def remove(self, req: Request, finished: bool = False) -> None:
-        """Drop a request wherever it is and release its blocks (abort, failure, or, with
-        ``finished``, its last token).
+    def remove(self, req: Request, finished: bool = False, failed: bool = False) -> None:
+        """Drop a request wherever it is and release its blocks: an abort (its caller
+        left or gave up), or with ``finished`` its last token, or with ``failed`` an error
+        of the worker's (a failed step, shutdown).
 
-        A request that carried a deadline and was admitted tells its tenant's
-        `deadline_pressure` whether it ended past the deadline (whatever the end: an abort
-        then is its caller's deadline cancelling it) or finished in time; an abort or
-        failure before the deadline (a caller that left) tells nothing.
+        A request that carried a deadline and was admitted tells its caller's
+        `deadline_pressure` whether it finished in time, or ended past its deadline (an
+        abort then is the caller's deadline cancelling it). An abort before the deadline
+        (a caller that left) and a failure tell nothing.
         """
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
-        if (req.deadline is not None and req.first_scheduled is not None
+        if (req.deadline is not None and req.first_scheduled is not None and not failed
                 and req.status is not RequestStatus.FINISHED):
             now = time.monotonic()
             if now >= req.deadline:
-                self.deadline_pressure(req.namespace.tenant).note(True, now)
+                self.deadline_pressure(req.caller).note(True, now)
             elif finished:
-                self.deadline_pressure(req.namespace.tenant).note(False, now)
+                self.deadline_pressure(req.caller).note(False, now)
         req.status = RequestStatus.FINISHED
 
     def schedule(self) -> ScheduledBatch:
@@ -341,16 +347,19 @@ class Scheduler:
             for j in range(req.num_committed_blocks, len(req.block_hashes)):
                 inflight.add(req.block_hashes[j])
         self.waiting.extendleft(reversed(passed))
-        # 3. budget nobody else wanted goes back to prefills the threshold capped
+        # 3. budget nobody else wanted goes back to prefills the threshold capped, in
+        # order; it stops at one that cannot get the blocks, so a later request never
+        # overtakes an earlier one (deadline shedding's estimate relies on that order)
         for k, req in enumerate(batch.requests):
             if budget <= 0:
                 break
             want = req.num_tokens - req.num_computed - batch.num_new_tokens[k]
             if want > 0 and req.status is RequestStatus.RUNNING:
                 extra = min(want, budget)
-                if self._grow(req, req.num_computed + batch.num_new_tokens[k] + extra):
-                    batch.num_new_tokens[k] += extra
-                    budget -= extra
+                if not self._grow(req, req.num_computed + batch.num_new_tokens[k] + extra):
+                    break
+                batch.num_new_tokens[k] += extra
+                budget -= extra
         return batch
 
     @staticmethod
@@ -398,12 +407,12 @@ class Scheduler:
             return None
         before = self._tokens_ahead(uncached, ahead) if ahead else 0
         need = (before + uncached) / rate
-        pressure = self.deadline_pressure(req.namespace.tenant).value()
+        pressure = self.deadline_pressure(req.caller).value()
         factor = self.deadline_shed_factor * pressure
         if factor * need <= left:
             return None
         queue = f" after at least {before} tokens of the requests running before it" if before else ""
-        raised = (f" (raised {pressure:.2f}x while this worker's admitted requests missed their deadlines)"
+        raised = (f" (raised {pressure:.2f}x while this caller's admitted requests missed their deadlines)"
                   if pressure >= 1.005 else "")
         return (f"shed before its prefill: its {uncached} uncached prompt tokens{queue} need about {need:.2f} s at "
                 f"this worker's fastest recent prefill rate ({rate:.0f} tokens/s), and --deadline-shed-factor "

@@ -122,13 +122,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                 else wire.forwarded_identity(request))
         # aclosing at each layer: a caller that stops reading (a cancelled stream, the HTTP
         # front's aclose) runs _generate's own clean-up now (engine abort, in-flight counts)
-        async with contextlib.aclosing(self.tenant_cap.stream(caller, context,
-                                                              self._generate(request, context, tenant, salt))) as out:
+        async with contextlib.aclosing(self.tenant_cap.stream(caller, context, self._generate(
+                request, context, tenant, salt, caller))) as out:
             async for msg in out:
                 yield msg
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, tenant: str,
-                        salt: str):
+                        salt: str, caller: str = ""):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -156,7 +156,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             remaining = context.time_remaining()  # seconds; None: the caller set no deadline
             engine_rid = self.engine.submit(prompt_ids, sampling, on_output,
                                             cache_salt=salt, adapter_id=request.adapter_id,
-                                            request_id=rid, arrival=arrival, tenant=tenant,
+                                            request_id=rid, arrival=arrival, tenant=tenant, caller=caller,
                                             deadline=None if remaining is None else time.monotonic() + remaining)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
