@@ -511,3 +511,51 @@ def test_the_worker_flag_parses_and_names_itself(capsys):
             parser.parse_args(["worker", "--port", "1", "--deadline-shed-factor", bad])
         assert exc.value.code == 2
         assert "--deadline-shed-factor" in capsys.readouterr().err
+
+
+def test_the_worker_passes_the_callers_identity_and_deadline_to_the_engine(monkeypatch):
+    """Generate hands `Engine.submit` the caller's tenant (what deadline pressure is kept
+    per), not the cache tenant, with the gRPC deadline. A router-forwarded request on a
+    trusted port: the caller is ``caller_tenant``, the cache namespace ``tenant``. The
+    engine is real; submit is wrapped to record what it was given."""
+    import asyncio
+
+    import grpc
+
+    from kvmesh.proto import kvmesh_pb2 as pb
+    from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+    from kvmesh.workers.server import WorkerServicer
+
+    e = Engine(device=DEVICE, num_blocks=64, block_size=BS).start()
+    seen = []
+    real = e.submit
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(e, "submit", recording)
+
+    async def run():
+        server = grpc.aio.server()
+        pb_grpc.add_WorkerServicer_to_server(WorkerServicer(e, "w0"), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.WorkerStub(channel)
+                request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt(21, 40)),
+                                             sampling=pb.SamplingParams(max_tokens=2),
+                                             tenant="shared-ns", caller_tenant="alice")
+                return [m async for m in stub.Generate(request, timeout=60)]
+        finally:
+            await server.stop(None)
+
+    try:
+        sent = time.monotonic()
+        messages = asyncio.run(run())
+    finally:
+        e.stop()
+    assert messages and seen
+    assert seen[0]["caller"] == "alice" and seen[0]["tenant"] == "shared-ns"
+    assert sent + 50 < seen[0]["deadline"] <= sent + 61  # the call's 60 s deadline, on the monotonic clock

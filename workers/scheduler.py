@@ -89,7 +89,7 @@ class DeadlinePressure:
         down: multiplier per request in time (in (0, 1]).
         most: the largest multiplier.
         half_life_s: seconds for the multiplier's logarithm to halve with no outcomes,
-            so a worker whose requests are all shed (no outcomes) returns to the
+            so a caller whose requests are all shed (no outcomes) returns to the
             configured factor.
     """
 
