@@ -6,7 +6,8 @@ resolved here goes into `cache_store.hashing.Namespace.tenant`, and the request'
 the edge and forwards it to the worker in the cluster-internal ``GenerateRequest.tenant``
 field, which workers accept only from peers (`kvmesh.workers.tls`).
 
-API key file (``--api-keys PATH``), one key per line, ``#`` starts a comment::
+API key file (``--api-keys PATH``), one key per line, ``#`` at the start of a line or
+after a space starts a comment (a ``#`` inside a key is part of it)::
 
     # tenant   key (sha256:HEX of the key, or the key itself)   options
     acme       sha256:5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8   shared
@@ -54,6 +55,8 @@ SHARED_TENANT = "*shared*"
 SHARED_SALT_PREFIX = "shared:"
 
 _TENANT_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+#: Where a comment starts in an ``--api-keys`` line: a "#" at its start or after whitespace.
+_COMMENT_RE = re.compile(r"(?:^|(?<=\s))#")
 
 
 class Unauthenticated(Exception):
@@ -116,7 +119,9 @@ class Authenticator:
         entries = []
         seen: dict[bytes, int] = {}  # digest -> the line that gave it
         for no, line in enumerate(lines, 1):
-            parts = line.split("#", 1)[0].split()
+            # a comment starts at a "#" that begins the line or follows a space, so that
+            # a key with "#" in it is read whole, not cut to what precedes the "#"
+            parts = _COMMENT_RE.split(line, 1)[0].split()
             if not parts:
                 continue
             where = f"--api-keys {path} line {no}"

@@ -31,6 +31,19 @@ def test_keys_resolve_to_their_tenant(keys_file):
             auth.tenant_for(bad)
 
 
+def test_a_hash_inside_a_key_is_part_of_it_and_a_spaced_one_starts_a_comment(tmp_path):
+    """A key with "#" in it was once cut at the "#": its clients were refused, and the
+    prefix was what the file accepted."""
+    p = tmp_path / "keys"
+    p.write_text("acme my-secret-key-1234#tail  # the acme gateway\n#beta beta-key-1111111111111\n")
+    auth = Authenticator.from_file(str(p))
+    assert auth.tenant_for("Bearer my-secret-key-1234#tail") == "acme"
+    with pytest.raises(Unauthenticated):
+        auth.tenant_for("Bearer my-secret-key-1234")
+    with pytest.raises(Unauthenticated):
+        auth.tenant_for("Bearer beta-key-1111111111111")  # a commented-out line
+
+
 def test_open_mode_has_one_tenant_and_ignores_keys():
     auth = Authenticator.open()
     assert auth.tenant_for(None) == ""
