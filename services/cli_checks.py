@@ -667,10 +667,11 @@ def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str
             return None
         import redis
 
+        cluster = getattr(args, "cluster", None) or "default"
         try:
             client = redis.Redis.from_url(args.redis_url, socket_timeout=3.0, socket_connect_timeout=3.0)
             client.ping()
-            live = live_workers_in(client, getattr(args, "cluster", None) or "default")
+            live = live_workers_in(client, cluster)
         except redis.exceptions.RedisError as exc:
             from kvmesh.services.security import redact_url
 
@@ -682,7 +683,6 @@ def up_problem(args: argparse.Namespace, tier_problem: str | None = None) -> str
             return (f"--redis-url {url}: cannot reach it ({exc}); leave --redis-url out to start "
                     "a private one")
         if live:
-            cluster = getattr(args, "cluster", None) or "default"
             return (f"--cluster {cluster}: that Redis already holds live leases of {len(live)} worker(s) under this "
                     f"name ({', '.join(live[:5])}{', ...' if len(live) > 5 else ''}): another cluster is using it; "
                     "give this one another --cluster, or stop that one first")

@@ -71,7 +71,6 @@ from typing import AsyncIterator, Awaitable, Callable
 import grpc
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.services.aio import within
@@ -164,7 +163,7 @@ async def read_json_object(request: web.Request, timeout_s: float | None = DEFAU
     except LookupError:  # Content-Type names a charset Python does not know
         raise ValueError(f"request body's charset {clip(str(request.charset), 40)!r} is not supported: send UTF-8 "
                          "(Content-Type: application/json)") from None
-    except (RequestPayloadError, HttpProcessingError) as exc:  # e.g. Content-Encoding gzip on a plain body
+    except (web.RequestPayloadError, HttpProcessingError) as exc:  # e.g. Content-Encoding gzip on a plain body
         raise ValueError(f"request body could not be read as sent (Content-Encoding "
                          f"{clip(request.headers.get('Content-Encoding', 'none'), 40)!r}): "
                          f"{clip(str(exc.__cause__ or exc), 120)}; send it plain or correctly encoded") from None

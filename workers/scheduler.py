@@ -407,7 +407,8 @@ class Scheduler:
             return None
         before = self._tokens_ahead(uncached, ahead) if ahead else 0
         need = (before + uncached) / rate
-        pressure = self.deadline_pressure(req.caller).value()
+        held = self._pressure.get(req.caller)  # a read: no entry for a caller with no outcomes yet
+        pressure = held.value() if held is not None else 1.0
         factor = self.deadline_shed_factor * pressure
         if factor * need <= left:
             return None
