@@ -37,9 +37,9 @@ def router_status(target: str, timeout: float = 10.0, api_key: str | None = None
     "cached_blocks", "running_requests", "waiting_requests", "queued_prefill_tokens",
     "free_blocks", "total_blocks", "model_id", "block_size", "routed_around"}]}`` (blocks are
     KV blocks, the router's index counts, over every namespace: all tenants and models;
-    ``routed_around`` is "" for a worker the router sends requests to, else why it does not), plus
-    ``"details_withheld": True`` when the router showed only its policy to a caller that is
-    not a cluster peer.
+    ``routed_around`` is "" for a worker the router sends requests to, else why it does not), or
+    ``{"policy", "details_withheld": True}`` (no ``workers``) when the router showed only its
+    policy to a caller that is not a cluster peer.
     ``api_key`` goes in the ``authorization: Bearer KEY`` metadata; ``tls_ca`` makes the channel TLS,
     verifying the router against that CA; ``tls_cert``/``tls_key`` add the client certificate a
     secure router (``kvmesh up`` without ``--insecure``) requires.
@@ -76,21 +76,20 @@ def router_status(target: str, timeout: float = 10.0, api_key: str | None = None
                         "free_blocks": int(w.load.free_blocks), "total_blocks": int(w.load.total_blocks),
                         "model_id": w.model_id, "block_size": int(w.block_size), "routed_around": w.routed_around,
                         "tier_weights": {m: round(v, 4) for m, v in sorted(w.load.tier_weights.items())}})
-    out = {"policy": st.policy, "indexed_blocks": int(st.indexed_blocks), "workers": workers}
-    if st.details_withheld:
-        out["details_withheld"] = True
-    return out
+    if st.details_withheld:  # no "workers" key: an empty list would read as "no live workers"
+        return {"policy": st.policy, "details_withheld": True}
+    return {"policy": st.policy, "indexed_blocks": int(st.indexed_blocks), "workers": workers}
 
 
 def status_table(status: dict) -> str:
     """A plain-text table of `router_status` for a terminal."""
-    workers = status["workers"]
     if status.get("details_withheld"):
         return (f"router policy {status['policy']}; workers, loads and cached blocks are shown to cluster peers "
                 "only: pass --tls-cert/--tls-key of a certificate the cluster CA signed (kvmesh up: "
                 "RUN_DIR/credentials/peer.pem and peer.key). A router started without --client-ca asks no "
                 "client for a certificate, so it sees no peers and shows these to nobody (the k8s overlays "
                 "run it so: read loads from the workers' --metrics-port instead)\n")
+    workers = status["workers"]
     around = [w for w in workers if w.get("routed_around")]
     lines = [f"router policy {status['policy']}, {len(workers)} live worker{'' if len(workers) == 1 else 's'}"
              + (f" ({len(around)} routed around, below)" if around else "")
@@ -111,6 +110,11 @@ def status_table(status: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: `kvmesh status`'s exit code when the router showed only its policy (the caller is not a
+#: cluster peer): a script that checks the code does not take "no details" for "no workers".
+STATUS_WITHHELD = 3
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import grpc
 
@@ -127,8 +131,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(status) if args.json else status_table(status), end="\n" if args.json else "")
-    return 0
+    if args.json:
+        print(json.dumps(status))
+        if status.get("details_withheld"):  # the table says why itself; JSON readers get it here
+            print(status_table(status), end="", file=sys.stderr)
+    else:
+        print(status_table(status), end="")
+    return STATUS_WITHHELD if status.get("details_withheld") else 0
 
 
 def register_status(sub) -> None:

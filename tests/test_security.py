@@ -475,11 +475,17 @@ def test_status_reads_the_client_env_that_up_prints(cluster, monkeypatch, capsys
     monkeypatch.setenv("KVMESH_TLS_CERT", creds.client_cert)
     monkeypatch.setenv("KVMESH_TLS_KEY", creds.client_key)
     capsys.readouterr()
-    assert main(["status", "--target", cluster.router_address, "--json", "--timeout", "30"]) == 0, \
-        capsys.readouterr().err
-    client_view = capsys.readouterr().out
-    assert '"policy": "kv_aware"' in client_view and '"details_withheld": true' in client_view
-    assert main(["status", "--target", cluster.router_address, "--timeout", "30"]) == 0
+    import json
+
+    from kvmesh.services.ops_cli import STATUS_WITHHELD
+
+    # a client certificate that is not a peer's: the policy only, no "workers" key that would
+    # read as an empty cluster, a hint on stderr, and an exit code that is neither 0 nor an error's
+    assert main(["status", "--target", cluster.router_address, "--json", "--timeout", "30"]) == STATUS_WITHHELD
+    client_view = capsys.readouterr()
+    assert json.loads(client_view.out) == {"policy": "kv_aware", "details_withheld": True}
+    assert "cluster peers only" in client_view.err
+    assert main(["status", "--target", cluster.router_address, "--timeout", "30"]) == STATUS_WITHHELD
     table = capsys.readouterr().out
     assert "cluster peers only" in table and "--tls-cert" in table and "no live workers" not in table
     # a wrong key is an error, not a "withheld" view that exits 0
@@ -487,8 +493,6 @@ def test_status_reads_the_client_env_that_up_prints(cluster, monkeypatch, capsys
     assert "UNAUTHENTICATED" in capsys.readouterr().err
     assert main(["status", "--target", cluster.router_address, "--json", "--timeout", "30",
                  "--tls-cert", creds.cert, "--tls-key", creds.key]) == 0
-    import json
-
     out = json.loads(capsys.readouterr().out)
     assert "details_withheld" not in out
     assert sorted(w["worker_id"] for w in out["workers"]) == ["worker-0", "worker-1"]
