@@ -52,7 +52,8 @@ connection (aiohttp's ``keepalive_timeout``); a slower or idle one is closed. A 
 body must arrive within ``body_timeout_s`` (`DEFAULT_BODY_TIMEOUT_S`, else 408). Neither
 limit applies once the handler answers, so a long streamed completion is never cut. At
 most ``max_connections`` connections are open at once (`default_max_connections`); one
-past the cap is answered 503 and closed without being read. Accept errors for want of file
+past the cap is answered 503 and closed without being read (over TLS after a handshake,
+a few at a time: `ConnectionGate`). Accept errors for want of file
 descriptors or memory (EMFILE...) are logged at most ``LOG_BURST`` times a window.
 """
 from __future__ import annotations
@@ -99,6 +100,9 @@ DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_HEADER_TIMEOUT_S = 15.0
 #: Seconds to read a request's body once its headers arrived (408 after).
 DEFAULT_BODY_TIMEOUT_S = 60.0
+#: Deadline (seconds) of the TLS handshake that precedes a 503 to a connection over the cap.
+REFUSAL_HANDSHAKE_TIMEOUT_S = 5.0
+
 #: Most connections a front keeps open at once (lowered to a quarter of the process's
 #: open-file limit when that is smaller; see `default_max_connections`).
 DEFAULT_MAX_CONNECTIONS = 1024
@@ -221,8 +225,14 @@ class _GuardedConnection(asyncio.Protocol):
         gate = self.gate
         if gate.open >= gate.max_connections:
             gate.refused += 1
-            if gate.ssl_context is None:  # a TLS client could not read a plaintext answer
+            if gate.ssl_context is None:
                 transport.write(_BUSY)
+            elif gate.refusing < gate.refusal_slots:
+                # a TLS client cannot read a plaintext answer: shake hands (a few at a time, on a
+                # short deadline) to tell it 503; past those few it only sees the connection close
+                gate.refusing += 1
+                gate.handshakes.add(asyncio.get_running_loop().create_task(self._refuse_over_tls(transport)))
+                return
             transport.close()
             return
         gate.open += 1
@@ -251,6 +261,22 @@ class _GuardedConnection(asyncio.Protocol):
             return
         self.transport = tls
         self._attach(tls)
+
+    async def _refuse_over_tls(self, raw) -> None:
+        """Answer a connection over the cap `_BUSY` after a TLS handshake, then close it."""
+        tls = None
+        try:
+            tls = await asyncio.get_running_loop().start_tls(
+                raw, self, self.gate.ssl_context, server_side=True,
+                ssl_handshake_timeout=min(self.gate.header_timeout_s, REFUSAL_HANDSHAKE_TIMEOUT_S))
+            if tls is not None:
+                tls.write(_BUSY)
+        except (OSError, asyncio.TimeoutError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            (tls or raw).close()
+            self.gate.refusing -= 1
+            self.gate.handshakes.discard(asyncio.current_task())
 
     def _attach(self, transport) -> None:
         self.attached = True
@@ -319,7 +345,9 @@ class ConnectionGate:
     connection idle between requests; this gate adds the deadline from connecting to the
     first request's headers (aiohttp releases before 3.14 start that timer only after a
     response) and the cap: a connection past ``max_connections`` is answered 503 and
-    closed, and never reaches aiohttp.
+    closed, and never reaches aiohttp. Over TLS that answer needs a handshake: at most
+    ``refusal_slots`` of them run at once (1/16 of the cap, 4-64), each on a deadline of
+    `REFUSAL_HANDSHAKE_TIMEOUT_S`; connections past those are closed unanswered.
     """
 
     def __init__(self, server: web.Server, header_timeout_s: float, max_connections: int, ssl_context=None):
@@ -332,6 +360,10 @@ class ConnectionGate:
         self.handshakes: set[asyncio.Task] = set()
         self.open = 0
         self.refused = 0
+        #: TLS handshakes at most in progress to answer connections over the cap 503 (beyond
+        #: them an over-cap TLS connection is closed unanswered), and how many are
+        self.refusal_slots = max(4, min(64, max_connections // 16))
+        self.refusing = 0
         # aiohttp handler -> its connection, until the first request's headers arrive
         self.waiting: dict[asyncio.Protocol, _GuardedConnection] = {}
         make_request = server.request_factory

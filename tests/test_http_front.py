@@ -661,6 +661,51 @@ def test_a_tls_front_counts_connections_before_their_handshake(tmp_path):
     assert status == 200 and body["choices"][0]["text"] == "secure"
 
 
+def test_a_tls_connection_over_the_cap_is_told_503_and_the_refusals_are_bounded(tmp_path):
+    """Over the cap, an HTTPS client gets the same 503 and Retry-After as a plain one (it once
+    saw only the connection close); handshakes for refusals are bounded, so a flood of them
+    is closed unanswered instead of costing a handshake each."""
+    server_ctx, client_ctx = _self_signed(tmp_path)
+
+    async def never(req, ctx):  # pragma: no cover
+        raise AssertionError("reached Generate")
+        yield
+
+    async def run():
+        front = HttpFront(never, load_tokenizer(None, ModelConfig.tiny()), "m", header_timeout_s=120.0,
+                          max_connections=1)
+        port = await front.start("127.0.0.1", 0, ssl_context=server_ctx)
+        gate = front._serving.gate
+        try:
+            holder = await asyncio.open_connection("127.0.0.1", port)  # takes the one slot
+            async with asyncio.timeout(20):
+                while gate.open < 1:
+                    await asyncio.sleep(0.05)
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"https://127.0.0.1:{port}/health", ssl=client_ctx) as resp:
+                    busy = resp.status, resp.headers.get("Retry-After"), await resp.json()
+            # silent connections over the cap: refusal handshakes fill up, the rest close at once
+            silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(gate.refusal_slots + 3)]
+            async with asyncio.timeout(20):
+                while gate.refused < 1 + len(silent):
+                    await asyncio.sleep(0.05)
+            refusing = gate.refusing
+            unanswered = [await _closed_within(r, 2.0) for r, _ in silent[gate.refusal_slots:]]
+            for _, w in [holder, *silent]:
+                w.close()
+            async with asyncio.timeout(20):
+                while gate.open or gate.refusing:
+                    await asyncio.sleep(0.05)
+            return busy, refusing, gate.refusal_slots, unanswered
+        finally:
+            await front.stop()
+
+    busy, refusing, slots, unanswered = asyncio.run(run())
+    assert busy[0] == 503 and busy[1] == "1" and busy[2]["error"]["code"] == "too_many_connections"
+    assert refusing == slots
+    assert all(c == b"" for c in unanswered), unanswered
+
+
 def test_a_tls_connection_that_never_shakes_hands_is_closed_at_the_header_timeout(tmp_path):
     server_ctx, _ = _self_signed(tmp_path)
 
