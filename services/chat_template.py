@@ -36,6 +36,12 @@ DEFAULT_CHAT_TEMPLATE = (
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
+#: Fields a chat message may carry (OpenAI's chat messages, plus ``reasoning_content`` /
+#: ``reasoning`` that reasoning models' templates read); all reach the template as they are.
+MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal",
+                  "reasoning_content", "reasoning")
+
+
 class ChatTemplateError(ValueError):
     """The messages are malformed or the template refused them (an HTTP 400)."""
 
@@ -71,7 +77,8 @@ def normalize_messages(messages) -> list[dict]:
 
     Each message needs a ``role`` in `ROLES` and a ``content`` that is a string, a list of
     ``{"type": "text", "text": ...}`` parts (joined), or, for an assistant turn only (one
-    with tool calls), null or absent.
+    with tool calls), null or absent; its other fields must be in `MESSAGE_FIELDS` (a typo
+    such as ``contnet`` in an assistant turn would otherwise drop the turn's text unnoticed).
 
     Raises:
         ChatTemplateError: anything else (the message says which message and field).
@@ -82,6 +89,12 @@ def normalize_messages(messages) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ChatTemplateError(f"messages[{i}] must be an object with role and content")
+        unknown = [k for k in m if k not in MESSAGE_FIELDS]
+        if unknown:  # names come from the caller: the first few, each cut short
+            names = ", ".join(repr(k[:60] if isinstance(k, str) else k) for k in unknown[:3])
+            raise ChatTemplateError(f"messages[{i}] has unknown field{'s' if len(unknown) > 1 else ''} {names}"
+                                    f"{' and more' if len(unknown) > 3 else ''}: a message takes "
+                                    f"{', '.join(MESSAGE_FIELDS)}")
         role = m.get("role")
         if role not in ROLES:
             raise ChatTemplateError(f"messages[{i}].role must be one of {', '.join(ROLES)} (got {role!r})")

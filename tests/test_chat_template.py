@@ -91,3 +91,19 @@ def test_template_errors_are_client_errors(tmp_path):
 def test_broken_template_fails_at_start(tmp_path):
     with pytest.raises(ValueError, match="does not compile"):
         ChatTemplate.for_model(_model_dir(tmp_path, "{% for %}"))
+
+
+def test_a_message_field_that_no_chat_api_defines_is_refused_by_name(tmp_path):
+    """A typo inside a message (``contnet`` in an assistant turn, whose content may be absent)
+    once rendered the turn empty without a word; the fields chat APIs define still pass."""
+    t = ChatTemplate.for_model(None)
+    with pytest.raises(ChatTemplateError, match=r"messages\[1\] has unknown field 'contnet': a message takes role"):
+        t.render([{"role": "user", "content": "a"}, {"role": "assistant", "contnet": "the answer"}])
+    with pytest.raises(ChatTemplateError, match=r"unknown fields 'x', 'y', 'z' and more"):
+        t.render([{"role": "user", "content": "a", "x": 1, "y": 2, "z": 3, "w": 4}])
+    tool_turns = [{"role": "user", "content": "weather?", "name": "ann"},
+                  {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                         "function": {"name": "w", "arguments": "{}"}}],
+                   "reasoning_content": "look it up", "refusal": None},
+                  {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    assert t.render(tool_turns).endswith("<|tool|>\nsunny\n<|assistant|>\n")
