@@ -193,6 +193,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             limits.check_prompt_size(request, max_len, "the workers' model")
             ids = self._prompt_ids(request)
             limits.check_token_count(len(ids), max_len, "the workers' model")
+            limits.check_completion_room(len(ids), request.sampling.max_tokens or 1, max_len, "the workers' model")
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not ids:
@@ -205,12 +206,14 @@ class RouterServicer(pb_grpc.RouterServicer):
         live, block_size, model_id, why = self.compat.select(live)
         if not live:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
-        fitting = fitting_workers(live, len(ids))  # a worker of a shorter context would only refuse it
+        # a worker of a shorter context would only refuse it
+        fitting = fitting_workers(live, len(ids), request.sampling.max_tokens or 1)
         if not fitting:
             limit = context_limit(live, self.config.max_position_embeddings)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt has {len(ids)} tokens but the workers serving this model take at most "
-                                f"{limit - 1} (context {limit} tokens): shorten it")
+                                f"prompt has {len(ids)} tokens and max_tokens is {request.sampling.max_tokens}, but "
+                                f"the workers serving this model take at most {limit} tokens of prompt and "
+                                f"completion together (context {limit} tokens): shorten the prompt or lower max_tokens")
         live = fitting
         served = sorted({model_id, base_model_id(model_id)})
         if request.model_id and request.model_id not in served:  # a client's error: refused here, not logged
@@ -406,13 +409,14 @@ def same_producer(chosen: WorkerView, views: list[WorkerView], live: dict[str, d
     return [v for v in views if live.get(v.worker_id, {}).get("kv_producer") == producer]
 
 
-def fitting_workers(live: dict[str, dict], num_tokens: int) -> dict[str, dict]:
+def fitting_workers(live: dict[str, dict], num_tokens: int, max_tokens: int = 1) -> dict[str, dict]:
     """The workers whose context (``max_model_len`` in their lease) takes a prompt of
-    ``num_tokens`` tokens (`workers.limits.check_token_count`: fewer tokens than the
-    context); a lease that does not say counts as fitting. Pure."""
+    ``num_tokens`` tokens and a completion of ``max_tokens`` (`workers.limits.
+    check_completion_room`: both together within the context); a lease that does not say
+    counts as fitting. Pure."""
     def fits(info: dict) -> bool:
         n = info.get("max_model_len")
-        return not (isinstance(n, int) and n > 0 and num_tokens >= n)
+        return not (isinstance(n, int) and n > 0 and num_tokens + max(1, max_tokens) > n)
 
     return {wid: info for wid, info in live.items() if fits(info)}
 

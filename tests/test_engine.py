@@ -231,7 +231,14 @@ def test_context_is_lowered_to_what_the_pool_holds():
     assert (e.max_model_len, e.pool_capped) == (8 * BS, True)
     with pytest.raises(InvalidRequest, match=f"at most {8 * BS - 1} tokens"):
         e.validate([1] * (8 * BS), GREEDY)
-    e.validate([1] * (8 * BS - 1), SamplingParams(max_tokens=1000))  # output stops at the context
+    e.validate([1] * (8 * BS - 1), SamplingParams(max_tokens=1))  # prompt and completion fill the context
+    # a completion that cannot fit is refused, as vLLM's server refuses it, naming what fits
+    with pytest.raises(InvalidRequest, match=f"max_tokens is 2 but the prompt has {8 * BS - 1} tokens.*"
+                                             r"at most 1 tokens, or shorten the prompt"):
+        e.validate([1] * (8 * BS - 1), SamplingParams(max_tokens=2))
+    e.validate([1] * (8 * BS - 10), SamplingParams(max_tokens=10))
+    with pytest.raises(InvalidRequest, match="at most 10 tokens"):
+        e.validate([1] * (8 * BS - 10), SamplingParams(max_tokens=11))
     assert Engine(device=DEVICE, num_blocks=8, block_size=BS, max_model_len=8 * BS).pool_capped is False
     with pytest.raises(ValueError) as err:
         Engine(device=DEVICE, num_blocks=8, block_size=BS, max_model_len=8 * BS + 1)

@@ -505,6 +505,8 @@ def test_the_router_leaves_out_workers_whose_context_a_prompt_does_not_fit():
     assert sorted(fitting_workers(live, 100)) == ["old", "w1"]
     assert sorted(fitting_workers(live, 63)) == ["old", "w1", "w7"]
     assert sorted(fitting_workers(live, 64)) == ["old", "w1"]  # a prompt must leave room: 63 at most
+    assert sorted(fitting_workers(live, 60, 4)) == ["old", "w1", "w7"]  # prompt and completion: 64 at most
+    assert sorted(fitting_workers(live, 60, 5)) == ["old", "w1"]
     assert context_limit(live, 2048) == 4096 and context_limit({"old": {}}, 2048) == 2048
 
 

@@ -91,9 +91,14 @@ def test_prompt_larger_than_the_pool_is_invalid_argument(worker):
         generate(worker, token_ids=[7] * (64 * BS), max_tokens=1)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"at most {64 * BS - 1} tokens" in err.value.details() and "64 blocks" in err.value.details()
-    # one token less fits, and its output stops at the context limit
-    out = generate(worker, token_ids=[7] * (64 * BS - 1), max_tokens=5)
+    # one token less fits with one completion token; more would run past the context: refused
+    # (as vLLM's server does) with the largest max_tokens that fits, not cut short
+    out = generate(worker, token_ids=[7] * (64 * BS - 1), max_tokens=1)
     assert out["usage"]["completion_tokens"] == 1
+    with pytest.raises(grpc.RpcError) as err:
+        generate(worker, token_ids=[7] * (64 * BS - 3), max_tokens=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens is 5" in err.value.details() and "at most 3 tokens" in err.value.details()
     # the worker is still up and serving
     assert generate(worker, token_ids=[1, 2, 3], max_tokens=2)["usage"]["completion_tokens"] == 2
 

@@ -259,9 +259,10 @@ class Engine:
 
         Raises:
             InvalidRequest: empty prompt, a token id outside [0, vocab_size), max_tokens
-                < 1, temperature < 0, top_p outside [0, 1], or a prompt of max_model_len
-                tokens or more (max_model_len is at most what the pool holds, so a request
-                that passes fits the pool alone; its output stops at max_model_len).
+                < 1, temperature < 0, top_p outside [0, 1], a prompt of max_model_len
+                tokens or more, or a prompt plus ``max_tokens`` over max_model_len (as
+                vLLM's server refuses it; max_model_len is at most what the pool holds, so
+                a request that passes fits the pool alone).
             Overloaded: the queue is full.
         """
         vocab = self.config.vocab_size
@@ -278,6 +279,8 @@ class Engine:
                                  f"{self.config.model_id}")
         if sampling.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1 (got {sampling.max_tokens})")
+        limits.check_completion_room(len(prompt_ids), sampling.max_tokens, self.max_model_len,
+                                     *self.context_owner)
         if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
             raise InvalidRequest(f"temperature must be a finite number >= 0 (got {sampling.temperature})")
         if not 0.0 <= sampling.top_p <= 1.0:  # also false for NaN

@@ -229,3 +229,20 @@ def check_token_count(num_tokens: int, max_model_len: int, where: str = "the mod
         raise InvalidRequest(
             f"prompt has {num_tokens} tokens but {where}'s context is {max_model_len} tokens: "
             f"shorten it to at most {max_model_len - 1} tokens")
+
+
+def check_completion_room(num_tokens: int, max_tokens: int, max_model_len: int, where: str = "the model",
+                          why: str = "") -> None:
+    """Refuse a prompt of ``num_tokens`` tokens whose ``max_tokens`` would run past the
+    context: prompt plus completion must fit in ``max_model_len`` tokens. vLLM's OpenAI server
+    refuses such a request with a 400 as well, rather than cutting the completion short.
+
+    Raises:
+        InvalidRequest: ``num_tokens + max_tokens > max_model_len``; the message gives the
+            largest ``max_tokens`` that fits.
+    """
+    if num_tokens + max_tokens > max_model_len:
+        room = max_model_len - num_tokens
+        raise InvalidRequest(
+            f"max_tokens is {max_tokens} but the prompt has {num_tokens} tokens and {where}'s context is "
+            f"{max_model_len} tokens{why}: ask for at most {room} tokens, or shorten the prompt")
