@@ -108,6 +108,9 @@ class IndexSubscriber:
         self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=poll_interval_s + 10.0,
                                               socket_connect_timeout=5.0)
         self._live: dict[str, dict] = {}
+        #: bumped whenever the live set or a lease changes (each poll): a router keeps what it
+        #: derives from `live_workers` (compatibility, contexts) until this moves
+        self.live_version = 0
         self._streams: dict[str, _StreamState] = {}
         self._task: asyncio.Task | None = None
         self._poll_now = asyncio.Event()
@@ -290,6 +293,7 @@ class IndexSubscriber:
             if w not in self._streams:
                 self._streams[w] = _StreamState()
         self._live = live
+        self.live_version += 1
         await self._check_tails(live, fresh={w for w, raw in zip(members, values) if raw is not None})
 
     async def _check_tails(self, live: dict[str, dict], fresh: set[str]) -> None:

@@ -50,6 +50,7 @@ from kvmesh.services.cluster_index import ClusterIndex, reported_tier_weights, w
 from kvmesh.services.index_subscriber import IndexSubscriber
 from kvmesh.services.membership import Compatibility
 from kvmesh.services.shared_load import SharedLoad, matched_prefix
+from kvmesh.services.shortlist import SHORTLIST_HOLDERS, SHORTLIST_LEAST, SHORTLIST_SAMPLE, shortlist
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy, prefix_holder
 from kvmesh.services.rate_limit import TenantRateLimit
 from kvmesh.workers.config import ModelConfig
@@ -64,6 +65,34 @@ log = logging.getLogger(__name__)
 
 #: Lifetime of a speculative index entry (seconds).
 SPECULATIVE_TTL_S = 2.0
+
+
+@dataclass
+class _Fleet:
+    """What the router derives from one version of the live leases (`IndexSubscriber.
+    live_version`), kept until the next, so that a request costs no pass over the fleet."""
+
+    version: object
+    live: dict[str, dict]          # every live lease
+    usable: dict[str, dict]        # those of the router's model and block size (`Compatibility`)
+    ids: list[str]                 # usable worker ids, for the shortlist's random sample
+    block_size: int
+    model_id: str
+    why: str                       # why none is usable ("" when some are)
+    max_context: int               # longest context any live worker serves (tokens)
+    min_context: int | None        # shortest context a usable lease states; None: none states one
+
+
+class _Usable:
+    """Membership in ``live`` minus ``exclude`` (a shortlist's filter), without a copy."""
+
+    __slots__ = ("live", "exclude")
+
+    def __init__(self, live: dict, exclude: set[str]):
+        self.live, self.exclude = live, exclude
+
+    def __contains__(self, wid) -> bool:
+        return wid in self.live and wid not in self.exclude
 
 
 @dataclass
@@ -99,6 +128,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self._channels = ChannelPool(tls=self.gate.tls)  # mutual TLS to workers when configured
         self._inflight: dict[str, _Inflight] = {}
         self.routed = RoutedShare()
+        self._fleet_cache: _Fleet | None = None
         # one line per retry would let a flood of requests to busy workers flood the log
         self._retry_log = LogLimiter(log, "retries on another worker")
         #: `services.metrics.RouterMetrics` when metrics are served, else None
@@ -113,13 +143,58 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def close(self) -> None:
         await self._channels.close()
 
+    def _fleet(self) -> _Fleet:
+        """The live leases and what follows from them, recomputed only when the subscriber's
+        `live_version` moves (every request when the subscriber has none)."""
+        version = getattr(self.subscriber, "live_version", None)
+        cached = self._fleet_cache
+        if cached is not None and version is not None and cached.version == version:
+            return cached
+        live = self.subscriber.live_workers()
+        usable, block_size, model_id, why = self.compat.select(live)
+        stated = [int(info["max_model_len"]) for info in usable.values()
+                  if isinstance(info.get("max_model_len"), int) and info["max_model_len"] > 0]
+        fleet = _Fleet(version, live, usable, list(usable), block_size, model_id, why,
+                       context_limit(live, self.config.max_position_embeddings), min(stated) if stated else None)
+        if cached is not None:
+            for wid in cached.live:
+                if wid not in live:  # its lease is gone: its share must not weigh on the mean
+                    self.routed.forget(wid)
+        for wid in usable:
+            self.routed.track(wid)  # idle workers are candidates of the shortlist's least-routed
+        self.routed.set_fleet(len(usable))  # the share window grows with the fleet
+        self._fleet_cache = fleet
+        return fleet
+
     def _views(self, live: dict[str, dict], hashes: list[bytes], now: float, exclude: set[str],
-               others: dict | None = None) -> list[WorkerView]:
-        self.routed.set_fleet(len(live))  # the share window grows with the fleet
-        matches = self.index.match(hashes, now) if hashes else {}
+               others: dict | None = None, ids: list[str] | None = None
+               ) -> tuple[list[WorkerView], float | None, int | None]:
+        """Views of the workers a policy is shown, with `RouteRequest`'s ``routed_mean`` and
+        ``common_blocks`` (None: the policy computes them from the views).
+
+        A policy that takes a shortlist (`uses_shortlist`, kv_aware) sees, in a fleet larger
+        than a shortlist, only `services.shortlist.shortlist`'s workers: the cost per request
+        is O(matched blocks + holders + a sample), not O(workers); the fleet's mean share and
+        widely-held depth come from `RoutedShare.total` and `ClusterIndex.common_depth`, as in
+        the simulator. ``ids`` lists ``live``'s keys when the caller has them at hand."""
+        self.routed.set_fleet(len(live))
+        routed_mean = common = None
+        if getattr(self.policy, "uses_shortlist", False) and len(live) > SHORTLIST_HOLDERS + SHORTLIST_LEAST + \
+                SHORTLIST_SAMPLE:
+            matches = shortlist(self.index, self.routed, hashes, now, ids if ids is not None else list(live),
+                                self.rng, live_set=_Usable(live, exclude))
+            shown = [(wid, live[wid]) for wid in matches]
+            mean_total = self.routed.total() + (sum(o[2] for o in others.values()) if others else 0.0)
+            routed_mean = mean_total / len(live)
+            widely = getattr(self.policy, "widely_held", None)
+            if widely is not None:
+                common = self.index.common_depth(hashes, int(widely * len(live)) + 1) if hashes else 0
+        else:
+            matches = self.index.match(hashes, now) if hashes else {}
+            shown = [(wid, info) for wid, info in live.items() if wid not in exclude]
         views = []
-        for wid, info in live.items():
-            if wid in exclude or not info.get("address"):
+        for wid, info in shown:
+            if not info.get("address"):
                 continue
             load = info.get("load") or {}
             local = self._inflight.get(wid) or _Inflight()
@@ -145,7 +220,19 @@ class RouterServicer(pb_grpc.RouterServicer):
                 total_blocks=int(load.get("total_blocks", 0)),
                 routed_recent=self.routed.value(wid) + o_routed,
             ))
-        return views
+        return views, routed_mean, common
+
+    def decide(self, live: dict[str, dict], num_tokens: int, hashes: list[bytes], block_size: int, now: float,
+               exclude: set[str], others: dict | None = None, ids: list[str] | None = None
+               ) -> tuple[WorkerView | None, list[WorkerView]]:
+        """One routing decision: the policy's choice among `_views` of ``live`` minus
+        ``exclude`` for a request of ``num_tokens`` tokens (``hashes``: its block hashes),
+        and the views it chose from; (None, []) when no worker is left to show."""
+        views, routed_mean, common = self._views(live, hashes, now, exclude, others, ids)
+        if not views:
+            return None, []
+        req = RouteRequest(num_tokens, hashes, block_size, routed_mean, common)
+        return self.policy.choose(req, views, self.rng), views
 
     def _apply_shared_placements(self, hashes: list[bytes], live: dict[str, dict]) -> None:
         """Other replicas' recent placements that share this request's prefix become
@@ -188,7 +275,8 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, tenant: str,
                         salt: str, caller: str):
-        max_len = context_limit(self.subscriber.live_workers(), self.config.max_position_embeddings)
+        fleet = self._fleet()
+        max_len = fleet.max_context
         try:  # before tokenizing or hashing: a huge body costs milliseconds, not the router
             limits.check_prompt_size(request, max_len, "the workers' model")
             ids = self._prompt_ids(request)
@@ -199,15 +287,18 @@ class RouterServicer(pb_grpc.RouterServicer):
         if not ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "prompt is empty: send at least one token or non-empty text")
-        live = self.subscriber.live_workers()
-        if not live:
+        if not fleet.live:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no live workers registered: start workers or retry")
         # only workers of the router's model identity and the cluster's block size (others are logged)
-        live, block_size, model_id, why = self.compat.select(live)
+        live, block_size, model_id, ids_of_live = fleet.usable, fleet.block_size, fleet.model_id, fleet.ids
         if not live:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
-        # a worker of a shorter context would only refuse it
-        fitting = fitting_workers(live, len(ids), request.sampling.max_tokens or 1)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, fleet.why)
+        wanted = len(ids) + max(1, request.sampling.max_tokens)
+        # a worker of a shorter context would only refuse it (no pass over the fleet when all fit)
+        fitting = live if fleet.min_context is None or wanted <= fleet.min_context else \
+            fitting_workers(live, len(ids), request.sampling.max_tokens or 1)
+        if fitting is not live:
+            ids_of_live = None
         if not fitting:
             limit = context_limit(live, self.config.max_position_embeddings)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -251,10 +342,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             self._apply_shared_placements(hashes, live)
         for _attempt in range(self.max_attempts):
             now = time.monotonic()
-            views = self._views(live, hashes, now, tried, others)
-            if not views:
+            chosen, views = self.decide(live, len(ids), hashes, block_size, now, tried, others, ids_of_live)
+            if chosen is None:
                 break
-            chosen = self.policy.choose(RouteRequest(len(ids), hashes, block_size), views, self.rng)
             tried.add(chosen.worker_id)
             if self.metrics is not None:
                 self.metrics.observe_decision(chosen, views, _attempt)

@@ -323,8 +323,8 @@ def test_router_credits_a_holder_by_the_weights_it_reported():
         index.apply_snapshot(w, 0, [(h, None, "disk") for h in hashes])
     live = {"slow_disk": {"address": "a:1", "load": {"tier_weights": {"disk": 0.0, "host": 0.9}}},
             "default": {"address": "b:1", "load": {}}}
-    views = {v.worker_id: v for v in RouterServicer(index, subscriber=None, seed=0)._views(live, list(hashes), 0.0,
-                                                                                          set())}
+    shown, _, _ = RouterServicer(index, subscriber=None, seed=0)._views(live, list(hashes), 0.0, set())
+    views = {v.worker_id: v for v in shown}
     assert views["slow_disk"].matched_blocks == views["default"].matched_blocks == 10
     assert views["slow_disk"].weighted_blocks == 0.0
     assert views["default"].weighted_blocks == 10 * TIER_WEIGHTS["disk"]

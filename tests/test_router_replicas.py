@@ -126,7 +126,6 @@ def _decide_burst(redis_url: str, cluster: str, num_routers: int, shared: bool, 
 
     from kvmesh.cache_store.hashing import Namespace, hash_blocks
     from kvmesh.services.cluster_index import ClusterIndex
-    from kvmesh.services.policies import RouteRequest
     from kvmesh.services.router import SPECULATIVE_TTL_S, RouterServicer
     from kvmesh.services.shared_load import SharedLoad
 
@@ -155,8 +154,7 @@ def _decide_burst(redis_url: str, cluster: str, num_routers: int, shared: bool, 
             if r.shared:
                 others = await r.shared.others()
                 r._apply_shared_placements(hashes, live)
-            views = r._views(live, hashes, now, set(), others)
-            chosen = r.policy.choose(RouteRequest(len(ids), hashes, BS), views, r.rng)
+            chosen, _ = r.decide(live, len(ids), hashes, BS, now, set(), others)
             r.index.add_speculative(chosen.worker_id, hashes, now, SPECULATIVE_TTL_S)
             r._note_routed(chosen.worker_id, len(ids) - chosen.matched_blocks * BS)
             if r.shared:

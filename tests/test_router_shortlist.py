@@ -1,0 +1,193 @@
+"""The live router's decisions in a large fleet: a shortlist of views, not one per worker.
+
+The router reads the fleet (compatibility, contexts) once per version of the live leases and
+shows kv_aware only `services.shortlist.shortlist`'s workers past 16 workers, as the
+simulator does (docs/ROUTING.md, "Routing cost")."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from kvmesh.cache_store.events import BlockStored, EventBatch
+from kvmesh.cache_store.hashing import Namespace, hash_blocks
+from kvmesh.services.cluster_index import ClusterIndex
+from kvmesh.services.router import RouterServicer
+from kvmesh.services.shortlist import SHORTLIST_HOLDERS, SHORTLIST_LEAST, SHORTLIST_SAMPLE
+
+BS = 16
+MODEL = "m-test"
+SHORTLIST_SIZE = SHORTLIST_HOLDERS + SHORTLIST_LEAST + SHORTLIST_SAMPLE
+
+
+class Leases:
+    """A subscriber's read side over a lease dict the test edits (bumping the version)."""
+
+    def __init__(self, live):
+        self.live, self.live_version, self.reads = live, 1, 0
+
+    def live_workers(self):
+        self.reads += 1
+        return dict(self.live)
+
+
+def _lease(i, queued=0, max_model_len=4096):
+    return {"address": f"127.0.0.1:{30000 + i}", "model_id": MODEL, "block_size": BS, "max_model_len": max_model_len,
+            "ts": time.time(), "load": {"running_requests": 0, "queued_prefill_tokens": queued,
+                                        "free_blocks": 100, "total_blocks": 100}}
+
+
+def _hashes(ids):
+    return list(hash_blocks(ids, BS, Namespace(model_id=MODEL).root_hash()).hashes)
+
+
+def _router(n, seed=0):
+    rng = random.Random(seed)
+    live = {f"w{i:03d}": _lease(i, queued=rng.randrange(2000)) for i in range(n)}
+    index = ClusterIndex()
+    router = RouterServicer(index, Leases(live), seed=seed)
+    return router, live, index
+
+
+def _store(index, wid, ids):
+    assert index.apply_batch(EventBatch(wid, (index.last_seq(wid) or 0) + 1, time.time(),
+                                        [BlockStored(_hashes(ids), None, ids, BS, "device")]))
+
+
+def test_a_large_fleet_shows_the_policy_a_shortlist_with_the_prefix_holder():
+    router, live, index = _router(200)
+    rng = random.Random(1)
+    prefix = [rng.randrange(1000) for _ in range(20 * BS)]
+    _store(index, "w123", prefix)
+    ids = prefix + [rng.randrange(1000) for _ in range(3 * BS)]
+    fleet = router._fleet()
+    chosen, views = router.decide(fleet.usable, len(ids), _hashes(ids), BS, time.monotonic(), set(), None, fleet.ids)
+    assert SHORTLIST_LEAST < len(views) <= SHORTLIST_SIZE
+    assert "w123" in {v.worker_id for v in views}
+    assert chosen.worker_id == "w123" and chosen.matched_blocks == 20
+    # a retry excludes the holder: still a shortlist, and never a tried worker
+    chosen2, views2 = router.decide(fleet.usable, len(ids), _hashes(ids), BS, time.monotonic(), {"w123"}, None,
+                                    fleet.ids)
+    assert chosen2.worker_id != "w123" and "w123" not in {v.worker_id for v in views2} and views2
+
+
+def test_a_small_fleet_shows_every_worker_as_before():
+    router, live, _ = _router(SHORTLIST_SIZE)
+    fleet = router._fleet()
+    _, views = router.decide(fleet.usable, 64, _hashes(list(range(64))), BS, time.monotonic(), set())
+    assert sorted(v.worker_id for v in views) == sorted(live)
+
+
+def test_the_share_mean_and_widely_held_depth_are_the_whole_fleets():
+    """With a shortlist the policy cannot average its views: the router passes the fleet's
+    mean routed share and the depth that more than half of all workers hold."""
+    router, live, index = _router(40)
+    common = list(range(4 * BS))
+    for wid in list(live)[:25]:  # 25 of 40 hold the first four blocks
+        _store(index, wid, common)
+    ids = common + list(range(500, 500 + 2 * BS))
+    fleet = router._fleet()
+    for k in range(120):  # uneven shares
+        router.routed.note(f"w{k % 7:03d}")
+    views, mean, depth = router._views(fleet.usable, _hashes(ids), time.monotonic(), set(), None, fleet.ids)
+    assert len(views) <= SHORTLIST_SIZE
+    assert mean == pytest.approx(sum(router.routed.value(w) for w in live) / len(live))
+    assert depth == 4
+    _store(index, "w039", common)  # still 4: holders beyond half change nothing
+    assert router._views(fleet.usable, _hashes(ids), time.monotonic(), set(), None, fleet.ids)[2] == 4
+    # with another replica's shares, the mean is over both (as each view's share is)
+    others = {"w001": (0, 0, 30.0), "w030": (1, 10, 10.0)}
+    _, mean2, _ = router._views(fleet.usable, _hashes(ids), time.monotonic(), set(), others, fleet.ids)
+    assert mean2 == pytest.approx(mean + 40.0 / len(live))
+
+
+def test_the_fleet_is_read_once_per_lease_version_and_a_gone_workers_share_is_dropped():
+    router, live, _ = _router(30)
+    sub = router.subscriber
+    calls = []
+    select = router.compat.select
+    router.compat.select = lambda leases: calls.append(len(leases)) or select(leases)
+    for _ in range(25):
+        router._fleet()
+    assert (sub.reads, calls) == (1, [30])
+    router.routed.note("w005")
+    assert router.routed.value("w005") > 0
+    del sub.live["w005"]
+    sub.live["w029"] = _lease(29, max_model_len=1024)  # a lease changed: contexts are re-read
+    sub.live_version += 1
+    fleet = router._fleet()
+    assert (sub.reads, calls) == (2, [30, 29])
+    assert "w005" not in fleet.usable and router.routed.value("w005") == 0.0
+    assert (fleet.min_context, fleet.max_context) == (1024, 4096)
+
+
+def test_a_prompt_that_fits_only_some_contexts_is_routed_among_those(tmp_path):
+    """A prompt plus max_tokens over the shortest context a lease states takes the filtered
+    path; under it the cached fleet is used as it is."""
+    import asyncio
+
+    import grpc
+
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    router, live, _ = _router(20)
+    for wid in list(live)[:18]:
+        live[wid]["max_model_len"] = 256
+    router.subscriber.live_version += 1
+    seen = []
+    real_decide = router.decide
+
+    def spy(live_, *args):
+        seen.append(sorted(live_))
+        return None, []  # no worker is dialled: the call ends UNAVAILABLE
+
+    router.decide = spy
+
+    class Ctx:
+        def time_remaining(self):
+            return 5.0
+
+        async def abort(self, code, details):
+            raise grpc.aio.AbortError(f"{code.name}: {details}")
+
+        def invocation_metadata(self):
+            return ()
+
+        def auth_context(self):
+            return {}
+
+        def peer(self):
+            return "ipv4:127.0.0.1:1"
+
+    async def run(n_prompt, max_tokens):
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(n_prompt))),
+                                 sampling=pb.SamplingParams(max_tokens=max_tokens))
+        try:
+            async for _ in router._generate(req, Ctx(), "", "", ""):
+                pass
+        except grpc.aio.AbortError as exc:
+            return str(exc)
+        return ""
+
+    assert "UNAVAILABLE" in asyncio.run(run(200, 16))
+    assert seen[-1] == sorted(live)  # fits every context: the whole cached fleet
+    assert "UNAVAILABLE" in asyncio.run(run(250, 16))
+    assert seen[-1] == sorted(list(live)[18:])  # only the two long-context workers
+    router.decide = real_decide
+
+
+def test_the_decision_cost_bench_runs_both_modes_on_one_state(capsys):
+    import json
+
+    from kvmesh.bench.router_decision import main
+
+    assert main(["--workers", "5,40", "--rounds", "1", "--per-round", "20", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["workers"] for r in rows] == [5, 40]
+    for r in rows:
+        assert r["shortlist_us"] > 0 and r["all_us"] > 0
+        # requests extend cached prefixes: both modes mostly pick a deepest holder
+        assert r["shortlist_deepest_holder"] >= 0.5 and r["all_deepest_holder"] >= 0.5
+    with pytest.raises(SystemExit):
+        main(["--workers", "ten"])
