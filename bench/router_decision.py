@@ -84,7 +84,7 @@ def decide_once(router: RouterServicer, num_tokens: int, hashes: list[bytes], ma
     """One decision as `_generate` makes it, from its block hashes on; the chosen worker."""
     fleet = router._fleet()
     ids_of_live = fleet.ids if fleet.min_context is None or num_tokens + max_tokens <= fleet.min_context else None
-    chosen, _ = router.decide(fleet.usable, num_tokens, hashes, BLOCK, time.monotonic(), set(), None, ids_of_live)
+    chosen, _, _ = router.decide(fleet.usable, num_tokens, hashes, BLOCK, time.monotonic(), set(), None, ids_of_live)
     router._note_routed(chosen.worker_id, num_tokens - chosen.matched_blocks * BLOCK)
     st = router._inflight[chosen.worker_id]  # as if the request ended at once
     st.running, st.pending_prefill_tokens = 0, 0

@@ -378,9 +378,9 @@ class RouterMetrics:
             self.decisions.labels(policy=router.policy_name, reason=reason)
         r.register(_RouterCollector(self))
 
-    def observe_decision(self, chosen, views, attempt: int) -> str:
+    def observe_decision(self, chosen, views, attempt: int, routed_mean: float | None = None) -> str:
         """Count one routing decision; returns its reason (see `ROUTE_REASONS`)."""
-        reason = route_reason(self.router.policy, chosen, views, attempt)
+        reason = route_reason(self.router.policy, chosen, views, attempt, routed_mean)
         self.decisions.labels(policy=self.router.policy_name, reason=reason).inc()
         self.routed.labels(worker=chosen.worker_id).inc()
         return reason
@@ -392,11 +392,12 @@ class RouterMetrics:
             self.event_lag.observe(max(0.0, time.time() - float(ts)))
 
 
-def route_reason(policy, chosen, views, attempt: int) -> str:
+def route_reason(policy, chosen, views, attempt: int, routed_mean: float | None = None) -> str:
     """Why ``chosen`` was picked among ``views`` (`services.policies.WorkerView`); pure.
 
-    ``policy`` may have a ``costs(req, views)`` method (kv_aware); only its ``math.inf``
-    marks (over the share cap) are read, through ``views``' own order.
+    ``policy`` may have a ``share_cap`` (kv_aware): holders over it were passed over.
+    ``routed_mean`` is the fleet's mean routed share when ``views`` are a shortlist (None:
+    the views' own mean, as the policy computes it then).
     """
     if attempt > 0:
         return "retry"
@@ -408,7 +409,7 @@ def route_reason(policy, chosen, views, attempt: int) -> str:
     holders = [v for v in views if v.matched_blocks == best]
     share = getattr(policy, "share_cap", None)
     if share is not None and views:
-        mean = sum(v.routed_recent for v in views) / len(views)
+        mean = routed_mean if routed_mean is not None else sum(v.routed_recent for v in views) / len(views)
         limit = (1.0 + share) * mean + getattr(policy, "share_slack", 0.0)
         if all(h.routed_recent > limit for h in holders):
             return "share_cap"

@@ -224,15 +224,16 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     def decide(self, live: dict[str, dict], num_tokens: int, hashes: list[bytes], block_size: int, now: float,
                exclude: set[str], others: dict | None = None, ids: list[str] | None = None
-               ) -> tuple[WorkerView | None, list[WorkerView]]:
+               ) -> tuple[WorkerView | None, list[WorkerView], float | None]:
         """One routing decision: the policy's choice among `_views` of ``live`` minus
         ``exclude`` for a request of ``num_tokens`` tokens (``hashes``: its block hashes),
-        and the views it chose from; (None, []) when no worker is left to show."""
+        the views it chose from, and the fleet's mean routed share when the views are a
+        shortlist (else None); (None, [], None) when no worker is left to show."""
         views, routed_mean, common = self._views(live, hashes, now, exclude, others, ids)
         if not views:
-            return None, []
+            return None, [], None
         req = RouteRequest(num_tokens, hashes, block_size, routed_mean, common)
-        return self.policy.choose(req, views, self.rng), views
+        return self.policy.choose(req, views, self.rng), views, routed_mean
 
     def _apply_shared_placements(self, hashes: list[bytes], live: dict[str, dict]) -> None:
         """Other replicas' recent placements that share this request's prefix become
@@ -342,12 +343,13 @@ class RouterServicer(pb_grpc.RouterServicer):
             self._apply_shared_placements(hashes, live)
         for _attempt in range(self.max_attempts):
             now = time.monotonic()
-            chosen, views = self.decide(live, len(ids), hashes, block_size, now, tried, others, ids_of_live)
+            chosen, views, routed_mean = self.decide(live, len(ids), hashes, block_size, now, tried, others,
+                                                     ids_of_live)
             if chosen is None:
                 break
             tried.add(chosen.worker_id)
             if self.metrics is not None:
-                self.metrics.observe_decision(chosen, views, _attempt)
+                self.metrics.observe_decision(chosen, views, _attempt, routed_mean)
             self.index.add_speculative(chosen.worker_id, hashes, now, SPECULATIVE_TTL_S)
             prefill = len(ids) - chosen.matched_blocks * block_size
             holder = prefix_holder(chosen, same_producer(chosen, views, live))

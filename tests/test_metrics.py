@@ -109,6 +109,9 @@ def test_route_reasons():
     hot, cool = _view("hot", 4, routed=40.0), _view("cool", 0, routed=0.0)
     assert route_reason(kv, cool, [hot, cool], 0) == "share_cap"
     assert route_reason(RoundRobinPolicy(), cool, [hot, cool], 0) == "load"  # no share cap in that policy
+    # a shortlist's views: the fleet's mean decides whether the holder was over its cap
+    assert route_reason(kv, cool, [hot, cool], 0, routed_mean=38.0) == "load"
+    assert route_reason(kv, cool, [hot, cool], 0, routed_mean=20.0) == "share_cap"
 
 
 def test_router_metrics_count_decisions_and_lag():

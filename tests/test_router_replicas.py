@@ -154,7 +154,7 @@ def _decide_burst(redis_url: str, cluster: str, num_routers: int, shared: bool, 
             if r.shared:
                 others = await r.shared.others()
                 r._apply_shared_placements(hashes, live)
-            chosen, _ = r.decide(live, len(ids), hashes, BS, now, set(), others)
+            chosen, _, _ = r.decide(live, len(ids), hashes, BS, now, set(), others)
             r.index.add_speculative(chosen.worker_id, hashes, now, SPECULATIVE_TTL_S)
             r._note_routed(chosen.worker_id, len(ids) - chosen.matched_blocks * BS)
             if r.shared:

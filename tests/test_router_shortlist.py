@@ -62,12 +62,12 @@ def test_a_large_fleet_shows_the_policy_a_shortlist_with_the_prefix_holder():
     _store(index, "w123", prefix)
     ids = prefix + [rng.randrange(1000) for _ in range(3 * BS)]
     fleet = router._fleet()
-    chosen, views = router.decide(fleet.usable, len(ids), _hashes(ids), BS, time.monotonic(), set(), None, fleet.ids)
+    chosen, views, _ = router.decide(fleet.usable, len(ids), _hashes(ids), BS, time.monotonic(), set(), None, fleet.ids)
     assert SHORTLIST_LEAST < len(views) <= SHORTLIST_SIZE
     assert "w123" in {v.worker_id for v in views}
     assert chosen.worker_id == "w123" and chosen.matched_blocks == 20
     # a retry excludes the holder: still a shortlist, and never a tried worker
-    chosen2, views2 = router.decide(fleet.usable, len(ids), _hashes(ids), BS, time.monotonic(), {"w123"}, None,
+    chosen2, views2, _ = router.decide(fleet.usable, len(ids), _hashes(ids), BS, time.monotonic(), {"w123"}, None,
                                     fleet.ids)
     assert chosen2.worker_id != "w123" and "w123" not in {v.worker_id for v in views2} and views2
 
@@ -75,7 +75,7 @@ def test_a_large_fleet_shows_the_policy_a_shortlist_with_the_prefix_holder():
 def test_a_small_fleet_shows_every_worker_as_before():
     router, live, _ = _router(SHORTLIST_SIZE)
     fleet = router._fleet()
-    _, views = router.decide(fleet.usable, 64, _hashes(list(range(64))), BS, time.monotonic(), set())
+    _, views, _ = router.decide(fleet.usable, 64, _hashes(list(range(64))), BS, time.monotonic(), set())
     assert sorted(v.worker_id for v in views) == sorted(live)
 
 
@@ -140,7 +140,7 @@ def test_a_prompt_that_fits_only_some_contexts_is_routed_among_those(tmp_path):
 
     def spy(live_, *args):
         seen.append(sorted(live_))
-        return None, []  # no worker is dialled: the call ends UNAVAILABLE
+        return None, [], None  # no worker is dialled: the call ends UNAVAILABLE
 
     router.decide = spy
 
