@@ -872,8 +872,12 @@ class HttpFront:
         ids = ChatTemplate.encode(self.tokenizer, _utf8(text, "messages"))
         if not ids:
             raise HttpError(400, "the rendered chat prompt is empty", param="messages")
-        default_max = max(1, (self.max_model_len or DEFAULT_CONTEXT_TOKENS) - len(ids) - 1)
+        default_max = max(1, (self.max_model_len or DEFAULT_CONTEXT_TOKENS) - len(ids))
         req = self._request(body, tenant, "max_completion_tokens", min(default_max, 2**32 - 1))
+        if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
+            # the default is the rest of the context of whichever worker serves it, which
+            # this front may not know (a router's workers can run shorter contexts)
+            req.sampling.max_tokens_up_to_context = True
         req.token_ids.ids.extend(ids)
         return await self._answer(request, body, req, chat=True)
 

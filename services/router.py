@@ -278,11 +278,13 @@ class RouterServicer(pb_grpc.RouterServicer):
                         salt: str, caller: str):
         fleet = self._fleet()
         max_len = fleet.max_context
+        # tokens the completion needs room for: the worker lowers an up-to-context max_tokens
+        completion = 1 if request.sampling.max_tokens_up_to_context else max(1, request.sampling.max_tokens)
         try:  # before tokenizing or hashing: a huge body costs milliseconds, not the router
             limits.check_prompt_size(request, max_len, "the workers' model")
             ids = self._prompt_ids(request)
             limits.check_token_count(len(ids), max_len, "the workers' model")
-            limits.check_completion_room(len(ids), request.sampling.max_tokens or 1, max_len, "the workers' model")
+            limits.check_completion_room(len(ids), completion, max_len, "the workers' model")
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not ids:
@@ -294,16 +296,15 @@ class RouterServicer(pb_grpc.RouterServicer):
         live, block_size, model_id, ids_of_live = fleet.usable, fleet.block_size, fleet.model_id, fleet.ids
         if not live:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, fleet.why)
-        wanted = len(ids) + max(1, request.sampling.max_tokens)
         # a worker of a shorter context would only refuse it (no pass over the fleet when all fit)
-        fitting = live if fleet.min_context is None or wanted <= fleet.min_context else \
-            fitting_workers(live, len(ids), request.sampling.max_tokens or 1)
+        fitting = live if fleet.min_context is None or len(ids) + completion <= fleet.min_context else \
+            fitting_workers(live, len(ids), completion)
         if fitting is not live:
             ids_of_live = None
         if not fitting:
             limit = context_limit(live, self.config.max_position_embeddings)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt has {len(ids)} tokens and max_tokens is {request.sampling.max_tokens}, but "
+                                f"prompt has {len(ids)} tokens and max_tokens is {completion}, but "
                                 f"the workers serving this model take at most {limit} tokens of prompt and "
                                 f"completion together (context {limit} tokens): shorten the prompt or lower max_tokens")
         live = fitting

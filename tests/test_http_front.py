@@ -815,3 +815,32 @@ def test_a_client_gone_is_noticed_even_when_its_cancellation_was_lost(stream, fi
             await front.stop()
 
     assert asyncio.run(run()), "the fault was not injected: the handler's cancellation never reached Generate"
+
+
+def test_a_chat_request_without_max_tokens_asks_for_the_rest_of_the_context():
+    """Chat's default max_tokens is the rest of the context of the worker that serves it, which
+    a router's front may not know: such a request says so (the worker lowers it to the room its
+    context leaves); one that names max_tokens is held to it (and refused if it cannot fit)."""
+    seen = []
+
+    async def generate(req, ctx):
+        seen.append((req.sampling.max_tokens, req.sampling.max_tokens_up_to_context))
+        yield _final()
+
+    async def run():
+        front, url = await _serve(generate, max_model_len=1000)
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        try:
+            async with aiohttp.ClientSession() as s:
+                for extra in ({}, {"max_tokens": None}, {"max_tokens": 7}, {"max_completion_tokens": 9}):
+                    r = await s.post(f"{url}/chat/completions", json={**chat, **extra})
+                    assert r.status == 200, await r.text()
+                r = await s.post(f"{url}/completions", json={"prompt": "abc"})
+                assert r.status == 200
+        finally:
+            await front.stop()
+
+    asyncio.run(run())
+    (first, up1), (second, up2), *rest = seen
+    assert up1 and up2 and first == second and 900 < first < 1000  # context minus the rendered prompt
+    assert rest == [(7, False), (9, False), (16, False)]

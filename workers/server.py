@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import socket
@@ -142,6 +143,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         try:
             prompt_ids = self._prompt_ids(request)
             sampling = wire.sampling_from_proto(request)
+            if request.sampling.max_tokens_up_to_context:  # the rest of this worker's context at most
+                room = self.engine.max_model_len - len(prompt_ids)
+                sampling = dataclasses.replace(sampling, max_tokens=max(1, min(sampling.max_tokens, room)))
             if request.HasField("prefix_location"):
                 await self._fetch_prefix(request, prompt_ids, sampling, context, tenant, salt)
             if self.engine.tiers is not None and self.engine.tiers.can_prefetch:
