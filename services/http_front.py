@@ -54,7 +54,8 @@ limit applies once the handler answers, so a long streamed completion is never c
 most ``max_connections`` connections are open at once (`default_max_connections`); one
 past the cap is answered 503 and closed without being read (over TLS after a handshake,
 a few at a time: `ConnectionGate`). Accept errors for want of file
-descriptors or memory (EMFILE...) are logged at most ``LOG_BURST`` times a window.
+descriptors or memory (EMFILE...), and aiohttp's own errors about malformed requests (one
+line each, without a traceback), are logged at most ``LOG_BURST`` times a window.
 """
 from __future__ import annotations
 
@@ -412,6 +413,39 @@ def limit_resource_error_logs(loop: asyncio.AbstractEventLoop) -> None:
         loop.set_exception_handler(_ResourceErrorLog(current))
 
 
+class _ServerLogLimit(logging.Filter):
+    """A filter on aiohttp's server logger, which writes an ERROR with a traceback for every
+    malformed request (a bad chunk size, a body that does not decode as its Content-Encoding
+    says, an oversized header...), before any authentication: anyone who reaches the port
+    could fill the log. Client errors (`HttpProcessingError`, ``RequestPayloadError``, a
+    reset connection) become one
+    WARNING line without a traceback; anything else keeps its traceback; both go through a
+    `LogLimiter` (at most ``LOG_BURST`` lines a window, the rest counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.client_errors = LogLimiter(log, "malformed HTTP requests")
+        self.other_errors = LogLimiter(log, "HTTP server errors")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (HttpProcessingError, web.RequestPayloadError, ConnectionError)):
+            self.client_errors.warn("%s: %s: %s", record.getMessage(), type(exc).__name__,
+                                    clip(" ".join(str(exc).split())))
+        else:
+            self.other_errors.error("%s", record.getMessage(), exc_info=record.exc_info)
+        return False
+
+
+def limit_server_error_logs() -> None:
+    """Install `_ServerLogLimit` on aiohttp's server logger (once per process)."""
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _ServerLogLimit) for f in server_log.filters):
+        server_log.addFilter(_ServerLogLimit())
+
+
 class HttpServing:
     """An aiohttp application served by `serve_app`; ``port`` is the bound port."""
 
@@ -447,6 +481,7 @@ async def serve_app(app: web.Application, host: str, port: int, ssl_context=None
                           ssl_context)
     loop = asyncio.get_running_loop()
     limit_resource_error_logs(loop)
+    limit_server_error_logs()
     try:
         # plain TCP even for TLS: the gate counts (and refuses) a connection before its
         # handshake, then upgrades it (`_GuardedConnection._start_tls`)

@@ -844,3 +844,47 @@ def test_a_chat_request_without_max_tokens_asks_for_the_rest_of_the_context():
     (first, up1), (second, up2), *rest = seen
     assert up1 and up2 and first == second and 900 < first < 1000  # context minus the rendered prompt
     assert rest == [(7, False), (9, False), (16, False)]
+
+
+def test_malformed_requests_cannot_flood_the_log_with_tracebacks(caplog):
+    """aiohttp logs an ERROR with a traceback for each malformed request (here: a body that
+    does not gunzip, which it re-raised after the 400, and a bad chunk size), before any key
+    is checked; the front turns them into one line each, without a traceback, under a limit."""
+    import logging
+
+    from kvmesh.workers.grpc_guard import LOG_BURST
+
+    async def never(req, ctx):  # pragma: no cover
+        raise AssertionError("reached Generate")
+        yield
+
+    async def run():
+        front, url = await _serve(never)
+        port = front._serving.port
+        statuses = []
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+                for _ in range(15):
+                    r = await s.post(f"{url}/completions", data=b"xx",
+                                     headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+                    statuses.append(r.status)
+                    await r.read()
+            for _ in range(15):
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+                w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+                statuses.append(int((await _closed_within(r, 20.0) or b"HTTP/1.1 0")[9:12]))
+                w.close()
+        finally:
+            await front.stop()
+        return statuses
+
+    with caplog.at_level(logging.WARNING):
+        statuses = asyncio.run(run())
+    assert statuses == [400] * 30
+    server = [r for r in caplog.records if r.name.startswith("aiohttp")]
+    ours = [r for r in caplog.records if r.name == "kvmesh.services.http_front"]
+    assert not server, [r.getMessage() for r in server]
+    assert 1 <= len(ours) <= LOG_BURST and not any(r.exc_info for r in ours)
+    assert all("\n" not in r.getMessage() and ("Can not decode content-encoding: gzip" in r.getMessage()
+                                               or "chunk" in r.getMessage().lower()) for r in ours), \
+        [r.getMessage() for r in ours]

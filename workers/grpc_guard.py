@@ -54,7 +54,12 @@ class LogLimiter:
         """An ERROR line with the current exception's traceback, under the same limit."""
         self._log(logging.ERROR, fmt, args, True)
 
-    def _log(self, level: int, fmt: str, args: tuple, exc_info: bool) -> None:
+    def error(self, fmt: str, *args, exc_info=None) -> None:
+        """An ERROR line with ``exc_info`` (an exception or a ``sys.exc_info()`` tuple; None:
+        no traceback), under the same limit."""
+        self._log(logging.ERROR, fmt, args, exc_info)
+
+    def _log(self, level: int, fmt: str, args: tuple, exc_info) -> None:
         now = time.monotonic()
         if now - self.window_start >= LOG_WINDOW_S:
             self.window_start, self.lines = now, 0
