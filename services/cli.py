@@ -514,6 +514,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # the TLS files as the client reads them: --tls-cert without --tls-ca, half a key pair, an
         # unreadable file, and an API key without TLS (it would cross the network in clear)
         channel_credentials(args.tls_ca, args.api_key, args.tls_cert, args.tls_key)
+        if args.prompt is not None and not args.prompt:
+            raise ValueError("--prompt is empty: pass some text (or --token-ids)")
         for flag, text in (("--prompt", args.prompt), ("--tenant", args.tenant)):
             if text:
                 try:  # argv bytes that are not UTF-8 arrive as lone surrogates (PEP 383)

@@ -814,6 +814,11 @@ class HttpFront:
         return body
 
     def _request(self, body: dict, tenant: str | None, max_tokens_field: str, default_max: int) -> pb.GenerateRequest:
+        if max_tokens_field != "max_tokens" and body.get(max_tokens_field) is not None \
+                and body.get("max_tokens") is not None and body[max_tokens_field] != body["max_tokens"]:
+            raise HttpError(400, f"{max_tokens_field} ({clip(repr(body[max_tokens_field]), 20)}) and max_tokens "
+                                 f"({clip(repr(body['max_tokens']), 20)}) differ: send one of them",
+                            param=max_tokens_field)
         max_tokens = body.get(max_tokens_field, body.get("max_tokens"))
         max_tokens = _number({max_tokens_field: max_tokens}, max_tokens_field, default_max, lo=1, hi=2**32 - 1,
                              integer=True)
@@ -921,6 +926,9 @@ class HttpFront:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise HttpError(400, "stream must be true or false", param="stream")
+        if not stream and body.get("stream_options") is not None:  # as vLLM and OpenAI refuse it
+            raise HttpError(400, "stream_options is only for streamed answers: set \"stream\": true or drop it",
+                            param="stream_options")
         return_ids = _flag(body, "return_token_ids")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion" if chat else "text_completion"

@@ -829,6 +829,15 @@ def test_generate_refuses_a_prompt_that_is_not_utf8():
     assert res.returncode == 2 and "--prompt is not UTF-8 text (byte 0xff at character 2)" in res.stderr, res.stderr
 
 
+def test_generate_refuses_an_empty_prompt_as_a_usage_error(capsys):
+    """An empty --prompt reached the server and exited 1 with its INVALID_ARGUMENT; like every
+    other bad flag it is now exit 2 before dialing (port 1: nothing listens)."""
+    from kvmesh.services.cli import main
+
+    assert main(["generate", "--target", "127.0.0.1:1", "--prompt", ""]) == 2
+    assert "--prompt is empty" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["worker", "--port", "0", "--peer-fetch", "always", "--peer-bytes", "0"], "--peer-bytes > 0"),
     # over the model's context: that is the fix to name, not a bigger pool

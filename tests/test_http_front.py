@@ -168,6 +168,7 @@ def _refused(path: str, body: dict | bytes, headers: dict | None = None, **kw) -
     ({"prompt": "a", "return_token_ids": 1}, "return_token_ids"),
     ({"prompt": "a", "stream": True, "stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),
     ({"prompt": "a", "stream": True, "stream_options": {"include_usage": 0}}, "stream_options.include_usage"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),  # not streamed
 ])
 def test_bad_fields_are_400_naming_the_field(body, param):
     status, err = _refused("completions", body)
@@ -204,6 +205,13 @@ def test_a_body_that_does_not_decode_as_its_headers_say_is_400(headers, says):
     and a traceback per request."""
     status, err = _refused("completions", b'{"prompt": "ab", "max_tokens": 2}', headers=headers)
     assert status == 400 and says in err["error"]["message"], err
+
+
+def test_chat_max_tokens_and_max_completion_tokens_must_agree_when_both_are_sent():
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    status, err = _refused("chat/completions", {**chat, "max_completion_tokens": 2, "max_tokens": 5})
+    assert status == 400 and err["error"]["param"] == "max_completion_tokens"
+    assert "(2) and max_tokens (5) differ" in err["error"]["message"], err
 
 
 def test_a_token_id_prompt_past_the_context_is_refused_before_its_ids_are_checked():
