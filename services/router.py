@@ -387,7 +387,14 @@ class RouterServicer(pb_grpc.RouterServicer):
                     self._retry_log.warn("worker %s at %s: %s: %s; trying another worker", chosen.worker_id,
                                          chosen.address, code.name, clip(exc.details() or ""))
                     continue
-                await context.abort(code, _client_details(exc) or code.name)
+                details = _client_details(exc) or code.name
+                if relayed and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
+                                        grpc.StatusCode.UNKNOWN) and not _from_worker(exc):
+                    # the stream broke under way (a worker killed, a connection lost): say so,
+                    # not only gRPC's "Stream removed (Socket closed)"
+                    details = (f"worker {chosen.worker_id} went away during the answer ({details}); the tokens "
+                               f"streamed so far are all there is: retry the request")
+                await context.abort(code, details)
             finally:
                 if call is not None and not call.done():
                     # the caller left (a cancelled stream, an HTTP client gone): the worker aborts the
@@ -491,6 +498,15 @@ def _client_details(exc: grpc.aio.AioRpcError) -> str:
                                                       or _ADDRESS.search(details)):
         return "the worker could not be reached"
     return details
+
+
+def _from_worker(exc: grpc.aio.AioRpcError) -> bool:
+    """True when the worker itself ended the call with this status (its servicer aborted),
+    rather than the transport breaking: a worker's aborts carry its own wording, a broken
+    stream gRPC's ("Stream removed", "Socket closed", "Connection reset", ...)."""
+    details = (exc.details() or "").lower()
+    return not any(s in details for s in ("stream removed", "socket closed", "connection reset", "goaway",
+                                          "broken pipe", "connection refused", "failed to connect", "eof"))
 
 
 def same_producer(chosen: WorkerView, views: list[WorkerView], live: dict[str, dict]) -> list[WorkerView]:

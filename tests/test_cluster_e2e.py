@@ -136,7 +136,7 @@ def test_sigkill_worker_mid_run(cluster):
                     streaming.set()
             outcome["result"] = True
         except grpc.RpcError as exc:
-            outcome["code"] = exc.code()
+            outcome["code"], outcome["details"] = exc.code(), exc.details()
         finally:
             streaming.set()
 
@@ -156,6 +156,8 @@ def test_sigkill_worker_mid_run(cluster):
     t.join(30)
     assert not t.is_alive(), "in-flight request hung after its worker was killed"
     assert "result" in outcome or outcome.get("code") == grpc.StatusCode.UNAVAILABLE
+    if "code" in outcome:  # says what happened, not only gRPC's "Stream removed (Socket closed)"
+        assert f"worker {victim} went away during the answer" in outcome["details"] and "retry" in outcome["details"]
     # entries leave the index within the lease (+ one poll of the subscriber): counted in
     # the router's registry polls (each one SMEMBERS, which only the router's subscriber
     # sends; Redis counts them), not in seconds a busy machine could stretch
