@@ -141,6 +141,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if request.model_id and request.model_id != self.engine.kv_model_id:
             await self._refuse_foreign_model(request.model_id, context)
         try:
+            if request.adapter_id:  # serving the base model for it would answer another question
+                limits.check_adapter_id(request.adapter_id)  # over its cap: INVALID_ARGUMENT first
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"adapter_id {clip(request.adapter_id, 80)!r} is not served: worker "
+                                    f"{self.worker_id} runs the base model only (no LoRA adapters are loaded); "
+                                    f"leave adapter_id empty")
             prompt_ids = self._prompt_ids(request)
             sampling = wire.sampling_from_proto(request)
             if request.sampling.max_tokens_up_to_context:  # the rest of this worker's context at most
