@@ -65,7 +65,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "cached_tokens_by_tier", "computed_prefill_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "cached_tokens", "cached_tokens_by_tier", "computed_prefill_tokens", "completion_tokens", "lossy_cached_tokens")
     class CachedTokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -78,12 +78,14 @@ class Usage(_message.Message):
     CACHED_TOKENS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOSSY_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     cached_tokens_by_tier: _containers.ScalarMap[str, int]
     computed_prefill_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., computed_prefill_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    lossy_cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., computed_prefill_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., lossy_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_ms", "prefill_ms", "ttft_ms", "e2e_ms")

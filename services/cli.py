@@ -468,7 +468,7 @@ def generate(target: str, prompt: str | None = None, token_ids: list[int] | None
 
     Returns a dict with ``token_ids``, ``text``, ``worker_id``, ``finish_reason``,
     ``usage`` {prompt_tokens, cached_tokens, cached_tokens_by_tier, computed_prefill_tokens,
-    completion_tokens} and ``timing`` {queue_ms, prefill_ms, ttft_ms, e2e_ms,
+    completion_tokens, lossy_cached_tokens} and ``timing`` {queue_ms, prefill_ms, ttft_ms, e2e_ms,
     client_ttft_ms, client_e2e_ms}. ``on_text(str)``, if given, gets each piece of text as
     its tokens arrive.
 
@@ -551,7 +551,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         u = out["usage"]
         print("" if stream else out["text"])
-        print(f"[worker {out['worker_id']}] prompt {u['prompt_tokens']} tokens, cached {u['cached_tokens']}, "
+        lossy = f" ({u['lossy_cached_tokens']} from a lossy codec)" if u.get("lossy_cached_tokens") else ""
+        print(f"[worker {out['worker_id']}] prompt {u['prompt_tokens']} tokens, cached {u['cached_tokens']}{lossy}, "
               f"completion {u['completion_tokens']}, TTFT {out['timing']['ttft_ms']:.1f} ms, "
               f"E2E {out['timing']['e2e_ms']:.1f} ms", file=sys.stderr)
     return 0

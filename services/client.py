@@ -141,13 +141,15 @@ class Usage:
     cached_tokens_by_tier: dict = field(default_factory=dict)   # device, host, disk, peer, remote
     computed_prefill_tokens: int = 0
     completion_tokens: int = 0
+    #: of the cached tokens, those whose KV was decoded from a lossy (fp8/int4) tier
+    lossy_cached_tokens: int = 0
 
     @classmethod
     def from_proto(cls, u: pb.Usage) -> "Usage":
         by_tier = {t: 0 for t in TIERS}
         by_tier.update({k: int(v) for k, v in u.cached_tokens_by_tier.items()})
         return cls(int(u.prompt_tokens), int(u.cached_tokens), by_tier, int(u.computed_prefill_tokens),
-                   int(u.completion_tokens))
+                   int(u.completion_tokens), int(u.lossy_cached_tokens))
 
 
 @dataclass(frozen=True)

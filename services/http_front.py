@@ -866,6 +866,7 @@ class HttpFront:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
             "kvmesh": {
                 "cached_tokens_by_tier": dict(u.cached_tokens_by_tier),
+                "lossy_cached_tokens": u.lossy_cached_tokens,
                 "computed_prefill_tokens": u.computed_prefill_tokens,
                 "worker_id": final.worker_id,
                 "timing": {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "ttft_ms": t.ttft_ms,

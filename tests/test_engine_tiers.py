@@ -103,6 +103,7 @@ def test_host_hit_equals_cold_and_device_hit(disk_engine):
     host, host_logits = run(e, prompt)
     u = host["usage"]
     assert u["cached_tokens_by_tier"]["host"] == BS * cap_blocks(prompt) == u["cached_tokens"]
+    assert u["lossy_cached_tokens"] == 0  # the exact codec
     assert u["cached_tokens_by_tier"]["device"] == 0
     assert host["token_ids"] == ref["token_ids"] == dev["token_ids"]
     assert max_diff(host_logits, ref_logits) < 1e-4
@@ -272,11 +273,19 @@ def test_compressed_host_hit_within_documented_error(codec):
             e.offload_device_cache()
             out, logits = run(e, prompt, SamplingParams(max_tokens=1))
             assert out["usage"]["cached_tokens_by_tier"]["host"] == BS * cap_blocks(prompt)
+            assert out["usage"]["lossy_cached_tokens"] == BS * cap_blocks(prompt) and ref["usage"][
+                "lossy_cached_tokens"] == 0
             diff = max_diff(logits, ref_logits)
             assert 0 < diff <= bound  # lossy, and within the documented error
             top = torch.topk(ref_logits[0], 2).values
             if float(top[0] - top[1]) > 2 * bound:
                 assert out["token_ids"] == ref["token_ids"]
+            # the decoded rows stay in the device pool: the next hit is a device hit, and it is
+            # still reported lossy (it once read as an exact device hit)
+            again, again_logits = run(e, prompt, SamplingParams(max_tokens=1))
+            assert again["usage"]["cached_tokens_by_tier"]["device"] == BS * cap_blocks(prompt)
+            assert again["usage"]["lossy_cached_tokens"] == BS * cap_blocks(prompt)
+            assert max_diff(again_logits, ref_logits) > 0
     finally:
         e.stop()
 
@@ -292,6 +301,7 @@ def test_compressed_disk_tier_within_documented_error(tmp_path):
         e.drop_host_tier()
         out, logits = run(e, prompt, SamplingParams(max_tokens=1))
         assert out["usage"]["cached_tokens_by_tier"]["disk"] == BS * cap_blocks(prompt)
+        assert out["usage"]["lossy_cached_tokens"] == BS * cap_blocks(prompt)
         assert 0 < max_diff(logits, ref_logits) <= DOCUMENTED_MAX_LOGIT_DIFF["fp8"]
         # fp8 on disk takes about a quarter of the bytes of the exact codec
         assert e.tier_stats()["disk_bytes"] < 0.3 * (cap_blocks(prompt) + 1) * BLOCK_BYTES

@@ -651,6 +651,7 @@ class Engine:
             "prompt_tokens": req.num_prompt_tokens,
             "cached_tokens": cached,
             "cached_tokens_by_tier": by_tier,
+            "lossy_cached_tokens": req.num_lossy_cached,
             "computed_prefill_tokens": req.num_prompt_tokens - cached,
             "completion_tokens": len(req.output_ids),
         }

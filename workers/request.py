@@ -106,6 +106,8 @@ class Request:
     num_committed_blocks: int = 0
     num_cached: int = -1
     cached_by_tier: dict = field(default_factory=dict)
+    #: cached tokens whose KV came, now or earlier, from a lossy codec (int4, fp8)
+    num_lossy_cached: int = 0
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None
     first_scheduled: float | None = None

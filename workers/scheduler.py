@@ -471,6 +471,9 @@ class Scheduler:
             for m in media:
                 by_tier[m] = by_tier.get(m, 0) + self.block_size
             req.cached_by_tier = by_tier
+            if self.tiers is not None:  # rows loaded from a lossy codec stay lossy on the device
+                row_loss = self.tiers.row_loss
+                req.num_lossy_cached = sum(1 for b in block_ids if row_loss[b]) * self.block_size
         return True
 
     def _load_from_tiers(self, req: Request, block_ids: list[int], max_blocks: int) -> list[str]:

@@ -56,6 +56,7 @@ def usage_to_proto(usage: dict) -> pb.Usage:
         prompt_tokens=usage["prompt_tokens"],
         cached_tokens=usage["cached_tokens"],
         cached_tokens_by_tier={k: int(v) for k, v in usage["cached_tokens_by_tier"].items()},
+        lossy_cached_tokens=int(usage.get("lossy_cached_tokens", 0)),
         computed_prefill_tokens=usage["computed_prefill_tokens"],
         completion_tokens=usage["completion_tokens"],
     )
@@ -68,6 +69,7 @@ def usage_from_proto(u: pb.Usage, mediums: tuple[str, ...] = ("device", "host", 
         "prompt_tokens": u.prompt_tokens,
         "cached_tokens": u.cached_tokens,
         "cached_tokens_by_tier": by_tier,
+        "lossy_cached_tokens": u.lossy_cached_tokens,
         "computed_prefill_tokens": u.computed_prefill_tokens,
         "completion_tokens": u.completion_tokens,
     }
