@@ -81,6 +81,22 @@ __all__ = ["WRITE_MODES", "TierConfig", "TierStore", "Located", "SOURCES"]
 
 log = logging.getLogger(__name__)
 
+class WallClock:
+    """`TierStore.clock` on the host: a load's wall time, reported at once."""
+
+    @staticmethod
+    def start() -> float:
+        return time.perf_counter()
+
+    @staticmethod
+    def stop(started: float, done: Callable[[float, float], None]) -> None:
+        done(time.perf_counter() - started, time.monotonic())
+
+    @staticmethod
+    def poll() -> None:
+        pass
+
+
 @dataclass(slots=True, eq=False)
 class Located:
     """A block found in a lower tier for one position of a request's chain."""
@@ -178,6 +194,10 @@ class TierStore:
         #: took to load into the pool (read, verify, decode, copy); "disk" and "remote" also
         #: from the prefetch's reads into the staging area; unset until measured
         self.load_seconds_per_block: dict[str, float] = {}
+        #: times each load: wall time here; the engine sets a clock that times a load's device
+        #: copies and decodes by CUDA events on a GPU, where the call returns at their launch
+        #: (`workers.engine.StepClock`: ``start()``, ``stop(started, done)``, ``poll()``)
+        self.clock = WallClock()
         self._cuts: dict[tuple[str, str], int] = {}  # (stage, source) -> cuts so far (`_probe`)
         on_cuda = kv_cache.device.type == "cuda"
         #: `TierConfig.load_policy` with "auto" resolved for this pool's device
@@ -300,6 +320,7 @@ class TierStore:
         n = len(located)
         if self.load_policy != "cost" or not compute_seconds_per_block or not n:
             return n
+        self.clock.poll()  # loads whose device work has finished since (engine thread, as `load`)
         costs = self.load_seconds_per_block
         for i, loc in enumerate(located):
             cost = costs.get(loc.source.kind)
@@ -750,10 +771,11 @@ class TierStore:
                 rows = block_ids[pos:pos + len(handles)]
                 for row, rank in zip(rows, src.loss_ranks(handles)):
                     row_loss[row] = rank
-                t0 = time.perf_counter()
+                started = self.clock.start()
                 ok = src.load(handles, rows)
-                if ok:
-                    self._note_load_cost(src.kind, (time.perf_counter() - t0) / ok)
+                if ok:  # on a GPU, once its copies ran on the device (`clock`)
+                    self.clock.stop(started, lambda seconds, _at, kind=src.kind, n=ok:
+                                    self._note_load_cost(kind, seconds / n))
                 media.extend(loc.medium for loc in located[pos:pos + ok])
                 if ok < len(handles):
                     self.stats_counters["load_failures"] += 1

@@ -685,3 +685,40 @@ def test_a_staging_area_smaller_than_one_block_is_refused_unless_it_is_the_defau
         e = Engine(device=DEVICE, num_blocks=16, block_size=BS,
                    tiers=TierConfig(host_bytes=8 * BLOCK_BYTES, peer_bytes=100))
     assert e.tiers.peer is None and "no staging area" in caplog.text
+
+
+def test_a_tier_load_is_costed_when_its_device_work_has_run_not_at_its_launch():
+    """On a GPU a load's copies return at their launch; the tier store's clock reports a
+    load's time once its device work has run (`StepClock`'s CUDA events). Here a clock that
+    holds each report until polled stands in for the device: the cost appears only then,
+    per block, and not at the call's return."""
+    e = Engine(device=DEVICE, num_blocks=64, block_size=BS,
+               tiers=TierConfig(host_bytes=64 << 20, peer_bytes=0)).start()
+
+    class HeldClock:  # reports 0.5 s per load, once polled
+        def __init__(self):
+            self.held = []
+
+        def start(self):
+            return None
+
+        def stop(self, started, done):
+            self.held.append(done)
+
+        def poll(self):
+            while self.held:
+                self.held.pop(0)(0.5, 0.0)
+
+    try:
+        clock = e.tiers.clock = HeldClock()
+        prompt = rand_prompt(21, 200)
+        ref = e.generate(prompt, GREEDY)
+        to_host(e)
+        out = e.generate(prompt, GREEDY)
+        assert out["usage"]["cached_tokens_by_tier"]["host"] == BS * cap_blocks(prompt)
+        assert out["token_ids"] == ref["token_ids"]
+        assert len(clock.held) == 1 and "host" not in e.tiers.load_seconds_per_block  # one run of host blocks
+        clock.poll()
+        assert e.tiers.load_seconds_per_block["host"] == pytest.approx(0.5 / cap_blocks(prompt))
+    finally:
+        e.stop()

@@ -217,6 +217,8 @@ class Engine:
         #: how long each step runs on the device (`StepClock`): CUDA steps by events, read
         #: once they complete, so timing never waits for the device
         self.step_clock = StepClock(self.device)
+        if self.tiers is not None:  # tier loads timed the same way (its own queue of events)
+            self.tiers.clock = StepClock(self.device)
         #: Optional observer of every sampled logits row ``[vocab_size]`` (float32), called
         #: on the engine thread with the request id; tests use it to compare cold and hit runs.
         self.logits_hook: Callable[[str, torch.Tensor], None] | None = None
