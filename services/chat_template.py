@@ -36,10 +36,12 @@ DEFAULT_CHAT_TEMPLATE = (
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-#: Fields a chat message may carry (OpenAI's chat messages, plus ``reasoning_content`` /
-#: ``reasoning`` that reasoning models' templates read); all reach the template as they are.
-MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal",
-                  "reasoning_content", "reasoning")
+#: Fields a chat message may carry (OpenAI's chat message params and what its responses'
+#: messages carry, so a previous answer can be sent back as it came, plus
+#: ``reasoning_content`` / ``reasoning`` that reasoning models' templates read); all reach
+#: the template as they are.
+MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio",
+                  "annotations", "reasoning_content", "reasoning")
 
 
 class ChatTemplateError(ValueError):

@@ -23,7 +23,7 @@ import heapq
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Container, Iterable, Mapping, Sequence
 
 from kvmesh.cache_store.events import MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -400,7 +400,8 @@ class ClusterIndex:
         result[w] = PrefixMatch(n, by_medium)
 
     def match_deepest(self, block_hashes: Sequence[bytes], now: float, limit: int,
-                      also: Iterable[str] = (), rng: random.Random | None = None) -> dict[str, PrefixMatch]:
+                      also: Iterable[str] = (), rng: random.Random | None = None,
+                      allowed: Container[str] | None = None) -> dict[str, PrefixMatch]:
         """The (at most) ``limit`` workers holding the longest leading runs of a request.
 
         Same counting as :meth:`match` (real and live speculative entries), but only for
@@ -418,6 +419,9 @@ class ClusterIndex:
             limit: most deepest holders returned (workers), >= 0.
             also: workers whose matches are wanted as well, whatever their depth.
             rng: draws the subset of a level larger than what is left of ``limit``.
+            allowed: only these workers count toward ``limit`` (None: all), so that holders
+                the caller cannot use (a retry's tried workers, another model's) do not
+                take the places of those it can.
 
         Returns:
             ``{worker_id: PrefixMatch}``, the deepest holders first, then those of
@@ -442,6 +446,8 @@ class ClusterIndex:
         depth: dict[str, int] = {}
         for d, ws in reversed(levels if limit > 0 else ()):
             new = [w for w in ws if w not in depth] if depth else list(ws)
+            if allowed is not None:
+                new = [w for w in new if w in allowed]
             need = limit - len(depth)
             if len(new) > need:
                 # a level larger than what is left: a subset that does not depend on set order

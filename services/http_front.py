@@ -819,7 +819,9 @@ class HttpFront:
             raise HttpError(400, f"{max_tokens_field} ({clip(repr(body[max_tokens_field]), 20)}) and max_tokens "
                                  f"({clip(repr(body['max_tokens']), 20)}) differ: send one of them",
                             param=max_tokens_field)
-        max_tokens = body.get(max_tokens_field, body.get("max_tokens"))
+        max_tokens = body.get(max_tokens_field)
+        if max_tokens is None:  # absent or null: the other name, if sent
+            max_tokens = body.get("max_tokens")
         max_tokens = _number({max_tokens_field: max_tokens}, max_tokens_field, default_max, lo=1, hi=2**32 - 1,
                              integer=True)
         salt = body.get("cache_salt", "") if tenant is None else tenant

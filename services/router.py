@@ -157,9 +157,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         fleet = _Fleet(version, live, usable, list(usable), block_size, model_id, why,
                        context_limit(live, self.config.max_position_embeddings), min(stated) if stated else None)
         if cached is not None:
-            for wid in cached.live:
-                if wid not in live:  # its lease is gone: its share must not weigh on the mean
-                    self.routed.forget(wid)
+            for wid in cached.usable:
+                if wid not in usable:  # gone, or now of another model or block size: its share
+                    self.routed.forget(wid)  # must not weigh on the mean nor fill the least-routed
         for wid in usable:
             self.routed.track(wid)  # idle workers are candidates of the shortlist's least-routed
         self.routed.set_fleet(len(usable))  # the share window grows with the fleet
@@ -176,15 +176,18 @@ class RouterServicer(pb_grpc.RouterServicer):
         than a shortlist, only `services.shortlist.shortlist`'s workers: the cost per request
         is O(matched blocks + holders + a sample), not O(workers); the fleet's mean share and
         widely-held depth come from `RoutedShare.total` and `ClusterIndex.common_depth`, as in
-        the simulator. ``ids`` lists ``live``'s keys when the caller has them at hand."""
-        self.routed.set_fleet(len(live))
+        the simulator.
+
+        ``ids``: the keys of ``live`` when ``live`` is the whole usable fleet (`_Fleet.ids`),
+        the set whose shares `routed` tracks; None when ``live`` is a part of it (the workers
+        whose context fits a long request), which is then shown in full: the least-routed
+        workers and the mean share of the whole fleet would not be those of that part."""
         routed_mean = common = None
-        if getattr(self.policy, "uses_shortlist", False) and len(live) > SHORTLIST_HOLDERS + SHORTLIST_LEAST + \
-                SHORTLIST_SAMPLE:
-            matches = shortlist(self.index, self.routed, hashes, now, ids if ids is not None else list(live),
-                                self.rng, live_set=_Usable(live, exclude))
+        if getattr(self.policy, "uses_shortlist", False) and ids is not None and \
+                len(live) > SHORTLIST_HOLDERS + SHORTLIST_LEAST + SHORTLIST_SAMPLE:
+            matches = shortlist(self.index, self.routed, hashes, now, ids, self.rng, live_set=_Usable(live, exclude))
             shown = [(wid, live[wid]) for wid in matches]
-            mean_total = self.routed.total() + (sum(o[2] for o in others.values()) if others else 0.0)
+            mean_total = self.routed.total() + (sum(o[2] for w, o in others.items() if w in live) if others else 0.0)
             routed_mean = mean_total / len(live)
             widely = getattr(self.policy, "widely_held", None)
             if widely is not None:
@@ -506,7 +509,8 @@ def _from_worker(exc: grpc.aio.AioRpcError) -> bool:
     stream gRPC's ("Stream removed", "Socket closed", "Connection reset", ...)."""
     details = (exc.details() or "").lower()
     return not any(s in details for s in ("stream removed", "socket closed", "connection reset", "goaway",
-                                          "broken pipe", "connection refused", "failed to connect", "eof"))
+                                          "broken pipe", "connection refused", "failed to connect", "eof",
+                                          "cancelling all calls"))  # the last: a server shutting down
 
 
 def same_producer(chosen: WorkerView, views: list[WorkerView], live: dict[str, dict]) -> list[WorkerView]:

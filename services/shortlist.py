@@ -50,7 +50,9 @@ def shortlist(index: ClusterIndex, routed: RoutedShare, block_hashes: Sequence[b
         rng: source of the random sample.
         holders, least, sample: how many of each kind (workers, >= 0).
         live_set: membership test for ``worker_ids`` (a set or dict), to drop workers the
-            index or the routed counts still know but that have left; None: all are live.
+            index or the routed counts still know but that have left (or that the caller
+            excludes, as a retry does its tried workers); they never take a holder's place.
+            None: all are live.
 
     Returns:
         ``{worker_id: PrefixMatch or None}`` (None: no matching block), in worker id
@@ -66,8 +68,9 @@ def shortlist(index: ClusterIndex, routed: RoutedShare, block_hashes: Sequence[b
         others[w] = None
     for w in rng.sample(live, min(sample, len(live))):
         others[w] = None
-    found = index.match_deepest(block_hashes, now, holders, also=others, rng=rng) if block_hashes else {}
     ok = live_set if live_set is not None else _ALL
+    found = index.match_deepest(block_hashes, now, holders, also=others, rng=rng,
+                                allowed=live_set) if block_hashes else {}
     out: dict[str, PrefixMatch | None] = {w: m for w, m in found.items() if w in ok}
     for w in others:
         if w in ok and w not in out:

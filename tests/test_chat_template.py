@@ -104,6 +104,6 @@ def test_a_message_field_that_no_chat_api_defines_is_refused_by_name(tmp_path):
     tool_turns = [{"role": "user", "content": "weather?", "name": "ann"},
                   {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
                                                                          "function": {"name": "w", "arguments": "{}"}}],
-                   "reasoning_content": "look it up", "refusal": None},
+                   "reasoning_content": "look it up", "refusal": None, "audio": None, "annotations": []},
                   {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
     assert t.render(tool_turns).endswith("<|tool|>\nsunny\n<|assistant|>\n")

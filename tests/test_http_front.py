@@ -840,7 +840,8 @@ def test_a_chat_request_without_max_tokens_asks_for_the_rest_of_the_context():
         chat = {"messages": [{"role": "user", "content": "hi"}]}
         try:
             async with aiohttp.ClientSession() as s:
-                for extra in ({}, {"max_tokens": None}, {"max_tokens": 7}, {"max_completion_tokens": 9}):
+                for extra in ({}, {"max_tokens": None}, {"max_tokens": 7}, {"max_completion_tokens": 9},
+                              {"max_completion_tokens": None, "max_tokens": 5}):
                     r = await s.post(f"{url}/chat/completions", json={**chat, **extra})
                     assert r.status == 200, await r.text()
                 r = await s.post(f"{url}/completions", json={"prompt": "abc"})
@@ -851,7 +852,8 @@ def test_a_chat_request_without_max_tokens_asks_for_the_rest_of_the_context():
     asyncio.run(run())
     (first, up1), (second, up2), *rest = seen
     assert up1 and up2 and first == second and 900 < first < 1000  # context minus the rendered prompt
-    assert rest == [(7, False), (9, False), (16, False)]
+    # a null max_completion_tokens beside max_tokens once hid it (and the default was sent)
+    assert rest == [(7, False), (9, False), (5, False), (16, False)]
 
 
 def test_malformed_requests_cannot_flood_the_log_with_tracebacks(caplog):

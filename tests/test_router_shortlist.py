@@ -191,3 +191,90 @@ def test_the_decision_cost_bench_runs_both_modes_on_one_state(capsys):
         assert r["shortlist_deepest_holder"] >= 0.5 and r["all_deepest_holder"] >= 0.5
     with pytest.raises(SystemExit):
         main(["--workers", "ten"])
+
+
+def _mixed_contexts(router, live):
+    """Half the fleet serves 1,024-token contexts, half 8,192."""
+    for i, wid in enumerate(sorted(live)):
+        live[wid]["max_model_len"] = 1024 if i < len(live) // 2 else 8192
+    router.subscriber.live_version += 1
+
+
+def test_a_long_prompt_is_routed_among_the_workers_it_fits_with_their_own_holder_and_mean():
+    """Ten short-context workers hold 40 blocks of a prefix, one long-context worker 39; a
+    1,120-token prompt fits only the long ones. Shown a fleet-wide shortlist, the ten took
+    the holder places and were then dropped, and the fleet's mean share (twice that of the
+    fitting half) loosened the cap: the holder was found only when sampled. The part of the
+    fleet that fits is shown whole, with its own mean."""
+    from kvmesh.services.router import fitting_workers
+
+    router, live, index = _router(60)
+    _mixed_contexts(router, live)
+    rng = random.Random(1)
+    prefix = [rng.randrange(1000) for _ in range(40 * BS)]
+    for i in range(10):
+        _store(index, f"w{i:03d}", prefix)
+    _store(index, "w045", prefix[:39 * BS])
+    ids = prefix + [rng.randrange(1000) for _ in range(30 * BS)]
+    fleet = router._fleet()
+    fit = fitting_workers(fleet.usable, len(ids), 16)
+    assert len(fit) == 30
+    for k in range(3000):  # the short half got more of the traffic
+        router.routed.note(f"w{k % 45:03d}")
+    for _ in range(5):
+        chosen, views, mean = router.decide(fit, len(ids), _hashes(ids), BS, time.monotonic(), set(), None, None)
+        assert chosen.worker_id == "w045" and chosen.matched_blocks == 39
+        assert sorted(v.worker_id for v in views) == sorted(fit) and mean is None  # the policy averages them
+
+
+def test_a_retry_does_not_lose_the_next_holder_to_the_tried_one():
+    """Eight tried workers hold 21 blocks of a prompt, a ninth 20: the ninth must still be on
+    the shortlist (the tried holders once took all eight holder places and were dropped
+    after, leaving the next holder to the random sample)."""
+    router, live, index = _router(100)
+    rng = random.Random(2)
+    ids = [rng.randrange(1000) for _ in range(23 * BS)]
+    holders = [f"w{i:03d}" for i in range(50, 59)]
+    for wid in holders[:8]:
+        _store(index, wid, ids[:21 * BS])
+    _store(index, holders[8], ids[:20 * BS])
+    fleet = router._fleet()
+    tried = set(holders[:8])
+    for _ in range(10):
+        chosen, views, _ = router.decide(fleet.usable, len(ids), _hashes(ids), BS, time.monotonic(), tried, None,
+                                         fleet.ids)
+        assert holders[8] in {v.worker_id for v in views} and chosen.worker_id == holders[8]
+
+
+def test_a_worker_that_leaves_the_usable_set_leaves_the_shares():
+    """A worker whose lease turns to another block size is still live but never chosen: its
+    decaying share once stayed among the least routed (taking the shortlist's places for
+    idle workers) and in the total the mean is taken from."""
+    router, live, _ = _router(40)
+    router._fleet()
+    for k in range(400):
+        router.routed.note(f"w{k % 40:03d}")
+    for wid in ("w000", "w001", "w002", "w003"):
+        live[wid]["block_size"] = 2 * BS
+    router.subscriber.live_version += 1
+    fleet = router._fleet()
+    assert len(fleet.usable) == 36
+    for k in range(2000):
+        router.routed.note(f"w{4 + k % 36:03d}")
+    assert not set(router.routed.least(4)) & {"w000", "w001", "w002", "w003"}
+    assert router.routed.total() == pytest.approx(sum(router.routed.value(w) for w in fleet.usable))
+
+
+def test_a_worker_shutting_down_is_named_as_gone():
+    from kvmesh.services.router import _from_worker
+
+    class E:
+        def __init__(self, details):
+            self._d = details
+
+        def details(self):
+            return self._d
+
+    assert not _from_worker(E("Cancelling all calls"))  # a worker stopped (SIGTERM) mid-answer
+    assert not _from_worker(E("Stream removed (Socket closed)"))
+    assert _from_worker(E("queue is full (64 waiting requests): retry later"))

@@ -105,6 +105,12 @@ def test_prompt_larger_than_the_pool_is_invalid_argument(worker):
             token_ids=pb.TokenIds(ids=[7] * (64 * BS - 3)),
             sampling=pb.SamplingParams(max_tokens=5, ignore_eos=True, max_tokens_up_to_context=True)), timeout=120))
     assert sum(len(m.token_ids) for m in msgs) == 3 and msgs[-1].finish_reason == "length"
+    # the flag alone (max_tokens unset) asks for all of the rest, not for one token
+    with grpc.insecure_channel(worker) as ch:
+        msgs = list(pb_grpc.WorkerStub(ch).Generate(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[7] * (64 * BS - 4)),
+            sampling=pb.SamplingParams(ignore_eos=True, max_tokens_up_to_context=True)), timeout=120))
+    assert sum(len(m.token_ids) for m in msgs) == 4
     # the worker is still up and serving
     assert generate(worker, token_ids=[1, 2, 3], max_tokens=2)["usage"]["completion_tokens"] == 2
 

@@ -151,7 +151,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             sampling = wire.sampling_from_proto(request)
             if request.sampling.max_tokens_up_to_context:  # the rest of this worker's context at most
                 room = self.engine.max_model_len - len(prompt_ids)
-                sampling = dataclasses.replace(sampling, max_tokens=max(1, min(sampling.max_tokens, room)))
+                wanted = sampling.max_tokens or room  # 0 (unset): the whole rest
+                sampling = dataclasses.replace(sampling, max_tokens=max(1, min(wanted, room)))
             if request.HasField("prefix_location"):
                 await self._fetch_prefix(request, prompt_ids, sampling, context, tenant, salt)
             if self.engine.tiers is not None and self.engine.tiers.can_prefetch:
