@@ -327,6 +327,11 @@ class RoutedShare:
         if c is not None:
             self._total -= c
 
+    def keep_only(self, worker_ids) -> None:
+        """Forget every counted worker not in ``worker_ids`` (a set or dict); O(counted)."""
+        for w in [w for w in self._counts if w not in worker_ids]:
+            self.forget(w)
+
 
 @register
 class KVAwarePolicy(RoutingPolicy):

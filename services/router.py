@@ -57,7 +57,7 @@ from kvmesh.workers.config import ModelConfig
 from kvmesh.workers.grpc_guard import LogLimiter, TenantCap, clip
 from kvmesh.workers.model_identity import base_model_id
 from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, DEFAULT_MAX_CONCURRENT_RPCS, ChannelPool, GrpcHost
-from kvmesh.workers import limits
+from kvmesh.workers import limits, wire
 from kvmesh.workers.request import InvalidRequest
 from kvmesh.workers.tokenizer import load_tokenizer
 
@@ -152,14 +152,14 @@ class RouterServicer(pb_grpc.RouterServicer):
             return cached
         live = self.subscriber.live_workers()
         usable, block_size, model_id, why = self.compat.select(live)
+        usable = {w: info for w, info in usable.items() if info.get("address")}  # nothing to dial otherwise
         stated = [int(info["max_model_len"]) for info in usable.values()
                   if isinstance(info.get("max_model_len"), int) and info["max_model_len"] > 0]
         fleet = _Fleet(version, live, usable, list(usable), block_size, model_id, why,
                        context_limit(live, self.config.max_position_embeddings), min(stated) if stated else None)
-        if cached is not None:
-            for wid in cached.usable:
-                if wid not in usable:  # gone, or now of another model or block size: its share
-                    self.routed.forget(wid)  # must not weigh on the mean nor fill the least-routed
+        # gone, or now of another model or block size: a worker's share must not weigh on the
+        # mean nor fill the least-routed places
+        self.routed.keep_only(usable)
         for wid in usable:
             self.routed.track(wid)  # idle workers are candidates of the shortlist's least-routed
         self.routed.set_fleet(len(usable))  # the share window grows with the fleet
@@ -253,7 +253,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         return {w: (st.running, st.pending_prefill_tokens, self.routed.value(w)) for w, st in self._inflight.items()}
 
     def _note_routed(self, wid: str, prefill_tokens: int) -> _Inflight:
-        self.routed.note(wid)
+        fleet = self._fleet_cache
+        if fleet is None or wid in fleet.usable:  # a request on an older fleet (a retry) may pick
+            self.routed.note(wid)                 # a worker that has left since: not counted
         st = self._inflight.setdefault(wid, _Inflight())
         st.running += 1
         st.pending_prefill_tokens += prefill_tokens
@@ -282,7 +284,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         fleet = self._fleet()
         max_len = fleet.max_context
         # tokens the completion needs room for: the worker lowers an up-to-context max_tokens
-        completion = 1 if request.sampling.max_tokens_up_to_context else max(1, request.sampling.max_tokens)
+        completion = 1 if request.sampling.max_tokens_up_to_context else \
+            max(1, request.sampling.max_tokens) if request.HasField("sampling") else wire.DEFAULT_MAX_TOKENS
         try:  # before tokenizing or hashing: a huge body costs milliseconds, not the router
             limits.check_prompt_size(request, max_len, "the workers' model")
             ids = self._prompt_ids(request)
@@ -306,10 +309,14 @@ class RouterServicer(pb_grpc.RouterServicer):
             ids_of_live = None
         if not fitting:
             limit = context_limit(live, self.config.max_position_embeddings)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt has {len(ids)} tokens and max_tokens is {completion}, but "
-                                f"the workers serving this model take at most {limit} tokens of prompt and "
-                                f"completion together (context {limit} tokens): shorten the prompt or lower max_tokens")
+            if request.sampling.max_tokens_up_to_context:  # the client named no max_tokens
+                why = (f"prompt has {len(ids)} tokens but the workers serving this model take at most {limit - 1} "
+                       f"(context {limit} tokens): shorten it")
+            else:
+                why = (f"prompt has {len(ids)} tokens and max_tokens is {completion}, but the workers serving this "
+                       f"model take at most {limit} tokens of prompt and completion together (context {limit} "
+                       f"tokens): shorten the prompt or lower max_tokens")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         live = fitting
         served = sorted({model_id, base_model_id(model_id)})
         if request.model_id and request.model_id not in served:  # a client's error: refused here, not logged

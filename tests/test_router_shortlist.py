@@ -161,8 +161,9 @@ def test_a_prompt_that_fits_only_some_contexts_is_routed_among_those(tmp_path):
             return "ipv4:127.0.0.1:1"
 
     async def run(n_prompt, max_tokens):
-        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(n_prompt))),
-                                 sampling=pb.SamplingParams(max_tokens=max_tokens))
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(n_prompt))))
+        if max_tokens is not None:  # None: no sampling message, which a worker reads as 16 tokens
+            req.sampling.CopyFrom(pb.SamplingParams(max_tokens=max_tokens))
         try:
             async for _ in router._generate(req, Ctx(), "", "", ""):
                 pass
@@ -174,6 +175,8 @@ def test_a_prompt_that_fits_only_some_contexts_is_routed_among_those(tmp_path):
     assert seen[-1] == sorted(live)  # fits every context: the whole cached fleet
     assert "UNAVAILABLE" in asyncio.run(run(250, 16))
     assert seen[-1] == sorted(list(live)[18:])  # only the two long-context workers
+    assert "UNAVAILABLE" in asyncio.run(run(245, None))  # 245 + 16 > 256
+    assert seen[-1] == sorted(list(live)[18:])
     router.decide = real_decide
 
 
@@ -278,3 +281,25 @@ def test_a_worker_shutting_down_is_named_as_gone():
     assert not _from_worker(E("Cancelling all calls"))  # a worker stopped (SIGTERM) mid-answer
     assert not _from_worker(E("Stream removed (Socket closed)"))
     assert _from_worker(E("queue is full (64 waiting requests): retry later"))
+
+
+def test_a_retry_on_an_older_fleet_does_not_bring_a_departed_worker_back_into_the_shares():
+    """A request reads the fleet once; if its retry picks a worker whose lease has gone since,
+    noting it once put it back among the shares for good (at the bottom of the least-routed,
+    holding a place the shortlist then dropped)."""
+    router, live, _ = _router(40)
+    router._fleet()
+    gone = [f"w{i:03d}" for i in range(5)]
+    for wid in gone:
+        del live[wid]
+    router.subscriber.live_version += 1
+    router._fleet()
+    for wid in gone:  # picks made on the older fleet
+        router._note_routed(wid, 0)
+    for k in range(2000):
+        router._note_routed(f"w{5 + k % 35:03d}", 0)
+    assert not set(router.routed.least(4)) & set(gone)
+    assert router.routed.total() == pytest.approx(sum(router.routed.value(w) for w in live))
+    live["w039"]["address"] = ""  # a lease with nothing to dial is not part of the usable fleet
+    router.subscriber.live_version += 1
+    assert "w039" not in router._fleet().usable and router.routed.value("w039") == 0.0
