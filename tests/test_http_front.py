@@ -30,6 +30,12 @@ async def _serve(generate, **kw):
     return front, f"http://127.0.0.1:{port}/v1"
 
 
+async def _serve_tls(generate, server_ctx, **kw):
+    """An HTTPS front (``kw`` to `HttpFront`); returns it and its port."""
+    front = HttpFront(generate, load_tokenizer(None, ModelConfig.tiny()), "m", **kw)
+    return front, await front.start("127.0.0.1", 0, ssl_context=server_ctx)
+
+
 def test_api_keys_map_to_tenants_and_refusals_are_401():
     seen = []
 
@@ -226,8 +232,7 @@ def test_https_with_an_ssl_context(tmp_path):
         yield _final("secure")
 
     async def run():
-        front = HttpFront(generate, load_tokenizer(None, ModelConfig.tiny()), "m")
-        port = await front.start("127.0.0.1", 0, ssl_context=server_ctx)
+        front, port = await _serve_tls(generate, server_ctx)
         try:
             async with aiohttp.ClientSession() as s:
                 r = await s.post(f"https://127.0.0.1:{port}/v1/completions", json={"prompt": "a"}, ssl=client_ctx)
@@ -641,9 +646,7 @@ def test_a_tls_front_counts_connections_before_their_handshake(tmp_path):
         yield _final("secure")
 
     async def run():
-        front = HttpFront(generate, load_tokenizer(None, ModelConfig.tiny()), "m", header_timeout_s=120.0,
-                          max_connections=2)
-        port = await front.start("127.0.0.1", 0, ssl_context=server_ctx)
+        front, port = await _serve_tls(generate, server_ctx, header_timeout_s=120.0, max_connections=2)
         gate = front._serving.gate
         try:
             silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(5)]
@@ -680,9 +683,7 @@ def test_a_tls_connection_over_the_cap_is_told_503_and_the_refusals_are_bounded(
         yield
 
     async def run():
-        front = HttpFront(never, load_tokenizer(None, ModelConfig.tiny()), "m", header_timeout_s=120.0,
-                          max_connections=1)
-        port = await front.start("127.0.0.1", 0, ssl_context=server_ctx)
+        front, port = await _serve_tls(never, server_ctx, header_timeout_s=120.0, max_connections=1)
         gate = front._serving.gate
         try:
             holder = await asyncio.open_connection("127.0.0.1", port)  # takes the one slot
@@ -722,8 +723,7 @@ def test_a_tls_connection_that_never_shakes_hands_is_closed_at_the_header_timeou
         yield
 
     async def run():
-        front = HttpFront(never, load_tokenizer(None, ModelConfig.tiny()), "m", header_timeout_s=0.5)
-        port = await front.start("127.0.0.1", 0, ssl_context=server_ctx)
+        front, port = await _serve_tls(never, server_ctx, header_timeout_s=0.5)
         gate = front._serving.gate
         try:
             r, w = await asyncio.open_connection("127.0.0.1", port)
@@ -759,8 +759,7 @@ def test_a_client_that_disconnects_cancels_its_request(tmp_path, tls):
         nonlocal stopped
         stopped = asyncio.Event()
         if tls:
-            front = HttpFront(endless, load_tokenizer(None, ModelConfig.tiny()), "m")
-            port = await front.start("127.0.0.1", 0, ssl_context=server_ctx)
+            front, port = await _serve_tls(endless, server_ctx)
         else:
             front, _ = await _serve(endless)
             port = front._serving.port
