@@ -185,9 +185,10 @@ class TierStore:
         #: a peer exported) in another codec is a miss: it would change this worker's outputs.
         self.accepted_codecs = frozenset({"none", config.host_codec, config.disk_codec, config.remote_codec})
         #: per device-pool row, the loss rank (`kv_codec.loss_rank`) of the KV it holds: set
-        #: when a block is loaded from a tier or record, cleared when the row is computed
-        #: (`mark_computed`). Offloads and exports carry it on, so a block decoded from a
-        #: lossy codec is never passed on as exact (records are labelled and stored in the
+        #: when a block is loaded from a tier or record, and when the row is computed
+        #: (`mark_computed`: 0, or the rank of the lossy context it is computed over).
+        #: Offloads and exports carry it on, so a block decoded from a lossy codec, or computed
+        #: over one, is never passed on as exact (records are labelled and stored in the
         #: lossiest codec the KV went through).
         self.row_loss = bytearray(kv_cache.shape[0])
         #: per source kind ("host", "peer", "disk"), an EWMA of the wall seconds one block
@@ -352,11 +353,19 @@ class TierStore:
             self.stats_counters["fetches_not_worth_it"] += 1
         return "cut"
 
-    def mark_computed(self, block_ids: Sequence[int]) -> None:
-        """Pool rows ``block_ids`` are about to hold KV computed here (exact): see ``row_loss``."""
+    def mark_computed(self, block_ids: Sequence[int], context_loss: int = 0) -> None:
+        """Pool rows ``block_ids`` are about to hold KV computed here: see ``row_loss``.
+
+        Args:
+            block_ids: the pool rows.
+            context_loss: the loss rank (`kv_codec.loss_rank`) of the KV they are computed
+                over (the request's cached prefix): KV computed here over KV decoded from a
+                lossy codec differs from a cold run's as that KV does, so it is labelled
+                with that rank, whatever the rows held before (0: exact).
+        """
         row_loss = self.row_loss
         for b in block_ids:
-            row_loss[b] = 0
+            row_loss[b] = context_loss
 
     def _slot_record(self, slot: int, codec: KVCodec) -> tuple[KVCodec, object]:
         """``(codec, payload)`` of a record of host ``slot`` for a tier whose codec is ``codec``:

@@ -722,3 +722,40 @@ def test_a_tier_load_is_costed_when_its_device_work_has_run_not_at_its_launch():
         assert e.tiers.load_seconds_per_block["host"] == pytest.approx(0.5 / cap_blocks(prompt))
     finally:
         e.stop()
+
+
+@pytest.mark.parametrize("codec", ["int4", "none"])
+def test_kv_computed_over_lossy_context_is_reported_and_kept_lossy(tmp_path, codec):
+    """A block computed over KV decoded from a lossy codec differs from a cold run's as that
+    KV does: a later hit on it counts in ``lossy_cached_tokens``, on the device and after it
+    went down to an exact host tier (it is not passed on as exact). With the exact codec
+    every count is 0 and every output equals the cold run's."""
+    e = Engine(device=DEVICE, num_blocks=64, block_size=BS,
+               tiers=TierConfig(host_bytes=64 * BLOCK_BYTES, disk_dir=str(tmp_path), disk_bytes=64 << 20,
+                                disk_codec=codec, peer_bytes=0)).start()
+    one = SamplingParams(max_tokens=1)
+    try:
+        p = rand_prompt(21, 4 * BS)
+        q = p + rand_prompt(22, 4 * BS)  # 8 full blocks: 4 of p, 4 computed over them
+        r = q + rand_prompt(23, 2 * BS)
+        refs = {name: cold(e, x, one)[0] for name, x in (("q", q), ("r", r))}
+        e.clear_cache()
+        run(e, p, one)
+        to_host(e)
+        e.drop_host_tier()  # p's 4 blocks now only on disk, in `codec`
+        out_q, _ = run(e, q, one)
+        assert out_q["usage"]["cached_tokens_by_tier"]["disk"] == out_q["usage"]["cached_tokens"] == 4 * BS
+        lossy = codec != "none"
+        assert out_q["usage"]["lossy_cached_tokens"] == (4 * BS if lossy else 0)
+        out_r, _ = run(e, r, one)  # device hit on q's 8 blocks
+        assert out_r["usage"]["cached_tokens_by_tier"]["device"] == out_r["usage"]["cached_tokens"] == 8 * BS
+        assert out_r["usage"]["lossy_cached_tokens"] == (8 * BS if lossy else 0)
+        e.offload_device_cache()  # into the exact host tier
+        again, _ = run(e, r, one)  # r's 9th block was computed over lossy context too
+        assert again["usage"]["cached_tokens_by_tier"]["host"] == again["usage"]["cached_tokens"] == 9 * BS
+        assert again["usage"]["lossy_cached_tokens"] == (9 * BS if lossy else 0)
+        if not lossy:
+            assert out_q["token_ids"] == refs["q"]["token_ids"]
+            assert out_r["token_ids"] == again["token_ids"] == refs["r"]["token_ids"]
+    finally:
+        e.stop()

@@ -108,6 +108,9 @@ class Request:
     cached_by_tier: dict = field(default_factory=dict)
     #: cached tokens whose KV came, now or earlier, from a lossy codec (int4, fp8)
     num_lossy_cached: int = 0
+    #: the loss rank (`kv_codec.loss_rank`) of the KV this request's new rows are computed on:
+    #: the lossiest of its cached prefix rows, so KV computed over lossy context is marked so
+    context_loss: int = 0
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None
     first_scheduled: float | None = None

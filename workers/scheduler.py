@@ -465,15 +465,19 @@ class Scheduler:
         req.block_table = block_ids
         req.num_computed = len(block_ids) * self.block_size
         req.num_committed_blocks = len(block_ids)
+        if self.tiers is not None:  # rows loaded from a lossy codec stay lossy on the device
+            loss = [self.tiers.row_loss[b] for b in block_ids]
+            # the rows this request computes depend on that KV: they carry its loss rank on
+            # (`_grow`), so a later hit on them is reported lossy and never exported as exact
+            req.context_loss = max(loss, default=0)
         if req.num_cached < 0:  # first schedule: this is what usage reports
             req.num_cached = req.num_computed
             by_tier = {"device": num_device * self.block_size} if num_device else {}
             for m in media:
                 by_tier[m] = by_tier.get(m, 0) + self.block_size
             req.cached_by_tier = by_tier
-            if self.tiers is not None:  # rows loaded from a lossy codec stay lossy on the device
-                row_loss = self.tiers.row_loss
-                req.num_lossy_cached = sum(1 for b in block_ids if row_loss[b]) * self.block_size
+            if self.tiers is not None:
+                req.num_lossy_cached = sum(1 for r in loss if r) * self.block_size
         return True
 
     def _load_from_tiers(self, req: Request, block_ids: list[int], max_blocks: int) -> list[str]:
@@ -513,8 +517,8 @@ class Scheduler:
         new = self.cache.allocate(need, req.namespace.tenant or None)
         if new is None:
             return False
-        if self.tiers is not None:  # computed here: exact, whatever the rows held before
-            self.tiers.mark_computed(new)
+        if self.tiers is not None:  # computed here, over the request's context (its loss rank)
+            self.tiers.mark_computed(new, req.context_loss)
         req.block_table.extend(new)
         return True
 
