@@ -98,3 +98,21 @@ def test_peer_staged_lossy_blocks_stay_lossy_on_the_fetcher(cold):
     finally:
         a.stop()
         b.stop()
+
+
+def test_blocks_computed_over_lossy_context_are_exported_lossy():
+    """The blocks a request computes after a prefix decoded from int4 depend on that KV: they
+    are exported (to peers, the remote and disk tiers) as int4, so a worker that accepts only
+    exact KV misses them as it misses the prefix (`accepted_codecs`)."""
+    p = rand_prompt(33, 4 * BS)
+    q = p + rand_prompt(34, 4 * BS + 1)
+    a = engine("int4")
+    try:
+        run(a, p, ONE)
+        a.offload_device_cache()
+        out, _ = run(a, q, ONE)  # p's blocks from the int4 host tier, the rest computed over them
+        assert out["usage"]["cached_tokens_by_tier"]["host"] == 4 * BS
+        records = a.export_blocks(hashes(a, q))
+        assert len(records) == cached_blocks(q) == 8 and {m.codec for m, _ in records} == {"int4"}
+    finally:
+        a.stop()
