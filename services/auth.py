@@ -264,6 +264,18 @@ class Gate:
         except Unauthenticated as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{what}: {exc}")
 
+    async def admit(self, context) -> None:
+        """Abort with UNAUTHENTICATED, at a data-plane call's start (before its request message
+        arrives: `kvmesh.workers.grpc_guard.CallAdmission`), unless the caller is a peer or
+        has credentials that map to a tenant; the same refusal `identity` gives later."""
+        caller = self.caller(context)
+        if caller.is_peer:
+            return
+        try:
+            self.auth.tenant_for(_metadata(context, "authorization"), caller.name if caller.kind == "client" else None)
+        except Unauthenticated as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+
     async def tenant(self, context, request, edge: bool = False) -> tuple[str, str]:
         """(tenant, cache salt) of a Generate request; aborts the RPC on a refusal.
         See `identity`."""

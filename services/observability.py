@@ -133,9 +133,10 @@ def add_server_flags(p, what: str) -> None:
     data_plane = "Generate, Tokenize, FetchBlocks" if what == "worker" else "Generate, Tokenize"
     p.add_argument("--max-concurrent-rpcs", type=positive_int("--max-concurrent-rpcs"),
                    default=DEFAULT_MAX_CONCURRENT_RPCS, metavar="N",
-                   help=f"most data-plane gRPC calls ({data_plane}) this {what} runs at once; more get "
-                        f"RESOURCE_EXHAUSTED before their body is parsed. Health checks and other control-plane "
-                        f"calls get {CONTROL_RPC_RESERVE} more slots, after which gRPC refuses any call "
+                   help=f"most data-plane gRPC calls ({data_plane}) this {what} runs at once, counted from "
+                        f"a call's start; more get RESOURCE_EXHAUSTED at once. Health checks and other "
+                        f"control-plane calls get {CONTROL_RPC_RESERVE} more slots, after which gRPC refuses any "
+                        f"call "
                         f"(default {DEFAULT_MAX_CONCURRENT_RPCS})"
                         + ("; not used by --backend vllm" if what == "router" else ""))
     def non_negative(text: str) -> int:

@@ -1,8 +1,8 @@
 """gRPC servers' concurrency cap, on a real worker process over loopback.
 
 Data-plane calls past ``--max-concurrent-rpcs`` get RESOURCE_EXHAUSTED while health and
-the control-plane RPCs still answer (they have `CONTROL_RPC_RESERVE` more slots); past
-those too, gRPC itself refuses any call.
+the control-plane RPCs still answer (they have `CONTROL_RPC_RESERVE` more slots), and calls
+that never send their request message cannot take those slots (`CallAdmission`).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.workers.grpc_guard import CONTROL_PENDING_PER_HOST, WATCH_PER_HOST
 from kvmesh.workers.grpc_host import CONTROL_RPC_RESERVE
 
 pytestmark = pytest.mark.slow
@@ -50,15 +51,16 @@ def test_data_plane_past_the_cap_is_refused_while_the_control_plane_answers(spaw
                 health_pb2.HealthCheckResponse.SERVING
             assert stub.GetLoad(pb.LoadRequest(), timeout=10).running_requests == CAP
             assert stub.GetInfo(pb.WorkerInfoRequest(), timeout=10).max_model_len == 4096
-            # control-plane calls have CONTROL_RPC_RESERVE slots of their own; past those,
-            # gRPC refuses any call itself
-            for _ in range(CONTROL_RPC_RESERVE):
+            # long-lived health Watch streams cannot take the control plane's slots either
+            for _ in range(WATCH_PER_HOST):
                 watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=120)
                 next(watch)
                 held.append(watch)
             with pytest.raises(grpc.RpcError) as err:
-                health.Check(health_pb2.HealthCheckRequest(), timeout=10)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                next(health.Watch(health_pb2.HealthCheckRequest(), timeout=10))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Watch" in err.value.details()
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
         finally:
             for call in held:
                 call.cancel()
@@ -123,3 +125,112 @@ def test_receive_cap_follows_the_largest_valid_request(spawn_worker):
                                   kv_producer="")
     assert len(fetch.SerializeToString()) > limits.request_bytes_limit(256)
     assert _raw(address, "FetchBlocks", fetch.SerializeToString()) == (grpc.StatusCode.OK, "")
+
+
+async def _stalled_calls(channel, method: str, n: int, release):
+    """``n`` calls of ``method`` that send their headers and never their request message."""
+    async def never():
+        await release.wait()
+        yield b""
+    call = channel.stream_unary(method, request_serializer=lambda x: x, response_deserializer=lambda b: b)
+    return [call(never(), timeout=120) for _ in range(n)]
+
+
+def test_calls_that_never_send_their_message_cannot_block_the_server(spawn_worker):
+    """A caller that opens calls and never sends their message (so no handler runs) used to
+    hold every slot gRPC counts, and health checks were refused. Now a data-plane call takes
+    a slot of the cap at its start, and control-plane calls waiting for their message are
+    bounded per client host, so the server keeps answering."""
+    import asyncio
+
+    from grpc import aio
+
+    address, _ = spawn_worker("--max-concurrent-rpcs", str(CAP), "--max-seqs", "4", "--num-blocks", "256")
+
+    async def scenario():
+        release = asyncio.Event()
+        async with aio.insecure_channel(address) as attacker, aio.insecure_channel(address) as ch:
+            stalled = await _stalled_calls(attacker, "/kvmesh.v1.Worker/Generate", 40, release)
+            stalled += await _stalled_calls(attacker, "/grpc.health.v1.Health/Check", CONTROL_RPC_RESERVE + 20,
+                                            release)
+            await asyncio.sleep(1.0)
+            refused = [c for c in stalled if c.done()]
+            codes = {(await c.code()) for c in refused}
+            # more calls than gRPC's whole limit (CAP + CONTROL_RPC_RESERVE) were opened; the
+            # ones past the cap and the per-host limit were refused at once
+            assert codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+            assert len(stalled) - len(refused) == CAP + CONTROL_PENDING_PER_HOST
+            health = health_pb2_grpc.HealthStub(ch)
+            assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            stub = pb_grpc.WorkerStub(ch)
+            assert (await stub.GetLoad(pb.LoadRequest(), timeout=10)).running_requests == 0
+            for c in stalled:
+                c.cancel()
+            # their slots come back: a Generate runs
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    out = [m async for m in stub.Generate(pb.GenerateRequest(
+                        token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=pb.SamplingParams(max_tokens=2)), timeout=30)]
+                    break
+                except aio.AioRpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, exc
+                    await asyncio.sleep(0.2)
+            assert out[-1].finished
+
+    asyncio.run(scenario())
+
+
+def test_a_call_without_its_message_in_time_is_deadline_exceeded():
+    import asyncio
+
+    from grpc import aio
+
+    from kvmesh.workers.grpc_host import GrpcHost
+
+    async def scenario():
+        host = GrpcHost("127.0.0.1", 0, [], message_timeout_s=0.5)
+        port = await host.start()
+        release = asyncio.Event()
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                [late] = await _stalled_calls(ch, "/grpc.health.v1.Health/Check", 1, release)
+                with pytest.raises(aio.AioRpcError) as err:
+                    await late
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert "did not arrive within 0.5 s" in err.value.details()
+
+                async def nothing():
+                    return
+                    yield b""
+                empty = ch.stream_unary("/grpc.health.v1.Health/Check", request_serializer=lambda x: x,
+                                        response_deserializer=lambda b: b)
+                with pytest.raises(aio.AioRpcError) as err:
+                    await empty(nothing(), timeout=10)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "without a request message" in err.value.details()
+                # a normal call is unaffected, and the slots were given back
+                health = health_pb2_grpc.HealthStub(ch)
+                assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+                assert host.admission.pending.total == 0 and host.admission.timed_out == 1
+        finally:
+            release.set()
+            await host.server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_peer_host_names_the_client_host():
+    from kvmesh.workers.grpc_guard import HostLimit, peer_host
+
+    assert peer_host("ipv4:10.1.2.3:5000") == "10.1.2.3"
+    assert peer_host("ipv6:[::1]:5000") == "::1"
+    assert peer_host("ipv6:%5B2001:db8::1%5D:443") == "2001:db8::1"
+    assert peer_host("unix:/tmp/sock") == "unix"
+    limit = HostLimit(3, 2)
+    assert limit.enter("a") and limit.enter("a") and not limit.enter("a")  # per host
+    assert limit.enter("b") and not limit.enter("c")  # in all
+    limit.leave("a")
+    assert limit.enter("c") and limit.by_host == {"a": 1, "b": 1, "c": 1}

@@ -9,16 +9,25 @@ parse is answered ``INVALID_ARGUMENT`` with the parser's reason, and logged in o
 line (at most ``LOG_BURST`` lines per ``LOG_WINDOW_S`` seconds; the rest are counted
 and reported in the next line, so a hostile client cannot flood the log).
 
-With an `RpcCap`, the same wrappers also count the data-plane RPCs in flight and answer
-one over the cap RESOURCE_EXHAUSTED before parsing it, leaving the control plane alone.
+The wrappers also admit each call when it starts, before its request message arrives
+(`CallAdmission`): gRPC counts a call against its own limit from its first bytes, so a
+caller that opens calls and never sends their message would otherwise hold every slot,
+health checks' included, without ever reaching a handler. Each call must deliver its
+message within ``REQUEST_MESSAGE_TIMEOUT_S``; a data-plane call is checked for credentials
+and counted by the `RpcCap` at its start (one over the cap is answered RESOURCE_EXHAUSTED
+at once); control-plane calls waiting for their message, and long-lived health Watch
+streams, are bounded in all and per client host, so one host cannot take the slots kept
+for the control plane. To read the message under a deadline, every unary-request method is
+served as a stream-request one: the wire format is the same, and clients see no difference.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import logging
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -172,29 +181,210 @@ class TenantCap:
 #: RPCs counted by `RpcCap`: the ones that carry prompts or KV, or run the model.
 DATA_PLANE_METHODS = frozenset({"Generate", "Tokenize", "FetchBlocks"})
 
+#: Seconds a call has, from its start, to deliver its request message (a client sends it with
+#: the call's headers; a request of the largest allowed size takes well under a second on any
+#: link a cluster uses). Past it the call is answered DEADLINE_EXCEEDED and its slot is freed.
+REQUEST_MESSAGE_TIMEOUT_S = 10.0
+#: Control-plane calls (health, GetLoad, Status, ...) waiting for their request message at
+#: once: in all, and from one client host. Half of `grpc_host.CONTROL_RPC_RESERVE`.
+CONTROL_PENDING_LIMIT = 32
+CONTROL_PENDING_PER_HOST = 8
+#: Health Watch streams open at once (they last as long as the caller keeps them): in all,
+#: and from one client host.
+WATCH_LIMIT = 16
+WATCH_PER_HOST = 4
 
-def _guard(method: str, handler: grpc.RpcMethodHandler, cap: RpcCap | None = None) -> grpc.RpcMethodHandler:
+
+def peer_host(peer: str) -> str:
+    """The host part of a gRPC peer string (``ipv4:10.0.0.1:5000`` -> ``10.0.0.1``,
+    ``ipv6:[::1]:5000`` -> ``::1``; a Unix socket peer is ``unix``)."""
+    kind, _, rest = peer.partition(":")
+    if kind == "unix" or not rest:
+        return kind or "?"
+    rest = rest.replace("%5B", "[").replace("%5D", "]")
+    host = rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest
+    return host.strip("[]")
+
+
+class HostLimit:
+    """A count with a limit in all and per client host (`peer_host`). Single-threaded (the
+    server's event loop)."""
+
+    def __init__(self, limit: int, per_host: int) -> None:
+        self.limit = int(limit)
+        self.per_host = int(per_host)
+        self.total = 0
+        self.by_host: dict[str, int] = {}
+
+    def enter(self, host: str) -> bool:
+        n = self.by_host.get(host, 0)
+        if self.total >= self.limit or n >= self.per_host:
+            return False
+        self.by_host[host] = n + 1
+        self.total += 1
+        return True
+
+    def leave(self, host: str) -> None:
+        self.total -= 1
+        n = self.by_host.get(host, 0) - 1
+        if n > 0:
+            self.by_host[host] = n
+        else:
+            self.by_host.pop(host, None)
+
+
+class CallAdmission:
+    """Admits each call of one server when it starts, before its request message.
+
+    * A data-plane call (`DATA_PLANE_METHODS`) is checked by ``admit`` (the port's
+      credentials check: a caller without credentials is refused UNAUTHENTICATED at once)
+      and takes a slot of ``cap`` (RESOURCE_EXHAUSTED at once when none is free), held until
+      the call ends.
+    * A control-plane call whose message is not there at once takes a `HostLimit` slot
+      while it waits for it (``CONTROL_PENDING_LIMIT`` in all, ``CONTROL_PENDING_PER_HOST``
+      per client host; none free: RESOURCE_EXHAUSTED); a health Watch takes one of ``WATCH_LIMIT`` (``WATCH_PER_HOST`` per host) for as long as
+      it stays open. Quick control calls thus always find slots of the reserve that
+      `kvmesh.workers.grpc_host.GrpcHost` keeps above the data-plane cap.
+    * Every call must deliver its message within ``message_timeout_s`` seconds.
+
+    Args:
+        cap: the data-plane cap; None counts nothing there.
+        admit: ``await admit(context)`` aborts a data-plane call whose caller has no
+            credentials (`kvmesh.services.auth.Gate.admit`); None admits everyone.
+        message_timeout_s: seconds a call has to deliver its request message.
+    """
+
+    def __init__(self, cap: RpcCap | None = None, admit: Callable[[object], Awaitable[None]] | None = None,
+                 message_timeout_s: float = REQUEST_MESSAGE_TIMEOUT_S) -> None:
+        self.cap = cap
+        self.admit = admit
+        self.message_timeout_s = float(message_timeout_s)
+        self.pending = HostLimit(CONTROL_PENDING_LIMIT, CONTROL_PENDING_PER_HOST)
+        self.watches = HostLimit(WATCH_LIMIT, WATCH_PER_HOST)
+        self.refused = 0      # calls refused at their start (no slot)
+        self.timed_out = 0    # calls whose message did not arrive in time
+
+
+def _refuse_start(admission: CallAdmission, method: str, what: str, context) -> str:
+    admission.refused += 1
+    _limiter.warn("%s call from %s refused at its start: %s", method, context.peer(), what)
+    return what
+
+
+#: Seconds a control-plane call may wait for its message before it takes a `HostLimit` slot:
+#: a client sends the message with the call's headers, so only slow senders ever need one.
+_PROMPT_MESSAGE_S = 0.05
+
+
+async def _read_message(admission: CallAdmission, method: str, request_iterator, context,
+                        pending_host: str | None = None) -> bytes:
+    """The call's one request message (raw bytes); aborts the call when it does not arrive
+    within ``admission.message_timeout_s`` or the call ends without one. With
+    ``pending_host`` (a control-plane call), a message that is not there within
+    ``_PROMPT_MESSAGE_S`` holds one of ``admission.pending``'s slots while it is awaited,
+    and the call is refused RESOURCE_EXHAUSTED when none is free.
+
+    Awaited in the handler's own task (no task per call: one would keep the message alive
+    in reference cycles until the garbage collector ran)."""
+    task = asyncio.current_task()
+    state = {"held": False, "refused": False}
+
+    def slow() -> None:  # the message did not come with the call
+        if admission.pending.enter(pending_host):
+            state["held"] = True
+        else:
+            state["refused"] = True
+            task.cancel()
+
+    handle = asyncio.get_running_loop().call_later(_PROMPT_MESSAGE_S, slow) if pending_host is not None else None
+    refusal = None
+    try:
+        async with asyncio.timeout(admission.message_timeout_s):
+            # context.read(), not the request iterator: a generator suspended at its first
+            # message would hold it (in a reference cycle) after the call ended
+            raw = await context.read()
+        if raw is grpc.aio.EOF:
+            refusal = (grpc.StatusCode.INVALID_ARGUMENT, f"the {method} call ended without a request message")
+        else:
+            return raw
+    except TimeoutError:
+        admission.timed_out += 1
+        _limiter.warn("%s call from %s sent no request message within %g s", method, context.peer(),
+                      admission.message_timeout_s)
+        refusal = (grpc.StatusCode.DEADLINE_EXCEEDED,
+                   f"the {method} request message did not arrive within {admission.message_timeout_s:g} s "
+                   "of the call's start; send it with the call")
+    except asyncio.CancelledError:
+        if not state["refused"]:
+            raise  # the call itself was cancelled
+        task.uncancel()
+        refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED, _refuse_start(
+            admission, method, "too many calls from this host (or from all hosts) are still sending their "
+            "request message; send it with the call and retry", context))
+    finally:
+        if handle is not None:
+            handle.cancel()
+        if state["held"]:
+            admission.pending.leave(pending_host)
+    await context.abort(*refusal)
+
+
+def _guard(method: str, handler: grpc.RpcMethodHandler, admission: CallAdmission | None = None,
+           data_plane: bool = False) -> grpc.RpcMethodHandler:
     parse = handler.request_deserializer
     if parse is None or handler.request_streaming:
         return handler
+    admission = admission or CallAdmission()
+    cap = admission.cap if data_plane else None
+    streaming = handler.response_streaming
+    short = method.rsplit("/", 1)[-1]
 
     async def refuse(exc: Exception, context) -> None:
         _limiter.warn("malformed %s request from %s: %s", method, context.peer(), _reason(exc))
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"request body is not a valid {method} message: {_reason(exc)}")
 
-    if handler.response_streaming:
+    async def receive(request_iterator, context):
+        """Admit the call and read its message; returns (request, release)."""
+        held: list[Callable[[], None]] = []
+
+        def release() -> None:
+            while held:
+                held.pop()()
+
+        try:
+            if data_plane:
+                if admission.admit is not None:
+                    await admission.admit(context)
+                if cap is not None:
+                    if not cap.enter():
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, cap.refusal())
+                    held.append(cap.leave)
+                raw = await _read_message(admission, method, request_iterator, context)
+            else:
+                host = peer_host(context.peer())
+                raw = await _read_message(admission, method, request_iterator, context, host)
+                if streaming:
+                    if not admission.watches.enter(host):
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _refuse_start(
+                            admission, method, f"too many {short} streams are open (at most {WATCH_LIMIT}, "
+                            f"{WATCH_PER_HOST} per host); close one or poll instead", context))
+                    held.append(lambda: admission.watches.leave(host))
+            try:
+                request = parse(raw)
+            except Exception as exc:  # DecodeError, or a UnicodeDecodeError on some protobuf builds
+                await refuse(exc, context)
+            return request, release
+        except BaseException:
+            release()
+            raise
+
+    if streaming:
         inner = handler.unary_stream
 
-        async def unary_stream(raw: bytes, context):
-            if cap is not None and not cap.enter():
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, cap.refusal())
+        async def stream_stream(request_iterator, context):
+            request, release = await receive(request_iterator, context)
             try:
-                try:
-                    request = parse(raw)
-                except Exception as exc:  # DecodeError, or a UnicodeDecodeError on some protobuf builds
-                    await refuse(exc, context)
-                    return
                 out = inner(request, context)
                 if inspect.isasyncgen(out):
                     async for msg in out:
@@ -202,28 +392,21 @@ def _guard(method: str, handler: grpc.RpcMethodHandler, cap: RpcCap | None = Non
                 else:  # a coroutine that sends with context.write (the health service's Watch)
                     await out
             finally:
-                if cap is not None:
-                    cap.leave()
+                release()
 
-        return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=None,
-                                                    response_serializer=handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(stream_stream, request_deserializer=None,
+                                                     response_serializer=handler.response_serializer)
     inner = handler.unary_unary
 
-    async def unary_unary(raw: bytes, context):
-        if cap is not None and not cap.enter():
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, cap.refusal())
+    async def stream_unary(request_iterator, context):
+        request, release = await receive(request_iterator, context)
         try:
-            try:
-                request = parse(raw)
-            except Exception as exc:
-                await refuse(exc, context)
             return await inner(request, context)
         finally:
-            if cap is not None:
-                cap.leave()
+            release()
 
-    return grpc.unary_unary_rpc_method_handler(unary_unary, request_deserializer=None,
-                                               response_serializer=handler.response_serializer)
+    return grpc.stream_unary_rpc_method_handler(stream_unary, request_deserializer=None,
+                                                response_serializer=handler.response_serializer)
 
 
 class _Capture:
@@ -239,16 +422,18 @@ class _Capture:
         self.services.append((service, handlers))
 
 
-def add_guarded(add: Callable, servicer, server, cap: RpcCap | None = None) -> None:
+def add_guarded(add: Callable, servicer, server, admission: CallAdmission | None = None) -> None:
     """Register ``servicer`` on ``server`` as ``add(servicer, server)`` would, with request
     parsing failures answered INVALID_ARGUMENT (unary-request methods only; kvmesh has
-    no client-streaming RPC) and, with ``cap``, its `DATA_PLANE_METHODS` counted by it."""
+    no client-streaming RPC) and each call admitted by ``admission`` (`CallAdmission`;
+    None: one with no data-plane cap and no credentials check)."""
     capture = _Capture()
     add(servicer, capture)
     if not capture.services:  # generated by an older grpcio-tools: register unguarded
         add(servicer, server)
+    admission = admission or CallAdmission()
     for service, handlers in capture.services:
-        guarded = {name: _guard(f"{service}/{name}", h, cap if name in DATA_PLANE_METHODS else None)
+        guarded = {name: _guard(f"{service}/{name}", h, admission, name in DATA_PLANE_METHODS)
                    for name, h in handlers.items()}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, guarded),))
         server.add_registered_method_handlers(service, guarded)

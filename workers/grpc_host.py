@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh.workers.grpc_guard import RpcCap, add_guarded
+from kvmesh.workers.grpc_guard import REQUEST_MESSAGE_TIMEOUT_S, CallAdmission, RpcCap, add_guarded
 
 #: Largest message a channel accepts and a server sends (bytes): FetchBlocks streams KV
 #: payloads. What a server accepts is set per server from what a valid request needs
@@ -74,6 +74,11 @@ class GrpcHost:
     ``max_concurrent_rpcs + CONTROL_RPC_RESERVE``, caps all RPCs, so health checks and
     control-plane RPCs still answer while the data plane is full. Memory held by requests
     is thus bounded by about ``(max_concurrent_rpcs + CONTROL_RPC_RESERVE) * max_receive_bytes``.
+    Calls are admitted when they start, before their request message
+    (`grpc_guard.CallAdmission`): ``admit`` (``await admit(context)``, e.g.
+    `kvmesh.services.auth.Gate.admit`) refuses a data-plane call without credentials at
+    once, and calls that never send their message cannot hold the reserve; each call has
+    ``message_timeout_s`` seconds to deliver its message.
 
     Raises:
         ValueError: ``max_concurrent_rpcs`` < 1.
@@ -82,7 +87,8 @@ class GrpcHost:
 
     def __init__(self, host: str, port: int, services: list[tuple[Callable, object, str]], tls=None,
                  reflection_on: bool = False, max_receive_bytes: int = 1024 * 1024,
-                 max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS):
+                 max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS, admit=None,
+                 message_timeout_s: float = REQUEST_MESSAGE_TIMEOUT_S):
         self.host = host
         self.port = port
         self.tls = tls
@@ -96,10 +102,13 @@ class GrpcHost:
             ("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=self.cap.limit + CONTROL_RPC_RESERVE)
         self.health = health_aio.HealthServicer()
         self.names = [name for _, _, name in services]
+        # calls are admitted at their start, before their message (grpc_guard.CallAdmission):
+        # a body that does not parse: INVALID_ARGUMENT; data-plane RPCs over the cap or without
+        # credentials: RESOURCE_EXHAUSTED / UNAUTHENTICATED at once; no message in time: DEADLINE_EXCEEDED
+        self.admission = CallAdmission(self.cap, admit, message_timeout_s)
         for add, servicer, _ in services:
-            # a body that does not parse: INVALID_ARGUMENT; data-plane RPCs over the cap: RESOURCE_EXHAUSTED
-            add_guarded(add, servicer, self.server, self.cap)
-        add_guarded(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server)
+            add_guarded(add, servicer, self.server, self.admission)
+        add_guarded(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server, self.admission)
         if reflection_on:
             reflection.enable_server_reflection(
                 (*self.names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
