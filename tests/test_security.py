@@ -210,6 +210,9 @@ def test_a_router_without_client_ca_says_unauthenticated(cluster):
         with pytest.raises(grpc.RpcError) as err:
             generate(address, token_ids=ids, max_tokens=1, timeout=30, **stranger)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # a stranger's calls that never send their message are refused at their start, so
+        # they cannot hold the server's slots (gRPC counts a call from its headers)
+        assert _stalled_codes(address, cluster.credentials.ca, 300) == {grpc.StatusCode.UNAUTHENTICATED}
         deadline = time.monotonic() + 30
         while True:  # the same TLS client with a key is served (once the router has read the leases)
             try:
@@ -228,6 +231,35 @@ def test_a_router_without_client_ca_says_unauthenticated(cluster):
     assert client_ca_port and no_client_ca, "docs/SECURITY.md lost the two cases"
     assert "UNAVAILABLE" in client_ca_port.group(0) and "UNAUTHENTICATED" not in client_ca_port.group(0)
     assert "UNAUTHENTICATED" in no_client_ca.group(0) and "UNAVAILABLE" not in no_client_ca.group(0)
+
+
+def _stalled_codes(address: str, ca_path: str, n: int) -> set:
+    """Open ``n`` Generate calls over TLS (the CA only: no certificate, no key) that never
+    send their request message; the codes they end with within 5 s (None: still open)."""
+    import asyncio
+
+    from grpc import aio
+
+    async def scenario():
+        release = asyncio.Event()
+
+        async def never():
+            await release.wait()
+            yield b""
+        with open(ca_path, "rb") as fh:
+            creds = grpc.ssl_channel_credentials(root_certificates=fh.read())
+        async with aio.secure_channel(address, creds) as ch:
+            call = ch.stream_unary("/kvmesh.v1.Router/Generate", request_serializer=lambda x: x,
+                                   response_deserializer=lambda b: b)
+            calls = [call(never(), timeout=60) for _ in range(n)]
+            await asyncio.wait([asyncio.ensure_future(c.code()) for c in calls], timeout=5)
+            codes = {(await c.code()) if c.done() else None for c in calls}
+            for c in calls:
+                c.cancel()
+            release.set()
+            return codes
+
+    return asyncio.run(scenario())
 
 
 def test_absent_or_unknown_api_key_is_unauthenticated(cluster):
