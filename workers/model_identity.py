@@ -14,8 +14,10 @@ of that:
   couple of seconds of a cold page cache's read time).
 
 Whole-file digests are cached in ``$KVMESH_CACHE_DIR`` (default ``~/.cache/kvmesh``)
-``/weight-digests.json``, keyed by the file's real path, size and mtime (ns), so a restart
-reads no weight file twice for its identity. A cache that cannot be read or written is
+``/weight-digests.json``, keyed by the file's real path, device, inode, size, mtime and
+ctime (ns), so a restart reads no weight file twice for its identity. ctime is in the key
+because mtime alone can be set back (``cp -p``, ``rsync -t``, ``os.utime``) over new
+weights of the same size; the kernel sets ctime on every write and metadata change. A cache that cannot be read or written is
 ignored (the digest is recomputed).
 """
 from __future__ import annotations
@@ -75,7 +77,7 @@ def file_digest(path: str, cache: dict | None = None) -> str:
     """
     real = os.path.realpath(path)
     st = os.stat(real)
-    key = f"{st.st_size}:{st.st_mtime_ns}"
+    key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
     if cache is not None:
         hit = cache.get(real)
         if isinstance(hit, dict) and hit.get("key") == key and isinstance(hit.get("digest"), str):
