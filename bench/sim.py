@@ -952,10 +952,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
         "trace": Path(args.trace).name, "requests": len(reqs), "workers": args.workers,
         "capacity_tokens": "unbounded" if args.unbounded else args.capacity_tokens,
         "num_blocks": args.num_blocks, "block_tokens": args.block_tokens,
-        "block_size": args.block_size, "backend": args.backend,
+        "block_size": args.block_size if args.block_size is not None else
+                      f"one cache block per trace block ({args.block_tokens} tokens)",
+        "backend": args.backend,
         "arrivals": f"closed loop of {args.concurrency}" if args.concurrency else
                     f"open loop, gaps between trace timestamps x {args.time_scale:g}",
-        "max_output_tokens": args.max_output_tokens,
+        "max_output_tokens": args.max_output_tokens if args.max_output_tokens is not None else "the trace's",
         "cost_model": asdict(cost), "seed": args.seed,
     }
     if args.peer_fetch_gbps is not None:

@@ -115,6 +115,8 @@ UNSUPPORTED = ("stop", "logprobs", "top_logprobs", "echo", "best_of", "suffix", 
                "stop_token_ids", "min_tokens")
 #: Neutral values of the unsupported fields that clients send by default.
 _NEUTRAL = (None, False, 0, 0.0, [], {}, "none", "auto")
+#: Per field, further values that ask for what kvmesh does anyway (OpenAI's defaults).
+_NEUTRAL_FOR = {"best_of": (1,), "response_format": ({"type": "text"},)}
 #: Request fields each route honours (OpenAI's, then kvmesh's extensions).
 HONOURED = {
     "completions": ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "n", "stream",
@@ -506,7 +508,12 @@ class HttpError(Exception):
         status, type_ = HTTP_STATUS.get(exc.code, (500, "server_error"))
         # a rate limit's "retry-after" (seconds) becomes the Retry-After header (RFC 9110, 10.2.3)
         retry = next((v for k, v in exc.trailing_metadata if k == "retry-after" and str(v).isdigit()), None)
-        return cls(status, exc.details or exc.code.name, type_, code=exc.code.name.lower(),
+        details = exc.details or exc.code.name
+        # the engine's one refusal about a request field that the front cannot check (it does
+        # not know the context): name it, as every refusal made here does
+        param = "max_tokens" if exc.code == grpc.StatusCode.INVALID_ARGUMENT and \
+            details.startswith("max_tokens ") else None
+        return cls(status, details, type_, param=param, code=exc.code.name.lower(),
                    headers={"Retry-After": str(retry)} if retry is not None else None)
 
     def body(self) -> dict:
@@ -598,11 +605,11 @@ def _top_p(body: dict) -> float:
     """``top_p`` in (0, 1] (as vLLM's ``SamplingParams``). 0 is refused rather than taken: the
     wire format reads a top_p of 0 as 1 (nucleus sampling off), the opposite of what a client
     asking for 0 means. Raises `HttpError` 400."""
-    value = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
-    if value == 0.0:
-        raise HttpError(400, "top_p must be in (0, 1]; 0 is not accepted (1 keeps every token, a small value "
-                             "such as 0.01 keeps only the likeliest; for greedy decoding send temperature 0)",
-                        param="top_p")
+    value = _number(body, "top_p", 1.0)
+    if not 0.0 < value <= 1.0:
+        raise HttpError(400, f"top_p must be in (0, 1] (got {clip(repr(body.get('top_p')), 60)}): 1 keeps every "
+                             "token, a small value such as 0.01 keeps only the likeliest; for greedy decoding send "
+                             "temperature 0", param="top_p")
     return value
 
 
@@ -805,7 +812,8 @@ class HttpFront:
             raise HttpError(404, f"model {model!r} is not served here; this server serves {self.model_id!r} "
                                  f"(see GET /v1/models)", "not_found_error", param="model", code="model_not_found")
         for name in UNSUPPORTED:
-            if body.get(name) not in _NEUTRAL:
+            value = body.get(name)
+            if value not in _NEUTRAL and (isinstance(value, bool) or value not in _NEUTRAL_FOR.get(name, ())):
                 raise HttpError(400, f"{name} is not supported by kvmesh; remove it from the request", param=name)
         n = body.get("n", 1)
         if n not in (None, 1):

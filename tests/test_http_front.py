@@ -166,6 +166,9 @@ def _refused(path: str, body: dict | bytes, headers: dict | None = None, **kw) -
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "a", "temperature": -1}, "temperature"),
     ({"prompt": "a", "top_p": 0}, "top_p"),  # the wire reads 0 as "off": taken, it would sample from every token
+    ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "best_of": 2}, "best_of"),
+    ({"prompt": "a", "best_of": True}, "best_of"),
     ({"prompt": "a", "n": 2}, "n"),
     ({"prompt": "a", "logprobs": 2}, "logprobs"),
     ({"prompt": [1, -3]}, "prompt"),
@@ -179,6 +182,8 @@ def _refused(path: str, body: dict | bytes, headers: dict | None = None, **kw) -
 def test_bad_fields_are_400_naming_the_field(body, param):
     status, err = _refused("completions", body)
     assert status == 400 and err["error"]["param"] == param and param in err["error"]["message"]
+    if param == "top_p":  # one range, whichever side is crossed
+        assert "(0, 1]" in err["error"]["message"]
 
 
 @pytest.mark.parametrize("path,body,param,says", [
@@ -279,12 +284,12 @@ def test_openai_client_fields_are_accepted():
 
     completion = {"model": "m", "prompt": "abc", "max_tokens": 2, "temperature": 0, "top_p": 1, "seed": 3,
                   "n": 1, "stream": False, "stream_options": None, "user": "u-17", "logprobs": None,
-                  "echo": False, "stop": None, "presence_penalty": 0, "frequency_penalty": 0, "best_of": None,
+                  "echo": False, "stop": None, "presence_penalty": 0, "frequency_penalty": 0, "best_of": 1,
                   "suffix": None, "logit_bias": None}
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2,
             "user": "u-17", "metadata": {"team": "search"}, "store": False, "service_tier": "auto",
             "parallel_tool_calls": True, "prompt_cache_key": "k", "safety_identifier": "s", "logprobs": False,
-            "top_logprobs": None, "modalities": ["text"], "tools": None, "response_format": None}
+            "top_logprobs": None, "modalities": ["text"], "tools": None, "response_format": {"type": "text"}}
 
     async def run():
         front, url = await _serve(generate)
@@ -897,3 +902,31 @@ def test_malformed_requests_cannot_flood_the_log_with_tracebacks(caplog):
     assert all("\n" not in r.getMessage() and ("Can not decode content-encoding: gzip" in r.getMessage()
                                                or "chunk" in r.getMessage().lower()) for r in ours), \
         [r.getMessage() for r in ours]
+
+
+def test_a_worker_refusing_max_tokens_over_its_context_names_the_field():
+    """The front cannot check a request against a worker's context it does not know; the
+    worker's refusal (`limits.check_completion_room`) comes back as a 400 naming max_tokens,
+    as the refusals made in the front itself name their field."""
+    from kvmesh.workers import limits
+    from kvmesh.workers.request import InvalidRequest
+
+    async def generate(req, ctx):
+        try:
+            limits.check_completion_room(3, req.sampling.max_tokens, 8)
+        except InvalidRequest as exc:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        yield _final()
+
+    async def run():
+        front, url = await _serve(generate)
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(f"{url}/completions", json={"prompt": "abc", "max_tokens": 50})
+                return r.status, await r.json()
+        finally:
+            await front.stop()
+
+    status, err = asyncio.run(run())
+    assert status == 400 and err["error"]["param"] == "max_tokens", err
+    assert "at most 5 tokens" in err["error"]["message"]
