@@ -253,28 +253,23 @@ class Gate:
                                 f"{what} is cluster-internal: only peers holding a certificate of the cluster CA "
                                 "(--tls-ca) may call it")
 
-    async def require_caller(self, context, what: str) -> None:
+    async def require_caller(self, context, what: str | None) -> None:
         """Abort with UNAUTHENTICATED unless the caller is a cluster peer or has credentials
-        that map to a tenant (the same ones a Generate needs; anyone in open mode)."""
+        that map to a tenant (the same ones a Generate needs; anyone in open mode). The
+        message names ``what`` (None: the refusal alone, as `identity` gives it)."""
         caller = self.caller(context)
         if caller.is_peer:
             return
         try:
             self.auth.tenant_for(_metadata(context, "authorization"), caller.name if caller.kind == "client" else None)
         except Unauthenticated as exc:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{what}: {exc}")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{what}: {exc}" if what else str(exc))
 
     async def admit(self, context) -> None:
         """Abort with UNAUTHENTICATED, at a data-plane call's start (before its request message
         arrives: `kvmesh.workers.grpc_guard.CallAdmission`), unless the caller is a peer or
         has credentials that map to a tenant; the same refusal `identity` gives later."""
-        caller = self.caller(context)
-        if caller.is_peer:
-            return
-        try:
-            self.auth.tenant_for(_metadata(context, "authorization"), caller.name if caller.kind == "client" else None)
-        except Unauthenticated as exc:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        await self.require_caller(context, None)
 
     async def tenant(self, context, request, edge: bool = False) -> tuple[str, str]:
         """(tenant, cache salt) of a Generate request; aborts the RPC on a refusal.
