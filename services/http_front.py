@@ -605,11 +605,16 @@ def _top_p(body: dict) -> float:
     """``top_p`` in (0, 1] (as vLLM's ``SamplingParams``). 0 is refused rather than taken: the
     wire format reads a top_p of 0 as 1 (nucleus sampling off), the opposite of what a client
     asking for 0 means. Raises `HttpError` 400."""
-    value = _number(body, "top_p", 1.0)
-    if not 0.0 < value <= 1.0:
-        raise HttpError(400, f"top_p must be in (0, 1] (got {clip(repr(body.get('top_p')), 60)}): 1 keeps every "
-                             "token, a small value such as 0.01 keeps only the likeliest; for greedy decoding send "
-                             "temperature 0", param="top_p")
+    why = (f"top_p must be in (0, 1] (got {clip(repr(body.get('top_p')), 60)}): 1 keeps every token, a small "
+           "value such as 0.01 keeps only the likeliest; for greedy decoding send temperature 0")
+    try:
+        value = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
+    except HttpError as exc:
+        if "must be in" in exc.message:
+            raise HttpError(400, why, param="top_p") from None
+        raise  # not a number
+    if value == 0.0:
+        raise HttpError(400, why, param="top_p")
     return value
 
 

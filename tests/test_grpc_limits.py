@@ -150,16 +150,14 @@ def test_calls_that_never_send_their_message_cannot_block_the_server(spawn_worke
     async def scenario():
         release = asyncio.Event()
         async with aio.insecure_channel(address) as attacker, aio.insecure_channel(address) as ch:
-            stalled = await _stalled_calls(attacker, "/kvmesh.v1.Worker/Generate", 40, release)
-            stalled += await _stalled_calls(attacker, "/grpc.health.v1.Health/Check", CONTROL_RPC_RESERVE + 20,
-                                            release)
+            # more calls than gRPC's whole limit (CAP + CONTROL_RPC_RESERVE); the ones past the
+            # cap are refused at once (control calls from other hosts: the next test)
+            stalled = await _stalled_calls(attacker, "/kvmesh.v1.Worker/Generate", CONTROL_RPC_RESERVE + 40, release)
             await asyncio.sleep(1.0)
             refused = [c for c in stalled if c.done()]
             codes = {(await c.code()) for c in refused}
-            # more calls than gRPC's whole limit (CAP + CONTROL_RPC_RESERVE) were opened; the
-            # ones past the cap and the per-host limit were refused at once
             assert codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
-            assert len(stalled) - len(refused) == CAP + CONTROL_PENDING_PER_HOST
+            assert len(stalled) - len(refused) == CAP
             health = health_pb2_grpc.HealthStub(ch)
             assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == \
                 health_pb2.HealthCheckResponse.SERVING
@@ -234,3 +232,102 @@ def test_peer_host_names_the_client_host():
     assert limit.enter("b") and not limit.enter("c")  # in all
     limit.leave("a")
     assert limit.enter("c") and limit.by_host == {"a": 1, "b": 1, "c": 1}
+
+
+class _Trivial:
+    """A Worker servicer whose Generate answers at once (the admission is under test)."""
+
+    async def Generate(self, request, context):
+        yield pb.GenerateResponse(finished=True)
+
+
+def test_one_host_cannot_hold_the_data_plane_or_flood_the_reserve(monkeypatch):
+    """Review findings: stalled data-plane calls from one host each held a slot of the cap
+    (per-tenant caps apply only once the message is read), and control calls younger than
+    the grace period were not counted, so a client re-opening them quickly filled the
+    reserve. Now one host holds at most DATA_PENDING_PER_HOST stalled data-plane calls, and
+    control calls count from their start."""
+    import asyncio
+
+    from grpc import aio
+
+    from kvmesh.workers.grpc_guard import DATA_PENDING_PER_HOST
+    from kvmesh.workers.grpc_host import GrpcHost
+
+    cap = DATA_PENDING_PER_HOST + 8
+    # each connection stands for a client host (every test client is on 127.0.0.1)
+    monkeypatch.setattr("kvmesh.workers.grpc_guard.peer_host", lambda peer: peer)
+
+    async def scenario():
+        trivial = type("S", (_Trivial, pb_grpc.WorkerServicer), {})()
+        host = GrpcHost("127.0.0.1", 0, [(pb_grpc.add_WorkerServicer_to_server, trivial, "kvmesh.v1.Worker")],
+                        max_concurrent_rpcs=cap)
+        port = await host.start()
+        release = asyncio.Event()
+        try:
+            own = [("grpc.use_local_subchannel_pool", 1)]  # two connections, not one shared
+            async with aio.insecure_channel(f"127.0.0.1:{port}", options=own) as attacker, \
+                    aio.insecure_channel(f"127.0.0.1:{port}", options=own) as ch:
+                health = health_pb2_grpc.HealthStub(ch)
+                checks = await _stalled_calls(attacker, "/grpc.health.v1.Health/Check", CONTROL_RPC_RESERVE + 16,
+                                              release)
+                # at once, before any grace period: the reserve still answers
+                assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+                gens = await _stalled_calls(attacker, "/kvmesh.v1.Worker/Generate", cap, release)
+                await asyncio.sleep(1.0)
+                assert sum(not c.done() for c in checks) == CONTROL_PENDING_PER_HOST
+                assert sum(not c.done() for c in gens) == DATA_PENDING_PER_HOST
+                assert {(await c.code()) for c in checks + gens if c.done()} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+                # the rest of the data plane serves others
+                out = [m async for m in pb_grpc.WorkerStub(ch).Generate(pb.GenerateRequest(), timeout=10)]
+                assert out[-1].finished
+                for c in checks + gens:
+                    c.cancel()
+        finally:
+            release.set()
+            await host.server.stop(0)
+        return host.admission
+
+    admission = asyncio.run(scenario())
+    assert admission.pending.total == admission.data_pending.total == admission.cap.active == 0
+
+
+def test_reflection_streams_are_bounded_like_watch_streams():
+    import asyncio
+
+    from grpc import aio
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from kvmesh.workers.grpc_host import GrpcHost
+
+    async def scenario():
+        host = GrpcHost("127.0.0.1", 0, [], reflection_on=True)
+        port = await host.start()
+        release = asyncio.Event()
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+
+                async def idle():
+                    await release.wait()
+                    yield reflection_pb2.ServerReflectionRequest(list_services="")
+                held = [stub.ServerReflectionInfo(idle()) for _ in range(WATCH_PER_HOST + 3)]
+                await asyncio.sleep(1.0)
+                assert sum(not c.done() for c in held) == WATCH_PER_HOST
+                # reflection itself still works once a stream is free
+                for c in held:
+                    c.cancel()
+                await asyncio.sleep(0.2)
+
+                async def one():
+                    yield reflection_pb2.ServerReflectionRequest(list_services="")
+                names = [s.name async for r in stub.ServerReflectionInfo(one())
+                         for s in r.list_services_response.service]
+                assert "grpc.health.v1.Health" in names
+                assert host.admission.watches.total == 0
+        finally:
+            release.set()
+            await host.server.stop(0)
+
+    asyncio.run(scenario())

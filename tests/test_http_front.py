@@ -167,6 +167,7 @@ def _refused(path: str, body: dict | bytes, headers: dict | None = None, **kw) -
     ({"prompt": "a", "temperature": -1}, "temperature"),
     ({"prompt": "a", "top_p": 0}, "top_p"),  # the wire reads 0 as "off": taken, it would sample from every token
     ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "top_p": 10 ** 400}, "top_p"),  # once a 500: float() of it overflows
     ({"prompt": "a", "best_of": 2}, "best_of"),
     ({"prompt": "a", "best_of": True}, "best_of"),
     ({"prompt": "a", "n": 2}, "n"),

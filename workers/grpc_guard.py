@@ -186,13 +186,20 @@ DATA_PLANE_METHODS = frozenset({"Generate", "Tokenize", "FetchBlocks"})
 #: link a cluster uses). Past it the call is answered DEADLINE_EXCEEDED and its slot is freed.
 REQUEST_MESSAGE_TIMEOUT_S = 10.0
 #: Control-plane calls (health, GetLoad, Status, ...) waiting for their request message at
-#: once: in all, and from one client host. Half of `grpc_host.CONTROL_RPC_RESERVE`.
+#: once, counted from the call's start: in all, and from one client host. Half of
+#: `grpc_host.CONTROL_RPC_RESERVE`.
 CONTROL_PENDING_LIMIT = 32
 CONTROL_PENDING_PER_HOST = 8
-#: Health Watch streams open at once (they last as long as the caller keeps them): in all,
-#: and from one client host.
+#: Long-lived control streams open at once (health Watch, and server reflection when it is
+#: on; they last as long as the caller keeps them): in all, and from one client host.
 WATCH_LIMIT = 16
 WATCH_PER_HOST = 4
+#: Data-plane calls whose message has not come with the call (`_PROMPT_MESSAGE_S`) waiting
+#: for it at once: in all, and from one client host. Each also holds a `RpcCap` slot, so
+#: without this one caller's stalled calls could take the whole data plane (per-tenant caps
+#: apply only once the message, which names a peer's tenant, is read).
+DATA_PENDING_LIMIT = 64
+DATA_PENDING_PER_HOST = 16
 
 
 def peer_host(peer: str) -> str:
@@ -240,9 +247,13 @@ class CallAdmission:
       credentials check: a caller without credentials is refused UNAUTHENTICATED at once)
       and takes a slot of ``cap`` (RESOURCE_EXHAUSTED at once when none is free), held until
       the call ends.
-    * A control-plane call whose message is not there at once takes a `HostLimit` slot
-      while it waits for it (``CONTROL_PENDING_LIMIT`` in all, ``CONTROL_PENDING_PER_HOST``
-      per client host; none free: RESOURCE_EXHAUSTED); a health Watch takes one of ``WATCH_LIMIT`` (``WATCH_PER_HOST`` per host) for as long as
+    * A data-plane call whose message has not come within ``_PROMPT_MESSAGE_S`` takes a
+      `HostLimit` slot while it waits for it (``DATA_PENDING_LIMIT`` in all,
+      ``DATA_PENDING_PER_HOST`` per client host; none free: RESOURCE_EXHAUSTED), so one
+      caller cannot hold the whole data plane with calls that never send their message.
+    * A control-plane call takes a `HostLimit` slot from its start until its message has
+      arrived (``CONTROL_PENDING_LIMIT`` in all, ``CONTROL_PENDING_PER_HOST`` per client
+      host; none free: RESOURCE_EXHAUSTED); a health Watch (or reflection stream) takes one of ``WATCH_LIMIT`` (``WATCH_PER_HOST`` per host) for as long as
       it stays open. Quick control calls thus always find slots of the reserve that
       `kvmesh.workers.grpc_host.GrpcHost` keeps above the data-plane cap.
     * Every call must deliver its message within ``message_timeout_s`` seconds.
@@ -260,6 +271,7 @@ class CallAdmission:
         self.admit = admit
         self.message_timeout_s = float(message_timeout_s)
         self.pending = HostLimit(CONTROL_PENDING_LIMIT, CONTROL_PENDING_PER_HOST)
+        self.data_pending = HostLimit(DATA_PENDING_LIMIT, DATA_PENDING_PER_HOST)
         self.watches = HostLimit(WATCH_LIMIT, WATCH_PER_HOST)
         self.refused = 0      # calls refused at their start (no slot)
         self.timed_out = 0    # calls whose message did not arrive in time
@@ -271,37 +283,51 @@ def _refuse_start(admission: CallAdmission, method: str, what: str, context) -> 
     return what
 
 
-#: Seconds a control-plane call may wait for its message before it takes a `HostLimit` slot:
-#: a client sends the message with the call's headers, so only slow senders ever need one.
+#: Seconds a data-plane call may wait for its message before it takes a `HostLimit` slot:
+#: a client sends the message with the call's headers, so only slow senders ever need one
+#: (a burst of calls from one client, a router's to its workers, needs none).
 _PROMPT_MESSAGE_S = 0.05
 
 
-async def _read_message(admission: CallAdmission, method: str, request_iterator, context,
-                        pending_host: str | None = None) -> bytes:
+async def _read_message(admission: CallAdmission, method: str, context, limit: HostLimit | None = None,
+                        host: str = "", grace_s: float = 0.0) -> bytes:
     """The call's one request message (raw bytes); aborts the call when it does not arrive
-    within ``admission.message_timeout_s`` or the call ends without one. With
-    ``pending_host`` (a control-plane call), a message that is not there within
-    ``_PROMPT_MESSAGE_S`` holds one of ``admission.pending``'s slots while it is awaited,
-    and the call is refused RESOURCE_EXHAUSTED when none is free.
+    within ``admission.message_timeout_s`` or the call ends without one. With ``limit``,
+    the call holds one of its slots for ``host`` while the message is awaited, from the
+    call's start (``grace_s`` 0) or once ``grace_s`` seconds have passed, and is refused
+    RESOURCE_EXHAUSTED when none is free.
 
-    Awaited in the handler's own task (no task per call: one would keep the message alive
-    in reference cycles until the garbage collector ran)."""
+    Awaited in the handler's own task with ``context.read()``: a task per call, or a request
+    iterator suspended at its first message, would keep the message alive in reference
+    cycles until the garbage collector ran."""
     task = asyncio.current_task()
     state = {"held": False, "refused": False}
 
-    def slow() -> None:  # the message did not come with the call
-        if admission.pending.enter(pending_host):
+    def take() -> bool:
+        if limit.enter(host):
             state["held"] = True
         else:
             state["refused"] = True
+        return state["held"]
+
+    def slow() -> None:  # the message did not come with the call
+        if not take():
             task.cancel()
 
-    handle = asyncio.get_running_loop().call_later(_PROMPT_MESSAGE_S, slow) if pending_host is not None else None
+    def busy() -> str:
+        return _refuse_start(admission, method, "too many calls from this host (or from all hosts) are still "
+                             "sending their request message; send it with the call and retry", context)
+
+    handle = None
+    if limit is not None:
+        if grace_s <= 0:
+            if not take():
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, busy())
+        else:
+            handle = asyncio.get_running_loop().call_later(grace_s, slow)
     refusal = None
     try:
         async with asyncio.timeout(admission.message_timeout_s):
-            # context.read(), not the request iterator: a generator suspended at its first
-            # message would hold it (in a reference cycle) after the call ended
             raw = await context.read()
         if raw is grpc.aio.EOF:
             refusal = (grpc.StatusCode.INVALID_ARGUMENT, f"the {method} call ended without a request message")
@@ -318,23 +344,51 @@ async def _read_message(admission: CallAdmission, method: str, request_iterator,
         if not state["refused"]:
             raise  # the call itself was cancelled
         task.uncancel()
-        refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED, _refuse_start(
-            admission, method, "too many calls from this host (or from all hosts) are still sending their "
-            "request message; send it with the call and retry", context))
+        refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED, busy())
     finally:
         if handle is not None:
             handle.cancel()
         if state["held"]:
-            admission.pending.leave(pending_host)
+            limit.leave(host)
     await context.abort(*refusal)
+
+
+def _guard_stream(method: str, handler: grpc.RpcMethodHandler, admission: CallAdmission) -> grpc.RpcMethodHandler:
+    """A stream-request method (server reflection): each call holds one of
+    ``admission.watches``' slots for its whole life, as a health Watch does."""
+    if not handler.response_streaming:
+        return handler  # kvmesh serves no client-streaming unary method
+    inner = handler.stream_stream
+    short = method.rsplit("/", 1)[-1]
+
+    async def stream_stream(request_iterator, context):
+        host = peer_host(context.peer())
+        if not admission.watches.enter(host):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _refuse_start(
+                admission, method, f"too many {short} streams are open (at most {WATCH_LIMIT}, {WATCH_PER_HOST} per "
+                "host); close one and retry", context))
+        try:
+            out = inner(request_iterator, context)
+            if inspect.isasyncgen(out):
+                async for msg in out:
+                    yield msg
+            else:
+                await out
+        finally:
+            admission.watches.leave(host)
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream, request_deserializer=handler.request_deserializer,
+                                                 response_serializer=handler.response_serializer)
 
 
 def _guard(method: str, handler: grpc.RpcMethodHandler, admission: CallAdmission | None = None,
            data_plane: bool = False) -> grpc.RpcMethodHandler:
     parse = handler.request_deserializer
-    if parse is None or handler.request_streaming:
-        return handler
     admission = admission or CallAdmission()
+    if handler.request_streaming:
+        return _guard_stream(method, handler, admission)
+    if parse is None:
+        return handler
     cap = admission.cap if data_plane else None
     streaming = handler.response_streaming
     short = method.rsplit("/", 1)[-1]
@@ -360,10 +414,11 @@ def _guard(method: str, handler: grpc.RpcMethodHandler, admission: CallAdmission
                     if not cap.enter():
                         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, cap.refusal())
                     held.append(cap.leave)
-                raw = await _read_message(admission, method, request_iterator, context)
+                raw = await _read_message(admission, method, context, admission.data_pending,
+                                          peer_host(context.peer()), _PROMPT_MESSAGE_S)
             else:
                 host = peer_host(context.peer())
-                raw = await _read_message(admission, method, request_iterator, context, host)
+                raw = await _read_message(admission, method, context, admission.pending, host)
                 if streaming:
                     if not admission.watches.enter(host):
                         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _refuse_start(

@@ -15,7 +15,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from kvmesh.workers.grpc_guard import REQUEST_MESSAGE_TIMEOUT_S, CallAdmission, RpcCap, add_guarded
 
@@ -109,10 +109,10 @@ class GrpcHost:
         for add, servicer, _ in services:
             add_guarded(add, servicer, self.server, self.admission)
         add_guarded(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server, self.admission)
-        if reflection_on:
-            reflection.enable_server_reflection(
-                (*self.names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-                self.server)
+        if reflection_on:  # its streams are bounded like health Watch streams (CallAdmission)
+            names = (*self.names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+            add_guarded(reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
+                        reflection.aio.ReflectionServicer(names), self.server, self.admission)
 
     async def start(self) -> int:
         """Bind, start and report SERVING; returns the bound port."""
