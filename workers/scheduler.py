@@ -462,15 +462,24 @@ class Scheduler:
         media: list[str] = []
         if self.tiers is not None and num_device < max_blocks:
             media = self._load_from_tiers(req, block_ids, max_blocks)
-        req.block_table = block_ids
-        req.num_computed = len(block_ids) * self.block_size
-        req.num_committed_blocks = len(block_ids)
         if self.tiers is not None:  # rows loaded from a lossy codec stay lossy on the device
             loss = [self.tiers.row_loss[b] for b in block_ids]
+            if req.num_cached >= 0:
+                # scheduled again after a preemption: never on KV lossier than the request's
+                # first schedule used (usage reported that one), so a request that started
+                # on exact KV stays equal to a cold run; lossier rows are computed again
+                cut = next((i for i, r in enumerate(loss) if r > req.allowed_loss), len(loss))
+                if cut < len(block_ids):
+                    self.cache.unlock(block_ids[cut:])
+                    del block_ids[cut:], loss[cut:]
             # the rows this request computes depend on that KV: they carry its loss rank on
             # (`_grow`), so a later hit on them is reported lossy and never exported as exact
             req.context_loss = max(loss, default=0)
+        req.block_table = block_ids
+        req.num_computed = len(block_ids) * self.block_size
+        req.num_committed_blocks = len(block_ids)
         if req.num_cached < 0:  # first schedule: this is what usage reports
+            req.allowed_loss = req.context_loss
             req.num_cached = req.num_computed
             by_tier = {"device": num_device * self.block_size} if num_device else {}
             for m in media:
