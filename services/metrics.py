@@ -251,6 +251,44 @@ class WorkerMetrics:
         self.fetch_decisions.labels(decision=decision).inc()
 
 
+class AdmissionCollector:
+    """The gRPC server's call admission (`kvmesh.workers.grpc_guard.CallAdmission`), read at
+    scrape time: data-plane calls in flight, calls still sending their request message, and
+    the calls refused at their start or whose message never came (counters since start)."""
+
+    def __init__(self, admission):
+        self.a = admission
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        a = self.a
+        inflight = GaugeMetricFamily(_name("grpc_data_plane_calls_in_flight"),
+                                     "Data-plane gRPC calls holding a --max-concurrent-rpcs slot.")
+        inflight.add_metric([], a.cap.active if a.cap is not None else 0)
+        yield inflight
+        awaiting = GaugeMetricFamily(_name("grpc_calls_awaiting_message"), "gRPC calls started whose request "
+                                     "message has not arrived yet (control: all; data: past 50 ms).",
+                                     labels=["plane"])
+        awaiting.add_metric(["control"], a.pending.total)
+        awaiting.add_metric(["data"], a.data_pending.total)
+        yield awaiting
+        streams = GaugeMetricFamily(_name("grpc_streams_open"), "Long-lived control streams open (health "
+                                    "Watch, reflection).")
+        streams.add_metric([], a.watches.total)
+        yield streams
+        refused = CounterMetricFamily(_name("grpc_calls_refused_at_start"), "gRPC calls refused when they "
+                                      "started: too many from one client host still sending their message, "
+                                      "or too many streams.")
+        refused.add_metric([], a.refused)
+        yield refused
+        late = CounterMetricFamily(_name("grpc_calls_message_timeout"), "gRPC calls whose request message "
+                                   "did not arrive in time (DEADLINE_EXCEEDED).")
+        late.add_metric([], a.timed_out)
+        yield late
+
+
 class _EngineCollector:
     """Gauges and tier counters read from the engine at scrape time, without locks."""
 

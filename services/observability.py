@@ -45,6 +45,16 @@ def _serve_metrics(extras: Extras, registry, host: str, port: int, what: str) ->
     print(f"kvmesh {what} metrics on http://{host}:{bound}/metrics", flush=True)
 
 
+def _register_admission(servicer, registry) -> None:
+    """The gRPC server's admission metrics (`metrics.AdmissionCollector`), when the server
+    passed its `CallAdmission` on as ``servicer.admission``."""
+    admission = getattr(servicer, "admission", None)
+    if admission is not None:
+        from kvmesh.services.metrics import AdmissionCollector
+
+        registry.register(AdmissionCollector(admission))
+
+
 async def start_worker_extras(servicer, host: str, metrics_port: int | None, http_port: int | None,
                               authenticate=None, ssl_context=None) -> Extras:
     """Serve a worker's metrics and, optionally, its HTTP front.
@@ -63,6 +73,7 @@ async def start_worker_extras(servicer, host: str, metrics_port: int | None, htt
     metrics = WorkerMetrics(servicer.engine, servicer.worker_id)
     servicer.metrics = metrics
     extras.registry = metrics.registry
+    _register_admission(servicer, metrics.registry)
     if metrics_port is not None:
         _serve_metrics(extras, metrics.registry, host, metrics_port, f"worker {servicer.worker_id}")
     if http_port is not None:
@@ -110,6 +121,7 @@ async def start_router_extras(servicer, host: str, metrics_port: int | None, htt
     servicer.metrics = metrics
     servicer.subscriber.on_batch = metrics.observe_batch
     extras.registry = metrics.registry
+    _register_admission(servicer, metrics.registry)
     if metrics_port is not None:
         _serve_metrics(extras, metrics.registry, host, metrics_port, "router")
     if http_port is not None:

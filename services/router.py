@@ -602,6 +602,7 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
         max_receive_bytes=limits.request_bytes_limit(
             servicer.config.max_position_embeddings, limits.ROUTER_TOKEN_ID_CONTEXT if model_dir is None else 0),
         max_concurrent_rpcs=max_concurrent_rpcs, admit=gate.admit)
+    servicer.admission = grpc_host.admission  # for the metrics
     servicer.shared = SharedLoad(redis_url, cluster, servicer.shared_counts)
     from kvmesh.services import observability
 

@@ -157,7 +157,20 @@ def test_calls_that_never_send_their_message_cannot_block_the_server(spawn_worke
 
     from grpc import aio
 
-    address, _ = spawn_worker("--max-concurrent-rpcs", str(CAP), "--max-seqs", "4", "--num-blocks", "256")
+    from kvmesh.services.procs import free_port
+
+    metrics_port = free_port()
+    address, _ = spawn_worker("--max-concurrent-rpcs", str(CAP), "--max-seqs", "4", "--num-blocks", "256",
+                              "--metrics-port", str(metrics_port))
+
+    def scrape() -> dict:
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
 
     async def scenario():
         release = asyncio.Event()
@@ -168,6 +181,9 @@ def test_calls_that_never_send_their_message_cannot_block_the_server(spawn_worke
             assert await _settle(stalled, CAP) == CAP
             codes = {(await c.code()) for c in stalled if c.done()}
             assert codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+            seen = await asyncio.to_thread(scrape)  # what an operator sees
+            assert seen[("kvmesh:grpc_data_plane_calls_in_flight", ())] == CAP
+            assert seen[("kvmesh:grpc_calls_awaiting_message", (("plane", "data"),))] == CAP
             health = health_pb2_grpc.HealthStub(ch)
             assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == \
                 health_pb2.HealthCheckResponse.SERVING

@@ -346,6 +346,7 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
                          max_receive_bytes=max(limits.request_bytes_limit(engine.max_model_len),
                                                limits.fetch_request_bytes_limit(MAX_FETCH_BLOCKS, HASH_BYTES)),
                          max_concurrent_rpcs=max_concurrent_rpcs, admit=gate.admit if gate is not None else None)
+    servicer.admission = grpc_host.admission  # for the metrics
     engine.start()
     from kvmesh.services import observability
 
