@@ -264,29 +264,24 @@ class AdmissionCollector:
 
     def collect(self):
         a = self.a
-        inflight = GaugeMetricFamily(_name("grpc_data_plane_calls_in_flight"),
-                                     "Data-plane gRPC calls holding a --max-concurrent-rpcs slot.")
-        inflight.add_metric([], a.cap.active if a.cap is not None else 0)
-        yield inflight
+        one = [(GaugeMetricFamily, "grpc_data_plane_calls_in_flight",
+                "Data-plane gRPC calls holding a --max-concurrent-rpcs slot.", a.cap.active if a.cap else 0),
+               (GaugeMetricFamily, "grpc_streams_open", "Long-lived control streams open (health Watch, "
+                "reflection).", a.watches.total),
+               (CounterMetricFamily, "grpc_calls_refused_at_start", "gRPC calls refused when they started: too "
+                "many from one client host still sending their message, or too many streams.", a.refused),
+               (CounterMetricFamily, "grpc_calls_message_timeout", "gRPC calls whose request message did not "
+                "arrive in time (DEADLINE_EXCEEDED).", a.timed_out)]
+        for family, name, help_text, value in one:
+            metric = family(_name(name), help_text)
+            metric.add_metric([], value)
+            yield metric
         awaiting = GaugeMetricFamily(_name("grpc_calls_awaiting_message"), "gRPC calls started whose request "
                                      "message has not arrived yet (control: all; data: past 50 ms).",
                                      labels=["plane"])
         awaiting.add_metric(["control"], a.pending.total)
         awaiting.add_metric(["data"], a.data_pending.total)
         yield awaiting
-        streams = GaugeMetricFamily(_name("grpc_streams_open"), "Long-lived control streams open (health "
-                                    "Watch, reflection).")
-        streams.add_metric([], a.watches.total)
-        yield streams
-        refused = CounterMetricFamily(_name("grpc_calls_refused_at_start"), "gRPC calls refused when they "
-                                      "started: too many from one client host still sending their message, "
-                                      "or too many streams.")
-        refused.add_metric([], a.refused)
-        yield refused
-        late = CounterMetricFamily(_name("grpc_calls_message_timeout"), "gRPC calls whose request message "
-                                   "did not arrive in time (DEADLINE_EXCEEDED).")
-        late.add_metric([], a.timed_out)
-        yield late
 
 
 class _EngineCollector:
