@@ -276,12 +276,14 @@ class AdmissionCollector:
             metric = family(_name(name), help_text)
             metric.add_metric([], value)
             yield metric
-        awaiting = GaugeMetricFamily(_name("grpc_calls_awaiting_message"), "gRPC calls started whose request "
-                                     "message has not arrived yet (control: all; data: past 50 ms).",
-                                     labels=["plane"])
-        awaiting.add_metric(["control"], a.pending.total)
-        awaiting.add_metric(["data"], a.data_pending.total)
+        awaiting = GaugeMetricFamily(_name("grpc_calls_awaiting_message"), "Data-plane gRPC calls whose request "
+                                     "message did not come with them and has not arrived yet.")
+        awaiting.add_metric([], a.data_pending.total)
         yield awaiting
+        control = GaugeMetricFamily(_name("grpc_control_calls_open"), "Control-plane gRPC calls open (health, "
+                                    "GetLoad, Status, ...), from their start to their end.")
+        control.add_metric([], a.control.total)
+        yield control
 
 
 class _EngineCollector:

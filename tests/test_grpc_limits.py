@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
-from kvmesh.workers.grpc_guard import CONTROL_PENDING_PER_HOST, WATCH_PER_HOST
+from kvmesh.workers.grpc_guard import CONTROL_PER_HOST, WATCH_PER_HOST
 from kvmesh.workers.grpc_host import CONTROL_RPC_RESERVE
 
 pytestmark = pytest.mark.slow
@@ -183,7 +183,7 @@ def test_calls_that_never_send_their_message_cannot_block_the_server(spawn_worke
             assert codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
             seen = await asyncio.to_thread(scrape)  # what an operator sees
             assert seen[("kvmesh:grpc_data_plane_calls_in_flight", ())] == CAP
-            assert seen[("kvmesh:grpc_calls_awaiting_message", (("plane", "data"),))] == CAP
+            assert seen[("kvmesh:grpc_calls_awaiting_message", ())] == CAP
             health = health_pb2_grpc.HealthStub(ch)
             assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == \
                 health_pb2.HealthCheckResponse.SERVING
@@ -238,7 +238,7 @@ def test_a_call_without_its_message_in_time_is_deadline_exceeded():
                 health = health_pb2_grpc.HealthStub(ch)
                 assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == \
                     health_pb2.HealthCheckResponse.SERVING
-                assert host.admission.pending.total == 0 and host.admission.timed_out == 1
+                assert host.admission.control.total == 0 and host.admission.timed_out == 1
         finally:
             release.set()
             await host.server.stop(0)
@@ -301,7 +301,7 @@ def test_one_host_cannot_hold_the_data_plane_or_flood_the_reserve(monkeypatch):
                 assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == \
                     health_pb2.HealthCheckResponse.SERVING
                 gens = await _stalled_calls(attacker, "/kvmesh.v1.Worker/Generate", cap, release)
-                assert await _settle(checks, CONTROL_PENDING_PER_HOST) == CONTROL_PENDING_PER_HOST
+                assert await _settle(checks, CONTROL_PER_HOST) == CONTROL_PER_HOST
                 assert await _settle(gens, DATA_PENDING_PER_HOST) == DATA_PENDING_PER_HOST
                 assert {(await c.code()) for c in checks + gens if c.done()} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
                 # the rest of the data plane serves others
@@ -315,7 +315,7 @@ def test_one_host_cannot_hold_the_data_plane_or_flood_the_reserve(monkeypatch):
         return host.admission
 
     admission = asyncio.run(scenario())
-    assert admission.pending.total == admission.data_pending.total == admission.cap.active == 0
+    assert admission.control.total == admission.data_pending.total == admission.cap.active == 0
 
 
 def test_reflection_streams_are_bounded_like_watch_streams():

@@ -185,14 +185,12 @@ DATA_PLANE_METHODS = frozenset({"Generate", "Tokenize", "FetchBlocks"})
 #: the call's headers; a request of the largest allowed size takes well under a second on any
 #: link a cluster uses). Past it the call is answered DEADLINE_EXCEEDED and its slot is freed.
 REQUEST_MESSAGE_TIMEOUT_S = 10.0
-#: Control-plane calls (health, GetLoad, Status, ...) waiting for their request message at
-#: once, counted from the call's start: in all, and from one client host. Half of
-#: `grpc_host.CONTROL_RPC_RESERVE`.
-CONTROL_PENDING_LIMIT = 32
-CONTROL_PENDING_PER_HOST = 8
-#: Long-lived control streams open at once (health Watch, and server reflection when it is
-#: on; they last as long as the caller keeps them): in all, and from one client host.
-WATCH_LIMIT = 16
+#: Control-plane calls (health, GetLoad, Status, ...) one client host has open at once,
+#: counted from a call's start to its end (a call whose answer the client does not read
+#: stays open). There is no limit in all: gRPC's reserve (`grpc_host.CONTROL_RPC_RESERVE`)
+#: is one, and a limit in all below it would let a few hosts refuse everyone else.
+CONTROL_PER_HOST = 8
+#: Of those, long-lived streams (health Watch, and server reflection when it is on).
 WATCH_PER_HOST = 4
 #: Data-plane calls whose message has not come with the call (`_PROMPT_MESSAGE_S`) waiting
 #: for it at once: in all, and from one client host. Each also holds a `RpcCap` slot, so
@@ -251,11 +249,13 @@ class CallAdmission:
       `HostLimit` slot while it waits for it (``DATA_PENDING_LIMIT`` in all,
       ``DATA_PENDING_PER_HOST`` per client host; none free: RESOURCE_EXHAUSTED), so one
       caller cannot hold the whole data plane with calls that never send their message.
-    * A control-plane call takes a `HostLimit` slot from its start until its message has
-      arrived (``CONTROL_PENDING_LIMIT`` in all, ``CONTROL_PENDING_PER_HOST`` per client
-      host; none free: RESOURCE_EXHAUSTED); a health Watch (or reflection stream) takes one of ``WATCH_LIMIT`` (``WATCH_PER_HOST`` per host) for as long as
-      it stays open. Quick control calls thus always find slots of the reserve that
-      `kvmesh.workers.grpc_host.GrpcHost` keeps above the data-plane cap.
+    * A control-plane call takes one of ``CONTROL_PER_HOST`` slots of its client host from
+      its start to its end (none free: RESOURCE_EXHAUSTED), and a long-lived stream (health
+      Watch, reflection) one of ``WATCH_PER_HOST`` as well. So one host cannot fill the
+      reserve with calls that never send their message, or whose answers it never reads.
+    * Every slot, the data-plane cap's included, is given back when the call ends
+      (``context.add_done_callback``), not when its handler returns: gRPC counts a call
+      until its answer is sent.
     * Every call must deliver its message within ``message_timeout_s`` seconds.
 
     Args:
@@ -270,9 +270,9 @@ class CallAdmission:
         self.cap = cap
         self.admit = admit
         self.message_timeout_s = float(message_timeout_s)
-        self.pending = HostLimit(CONTROL_PENDING_LIMIT, CONTROL_PENDING_PER_HOST)
+        self.control = HostLimit(1 << 30, CONTROL_PER_HOST)
         self.data_pending = HostLimit(DATA_PENDING_LIMIT, DATA_PENDING_PER_HOST)
-        self.watches = HostLimit(WATCH_LIMIT, WATCH_PER_HOST)
+        self.watches = HostLimit(1 << 30, WATCH_PER_HOST)
         self.refused = 0      # calls refused at their start (no slot)
         self.timed_out = 0    # calls whose message did not arrive in time
 
@@ -293,9 +293,9 @@ async def _read_message(admission: CallAdmission, method: str, context, limit: H
                         host: str = "", grace_s: float = 0.0) -> bytes:
     """The call's one request message (raw bytes); aborts the call when it does not arrive
     within ``admission.message_timeout_s`` or the call ends without one. With ``limit``,
-    the call holds one of its slots for ``host`` while the message is awaited, from the
-    call's start (``grace_s`` 0) or once ``grace_s`` seconds have passed, and is refused
-    RESOURCE_EXHAUSTED when none is free.
+    a call whose message has not come within ``grace_s`` seconds holds one of its slots for
+    ``host`` while the message is awaited, and is refused RESOURCE_EXHAUSTED when none is
+    free.
 
     Awaited in the handler's own task with ``context.read()``: a task per call, or a request
     iterator suspended at its first message, would keep the message alive in reference
@@ -315,16 +315,12 @@ async def _read_message(admission: CallAdmission, method: str, context, limit: H
             task.cancel()
 
     def busy() -> str:
-        return _refuse_start(admission, method, "too many calls from this host (or from all hosts) are still "
-                             "sending their request message; send it with the call and retry", context)
+        return _refuse_start(admission, method, "too many calls from this host (or in all) are still sending "
+                             "their request message; send it with the call and retry", context)
 
     handle = None
     if limit is not None:
-        if grace_s <= 0:
-            if not take():
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, busy())
-        else:
-            handle = asyncio.get_running_loop().call_later(grace_s, slow)
+        handle = asyncio.get_running_loop().call_later(grace_s, slow)
     refusal = None
     try:
         async with asyncio.timeout(admission.message_timeout_s):
@@ -353,6 +349,15 @@ async def _read_message(admission: CallAdmission, method: str, context, limit: H
     await context.abort(*refusal)
 
 
+async def _hold(admission: CallAdmission, limit: HostLimit, host: str, method: str, context, why: str) -> None:
+    """Take one of ``limit``'s slots for ``host`` until the call ends (its done callback), or
+    abort the call RESOURCE_EXHAUSTED saying ``why``."""
+    if not limit.enter(host):
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _refuse_start(admission, method, why + "; retry later",
+                                                                               context))
+    context.add_done_callback(lambda _call: limit.leave(host))
+
+
 def _guard_stream(method: str, handler: grpc.RpcMethodHandler, admission: CallAdmission) -> grpc.RpcMethodHandler:
     """A stream-request method (server reflection): each call holds one of
     ``admission.watches``' slots for its whole life, as a health Watch does."""
@@ -363,19 +368,16 @@ def _guard_stream(method: str, handler: grpc.RpcMethodHandler, admission: CallAd
 
     async def stream_stream(request_iterator, context):
         host = peer_host(context.peer())
-        if not admission.watches.enter(host):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _refuse_start(
-                admission, method, f"too many {short} streams are open (at most {WATCH_LIMIT}, {WATCH_PER_HOST} per "
-                "host); close one and retry", context))
-        try:
-            out = inner(request_iterator, context)
-            if inspect.isasyncgen(out):
-                async for msg in out:
-                    yield msg
-            else:
-                await out
-        finally:
-            admission.watches.leave(host)
+        await _hold(admission, admission.control, host, method, context,
+                    f"this host has {CONTROL_PER_HOST} control calls open, the most one host may have")
+        await _hold(admission, admission.watches, host, method, context,
+                    f"this host has {WATCH_PER_HOST} {short} streams open, the most one host may have; close one")
+        out = inner(request_iterator, context)
+        if inspect.isasyncgen(out):
+            async for msg in out:
+                yield msg
+        else:
+            await out
 
     return grpc.stream_stream_rpc_method_handler(stream_stream, request_deserializer=handler.request_deserializer,
                                                  response_serializer=handler.response_serializer)
@@ -398,67 +400,48 @@ def _guard(method: str, handler: grpc.RpcMethodHandler, admission: CallAdmission
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"request body is not a valid {method} message: {_reason(exc)}")
 
-    async def receive(request_iterator, context):
-        """Admit the call and read its message; returns (request, release)."""
-        held: list[Callable[[], None]] = []
-
-        def release() -> None:
-            while held:
-                held.pop()()
-
+    async def receive(context):
+        """Admit the call and read its message; returns the request. What the call holds is
+        given back when it ends."""
+        host = peer_host(context.peer())
+        if data_plane:
+            if admission.admit is not None:
+                await admission.admit(context)
+            if cap is not None:
+                if not cap.enter():
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, cap.refusal())
+                context.add_done_callback(lambda _call: cap.leave())
+            raw = await _read_message(admission, method, context, admission.data_pending, host, _PROMPT_MESSAGE_S)
+        else:
+            await _hold(admission, admission.control, host, method, context,
+                        f"this host has {CONTROL_PER_HOST} control calls open, the most one host may have")
+            raw = await _read_message(admission, method, context)
+            if streaming:
+                await _hold(admission, admission.watches, host, method, context,
+                            f"this host has {WATCH_PER_HOST} {short} streams open, the most one host may have; "
+                            "close one or poll instead")
         try:
-            if data_plane:
-                if admission.admit is not None:
-                    await admission.admit(context)
-                if cap is not None:
-                    if not cap.enter():
-                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, cap.refusal())
-                    held.append(cap.leave)
-                raw = await _read_message(admission, method, context, admission.data_pending,
-                                          peer_host(context.peer()), _PROMPT_MESSAGE_S)
-            else:
-                host = peer_host(context.peer())
-                raw = await _read_message(admission, method, context, admission.pending, host)
-                if streaming:
-                    if not admission.watches.enter(host):
-                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _refuse_start(
-                            admission, method, f"too many {short} streams are open (at most {WATCH_LIMIT}, "
-                            f"{WATCH_PER_HOST} per host); close one or poll instead", context))
-                    held.append(lambda: admission.watches.leave(host))
-            try:
-                request = parse(raw)
-            except Exception as exc:  # DecodeError, or a UnicodeDecodeError on some protobuf builds
-                await refuse(exc, context)
-            return request, release
-        except BaseException:
-            release()
-            raise
+            return parse(raw)
+        except Exception as exc:  # DecodeError, or a UnicodeDecodeError on some protobuf builds
+            await refuse(exc, context)
 
     if streaming:
         inner = handler.unary_stream
 
         async def stream_stream(request_iterator, context):
-            request, release = await receive(request_iterator, context)
-            try:
-                out = inner(request, context)
-                if inspect.isasyncgen(out):
-                    async for msg in out:
-                        yield msg
-                else:  # a coroutine that sends with context.write (the health service's Watch)
-                    await out
-            finally:
-                release()
+            out = inner(await receive(context), context)
+            if inspect.isasyncgen(out):
+                async for msg in out:
+                    yield msg
+            else:  # a coroutine that sends with context.write (the health service's Watch)
+                await out
 
         return grpc.stream_stream_rpc_method_handler(stream_stream, request_deserializer=None,
                                                      response_serializer=handler.response_serializer)
     inner = handler.unary_unary
 
     async def stream_unary(request_iterator, context):
-        request, release = await receive(request_iterator, context)
-        try:
-            return await inner(request, context)
-        finally:
-            release()
+        return await inner(await receive(context), context)
 
     return grpc.stream_unary_rpc_method_handler(stream_unary, request_deserializer=None,
                                                 response_serializer=handler.response_serializer)
