@@ -762,6 +762,15 @@ class TierStore:
             for run_src, handles in _runs_by_source(located):
                 run_src.release(handles)
 
+    def loss_ranks(self, located: list[Located]) -> list[int]:
+        """The loss rank (`kv_codec.loss_rank`) each located block's KV would have once
+        loaded, in order (0: exact)."""
+        with self.lock:
+            out: list[int] = []
+            for src, handles in _runs_by_source(located):
+                out.extend(src.loss_ranks(handles))
+            return out
+
     def load(self, located: list[Located], block_ids: list[int]) -> list[str]:
         """Copy located blocks into pool rows ``block_ids`` (same order), verifying them.
 

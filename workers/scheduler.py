@@ -503,6 +503,12 @@ class Scheduler:
         if keep < len(located):  # slower than computing them: the request computes those
             self.tiers.release(located[keep:])
             located = located[:keep]
+        if located and req.num_cached >= 0:  # scheduled again: nothing lossier than its first schedule
+            ranks = self.tiers.loss_ranks(located)
+            cut = next((i for i, r in enumerate(ranks) if r > req.allowed_loss), len(located))
+            if cut < len(located):  # not loaded only to be dropped (`_lock_cached_prefix`)
+                self.tiers.release(located[cut:])
+                located = located[:cut]
         if not located:
             return []
         new = self.cache.allocate(len(located), req.namespace.tenant or None)
