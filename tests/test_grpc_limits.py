@@ -253,7 +253,7 @@ def test_peer_host_names_the_client_host():
     assert peer_host("ipv6:[::1]:5000") == "::1"
     assert peer_host("ipv6:%5B2001:db8::1%5D:443") == "2001:db8::1"
     assert peer_host("unix:/tmp/sock") == "unix"
-    limit = HostLimit(3, 2)
+    limit = HostLimit(2, 3)
     assert limit.enter("a") and limit.enter("a") and not limit.enter("a")  # per host
     assert limit.enter("b") and not limit.enter("c")  # in all
     limit.leave("a")
@@ -342,7 +342,9 @@ def test_reflection_streams_are_bounded_like_watch_streams():
                 # reflection itself still works once a stream is free
                 for c in held:
                     c.cancel()
-                await asyncio.sleep(0.2)
+                deadline = time.monotonic() + 30  # slots come back when the calls end, not at once
+                while host.admission.watches.total and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
 
                 async def one():
                     yield reflection_pb2.ServerReflectionRequest(list_services="")

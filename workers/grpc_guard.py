@@ -15,9 +15,10 @@ caller that opens calls and never sends their message would otherwise hold every
 health checks' included, without ever reaching a handler. Each call must deliver its
 message within ``REQUEST_MESSAGE_TIMEOUT_S``; a data-plane call is checked for credentials
 and counted by the `RpcCap` at its start (one over the cap is answered RESOURCE_EXHAUSTED
-at once); control-plane calls waiting for their message, and long-lived health Watch
-streams, are bounded in all and per client host, so one host cannot take the slots kept
-for the control plane. To read the message under a deadline, every unary-request method is
+at once, and its stalled calls are bounded per client host); control-plane calls, and
+among them long-lived streams (health Watch, reflection), are bounded per client host for
+their whole life, so one host cannot take the slots kept for the control plane. Every slot
+is given back when the call ends, not when its handler returns. To read the message under a deadline, every unary-request method is
 served as a stream-request one: the wire format is the same, and clients see no difference.
 """
 from __future__ import annotations
@@ -212,18 +213,18 @@ def peer_host(peer: str) -> str:
 
 
 class HostLimit:
-    """A count with a limit in all and per client host (`peer_host`). Single-threaded (the
-    server's event loop)."""
+    """A count with a limit per client host (`peer_host`) and, unless ``limit`` is None, in
+    all. Single-threaded (the server's event loop)."""
 
-    def __init__(self, limit: int, per_host: int) -> None:
-        self.limit = int(limit)
+    def __init__(self, per_host: int, limit: int | None = None) -> None:
+        self.limit = limit
         self.per_host = int(per_host)
         self.total = 0
         self.by_host: dict[str, int] = {}
 
     def enter(self, host: str) -> bool:
         n = self.by_host.get(host, 0)
-        if self.total >= self.limit or n >= self.per_host:
+        if n >= self.per_host or (self.limit is not None and self.total >= self.limit):
             return False
         self.by_host[host] = n + 1
         self.total += 1
@@ -270,9 +271,9 @@ class CallAdmission:
         self.cap = cap
         self.admit = admit
         self.message_timeout_s = float(message_timeout_s)
-        self.control = HostLimit(1 << 30, CONTROL_PER_HOST)
-        self.data_pending = HostLimit(DATA_PENDING_LIMIT, DATA_PENDING_PER_HOST)
-        self.watches = HostLimit(1 << 30, WATCH_PER_HOST)
+        self.control = HostLimit(CONTROL_PER_HOST)
+        self.data_pending = HostLimit(DATA_PENDING_PER_HOST, DATA_PENDING_LIMIT)
+        self.watches = HostLimit(WATCH_PER_HOST)
         self.refused = 0      # calls refused at their start (no slot)
         self.timed_out = 0    # calls whose message did not arrive in time
 
@@ -358,20 +359,30 @@ async def _hold(admission: CallAdmission, limit: HostLimit, host: str, method: s
     context.add_done_callback(lambda _call: limit.leave(host))
 
 
+async def _hold_control(admission: CallAdmission, host: str, method: str, context) -> None:
+    """A control-plane call's slot of its client host, for the call's life (`_hold`)."""
+    await _hold(admission, admission.control, host, method, context,
+                f"this host has {CONTROL_PER_HOST} control calls open, the most one host may have")
+
+
+async def _hold_stream(admission: CallAdmission, host: str, method: str, context) -> None:
+    """A long-lived stream's slot of its client host (health Watch, reflection), for its life."""
+    await _hold(admission, admission.watches, host, method, context,
+                f"this host has {WATCH_PER_HOST} {method.rsplit('/', 1)[-1]} streams open, the most one host may "
+                "have; close one")
+
+
 def _guard_stream(method: str, handler: grpc.RpcMethodHandler, admission: CallAdmission) -> grpc.RpcMethodHandler:
-    """A stream-request method (server reflection): each call holds one of
-    ``admission.watches``' slots for its whole life, as a health Watch does."""
+    """A stream-request method (server reflection): each call holds a control slot and a
+    stream slot of its client host for its whole life, as a health Watch does."""
     if not handler.response_streaming:
         return handler  # kvmesh serves no client-streaming unary method
     inner = handler.stream_stream
-    short = method.rsplit("/", 1)[-1]
 
     async def stream_stream(request_iterator, context):
         host = peer_host(context.peer())
-        await _hold(admission, admission.control, host, method, context,
-                    f"this host has {CONTROL_PER_HOST} control calls open, the most one host may have")
-        await _hold(admission, admission.watches, host, method, context,
-                    f"this host has {WATCH_PER_HOST} {short} streams open, the most one host may have; close one")
+        await _hold_control(admission, host, method, context)
+        await _hold_stream(admission, host, method, context)
         out = inner(request_iterator, context)
         if inspect.isasyncgen(out):
             async for msg in out:
@@ -393,7 +404,6 @@ def _guard(method: str, handler: grpc.RpcMethodHandler, admission: CallAdmission
         return handler
     cap = admission.cap if data_plane else None
     streaming = handler.response_streaming
-    short = method.rsplit("/", 1)[-1]
 
     async def refuse(exc: Exception, context) -> None:
         _limiter.warn("malformed %s request from %s: %s", method, context.peer(), _reason(exc))
@@ -413,13 +423,10 @@ def _guard(method: str, handler: grpc.RpcMethodHandler, admission: CallAdmission
                 context.add_done_callback(lambda _call: cap.leave())
             raw = await _read_message(admission, method, context, admission.data_pending, host, _PROMPT_MESSAGE_S)
         else:
-            await _hold(admission, admission.control, host, method, context,
-                        f"this host has {CONTROL_PER_HOST} control calls open, the most one host may have")
+            await _hold_control(admission, host, method, context)
             raw = await _read_message(admission, method, context)
             if streaming:
-                await _hold(admission, admission.watches, host, method, context,
-                            f"this host has {WATCH_PER_HOST} {short} streams open, the most one host may have; "
-                            "close one or poll instead")
+                await _hold_stream(admission, host, method, context)
         try:
             return parse(raw)
         except Exception as exc:  # DecodeError, or a UnicodeDecodeError on some protobuf builds

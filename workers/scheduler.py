@@ -36,7 +36,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvmesh.cache_store.prefix_cache import PrefixCache
 from kvmesh.cache_store.tier_store import TierStore
@@ -129,6 +129,11 @@ class DeadlinePressure:
         else:
             self.in_time += 1
             self._level = max(0.0, self._level + self._down)
+
+
+def _first_lossier(ranks: Sequence[int], allowed: int) -> int:
+    """Index of the first loss rank above ``allowed`` (``len(ranks)`` if none)."""
+    return next((i for i, r in enumerate(ranks) if r > allowed), len(ranks))
 
 
 class Scheduler:
@@ -468,7 +473,7 @@ class Scheduler:
                 # scheduled again after a preemption: never on KV lossier than the request's
                 # first schedule used (usage reported that one), so a request that started
                 # on exact KV stays equal to a cold run; lossier rows are computed again
-                cut = next((i for i, r in enumerate(loss) if r > req.allowed_loss), len(loss))
+                cut = _first_lossier(loss, req.allowed_loss)
                 if cut < len(block_ids):
                     self.cache.unlock(block_ids[cut:])
                     del block_ids[cut:], loss[cut:]
@@ -504,8 +509,7 @@ class Scheduler:
             self.tiers.release(located[keep:])
             located = located[:keep]
         if located and req.num_cached >= 0:  # scheduled again: nothing lossier than its first schedule
-            ranks = self.tiers.loss_ranks(located)
-            cut = next((i for i, r in enumerate(ranks) if r > req.allowed_loss), len(located))
+            cut = _first_lossier(self.tiers.loss_ranks(located), req.allowed_loss)
             if cut < len(located):  # not loaded only to be dropped (`_lock_cached_prefix`)
                 self.tiers.release(located[cut:])
                 located = located[:cut]
