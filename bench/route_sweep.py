@@ -31,8 +31,10 @@ Two sets: ``TUNING`` (the workloads above; ``--workloads tuning``), on which kv_
 defaults were chosen, and ``HELD_OUT`` (``ho-*``; ``--workloads held-out``): the same
 generators with other seeds, group counts and sizes, lengths, Zipf exponents, follow-up
 rates and burst sizes, plus ``ho-tree`` (Zipf-popular root prompts, each with six branches,
-then a unique tail), a reuse structure the tuning set lacks. They check that the defaults
-hold on workloads they were not tuned on.
+then a unique tail), a reuse structure the tuning set lacks, and ``ho-mooncake-synthetic``:
+Mooncake's synthetic trace (long documents asked about again and short chats, prompts of 17
+to 191,378 tokens; bench/data/README.md) at its own timestamps with 3M tokens per worker,
+like ``mooncake``. They check that the defaults hold on workloads they were not tuned on.
 
 The generated workloads grow with the fleet (``workers // 10`` times as many groups,
 conversations, tenants, documents, prefixes and requests, at least once), arrive as a Poisson process (bursty: ON/OFF) at a rate that keeps
@@ -58,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from kvmesh.bench.sim import (DEFAULT_TRACE, POOLED, CostModel, PeerFetch, add_peer_fetch_args, peer_fetch_from_args,
+from kvmesh.bench.sim import (DEFAULT_TRACE, POOLED, SYNTHETIC_TRACE, CostModel, PeerFetch, add_peer_fetch_args, peer_fetch_from_args,
                               prepare, simulate)
 from kvmesh.bench.cli_args import numeric_kwargs, output_file_problem
 from kvmesh.bench.trace import TraceRequest, load_mooncake
@@ -348,9 +350,9 @@ def _pressure(p: float):
     return lambda workers, reqs, bt: max(bt, int(p * _unique_tokens(reqs, bt) / workers))
 
 
-def _mooncake(max_requests: int | None):
+def _mooncake(max_requests: int | None, path=DEFAULT_TRACE):
     def make(workers: int, load: float) -> list[TraceRequest]:
-        return load_mooncake(DEFAULT_TRACE, max_requests)
+        return load_mooncake(path, max_requests)
     return make
 
 
@@ -382,6 +384,9 @@ def workloads(mooncake_requests: int | None = None, pressure: float = 0.3) -> li
         (SweepWorkload("ho-tree", _tree(seed=10), 512, press), pressure),
         (SweepWorkload("ho-agents", _agents(3000, 60, 0.8, steps=(3, 16), tool_blocks=(4, 24), step_blocks=(1, 4),
                                             think_s=(0.1, 6.0), seed=10), 512, press), pressure),
+        # a real trace of another shape (long documents asked about again, short chats) at its own
+        # arrival times, 3M tokens per worker as the conversation trace's row
+        (SweepWorkload("ho-mooncake-synthetic", _mooncake(None, SYNTHETIC_TRACE), 512, fixed3m), pressure),
     ]
     return wl
 

@@ -129,6 +129,8 @@ DEFAULT_POLICIES = (POOLED, "kv_aware", "dynamo_kv", "llmd_precise", "sglang_cac
                     "prefix", "least_loaded", "power_of_two", "round_robin", "random")
 #: The full Mooncake conversation trace shipped in the repository (see bench/data/README.md).
 DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_trace.jsonl.gz"
+#: Mooncake's synthetic trace (long documents asked about again, short chats; bench/data/README.md).
+SYNTHETIC_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz"
 
 _ARRIVE, _PREFILL_DONE, _FINISH, _FETCHED = 0, 1, 2, 3
 
