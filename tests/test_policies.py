@@ -263,10 +263,24 @@ def test_kv_aware_costs_follow_the_documented_formula():
     assert p.costs(req, ws)[0] == pytest.approx(cost_a)
     ws[0].routed_recent = 10.5  # mean 6.25, limit 10.375: over
     assert p.costs(req, ws)[0] == math.inf
-    # the share term: share_weight / mean of the uncached tokens per request of excess
-    p = KVAwarePolicy(recompute_weight=3.0, decode_weight=10.0, share_cap=0.5, share_slack=1.0, share_weight=2.0)
+    # the share term: share_weight / mean of the uncached tokens per request of excess...
+    p = KVAwarePolicy(recompute_weight=3.0, decode_weight=10.0, share_cap=0.5, share_slack=1.0, share_weight=2.0,
+                      share_tokens_cap=None)
     ws[0].routed_recent = 6.0  # mean 4
     assert p.costs(req, ws) == pytest.approx([cost_a + 2.0 / 4 * 112 * 2, cost_b + 2.0 / 4 * 128 * -2])
+    # ...counting at most share_tokens_cap of the mean prompt length routed so far (the
+    # default, 1.0, binds only on prompts longer than the mean; here 0.5 to show it)
+    p = KVAwarePolicy(recompute_weight=3.0, decode_weight=10.0, share_cap=0.5, share_slack=1.0, share_weight=2.0,
+                      share_tokens_cap=0.5, prompt_window=4)
+    assert p.costs(req, ws) == pytest.approx([cost_a + 2.0 / 4 * 80 * 2, cost_b + 2.0 / 4 * 80 * -2])  # none yet: N
+    for n in (160, 64, 64):
+        p.note_prompt(n)
+    assert p.mean_prompt == pytest.approx(160 + (64 - 160) / 4 + (64 - 160 - (64 - 160) / 4) / 4)  # 118
+    assert p.costs(req, ws) == pytest.approx([cost_a + 2.0 / 4 * 59 * 2, cost_b + 2.0 / 4 * 59 * -2])
+    with pytest.raises(ValueError):
+        KVAwarePolicy(share_tokens_cap=0.0)
+    with pytest.raises(ValueError):
+        KVAwarePolicy(prompt_window=0.5)
 
 
 def test_kv_aware_share_term_pulls_new_work_to_under_share_workers():
