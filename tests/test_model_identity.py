@@ -123,3 +123,78 @@ def test_kv_producer_names_device_instruction_set_torch_and_attention():
     assert model_identity.cpu_isa() in ("amx", "avx512bf16", "avx512", "avx2", "base")
     tag = model_identity.producer_tag(p)
     assert len(tag) == 8 and int(tag, 16) >= 0 and tag != model_identity.producer_tag(p + " ")
+
+
+def test_kv_producer_names_the_cpu_thread_count(monkeypatch):
+    """torch's CPU GEMMs sum some shapes in a thread-count-dependent order, so workers at
+    other --threads compute other KV bits: their producers (and remote namespaces) differ."""
+    import torch
+
+    one = model_identity.kv_producer("cpu", "C++ kernel (fp32 avx2)", threads=1)
+    two = model_identity.kv_producer("cpu", "C++ kernel (fp32 avx2)", threads=2)
+    assert one != two and model_identity.producer_tag(one) != model_identity.producer_tag(two)
+    assert "1 thread," in one and "2 threads," in two
+    assert two == model_identity.kv_producer("cpu", "C++ kernel (fp32 avx2)", threads=2)
+    # by default, torch's thread count when the producer is computed
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert model_identity.kv_producer("cpu", "C++ kernel (fp32 avx2)") == one
+        torch.set_num_threads(2)
+        assert model_identity.kv_producer("cpu", "C++ kernel (fp32 avx2)") == two
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="threads"):
+        model_identity.kv_producer("cpu", "torch SDPA", threads=0)
+    # on a GPU the CPU threads compute no KV: the count is left out
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gpu = model_identity.kv_producer("cuda", "torch SDPA", threads=1)
+    assert gpu == model_identity.kv_producer("cuda", "torch SDPA", threads=2)
+    assert gpu.startswith("cuda sm90, torch ") and "thread" not in gpu
+
+
+def test_worker_producer_counts_the_threads_flag():
+    """`make_engine` applies --threads before the engine computes its producer."""
+    import torch
+
+    from kvmesh.services.cli import build_parser, make_engine
+
+    before = torch.get_num_threads()
+    try:
+        producers = {}
+        for n in (1, 2):
+            args = build_parser().parse_args(["worker", "--port", "0", "--threads", str(n), "--num-blocks", "64"])
+            producers[n] = make_engine(args).kv_producer
+        assert f", 1 thread, torch {torch.__version__}" in producers[1]
+        assert f", 2 threads, torch {torch.__version__}" in producers[2]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_disk_tier_written_at_another_thread_count_is_not_reused(tmp_path):
+    """A worker restarted on its disk folder with the same thread count starts warm; one
+    restarted with another count computes the prompt itself: the segments were written by
+    another KV producer and are dropped at start."""
+    import torch
+
+    from kvmesh.cache_store.tier_config import TierConfig
+    from kvmesh.workers.engine import Engine
+    from kvmesh.workers.request import SamplingParams
+
+    prompt = [(7 * i + 3) % 256 for i in range(200)]  # 12 full 16-token blocks
+    before = torch.get_num_threads()
+    from_disk = []
+    try:
+        for threads in (1, 1, 2):
+            torch.set_num_threads(threads)
+            e = Engine(num_blocks=64, tiers=TierConfig(host_bytes=8 << 20, disk_dir=str(tmp_path / "disk"),
+                                                       disk_bytes=64 << 20, peer_bytes=0, load_policy="always"))
+            e.start()
+            try:
+                out = e.generate(prompt, SamplingParams(max_tokens=1))
+                from_disk.append(out["usage"]["cached_tokens_by_tier"].get("disk", 0))
+            finally:
+                e.stop()  # offloads the prompt's blocks and writes them to disk
+    finally:
+        torch.set_num_threads(before)
+    assert from_disk == [0, 192, 0]

@@ -157,9 +157,10 @@ def cpu_isa() -> str:
     return "base"
 
 
-def kv_producer(device: str, attention: str) -> str:
+def kv_producer(device: str, attention: str, threads: int | None = None) -> str:
     """What computes this worker's KV, beyond its `kv_model_id`: device kind and instruction
-    set (or CUDA compute capability), torch version and attention path.
+    set (or CUDA compute capability), on a CPU torch's intra-op thread count, torch version
+    and attention path.
 
     Workers that differ here run the same model in the same dtypes but through kernels that
     add in other orders, so their K/V differ in low bits: a prefix one of them computed would
@@ -167,9 +168,23 @@ def kv_producer(device: str, attention: str) -> str:
     model behind one router, each from its own cache, but they exchange no KV (the remote
     tier is namespaced by `producer_tag`, and peer fetches need equal producers).
 
+    On a CPU the thread count is part of it: torch's GEMMs (MKL in float32, oneDNN in
+    bfloat16), which every CPU attention path uses for the projections and the MLP, split
+    some shapes' sums across threads, so one prompt prefilled in chunks at 1 and at 2 threads
+    gave K/V up to ~3e-6 apart in float32 (~3e-2 in bfloat16) on the built-in model. The C++
+    attention kernel itself gives the same bits at any thread count. On CUDA the kernels run
+    on the GPU and the CPU thread count is left out.
+
     Args:
         device: torch device string ("cpu", "cuda", "cuda:1").
         attention: the attention path (`workers.engine.Engine.describe`'s words).
+        threads: intra-op threads the forward runs with (>= 1); default
+            ``torch.get_num_threads()`` now, so compute the producer after ``--threads`` is
+            applied (`services.cli.make_engine` sets it before it builds the engine). Ignored
+            on CUDA.
+
+    Raises:
+        ValueError: ``threads`` is given and below 1.
     """
     import torch
 
@@ -178,7 +193,10 @@ def kv_producer(device: str, attention: str) -> str:
         major, minor = torch.cuda.get_device_capability(torch.device(device))
         where = f"cuda sm{major}{minor}"
     else:
-        where = f"{kind} {cpu_isa()}"
+        n = torch.get_num_threads() if threads is None else int(threads)
+        if n < 1:
+            raise ValueError(f"threads must be >= 1, got {threads!r}")
+        where = f"{kind} {cpu_isa()}, {n} thread{'' if n == 1 else 's'}"
     return f"{where}, torch {torch.__version__}, {attention}"
 
 
