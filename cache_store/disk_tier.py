@@ -19,11 +19,26 @@ Segment file format (``SEGMENT_FORMAT_VERSION`` 1, little-endian)::
 Crash safety: a segment is written to ``seg-<id>.<pid>.tmp``, fsynced,
 renamed to ``seg-<id>.kvs`` and the directory fsynced (once per batch of
 segments written together); only then do its blocks enter the index. A process killed mid-write leaves a ``.tmp`` file,
-which is never read and is deleted at the next start. At start the tier
-re-indexes every ``.kvs`` file: the segment header, the file size, and each
-record's header checksum are checked (payloads are checked when read, so a
-start does not read the whole tier); a file failing any check is deleted.
-A payload that fails its checksum when read drops its whole segment.
+which is never read and is deleted at the next start (only names of exactly
+that form, and only regular files: other ``.tmp`` files are not the tier's).
+At start the tier re-indexes every ``.kvs`` file: the segment header, the
+file size, and each record's header checksum are checked (payloads are
+checked when read, so a start does not read the whole tier); a file failing
+any check is *damaged* and deleted. A payload that fails its checksum when
+read drops its whole segment.
+
+Sound segments this worker cannot load are *foreign*: records of another
+layout (dtype or block shape: another ``--block-size`` or model) or, when
+the tier is given the codecs its worker loads, only of other codecs. They
+are left in place, neither indexed nor deleted, so one start with the wrong
+settings does not wipe the tier; their bytes count toward
+``capacity_bytes`` and they are the first deleted when room is needed,
+oldest first.
+
+Start-up never follows a link: entries named like segments or ``.tmp``
+files that are not regular files (symlinks, directories, FIFOs, ...) are
+skipped with a warning and left alone, files are opened with
+``O_NOFOLLOW``, and permissions are tightened through the open descriptor.
 
 Eviction is by segment, least recently used first (a hit on any block
 touches its segment), so the bytes on disk never exceed ``capacity_bytes``
@@ -42,8 +57,10 @@ import itertools
 import logging
 import os
 import re
+import stat
 import struct
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import xxhash
@@ -59,7 +76,11 @@ _SEG_MAGIC = b"KVS1"
 _SEG_HEAD = struct.Struct("<4sHHIQ")
 _SEG_SUM = struct.Struct("<Q")
 SEGMENT_HEADER_BYTES = _SEG_HEAD.size + _SEG_SUM.size
-_SEG_NAME = re.compile(r"^seg-([0-9a-f]{16})\.kvs$")
+_SEG_NAME = re.compile(r"seg-([0-9a-f]{16})\.kvs")  # used with fullmatch
+_TMP_NAME = re.compile(r"seg-[0-9a-f]{16}\.[0-9]+\.tmp")  # `write_segment`'s unfinished files
+#: flags of every open of a file already in the directory: never through a symlink, and never
+#: waiting on a FIFO planted under a segment's name (no effect on a regular file)
+_OPEN_EXISTING = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class SegmentReadError(RecordError):
@@ -105,6 +126,10 @@ class DiskTier:
             always fits, and it is capped at ``capacity_bytes``.
         fsync: fsync segments and the directory (turn off only in tests of
             unrelated behaviour).
+        codecs: names of the codecs whose records the worker loads; a segment
+            whose records are all of other codecs is foreign (see the module
+            doc), and records of other codecs are not indexed. None: every
+            codec is indexed.
 
     Raises:
         ValueError: capacity not positive, or another live process (or another `DiskTier`
@@ -116,7 +141,7 @@ class DiskTier:
     medium = "disk"
 
     def __init__(self, directory: str, capacity_bytes: int, block_shape: tuple[int, ...], dtype: str,
-                 segment_bytes: int = 16 << 20, fsync: bool = True):
+                 segment_bytes: int = 16 << 20, fsync: bool = True, codecs: Collection[str] | None = None):
         if capacity_bytes <= 0:
             raise ValueError(f"disk capacity must be > 0 bytes, got {capacity_bytes}")
         self.directory = os.path.abspath(directory)
@@ -130,14 +155,26 @@ class DiskTier:
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.fsync = fsync
+        self.codecs = None if codecs is None else frozenset(codecs)
         self.entries: dict[bytes, DiskEntry] = {}
         self.segments: OrderedDict[int, Segment] = OrderedDict()  # least recently used first
+        #: sound segments this worker cannot load (module doc), oldest id first: on disk and
+        #: counted in ``used_bytes``, never indexed; the first deleted when room is needed
+        self.foreign: OrderedDict[int, Segment] = OrderedDict()
+        #: bytes of segment files on disk, indexed and foreign (bytes)
         self.used_bytes = 0
         self._next_id = 0
         #: segments deleted because a check failed (at start or on read)
         self.num_damaged = 0
         #: leftover .tmp files removed at start (writes cut short by a crash)
         self.num_torn = 0
+        #: foreign segments deleted to make room for this worker's own
+        self.num_foreign_evicted = 0
+
+    @property
+    def foreign_bytes(self) -> int:
+        """Bytes of the foreign segments left in place (bytes)."""
+        return sum(seg.size for seg in self.foreign.values())
 
     #: File naming the KV producer whose segments the folder holds (`adopt_producer`).
     PRODUCER_NAME = ".kvmesh-producer"
@@ -145,26 +182,41 @@ class DiskTier:
     def adopt_producer(self, tag: str) -> int:
         """Empty the folder of segments another KV producer wrote (a volume moved to a node
         with another GPU, an image with another torch), then record ``tag`` as the folder's.
-        Call before `scan`. Returns the segments deleted (0 when ``tag`` is "" or matches)."""
+        Call before `scan`. Returns the segments deleted (0 when ``tag`` is "" or matches).
+        Entries named like segments that are not regular files are left alone, as in `scan`.
+
+        Raises:
+            ValueError: the producer file is a symlink or not a regular file (it is
+                neither followed nor replaced).
+            OSError: the producer file cannot be read or written.
+        """
         if not tag:
             return 0
         path = os.path.join(self.directory, self.PRODUCER_NAME)
         try:
-            with open(path, encoding="ascii", errors="replace") as f:
-                theirs = f.read().strip()
+            fd = os.open(path, _OPEN_EXISTING)
         except FileNotFoundError:
             theirs = None
+        except OSError as exc:
+            raise ValueError(f"disk_dir {self.directory}: cannot open {self.PRODUCER_NAME} ({exc.strerror}); "
+                             "it must be a regular file, not a link") from None
+        else:
+            with open(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ValueError(f"disk_dir {self.directory}: {self.PRODUCER_NAME} is not a regular file; "
+                                     "remove it")
+                theirs = f.read(4096).decode("ascii", errors="replace").strip()
         dropped = 0
         if theirs is not None and theirs != tag:
             for name in os.listdir(self.directory):
-                if _SEG_NAME.match(name):
+                if _SEG_NAME.fullmatch(name) and _kind(os.path.join(self.directory, name)) == "file":
                     _unlink(os.path.join(self.directory, name))
                     dropped += 1
             log.warning("disk tier %s: dropped %d segment(s) written by another KV producer (%s, this worker is %s): "
                         "their KV differs in low bits from what this worker computes", self.directory, dropped,
                         theirs[:16], tag)
         if theirs != tag:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
             with open(fd, "w", encoding="ascii") as f:
                 f.write(tag + "\n")
         return dropped
@@ -177,57 +229,130 @@ class DiskTier:
 
     # -- start-up ----------------------------------------------------------------
     def scan(self) -> list[RecordMeta]:
-        """Re-index the directory: delete ``.tmp`` leftovers and damaged segments.
+        """Re-index the directory: delete unfinished writes and damaged segments, leave
+        foreign ones in place (module doc).
 
         Segments enter the LRU oldest id first. A block present in two
         segments is indexed from the newer one. Segments over capacity are
-        evicted, oldest first.
+        evicted: foreign ones first, then indexed ones, each oldest first.
+        Entries that are not regular files are skipped and left alone, with
+        one warning.
 
         Returns:
             metadata of every block indexed, for advertising.
         """
-        names = sorted(os.listdir(self.directory))
         found: list[tuple[int, str]] = []
-        for name in names:
+        skipped: list[str] = []
+        for name in sorted(os.listdir(self.directory)):
+            m = _SEG_NAME.fullmatch(name)
+            torn = m is None and _TMP_NAME.fullmatch(name) is not None
+            if m is None and not torn:
+                continue
+            if m is not None:  # never reuse the id, whatever the entry is
+                self._next_id = max(self._next_id, int(m.group(1), 16) + 1)
             path = os.path.join(self.directory, name)
-            if name.endswith(".tmp"):
+            kind = _kind(path)
+            if kind is None:  # gone since listed
+                continue
+            if kind != "file":
+                skipped.append(f"{name} ({kind})")
+            elif torn:
                 _unlink(path)
                 self.num_torn += 1
-                continue
-            m = _SEG_NAME.match(name)
-            if m:
+            else:
                 found.append((int(m.group(1), 16), path))
-                try:  # segments written before files were made private
-                    if os.stat(path).st_mode & 0o077:
-                        os.chmod(path, 0o600)
-                except OSError:
-                    pass
+        foreign: Counter = Counter()
+        partly: dict[int, str] = {}  # segments holding records not indexed: why the first is not
         for seg_id, path in sorted(found):
-            self._next_id = max(self._next_id, seg_id + 1)
             try:
-                metas, offsets, size = self._read_index(path)
+                metas, offsets, size, why_not = self._read_index(path)
+            except _NotOurs as exc:
+                skipped.append(f"{os.path.basename(path)} ({exc.args[0]})")
+                continue
             except (RecordError, OSError) as exc:
-                log.warning("disk tier: dropping damaged segment %s: %s", path, exc)
+                log.warning("disk tier: deleting damaged segment %s: %s", path, exc)
                 _unlink(path)
                 self.num_damaged += 1
                 continue
+            self.used_bytes += size
+            if why_not and all(why_not):
+                self.foreign[seg_id] = Segment(seg_id, path, size)
+                foreign[why_not[0]] += 1
+                continue
             seg = Segment(seg_id, path, size)
-            for meta, off in zip(metas, offsets):
+            for meta, off, why in zip(metas, offsets, why_not):
+                if why:
+                    partly.setdefault(seg_id, why)
+                    continue
                 old = self.entries.get(meta.block_hash)
                 if old is not None:
                     self.segments[old.segment].hashes.discard(meta.block_hash)
                 self.entries[meta.block_hash] = DiskEntry(meta, seg_id, off)
                 seg.hashes.add(meta.block_hash)
             self.segments[seg_id] = seg
-            self.used_bytes += size
         for seg in [s for s in self.segments.values() if not s.hashes]:
-            self._delete_segment(seg.seg_id)
+            if seg.seg_id in partly:  # the rest of its records are foreign: kept as foreign segments are
+                del self.segments[seg.seg_id]
+                self.foreign[seg.seg_id] = seg
+                foreign[partly[seg.seg_id]] += 1
+            else:  # empty, or every block is in a newer segment
+                self._delete_segment(seg.seg_id)
+        self.foreign = OrderedDict(sorted(self.foreign.items()))
+        if skipped:
+            shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+            log.warning("disk tier %s: left %d entr%s named like segment files alone (not regular files, or "
+                        "unreadable): %s", self.directory, len(skipped), "y" if len(skipped) == 1 else "ies", shown)
+        if foreign:
+            codecs = "/".join(sorted(self.codecs)) if self.codecs is not None else "any"
+            log.warning("disk tier %s: %d segment(s) of another layout or codec left in place (%d bytes), not "
+                        "indexed: %s (this worker: %s%s, codecs %s); they count toward the byte cap and are "
+                        "deleted first when room is needed", self.directory, len(self.foreign),
+                        self.foreign_bytes, ", ".join(f"{n} {why}" for why, n in foreign.items()), self.dtype,
+                        list(self.block_shape), codecs)
         self.evict_to_capacity()
         return [e.meta for e in self.entries.values()]
 
-    def _read_index(self, path: str) -> tuple[list[RecordMeta], list[int], int]:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+    def _why_not(self, meta: RecordMeta) -> str:
+        """Why a sound record is not indexed ("" when it is): another layout or codec."""
+        if meta.dtype != self.dtype or tuple(meta.shape) != self.block_shape:
+            return f"of layout {meta.dtype}{list(meta.shape)}"
+        if self.codecs is not None and meta.codec not in self.codecs:
+            return f"in codec {meta.codec}"
+        return ""
+
+    def _read_index(self, path: str) -> tuple[list[RecordMeta], list[int], int, list[str]]:
+        """Check a segment file's structure and read its record headers.
+
+        Opens without following a link or waiting on a FIFO, and makes the file
+        private (0600) through the open descriptor when it is this user's, has one
+        link and is readable by others (segments written before files were private).
+
+        Returns:
+            ``(metas, offsets, size, why_not)``: each record's metadata and byte
+            offset, the file size (bytes), and per record why it is not indexed
+            (`_why_not`; "" when it is).
+
+        Raises:
+            _NotOurs: the file cannot be opened (a symlink or a socket put there since it
+                was listed, no permission), or is no longer a regular file.
+            RecordError: the file is damaged (bad magic, version, checksum, truncated,
+                trailing bytes).
+            OSError: the file cannot be read.
+        """
+        try:
+            fd = os.open(path, _OPEN_EXISTING)
+        except OSError as exc:
+            raise _NotOurs(f"cannot open: {exc.strerror}") from None
+        with open(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _NotOurs(_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file"))
+            if st.st_mode & 0o077 and st.st_nlink == 1 and st.st_uid == os.geteuid():
+                try:
+                    os.fchmod(fd, 0o600)
+                except OSError:
+                    pass
+            size = st.st_size
             head = f.read(SEGMENT_HEADER_BYTES)
             if len(head) < SEGMENT_HEADER_BYTES:
                 raise RecordError("truncated segment header")
@@ -239,7 +364,7 @@ class DiskTier:
                 raise RecordError("segment header checksum mismatch")
             if total != size:
                 raise RecordError(f"segment is {size} bytes, header says {total} (truncated?)")
-            metas, offsets = [], []
+            metas, offsets, why_not = [], [], []
             off = SEGMENT_HEADER_BYTES
             for _ in range(count):
                 f.seek(off)
@@ -247,17 +372,15 @@ class DiskTier:
                 ntok = struct.unpack_from("<H", head, 6)[0] if len(head) >= 8 else 0
                 toks = f.read(4 * ntok)
                 meta = parse_header(head, toks)
-                if meta.dtype != self.dtype or tuple(meta.shape) != self.block_shape:
-                    raise RecordError(f"layout {meta.dtype}{list(meta.shape)} is not the pool's "
-                                      f"{self.dtype}{list(self.block_shape)}")
                 metas.append(meta)
                 offsets.append(off)
+                why_not.append(self._why_not(meta))
                 off += meta.record_len
                 if off > size:
                     raise RecordError("record runs past the end of the segment")
             if off != size:
                 raise RecordError("bytes after the last record")
-        return metas, offsets, size
+        return metas, offsets, size, why_not
 
     # -- writing (no index changes; writer thread) ---------------------------------
     def new_segment_id(self) -> int:
@@ -348,11 +471,25 @@ class DiskTier:
     def evict_to_capacity(self, keep: int | None = None) -> list[RecordMeta]:
         """Delete segments until within capacity; returns dropped blocks' metadata.
 
-        Fair between tenants, as the other tiers: the least recently used segment of the
-        tenant whose segments hold the most bytes (``keep``'s counted too); with one
-        tenant, the least recently used segment. O(segments) per segment deleted.
+        Foreign segments (module doc) go first, oldest first, logged. Then fair between
+        tenants, as the other tiers: the least recently used segment of the tenant whose
+        segments hold the most bytes (``keep``'s counted too); with one tenant, the least
+        recently used segment. O(segments) per segment deleted.
         """
         removed: list[RecordMeta] = []
+        if self.used_bytes <= self.capacity_bytes:
+            return removed
+        freed = count = 0
+        while self.foreign and self.used_bytes > self.capacity_bytes:
+            _, seg = self.foreign.popitem(last=False)
+            self.used_bytes -= seg.size
+            _unlink(seg.path)
+            freed += seg.size
+            count += 1
+        if count:
+            self.num_foreign_evicted += count
+            log.info("disk tier %s: deleted %d segment(s) of another layout or codec (%d bytes) to make room; "
+                     "%d left", self.directory, count, freed, len(self.foreign))
         if self.used_bytes <= self.capacity_bytes:
             return removed
         by_owner: dict = {}
@@ -395,11 +532,15 @@ class DiskTier:
             self.segments.move_to_end(e.segment)
 
     def clear(self) -> list[RecordMeta]:
-        """Delete every segment; returns the dropped blocks' metadata."""
+        """Delete every segment, foreign ones included; returns the dropped blocks' metadata."""
         out = []
         for seg_id in list(self.segments):
             out.extend(self._delete_segment(seg_id))
         self.entries.clear()
+        while self.foreign:
+            _, seg = self.foreign.popitem(last=False)
+            self.used_bytes -= seg.size
+            _unlink(seg.path)
         return out
 
     def read(self, entries: list[DiskEntry]) -> list[memoryview]:
@@ -427,7 +568,7 @@ class DiskTier:
                 end += entries[j].meta.record_len
                 j += 1
             try:
-                fd = os.open(seg.path, os.O_RDONLY)
+                fd = os.open(seg.path, _OPEN_EXISTING)
                 try:
                     data = os.pread(fd, end - e0.offset, e0.offset)
                 finally:
@@ -516,6 +657,25 @@ def _lock_directory(directory: str):
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
+
+
+class _NotOurs(Exception):
+    """A directory entry named like a segment that is not a regular file, or cannot be opened
+    (``args[0]`` says which); it is left alone."""
+
+
+_KINDS = {stat.S_IFREG: "file", stat.S_IFLNK: "symlink", stat.S_IFDIR: "directory", stat.S_IFIFO: "FIFO",
+          stat.S_IFSOCK: "socket", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device"}
+
+
+def _kind(path: str) -> str | None:
+    """What ``path`` itself is, links not followed: "file" for a regular file, "symlink",
+    "directory", "FIFO", ...; None when it does not exist."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    return _KINDS.get(stat.S_IFMT(mode), "special file")
 
 
 def _unlink(path: str) -> None:

@@ -31,7 +31,13 @@ lower tiers and keeps their indexes:
   whatever was not prefetched).
 * **Events.** Host and disk changes are reported as ``BlockStored`` /
   ``BlockRemoved`` with ``medium="host"`` / ``"disk"``; blocks found on disk
-  at start are advertised.
+  at start are advertised, except those this worker would not load (another
+  layout, or a codec outside ``accepted_codecs``), which are not indexed
+  (``disk_tier``: foreign segments).
+* **Stop.** :meth:`close` writes the host tier's blocks that have no disk copy
+  (in write-back mode, every block not yet evicted from it; in write-through,
+  those whose write was skipped), then finishes queued writes, within its
+  timeout.
 
 Lookup sources register by kind in :data:`SOURCES`, in lookup order; adding a
 tier means registering a source, not adding a branch.
@@ -236,15 +242,17 @@ class TierStore:
         self._rwriting = 0
         self._remote_writer: threading.Thread | None = None
         if config.disk_dir:
+            # blocks in a codec this worker would not load are not indexed, so never advertised
             self.disk = DiskTier(config.disk_dir, config.disk_bytes, self.block_shape, self.dtype_name,
-                                 segment_bytes=config.segment_bytes, fsync=config.fsync)
+                                 segment_bytes=config.segment_bytes, fsync=config.fsync,
+                                 codecs=self.accepted_codecs)
             self.disk.adopt_producer(config.producer)
             with self.lock:
                 metas = self.disk.scan()
                 self._emit_chains([m.block_hash for m in metas], [m.parent for m in metas],
                                   [m.token_bytes for m in metas], "disk")
             if self.disk.num_damaged or self.disk.num_torn:
-                log.warning("disk tier %s: dropped %d damaged segment(s) and %d unfinished write(s) at start",
+                log.warning("disk tier %s: deleted %d damaged segment(s) and %d unfinished write(s) at start",
                             self.disk.directory, self.disk.num_damaged, self.disk.num_torn)
             self._io = ThreadPoolExecutor(self.IO_THREADS, thread_name_prefix="kvmesh-disk-io")
             self._writer = threading.Thread(target=self._write_loop, name="kvmesh-disk-writer", daemon=True)
@@ -570,8 +578,9 @@ class TierStore:
             with self.lock:
                 while not self._jobs and not self._stop:
                     self._cv.wait()
-                if not self._jobs:
-                    return  # stopping and drained
+                if not self._jobs:  # stopping and drained; `close` left the I/O threads to us
+                    self._io.shutdown(wait=False)
+                    return
                 # as few segments as the cap allows, evenly filled (no small trailing file), one
                 # tenant's blocks per segment (the disk tier evicts fairly between tenants)
                 per_segment = max(1, disk.segment_bytes // rec)
@@ -687,11 +696,23 @@ class TierStore:
         return True
 
     def close(self, timeout: float = 10.0) -> None:
-        """Finish queued disk writes and remote puts (up to ``timeout`` seconds) and stop the
-        writer threads. Idempotent."""
+        """Finish queued disk writes and remote puts and stop the writer threads. Idempotent.
+
+        With a disk tier, the host tier's blocks that have no disk copy are queued for it
+        first (`_write_host_blocks`): in write-back mode every block still in host memory,
+        in write-through mode those whose write was skipped (a full write queue, a failed
+        write), so that a restart on the same directory finds them. Queuing them and
+        waiting for the queued writes and puts share one deadline, ``timeout`` seconds from
+        the call; what is not queued by then is not written. Each writer thread is then
+        given up to ``timeout`` more seconds to finish the batch in hand and what is still
+        queued (at most ``max_pending_write_bytes`` each).
+        """
         if self._writer is None and self._remote_writer is None:
             return
-        self.flush(timeout)
+        deadline = time.monotonic() + timeout
+        if self._writer is not None and self.host is not None:
+            self._write_host_blocks(deadline)
+        self.flush(max(0.0, deadline - time.monotonic()))
         with self.lock:
             self._stop = True
             self._cv.notify_all()
@@ -701,10 +722,69 @@ class TierStore:
                 t.join(timeout=timeout)
                 writer_left |= t is self._writer and t.is_alive()
         self._writer = self._remote_writer = None
-        if self.disk is not None:
+        if self.disk is not None and not writer_left:
+            # a writer still at work keeps its I/O threads (it shuts them down when it is done) and
+            # the folder (the process's exit frees it)
             self._io.shutdown(wait=False)
-            if not writer_left:  # a writer still at work keeps the folder (the process's exit frees it)
-                self.disk.release()
+            self.disk.release()
+
+    def _write_host_blocks(self, deadline: float) -> int:
+        """Queue the host tier's blocks that have no disk copy for the disk writer (on stop),
+        waiting for room in the write queue, until ``deadline`` (``time.monotonic()``
+        seconds).
+
+        Most recently used chains first, each chain parent first (its records adjacent on
+        disk, read back with one ``pread``); at most as many blocks as the disk tier holds,
+        since writing more would only evict what was just written.
+
+        Returns:
+            blocks queued.
+        """
+        host, disk = self.host, self.disk
+        nbytes = host.codec.payload_bytes
+        cap = self.config.max_pending_write_bytes
+        if nbytes > cap:
+            return 0
+        with self.lock:
+            todo = self._host_blocks_to_write()
+            per_block = HEADER_BYTES + 4 * self.block_size + self.disk_codec.payload_bytes
+            todo = todo[:max(0, disk.capacity_bytes // per_block)]
+            if todo:
+                log.info("disk tier %s: stop: writing the %d host-tier block(s) not on disk yet",
+                         disk.directory, len(todo))
+            queued = 0
+            for k, h in enumerate(todo):
+                while self._pending_bytes + nbytes > cap and time.monotonic() < deadline:
+                    self._cv.wait(max(0.0, deadline - time.monotonic()))
+                if self._pending_bytes + nbytes > cap or time.monotonic() >= deadline:
+                    log.warning("disk tier %s: stop: out of time after queuing %d host-tier block(s) for disk; "
+                                "%d not written are lost", disk.directory, queued, len(todo) - k)
+                    break
+                slot = host.slot_of(h)  # the lock was let go while waiting: look again
+                if slot is None or host.on_disk(slot) or h in disk.entries:
+                    continue
+                self._queue_write(slot)
+                queued += 1
+        return queued
+
+    def _host_blocks_to_write(self) -> list[bytes]:
+        """Hashes of the host tier's blocks with no disk copy: chains by their most recently
+        used block, newest first; within a chain, the blocks from the oldest one not taken yet
+        down to that block (parent first). Call under the lock."""
+        host, on_disk = self.host, self.disk.entries
+        want = {h: slot for h, slot in host.entries.items()
+                if not host.on_disk(slot) and h not in on_disk}
+        order: list[bytes] = []
+        taken: set[bytes] = set()
+        for h in reversed(list(want)):  # most recently used first
+            path = []
+            x = h
+            while x in want and x not in taken:
+                path.append(x)
+                taken.add(x)
+                x = host.view(want[x]).parent_hash
+            order.extend(reversed(path))
+        return order
 
     # -- lookup and load (engine thread) ------------------------------------------------------
     def locate(self, hashes: Sequence[bytes], block_tokens: Callable[[int], bytes], start: int, stop: int,
@@ -1143,7 +1223,12 @@ class TierStore:
             return len(dropped)
 
     def stats(self) -> dict:
-        """Block and byte counts per tier plus the counters (blocks, bytes)."""
+        """Block and byte counts per tier plus the counters (blocks, bytes).
+
+        ``disk_bytes`` is every segment file's bytes, those of foreign segments
+        (``disk_foreign_segments``, ``disk_foreign_bytes``: another layout or codec, left on
+        disk but not indexed, see ``disk_tier``) included.
+        """
         remote = self.remote.stats() if self.remote is not None else {}  # Redis calls: outside the lock
         with self.lock:
             out = dict(self.stats_counters)
@@ -1155,7 +1240,9 @@ class TierStore:
             if self.disk is not None:
                 out.update(disk_blocks=len(self.disk.entries), disk_bytes=self.disk.used_bytes,
                            disk_capacity_bytes=self.disk.capacity_bytes, disk_damaged=self.disk.num_damaged,
-                           disk_torn=self.disk.num_torn, pending_write_bytes=self._pending_bytes)
+                           disk_torn=self.disk.num_torn, pending_write_bytes=self._pending_bytes,
+                           disk_foreign_segments=len(self.disk.foreign),
+                           disk_foreign_bytes=self.disk.foreign_bytes)
             if self.remote is not None:
                 out.update(remote, pending_remote_bytes=self._rpending_bytes)
             return out

@@ -7,7 +7,9 @@ import random
 import signal
 import subprocess
 import sys
+import stat
 import textwrap
+import threading
 import time
 
 import pytest
@@ -20,14 +22,14 @@ SHAPE = (4, 2, 2, 16, 64)
 PAYLOAD = 4096  # small payloads keep the files small; the tier does not care about the codec size
 
 
-def items(n, seed=0, size=PAYLOAD):
+def items(n, seed=0, size=PAYLOAD, shape=SHAPE, codec="none"):
     rng = random.Random(seed)
     bh = hash_blocks([rng.randrange(256) for _ in range(16 * n)], 16, Namespace("m").root_hash())
     out = []
     for i in range(n):
         payload = rng.randbytes(size)
-        meta = RecordMeta(bh.hashes[i], bh.hashes[i - 1] if i else ZERO_HASH, bh.block_tokens(i), "none", "float32",
-                          SHAPE, len(payload), checksum(payload))
+        meta = RecordMeta(bh.hashes[i], bh.hashes[i - 1] if i else ZERO_HASH, bh.block_tokens(i),
+                          codec(i) if callable(codec) else codec, "float32", shape, len(payload), checksum(payload))
         out.append((meta, payload))
     return out
 
@@ -130,26 +132,27 @@ def test_corrupted_payload_is_detected_on_read(tmp_path):
     assert len(dropped) == 4 and not os.path.exists(seg.path) and not t2.entries
 
 
-@pytest.mark.parametrize("damage", ["segment header", "record header", "trailing bytes", "foreign layout"])
-def test_damaged_segments_are_dropped_at_start(tmp_path, damage):
+@pytest.mark.parametrize("damage", ["segment magic", "segment header", "record header", "trailing bytes"])
+def test_damaged_segments_are_dropped_at_start(tmp_path, damage, caplog):
     t = new_tier(tmp_path)
     write(t, items(2, seed=4))
     (seg,) = t.segments.values()
-    if damage == "foreign layout":
-        t2 = reopen(tmp_path, shape=(4, 2, 2, 16, 128))
-    else:
-        with open(seg.path, "r+b") as f:
-            if damage == "segment header":
-                f.seek(9)
-                f.write(b"\xff")
-            elif damage == "record header":
-                f.seek(SEGMENT_HEADER_BYTES + 30)
-                f.write(b"\xff")
-            else:
-                f.seek(0, os.SEEK_END)
-                f.write(b"junk")
-        t2 = reopen(tmp_path)
-    assert t2.scan() == [] and t2.num_damaged == 1 and not files(tmp_path)
+    with open(seg.path, "r+b") as f:
+        if damage == "segment magic":
+            f.write(b"XXXX")
+        elif damage == "segment header":
+            f.seek(9)
+            f.write(b"\xff")
+        elif damage == "record header":
+            f.seek(SEGMENT_HEADER_BYTES + 30)
+            f.write(b"\xff")
+        else:
+            f.seek(0, os.SEEK_END)
+            f.write(b"junk")
+    t2 = reopen(tmp_path)
+    with caplog.at_level("WARNING", logger="kvmesh.cache_store.disk_tier"):
+        assert t2.scan() == [] and t2.num_damaged == 1 and not files(tmp_path)
+    assert "deleting damaged segment" in caplog.text
 
 
 def test_leftover_tmp_files_are_removed(tmp_path):
@@ -300,3 +303,327 @@ def test_segments_of_another_kv_producer_are_dropped_at_start(tmp_path):
     assert t3.adopt_producer("bbbb1111") == 1 and t3.scan() == []  # another: dropped
     t4 = reopen(tmp_path)
     assert t4.adopt_producer("bbbb1111") == 0
+
+
+def scan_within(tier: DiskTier, seconds: float = 20.0) -> list:
+    """``tier.scan()``, failing the test if it has not returned within ``seconds``."""
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.setdefault("metas", tier.scan()), daemon=True)
+    th.start()
+    th.join(seconds)
+    assert not th.is_alive(), "the scan hung"
+    return out["metas"]
+
+
+def test_scan_never_follows_links_nor_waits_on_special_files(tmp_path, caplog):
+    """A symlink named like a segment (to a file outside the folder), a FIFO and a directory
+    of such names are left alone: not followed, not chmodded, not opened for reading, not
+    indexed, not deleted; the real segment next to them is indexed, and new segment ids
+    never land on their names. A root worker once made /etc/passwd 0600 through such a
+    link, and hung on a FIFO before listening."""
+    d = tmp_path / "disk"
+    t = new_tier(d)
+    its = items(2, seed=11)
+    write(t, its)
+    (seg,) = t.segments.values()
+    outside = tmp_path / "outside.kvs"
+    outside.write_bytes(open(seg.path, "rb").read())  # a valid segment, even
+    os.chmod(outside, 0o644)
+    before = os.stat(outside)
+    os.symlink(outside, d / "seg-00000000000000fe.kvs")
+    os.mkfifo(d / "seg-00000000000000fd.kvs")
+    os.mkdir(d / "seg-00000000000000fc.kvs")
+    os.symlink(outside, d / "seg-00000000000000fb.99.tmp")
+    t2 = reopen(d)
+    try:
+        with caplog.at_level("WARNING", logger="kvmesh.cache_store.disk_tier"):
+            metas = scan_within(t2)
+    finally:  # a scan blocked in open() of the FIFO would wait for a writer forever
+        try:
+            os.close(os.open(d / "seg-00000000000000fd.kvs", os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    assert {m.block_hash for m in metas} == {m.block_hash for m, _ in its}
+    assert len(t2.segments) == 1 and not t2.foreign and t2.num_damaged == 0 and t2.num_torn == 0
+    after = os.stat(outside)
+    assert stat.S_IMODE(after.st_mode) == 0o644 and after.st_size == before.st_size
+    assert os.path.islink(d / "seg-00000000000000fe.kvs") and os.path.islink(d / "seg-00000000000000fb.99.tmp")
+    assert stat.S_ISFIFO(os.lstat(d / "seg-00000000000000fd.kvs").st_mode)
+    assert os.path.isdir(d / "seg-00000000000000fc.kvs")
+    warnings = [r for r in caplog.records if "not regular files" in r.getMessage()]
+    assert len(warnings) == 1 and "symlink" in warnings[0].getMessage() and "FIFO" in warnings[0].getMessage()
+    assert t2.new_segment_id() > 0xFE  # never written over those names
+
+
+def test_producer_file_and_producer_change_leave_special_files_alone(tmp_path):
+    """The producer file is never followed nor waited on; emptying the folder for another
+    producer deletes segment files only, not a directory or a link's target."""
+    d = tmp_path / "disk"
+    t = new_tier(d)
+    assert t.adopt_producer("aaaa0000") == 0
+    write(t, items(2, seed=12))
+    os.mkdir(d / "seg-00000000000000fc.kvs")
+    target = tmp_path / "keep"
+    target.write_bytes(b"not a segment")
+    os.symlink(target, d / "seg-00000000000000fe.kvs")
+    t2 = reopen(d)
+    assert t2.adopt_producer("bbbb1111") == 1
+    assert os.path.isdir(d / "seg-00000000000000fc.kvs") and target.read_bytes() == b"not a segment"
+    os.unlink(d / DiskTier.PRODUCER_NAME)
+    os.mkfifo(d / DiskTier.PRODUCER_NAME)
+    t3 = reopen(d)
+    out: dict = {}
+
+    def adopt():
+        try:
+            t3.adopt_producer("bbbb1111")
+        except ValueError as exc:
+            out["error"] = str(exc)
+
+    th = threading.Thread(target=adopt, daemon=True)
+    th.start()
+    th.join(20)
+    assert not th.is_alive(), "adopt_producer hung on a FIFO"
+    assert "not a regular file" in out["error"]
+
+
+def test_only_the_writers_own_tmp_files_are_removed(tmp_path):
+    """Start-up removes the writer's unfinished files, ``seg-<16 hex>.<pid>.tmp`` regular
+    files, and nothing else that happens to end in .tmp."""
+    t = new_tier(tmp_path)
+    write(t, items(2))
+    (tmp_path / "notes.tmp").write_text("a user's notes")
+    (tmp_path / "seg-00000000000000ff.tmp").write_bytes(b"x")
+    (tmp_path / "seg-00000000000000ff.12x4.tmp").write_bytes(b"x")
+    (tmp_path / "seg-00000000000000ff.1234.tmp").write_bytes(b"KVS1 half a segment")
+    os.mkdir(tmp_path / "seg-00000000000000fe.77.tmp")
+    t2 = new_tier(tmp_path)
+    assert t2.num_torn == 1 and len(t2.entries) == 2
+    assert sorted(f for f in files(tmp_path) if f.endswith(".tmp")) == [
+        "notes.tmp", "seg-00000000000000fe.77.tmp", "seg-00000000000000ff.12x4.tmp", "seg-00000000000000ff.tmp"]
+
+
+OTHER_SHAPE = (4, 2, 2, 32, 64)  # another --block-size
+
+
+def test_segments_of_another_layout_are_left_in_place_and_evicted_first(tmp_path, caplog):
+    """One start with another block size (or model shape, or dtype) must not wipe the tier:
+    sound segments of another layout are neither indexed nor deleted, and a start with the
+    first layout finds them again. Their bytes count toward the cap, and they are the first
+    deleted, oldest first, when the tier needs room."""
+    t = new_tier(tmp_path)
+    write(t, items(2, seed=1))
+    write(t, items(2, seed=2))
+    seg_bytes = max(s.size for s in t.segments.values())
+    other = reopen(tmp_path, cap=3 * seg_bytes, shape=OTHER_SHAPE)
+    with caplog.at_level("WARNING", logger="kvmesh.cache_store.disk_tier"):
+        assert other.scan() == []
+    assert other.num_damaged == 0 and len(other.foreign) == 2 and not other.entries
+    assert len([f for f in files(tmp_path) if f.endswith(".kvs")]) == 2
+    assert other.used_bytes == other.foreign_bytes == 2 * seg_bytes
+    assert "2 segment(s) of another layout or codec left in place" in caplog.text
+    assert "damaged" not in caplog.text
+
+    back = new_tier(tmp_path)  # the mistake corrected: everything is there
+    assert set(back.entries) == {m.block_hash for m, _ in items(2, seed=1) + items(2, seed=2)}
+
+    other = reopen(tmp_path, cap=3 * seg_bytes, shape=OTHER_SHAPE)
+    other.scan()
+    oldest, newer = list(other.foreign.values())
+    mine = [items(2, seed=s, shape=OTHER_SHAPE) for s in (20, 21, 22)]
+    _, removed = write(other, mine[0])  # fits beside the foreign ones
+    assert not removed and len(other.foreign) == 2
+    _, removed = write(other, mine[1])  # over the cap: the oldest foreign segment goes, none of mine
+    assert not removed and not os.path.exists(oldest.path) and os.path.exists(newer.path)
+    assert other.used_bytes <= other.capacity_bytes and other.num_foreign_evicted == 1
+    _, removed = write(other, mine[2])
+    assert not removed and not other.foreign and not os.path.exists(newer.path)
+    assert len(other.entries) == 6 and other.used_bytes == sum(s.size for s in other.segments.values())
+
+
+def test_segments_of_another_codec_are_not_indexed(tmp_path):
+    """A tier told which codecs its worker loads indexes no record of another codec: a
+    segment of those only is left in place like one of another layout; a segment mixing
+    them keeps serving the records it can."""
+    t = new_tier(tmp_path)
+    fp8 = items(2, seed=30, codec="fp8")
+    mixed = items(4, seed=31, codec=lambda i: "fp8" if i % 2 else "none")
+    write(t, fp8)
+    write(t, mixed)
+    exact = reopen(tmp_path, codecs={"none"})
+    metas = exact.scan()
+    assert {m.block_hash for m in metas} == {m.block_hash for m, _ in mixed if m.codec == "none"}
+    assert len(exact.foreign) == 1 and len(exact.segments) == 1 and exact.num_damaged == 0
+    both = reopen(tmp_path, codecs={"none", "fp8"})
+    assert len(both.scan()) == 6 and not both.foreign
+
+
+# -- through the tier store ------------------------------------------------------------------------
+
+BS = 16
+BLOCK_BYTES = 4 * 2 * 2 * BS * 64 * 4  # one float32 block of the built-in model
+
+
+def _pool(num_blocks=32):
+    import torch
+
+    from kvmesh.workers.config import ModelConfig
+    from kvmesh.workers.model import allocate_kv_cache
+
+    return allocate_kv_cache(ModelConfig.tiny(), num_blocks, BS, "cpu", torch.float32)
+
+
+def _chain(seed, n):
+    """Hashes and block tokens of an ``n``-block prompt, and its namespace root."""
+    rng = random.Random(seed)
+    root = Namespace("m").root_hash()
+    return hash_blocks([rng.randrange(256) for _ in range(BS * n)], BS, root), root
+
+
+def _evicted(bh, rows):
+    """`EvictedBlock`s of a chain whose block ``i`` sits in pool row ``rows[i]``, as the
+    pool reports them (tails first)."""
+    from kvmesh.cache_store.prefix_cache import EvictedBlock
+
+    return [EvictedBlock(rows[i], bh.hashes[i], bh.hashes[i - 1] if i else None, bh.block_tokens(i))
+            for i in reversed(range(len(rows)))]
+
+
+def _store(kv, path, events=None, **kw):
+    from kvmesh.cache_store.tier_store import TierConfig, TierStore
+
+    kw.setdefault("host_bytes", 16 * BLOCK_BYTES)
+    cfg = TierConfig(disk_dir=str(path), disk_bytes=64 << 20, peer_bytes=0, fsync=False, load_policy="always", **kw)
+    return TierStore(kv, cfg, event_sink=None if events is None else events.append)
+
+
+def _disk_stored(events) -> set:
+    from kvmesh.cache_store.events import BlockStored
+
+    return {h for ev in events if isinstance(ev, BlockStored) and ev.medium == "disk" for h in ev.block_hashes}
+
+
+def test_a_worker_does_not_advertise_disk_blocks_of_a_codec_it_will_not_load(tmp_path):
+    """Disk blocks written in fp8 by a worker run with --disk-codec fp8 are not indexed, not
+    advertised and not located by a restart that loads exact KV only (the router would
+    credit it with hits it never serves); a restart with fp8 again finds them all."""
+    kv = _pool().normal_()
+    bh, root = _chain(40, 6)
+    store = _store(kv, tmp_path, disk_codec="fp8")
+    try:
+        store.offload(_evicted(bh, list(range(6))))
+        assert store.flush(30) and store.stats()["disk_blocks"] == 6
+    finally:
+        store.close()
+    for codec, found in (("none", 0), ("fp8", 6)):
+        events: list = []
+        store = _store(_pool(), tmp_path, events, disk_codec=codec)
+        try:
+            st = store.stats()
+            assert st["disk_blocks"] == len(_disk_stored(events)) == found
+            assert (st["disk_foreign_segments"] > 0) == (found == 0) and st["disk_damaged"] == 0
+            located = store.locate(bh.hashes, bh.block_tokens, 0, 6, root)
+            assert len(located) == found
+            store.release(located)
+        finally:
+            store.close()
+
+
+def test_write_back_stop_writes_the_host_tier_to_disk(tmp_path):
+    """With write-back, blocks still only in host memory are written at a graceful stop, each
+    chain parent first in one segment run; a restart on the folder loads them intact."""
+    import torch
+
+    kv = _pool().normal_()
+    a, root = _chain(41, 5)
+    b, _ = _chain(42, 3)
+    store = _store(kv, tmp_path, write_mode="back")
+    try:
+        store.offload(_evicted(a, list(range(5))))
+        store.offload(_evicted(b, list(range(5, 8))))
+        assert store.flush(30) and store.stats()["disk_blocks"] == 0  # write-back: only in host memory
+    finally:
+        store.close()
+    events: list = []
+    again = _store(_pool(), tmp_path, events)
+    try:
+        assert _disk_stored(events) == set(a.hashes) | set(b.hashes)
+        entries = [again.disk.entries[h] for h in a.hashes]
+        assert len({e.segment for e in entries}) == 1
+        assert all(e2.offset == e1.offset + e1.meta.record_len for e1, e2 in zip(entries, entries[1:]))
+        located = again.locate(a.hashes, a.block_tokens, 0, 5, root)
+        assert [loc.medium for loc in located] == ["disk"] * 5
+        assert again.load(located, [10, 11, 12, 13, 14]) == ["disk"] * 5
+        assert torch.equal(again.kv_cache[10:15], kv[0:5])
+    finally:
+        again.close()
+
+
+def test_write_back_stop_is_bounded_in_time(tmp_path, caplog):
+    """A disk that does not keep up cannot hold a stop: the host blocks not queued by the
+    deadline are given up, and it says so."""
+    kv = _pool().normal_()
+    a, _ = _chain(43, 8)
+    store = _store(kv, tmp_path, write_mode="back", max_pending_write_bytes=2 * BLOCK_BYTES)
+    gate = threading.Event()
+    real = store._write_batch
+    store._write_batch = lambda groups: (gate.wait(60), real(groups))[1]
+    writer = store._writer
+    try:
+        store.offload(_evicted(a, list(range(8))))
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="kvmesh.cache_store.tier_store"):
+            store.close(timeout=0.5)
+        assert time.monotonic() - started < 5
+        assert "out of time" in caplog.text
+    finally:
+        gate.set()
+        writer.join(30)
+        store.disk.release()
+
+
+def test_a_worker_stopped_gracefully_in_write_back_mode_restarts_warm(tmp_path):
+    """docs/TIERS.md, "Graceful stop": with --disk-write-mode back, a worker restarted on the
+    same folder after a graceful stop serves the prompt from disk, with the cold run's tokens."""
+    from kvmesh.workers.engine import Engine
+    from tests._device import DEVICE
+    from tests.test_engine_tiers import GREEDY, TierConfig, cap_blocks, cold, rand_prompt, run
+
+    def engine():
+        return Engine(device=DEVICE, num_blocks=32, block_size=BS,
+                      tiers=TierConfig(host_bytes=16 * BLOCK_BYTES, disk_dir=str(tmp_path), disk_bytes=64 << 20,
+                                       write_mode="back", peer_bytes=0)).start()
+
+    prompt = rand_prompt(44, 100)
+    e = engine()
+    try:
+        ref, _ = cold(e, prompt)
+        assert e.tier_stats()["disk_blocks"] == 0
+    finally:
+        e.stop()
+    e = engine()
+    try:
+        assert e.tier_stats()["disk_blocks"] >= cap_blocks(prompt)
+        out, _ = run(e, prompt, GREEDY)
+        assert out["usage"]["cached_tokens_by_tier"]["disk"] == BS * cap_blocks(prompt)
+        assert out["token_ids"] == ref["token_ids"]
+    finally:
+        e.stop()
+
+
+def test_write_through_stop_writes_the_blocks_whose_write_was_skipped(tmp_path):
+    """Write-through skips writes past the write queue's cap (the device pool's offload at a
+    stop overflows it at once); the stop writes those blocks too."""
+    kv = _pool().normal_()
+    a, _ = _chain(45, 8)
+    store = _store(kv, tmp_path, max_pending_write_bytes=2 * BLOCK_BYTES)
+    try:
+        store.offload(_evicted(a, list(range(8))))
+        assert store.stats()["writes_skipped"] > 0
+    finally:
+        store.close()
+    again = _store(_pool(), tmp_path)
+    try:
+        assert set(again.disk.entries) == set(a.hashes)
+    finally:
+        again.close()

@@ -350,9 +350,10 @@ class Engine:
     def stop(self) -> None:
         """Stop the loop; queued and running requests fail with UNAVAILABLE.
 
-        With a disk tier, the device pool's cached blocks are then offloaded (to host and,
-        in write-through mode, to disk) and queued disk writes finish (bounded wait), so a
-        restart on the same directory starts warm.
+        With a disk tier, the device pool's cached blocks are then offloaded to the host
+        tier, and `TierStore.close` writes the host tier's blocks that have no disk copy yet
+        (in either write mode) and lets queued disk writes finish, within 10 s in all (what
+        is left then is logged), so a restart on the same directory starts warm.
         """
         with self._cv:
             self._stop = True
