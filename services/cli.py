@@ -257,7 +257,7 @@ def make_engine(args: argparse.Namespace, event_sink=None):
         logging.getLogger("kvmesh.worker").warning(
             "--host-bytes holds %d blocks, fewer than the device pool's %d: blocks evicted while every host slot "
             "is taken (or pinned by a pending disk write) are not written to disk or the remote tier either "
-            "(metric kvmesh:tier_blocks_not_stored{reason=\"offload\"}); give --host-bytes at least %d bytes",
+            "(metric kvmesh:tier_blocks_not_stored_total{reason=\"offload\"}); give --host-bytes at least %d bytes",
             tiers.host.num_slots, engine.num_blocks, engine.num_blocks * tiers.host.codec.payload_bytes)
     return engine
 
@@ -558,6 +558,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+#: kv-size's names of the KV pool dtypes (`workers.config.ModelConfig.dtype` -> ``--dtype``).
+_KV_SIZE_POOL_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def kv_size_dtype(model: str, cfg, requested: str | None) -> tuple[str, str, str]:
+    """The element type ``kv-size`` counts in: ``(dtype, source, why)``.
+
+    ``requested`` (``--dtype``) wins (source ``"--dtype"``). Otherwise the dtype a worker
+    would allocate its KV pool in for ``model`` (the pool keeps the checkpoint's dtype
+    whatever ``--compute-dtype`` says): ``cfg.dtype`` as fp32, bf16 or fp16, with source
+    ``"built-in model"`` for ``tiny``, ``"preset"`` for a `workers.config.KNOWN_SHAPES` name
+    (their published weights' dtype) or ``"config.json"`` for a directory (its
+    ``torch_dtype``, float32 when it names none, as the loader reads it). ``why`` says so in
+    a few words. ``cfg`` is what `workers.config.resolve_model_shape` returned for ``model``.
+    """
+    if requested:
+        return requested, "--dtype", "given with --dtype"
+    from kvmesh.workers.config import KNOWN_SHAPES
+
+    name = _KV_SIZE_POOL_NAMES[cfg.dtype]
+    if str(model).strip().lower() == "tiny":
+        return name, "built-in model", "the built-in model's dtype, which its worker's KV pool takes"
+    if any(cfg is known for known in KNOWN_SHAPES.values()):
+        return name, "preset", f"the dtype of {cfg.model_id}'s published weights, which a worker's KV pool takes"
+    path = os.path.join(str(model).strip(), "config.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        data = {}
+    key = next((k for k in ("torch_dtype", "dtype") if isinstance(data, dict) and data.get(k)), None)
+    if key is None:
+        return name, "config.json", (f"{path} names no torch_dtype, so the worker loads it, and keeps its KV, "
+                                     f"in {cfg.dtype}")
+    return name, "config.json", f"{key} {data[key]!r} in {path}, which the worker's KV pool takes"
+
+
 def cmd_kv_size(args: argparse.Namespace) -> int:
     from kvmesh.workers.config import kv_cache_bytes, resolve_model_shape
 
@@ -566,6 +603,9 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    args.dtype, dtype_source, dtype_why = kv_size_dtype(args.model, cfg, args.dtype)
+    # said only when kv-size chose the dtype; an explicit --dtype prints as it always did
+    dtype_note = "" if dtype_source == "--dtype" else f"dtype {args.dtype}: {dtype_why} (--dtype sizes another)"
     if args.tokens < 0 or args.batch < 1:
         print("error: --tokens must be >= 0 and --batch >= 1", file=sys.stderr)
         return 2
@@ -582,7 +622,8 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        result = {"model": args.model, "tokens": args.tokens, "batch": args.batch, "dtype": args.dtype, **sized,
+        result = {"model": args.model, "tokens": args.tokens, "batch": args.batch, "dtype": args.dtype,
+                  "dtype_source": dtype_source, "dtype_reason": dtype_why, **sized,
                   "gib": round(sized["bytes"] / 2**30, 4)}
         if args.json:
             print(json.dumps(result))
@@ -592,10 +633,13 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
                   f"(pool {args.dtype}: {sized['pool_bytes_per_block']:,}) = {sized['bytes']:,} bytes "
                   f"({result['gib']} GiB); {sized['blocks_per_gib']:,} blocks per GiB of --host-bytes "
                   "(disk and remote records add a small header per block)")
+            if dtype_note:
+                print(dtype_note)
         return 0
     nbytes = kv_cache_bytes(cfg, args.tokens, batch=args.batch, dtype=args.dtype)
     result = {
         "model": args.model, "tokens": args.tokens, "batch": args.batch, "dtype": args.dtype,
+        "dtype_source": dtype_source, "dtype_reason": dtype_why,
         "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
         "bytes": int(nbytes), "gib": round(nbytes / 2**30, 4),
         "bytes_per_token": nbytes // max(1, args.tokens * args.batch) if args.tokens else 0,
@@ -606,6 +650,8 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
         print(f"{args.model}: {args.tokens} tokens x batch {args.batch} in {args.dtype} = {int(nbytes):,} bytes "
               f"({result['gib']} GiB); formula 2 x {cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} kv "
               f"heads x {cfg.head_dim} head_dim x bytes/elem x tokens x batch")
+        if dtype_note:
+            print(dtype_note)
     return 0
 
 
@@ -662,9 +708,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="tiny, a known name (e.g. Llama-3-8B) or a model directory")
     p.add_argument("--tokens", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8", "int4"],
-                   help="element type (default bf16); without --codec, fp8/int4 count values only, no scales; "
-                        "with --codec it is the pool dtype the blocks come in (fp32, bf16 or fp16)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16", "fp8", "int4"],
+                   help="element type (default: the dtype a worker's KV pool takes for --model: a directory's "
+                        "config.json torch_dtype, fp32 for tiny, bf16 for the named public models); without "
+                        "--codec, fp8/int4 count values only, no scales; with --codec it is the pool dtype the "
+                        "blocks come in (fp32, bf16 or fp16)")
     p.add_argument("--codec", default=None, choices=["none", "fp8", "int4"],
                    help="size whole blocks as the host/disk/remote tier codec stores them, scales included "
                         "(default: raw KV bytes, no block rounding)")

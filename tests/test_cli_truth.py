@@ -715,6 +715,79 @@ def test_kv_size_codec_counts_the_scales(capsys):
     assert "it needs --codec" in capsys.readouterr().err
 
 
+def _kv_size(capsys, *argv: str) -> tuple[dict, str]:
+    """kv-size in this process: (its --json object, its text output)."""
+    from kvmesh.services.cli import main
+
+    assert main(["kv-size", *argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert main(["kv-size", *argv]) == 0
+    return out, capsys.readouterr().out
+
+
+def _worker_pool_block_bytes(cfg, block_size: int = 16) -> int:
+    """Bytes of one block of the KV pool a worker allocates for ``cfg`` (its own code)."""
+    from kvmesh.workers.model import allocate_kv_cache
+
+    pool = allocate_kv_cache(cfg, 1, block_size)
+    return pool.numel() * pool.element_size()
+
+
+@pytest.mark.parametrize("torch_dtype, expected", [("float32", "fp32"), ("bfloat16", "bf16"), ("float16", "fp16"),
+                                                   (None, "fp32")])
+def test_kv_size_counts_in_the_dtype_the_worker_pool_takes(tmp_path, monkeypatch, capsys, torch_dtype, expected):
+    """Without --dtype, kv-size sizes a checkpoint in its config.json's torch_dtype (float32
+    when it names none), the dtype of the pool the worker allocates, and says so."""
+    import dataclasses
+
+    from kvmesh.workers.config import ModelConfig
+    from kvmesh.workers.loader import read_config
+
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    hf = dataclasses.replace(ModelConfig.tiny(), dtype=torch_dtype or "float32").to_hf_dict()
+    if torch_dtype is None:
+        del hf["torch_dtype"]
+    (model / "config.json").write_text(json.dumps(hf))
+    pool_block = _worker_pool_block_bytes(read_config(str(model)))  # what the worker would allocate
+
+    out, text = _kv_size(capsys, "--model", str(model), "--tokens", "16")
+    assert out["dtype"] == expected and out["dtype_source"] == "config.json"
+    assert out["bytes"] == pool_block  # 16 tokens: one block of the worker's pool
+    assert f" in {expected} = " in text and f"dtype {expected}: " in text
+    assert ("names no torch_dtype" if torch_dtype is None else f"torch_dtype '{torch_dtype}'") in text
+
+    out, text = _kv_size(capsys, "--model", str(model), "--tokens", "100", "--codec", "none")
+    assert out["pool_bytes_per_block"] == out["bytes_per_block"] == pool_block and out["blocks"] == 7
+    assert f"(pool {expected}: {pool_block:,})" in text
+
+
+def test_kv_size_of_the_builtin_model_is_in_its_float32_pool(capsys):
+    from kvmesh.workers.config import ModelConfig
+
+    pool_block = _worker_pool_block_bytes(ModelConfig.tiny())
+    out, text = _kv_size(capsys, "--model", "tiny", "--tokens", "100", "--codec", "fp8")
+    assert out["dtype"] == "fp32" and out["dtype_source"] == "built-in model"
+    assert out["pool_bytes_per_block"] == pool_block == 4 * 2 * 2 * 16 * 64 * 4
+    assert f"(pool fp32: {pool_block:,})" in text and "dtype fp32: the built-in model's dtype" in text
+    out, _ = _kv_size(capsys, "--model", "tiny", "--tokens", "16")
+    assert out["dtype"] == "fp32" and out["bytes"] == pool_block
+
+
+def test_kv_size_presets_and_an_explicit_dtype(capsys):
+    """The named public models keep their published bf16; --dtype still overrides, and an
+    explicit one prints as before (no dtype note)."""
+    out, text = _kv_size(capsys, "--model", "Llama-3-8B", "--tokens", "16")
+    assert out["dtype"] == "bf16" and out["dtype_source"] == "preset" and out["bytes"] == 2 * 32 * 8 * 128 * 2 * 16
+    assert "dtype bf16: the dtype of meta-llama/Meta-Llama-3-8B's published weights" in text
+    out, text = _kv_size(capsys, "--model", "Llama-3-8B", "--tokens", "16", "--dtype", "fp32")
+    assert out["dtype"] == "fp32" and out["dtype_source"] == "--dtype" and out["bytes"] == 2 * 32 * 8 * 128 * 4 * 16
+    assert " in fp32 = " in text and "dtype fp32:" not in text and len(text.splitlines()) == 1
+    out, text = _kv_size(capsys, "--model", "tiny", "--tokens", "16", "--dtype", "bf16", "--codec", "none")
+    assert out["dtype"] == "bf16" and out["pool_bytes_per_block"] == 4 * 2 * 2 * 16 * 64 * 2
+
+
 def test_generate_streams_text_as_it_arrives(cluster):
     from kvmesh.services.cli import generate
 

@@ -248,7 +248,14 @@ def test_command_lines_were_localized_only(cpu_cluster):
                                                                                           creds.ca]
     r = cpu_cluster["routers"][0].argv
     assert r[r.index("--api-keys") + 1] == creds.api_keys and "--insecure" not in r + argv
-    assert "--requirepass" in cpu_cluster["redis"].argv
+    redis = cpu_cluster["redis"]
+    assert redis.argv[:2] == ["sh", "-c"] and "--requirepass" not in redis.argv, "Redis' password goes on stdin"
+    assert not any("kvmesh-dev-only" in a for a in redis.argv), "Redis' password kept out of argv"
+    import redis as redis_client
+
+    with pytest.raises(redis_client.AuthenticationError):  # and it is required
+        redis_client.Redis(port=redis.ports[6379], socket_timeout=5).ping()
+    assert redis_client.Redis(port=redis.ports[6379], password="kvmesh-dev-only", socket_timeout=5).ping()
 
 
 def test_ports_refuse_plaintext_and_missing_keys(cpu_cluster):

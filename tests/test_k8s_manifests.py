@@ -452,6 +452,96 @@ def test_network_policy_paths():
     assert not _allowed(objs, "router", "router", 50050)
 
 
+
+def test_no_secret_value_in_any_command_line(rendered):
+    """No container's command line, as the kubelet expands it, holds a value from a Secret
+    (ps in the pod, or on the node, would show it): Redis' password included."""
+    overlay, objs = rendered
+    for owner, tpl, c in containers(objs):
+        env, argv = resolved(objs, c)
+        secret_vars = [i["name"] for i in c.get("env", []) if "secretKeyRef" in i.get("valueFrom", {})]
+        for name in secret_vars:
+            assert env[name], f"{overlay}: {owner}/{c['name']}: {name} is empty"
+            assert not any(env[name] in a for a in argv), f"{overlay}: {owner}/{c['name']}: {name} is in argv"
+
+
+def _start_redis_container(objs, password: str | None, tmp_path):
+    """The kvmesh-redis container's command line, as the kubelet runs it, as a local process
+    on a free loopback port (port, bind address and /data are the only changes), with
+    REDIS_PASSWORD set to ``password`` (unset for None). Returns (process, port)."""
+    import shutil
+    import subprocess
+
+    from kvmesh.services.procs import free_port
+
+    assert shutil.which("redis-server"), "redis-server not on PATH (Debian's redis-server, scripts/setup.sh)"
+    (c,) = find(objs, "StatefulSet", "kvmesh-redis")[0]["spec"]["template"]["spec"]["containers"]
+    env = container_env(c, objs)
+    env.pop("REDIS_PASSWORD")
+    argv = container_argv(c, {**env, "REDIS_PASSWORD": "<unused>"})
+    port = free_port()
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    local = {str(c["ports"][0]["containerPort"]): str(port), "0.0.0.0": "127.0.0.1", "/data": str(data)}
+    argv = [local.get(a, a) for a in argv]
+    env = {**env, "PATH": os.environ["PATH"], **({"REDIS_PASSWORD": password} if password is not None else {})}
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), port
+
+
+@pytest.mark.parametrize("password", ["kvmesh-dev-only", 'sp ace"quote\\back$(REDIS_PASSWORD)`x`$@#\'end'])
+def test_redis_takes_its_password_on_stdin(password, tmp_path):
+    """The Redis container requires AUTH with exactly the Secret's password (quoted for
+    Redis' config syntax), which is neither in redis-server's argv nor in its environment;
+    it keeps the manifest's other options and exits cleanly on SIGTERM."""
+    import signal
+    import time
+
+    import redis
+
+    proc, port = _start_redis_container(render("cpu"), password, tmp_path)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                redis.Redis(port=port, socket_timeout=2).ping()
+                raise AssertionError("redis-server answered without a password")
+            except redis.AuthenticationError:
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.1)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, password=password + "x", socket_timeout=2).ping()
+        client = redis.Redis(port=port, password=password, socket_timeout=2, decode_responses=True)
+        assert client.ping()
+        conf = client.config_get("*")
+        assert (conf["maxmemory"], conf["maxmemory-policy"], conf["save"], conf["appendonly"]) == \
+            ("1073741824", "noeviction", "", "no")
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as fh:  # sh exec'd redis-server: same pid
+            cmdline = fh.read()
+        with open(f"/proc/{proc.pid}/environ", "rb") as fh:
+            environ = fh.read()
+        assert cmdline.startswith(b"redis-server") and password.encode() not in cmdline
+        assert password.encode() not in environ and b"REDIS_PASSWORD=" not in environ
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.parametrize("password, message", [(None, "has no password"), ("", "has no password"),
+                                               ("secret\n", "has a line break")])
+def test_redis_refuses_to_start_without_a_usable_password(password, message, tmp_path):
+    """An empty password would turn Redis' authentication off; one ending in a newline (a
+    Secret made from a file) would not match the clients' URL: the pod stops and says so."""
+    proc, _ = _start_redis_container(render("cpu"), password, tmp_path)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 1 and message in out, out
+
+
 # -- overlay specifics and custom resources ---------------------------------------------
 
 def _worker_args(objs):

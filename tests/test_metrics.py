@@ -279,3 +279,28 @@ def test_metrics_connections_over_the_cap_are_closed_unread_and_scrapes_resume()
             s.close()
         server.shutdown()
         server.server_close()
+
+
+def test_the_small_host_tier_warning_and_docs_name_the_exported_series(tmp_path, caplog):
+    """The worker's start-up warning about a host tier smaller than the device pool, and
+    docs/TIERS.md, name the not-stored counter as it is scraped (a counter's ``_total``)."""
+    import logging
+    import os
+    import re
+
+    from kvmesh.services.cli import build_parser, make_engine
+
+    args = build_parser().parse_args(["worker", "--port", "0", "--num-blocks", "32", "--host-bytes", "64K",
+                                      "--disk-dir", str(tmp_path / "disk"), "--disk-bytes", "1M"])
+    with caplog.at_level(logging.WARNING, logger="kvmesh.worker"):
+        e = make_engine(args)
+    try:
+        (warning,) = [r.getMessage() for r in caplog.records if "--host-bytes holds" in r.getMessage()]
+        (name,) = re.findall(r'(kvmesh:[a-z_]+)\{reason="offload"\}', warning)
+        exported = samples(WorkerMetrics(e, "w0").registry)
+        assert (name, (("reason", "offload"),)) in exported, name
+    finally:
+        e.stop()
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "TIERS.md"), encoding="utf-8") as fh:
+        named = set(re.findall(r"kvmesh:tier_blocks_not_stored\w*", fh.read()))
+    assert named == {name}
