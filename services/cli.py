@@ -26,7 +26,8 @@ from kvmesh.workers.request import DEFAULT_DEADLINE_SHED_FACTOR
 
 
 #: How long a starting worker waits for another process renewing a lease under its
-#: --worker-id to stop (a predecessor draining) before it refuses to start (seconds);
+#: --worker-id to stop (a predecessor still serving; one that drains has withdrawn its
+#: lease already) before it refuses to start (seconds);
 #: environment variable ``KVMESH_DUPLICATE_ID_WAIT_S`` overrides it.
 DUPLICATE_ID_WAIT_S = 60.0
 
@@ -326,9 +327,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 2
     secure = {"tls": gate.tls, "gate": gate, "reflection": args.reflection}
 
-    def serve(engine, on_stopper=None) -> int:
-        """Serve until SIGINT/SIGTERM; ``on_stopper(fn)`` receives a thread-safe ``fn()`` that
-        stops the server too."""
+    def serve(engine, on_stopper=None, on_drain=None) -> int:
+        """Serve until SIGINT/SIGTERM, then drain; ``on_stopper(fn)`` receives a thread-safe
+        ``fn()`` that stops the server too; ``on_drain()`` (blocking) runs as the drain starts."""
         import asyncio
 
         from kvmesh.services.cli_checks import run_server
@@ -341,6 +342,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             await serve_worker(engine, args.port, host=args.host, worker_id=worker_id, peer=peer,
                                advertise=advertise, stop=stop, max_concurrent_rpcs=args.max_concurrent_rpcs,
                                max_inflight_per_tenant=args.max_inflight_per_tenant,
+                               drain_timeout_s=args.drain_timeout_s, on_drain=on_drain,
                                **ports, **secure)
 
         return run_server(main(), args.port)  # a port taken since it was checked: exit 2 naming its flag
@@ -355,8 +357,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from kvmesh.workers.kv_publisher import KVEventPublisher, WorkerLease, live_lease_holder
 
     # Two processes under one id would overwrite each other's lease and KV event stream. A
-    # predecessor that is still draining (Ray restarts an actor while the old process shuts
-    # down) renews its lease until it stops: wait for that, refuse only a worker that outlives it.
+    # predecessor that still renews its lease (Ray restarts an actor while the old process has
+    # not yet been told to stop) may be about to stop: wait for that, refuse only a worker that
+    # outlives it. One that drains withdrew its lease at the signal, and the lease fencing keeps
+    # its last events off the stream once this one holds the lease.
     wlog = logging.getLogger("kvmesh.worker")
     wait_s = float(os.environ.get("KVMESH_DUPLICATE_ID_WAIT_S", DUPLICATE_ID_WAIT_S))
     deadline = time.monotonic() + wait_s
@@ -407,7 +411,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
         peer["holder_check"] = LeaseCheck(args.redis_url, cluster=args.cluster)
     try:
-        rc = serve(engine, on_stopper)
+        # draining: the lease goes at once (routers stop choosing this worker), not at exit
+        rc = serve(engine, on_stopper, on_drain=lease.close)
     finally:
         lease.close()
         publisher.close()
@@ -672,6 +677,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address the router and peers use to reach this worker (default --host:--port; "
                         "required when --host is 0.0.0.0 or ::, e.g. the pod IP on Kubernetes)")
     p.add_argument("--worker-id", default=None, help="id in the cluster (default HOSTNAME:PORT)")
+    from kvmesh.workers.grpc_host import DEFAULT_DRAIN_TIMEOUT_S
+
+    p.add_argument("--drain-timeout-s", type=_float_at_least(0.0, "--drain-timeout-s"),
+                   default=DEFAULT_DRAIN_TIMEOUT_S, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT the worker withdraws its lease, refuses new requests with UNAVAILABLE "
+                        "(health NOT_SERVING) and lets running requests finish for up to this many seconds; those "
+                        "still running then end UNAVAILABLE; a second signal stops at once. On Kubernetes keep "
+                        "preStop sleep + this + ~10 s within terminationGracePeriodSeconds "
+                        f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})")
     from kvmesh.services.observability import add_server_flags
 
     add_server_flags(p, "worker")

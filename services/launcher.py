@@ -151,7 +151,10 @@ class LocalCluster:
         cmd = python_cmd("worker", "--port", str(port), "--worker-id", worker_id, *self._secure_args(worker=True),
                          "--cluster", self.cluster, "--block-size", str(s.block_size),
                          "--num-blocks", str(s.num_blocks), "--threads", str(threads),
-                         "--max-batched-tokens", str(s.max_batched_tokens), *s.extra_worker_args)
+                         "--max-batched-tokens", str(s.max_batched_tokens),
+                         # a drain shorter than stop_process's 10 s before SIGKILL, so a stopped
+                         # cluster's workers still flush their tiers
+                         "--drain-timeout-s", "5", *s.extra_worker_args)
         if s.model:
             cmd += ["--model", s.model]
         if s.disk_dir:

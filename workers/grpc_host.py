@@ -5,10 +5,19 @@ health service (SERVING for "" and each named service), server reflection when a
 for (off by default: it lists every RPC to anyone), TLS when given a `TlsConfig`, and
 waits for SIGINT/SIGTERM or an event before a graceful stop. The worker and the router
 both use it.
+
+Draining (`GrpcHost.drain`, the worker's shutdown): the data-plane calls a servicer runs
+under the host's `DrainGate` are refused UNAVAILABLE once the drain begins, health turns
+NOT_SERVING, control-plane calls keep answering, and the calls already running have until
+a deadline to finish; those still running then (or at a second SIGINT/SIGTERM) are ended
+UNAVAILABLE by the gate itself, so their callers get a status that says what happened and
+the log gets one WARNING line, not a traceback per call.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import signal
 from typing import Callable
 
@@ -35,6 +44,18 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+#: Default of the worker's ``--drain-timeout-s`` (seconds): how long requests running at
+#: SIGTERM may take to finish. With Kubernetes' preStop sleep (5 s) and the stop steps after
+#: the drain it fits the worker's terminationGracePeriodSeconds (45 s, k8s/base/worker.yaml).
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+#: Seconds the calls ended at the drain deadline have to wind down (their engine requests
+#: aborted, their status sent) before the server stops regardless.
+CUT_WAIT_S = 5.0
+#: Grace (seconds) of the server stop that follows a drain: by then only control-plane calls
+#: (health checks, GetLoad) can still be open.
+STOP_AFTER_DRAIN_GRACE_S = 1.0
+
+log = logging.getLogger(__name__)
 
 
 class ChannelPool:
@@ -64,6 +85,158 @@ class ChannelPool:
         self._channels.clear()
 
 
+class DrainCall:
+    """One data-plane call running under a `DrainGate` (what ``DrainGate.call`` yields).
+
+    Attributes:
+        task: the asyncio task running the call.
+        cut: set once the gate ended the call (drain deadline or a second signal).
+        on_cut: None (default): the gate ends the call by cancelling ``task``, and the
+            gate's context manager answers UNAVAILABLE in its place. A call that can stop
+            at a point of its own choosing sets a callable instead (no arguments, run on the
+            event loop, must not block); the gate then only sets ``cut`` and calls it, and
+            the call answers with `DrainGate.cut_message` itself (``Generate`` wakes its
+            token loop so; ``FetchBlocks`` checks ``cut`` between batches).
+    """
+
+    __slots__ = ("task", "cut", "on_cut", "cancelled")
+
+    def __init__(self, task: asyncio.Task | None) -> None:
+        self.task = task
+        self.cut = False
+        self.on_cut: Callable[[], None] | None = None
+        self.cancelled = False  # the gate cancelled ``task`` (its cut, not the caller's)
+
+
+class DrainGate:
+    """The data-plane calls of one server, so that it can drain before it stops.
+
+    A servicer runs each data-plane call (a worker's Generate, Tokenize, FetchBlocks) inside
+    ``async with gate.call(context)``. Before `begin` the gate only counts the calls; after
+    it, a new call is aborted UNAVAILABLE with `refusal` (a router retries UNAVAILABLE on
+    another worker). `cut` ends the calls still running: each is aborted UNAVAILABLE with
+    `cut_message`, by its own task, so gRPC sends that status rather than cancelling the
+    call at the server's stop. Single-threaded: the server's event loop.
+
+    Args:
+        name: what the server is called in messages, e.g. ``"worker w0"``.
+    """
+
+    def __init__(self, name: str = "this server") -> None:
+        self.name = name
+        #: True once `begin` ran: new calls are refused
+        self.draining = False
+        #: calls refused because the server was draining
+        self.refused = 0
+        self._calls: set[DrainCall] = set()
+        self._changed: asyncio.Event | None = None
+
+    @property
+    def active(self) -> int:
+        """Data-plane calls running now."""
+        return len(self._calls)
+
+    def refusal(self) -> str:
+        """Details of the UNAVAILABLE status a call gets during the drain."""
+        return f"{self.name} is shutting down and takes no new requests; retry on another worker"
+
+    def cut_message(self) -> str:
+        """Details of the UNAVAILABLE status a call gets when the drain ends before it does."""
+        return f"{self.name} stopped before the request finished; retry"
+
+    def begin(self) -> None:
+        """Refuse every data-plane call from now on (idempotent)."""
+        self.draining = True
+
+    @contextlib.asynccontextmanager
+    async def call(self, context):
+        """Run one data-plane call under the gate; yields its `DrainCall`.
+
+        Raises (through ``context.abort``): UNAVAILABLE with `refusal` when the gate is
+        draining; UNAVAILABLE with `cut_message` when `cut` cancelled the call's task.
+        """
+        if self.draining:
+            self.refused += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.refusal())
+        call = DrainCall(asyncio.current_task())
+        self._calls.add(call)
+        try:
+            yield call
+        except asyncio.CancelledError:
+            if not call.cancelled:
+                raise  # the caller went away, or the task was cancelled by someone else
+            call.task.uncancel()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.cut_message())
+        finally:
+            self._calls.discard(call)
+            if self._changed is not None:
+                self._changed.set()
+
+    def cut(self, force: bool = False) -> int:
+        """End every call still running; returns how many it acted on.
+
+        Each call not cut yet is ended its own way (`DrainCall.on_cut`). With ``force``,
+        the task of every call still running is cancelled instead, whatever its ``on_cut``
+        (for calls that did not end after a first cut); the gate still answers them
+        UNAVAILABLE with `cut_message` when the cancellation reaches them inside the gate.
+        """
+        n = 0
+        for call in list(self._calls):
+            if force:
+                if call.task is None or call.cancelled:
+                    continue
+                call.cut = call.cancelled = True
+                call.task.cancel()
+            elif call.cut:
+                continue
+            else:
+                call.cut = True
+                if call.on_cut is not None:
+                    call.on_cut()
+                elif call.task is not None:
+                    call.cancelled = True
+                    call.task.cancel()
+            n += 1
+        return n
+
+    async def wait_idle(self, timeout_s: float, hurry: asyncio.Event | None = None) -> bool:
+        """Wait until no call runs (True), ``timeout_s`` seconds pass or ``hurry`` is set
+        (False, as soon as either happens)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, timeout_s)
+        while self._calls:
+            left = deadline - loop.time()
+            if left <= 0 or (hurry is not None and hurry.is_set()):
+                return False
+            self._changed = asyncio.Event()
+            waits = [asyncio.ensure_future(self._changed.wait())]
+            if hurry is not None:
+                waits.append(asyncio.ensure_future(hurry.wait()))
+            try:
+                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+        return True
+
+
+class _CancelledAtStop(logging.Filter):
+    """Drops grpc.aio's ERROR traceback for a call cancelled by the server's stop (a
+    ``CancelledError`` "not handled by _handle_exceptions") and counts them: the drain
+    reports them in one line instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError):
+            self.dropped += 1
+            return False
+        return True
+
+
 class GrpcHost:
     """One aio server for ``services``: ``[(add_to_server_fn, servicer, full_service_name)]``.
 
@@ -78,7 +251,9 @@ class GrpcHost:
     (`grpc_guard.CallAdmission`): ``admit`` (``await admit(context)``, e.g.
     `kvmesh.services.auth.Gate.admit`) refuses a data-plane call without credentials at
     once, and calls that never send their message cannot hold the reserve; each call has
-    ``message_timeout_s`` seconds to deliver its message.
+    ``message_timeout_s`` seconds to deliver its message. ``drain`` is the `DrainGate` its
+    servicers run their data-plane calls under (default: a new one, named ``name``), which
+    `drain` uses.
 
     Raises:
         ValueError: ``max_concurrent_rpcs`` < 1.
@@ -88,10 +263,15 @@ class GrpcHost:
     def __init__(self, host: str, port: int, services: list[tuple[Callable, object, str]], tls=None,
                  reflection_on: bool = False, max_receive_bytes: int = 1024 * 1024,
                  max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS, admit=None,
-                 message_timeout_s: float = REQUEST_MESSAGE_TIMEOUT_S):
+                 message_timeout_s: float = REQUEST_MESSAGE_TIMEOUT_S, drain: DrainGate | None = None,
+                 name: str = "this server"):
         self.host = host
         self.port = port
         self.tls = tls
+        self.name = name
+        self.drain_gate = drain if drain is not None else DrainGate(name)
+        #: set by a SIGINT/SIGTERM that arrives once the stop event is set: drain no longer
+        self.hurry = asyncio.Event()
         # no SO_REUSEPORT: a second process on a busy port must fail, not share it silently.
         # Requests are capped at what the longest allowed prompt needs (workers.limits):
         # gRPC refuses a bigger body with RESOURCE_EXHAUSTED before reading it into memory.
@@ -130,12 +310,25 @@ class GrpcHost:
         return bound
 
     async def wait(self, stop: asyncio.Event | None = None) -> None:
-        """Return when ``stop`` is set or SIGINT/SIGTERM arrives (main thread only)."""
+        """Return when ``stop`` is set or SIGINT/SIGTERM arrives (main thread only).
+
+        The handlers stay installed: a signal that arrives once ``stop`` is set (during a
+        `drain`) sets ``hurry``, which ends the drain at once."""
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal(signum: int) -> None:
+            if not stop.is_set():
+                stop.set()
+                return
+            if self.drain_gate.draining and not self.hurry.is_set():
+                log.warning("%s: %s while draining: stopping now, without waiting for running requests",
+                            self.name, signal.Signals(signum).name)
+            self.hurry.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, on_signal, sig)
             except (NotImplementedError, RuntimeError):  # not the main thread
                 pass
         await stop.wait()
@@ -144,3 +337,53 @@ class GrpcHost:
         """Report NOT_SERVING, then stop, letting in-flight RPCs finish for ``grace_s`` seconds."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace=grace_s)
+
+    async def drain(self, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+        """Drain, then stop the server.
+
+        At once: new data-plane calls under the `DrainGate` are refused UNAVAILABLE and
+        health reports NOT_SERVING for every service; control-plane calls (GetLoad,
+        GetInfo, health) keep answering. Then the running data-plane calls have up to
+        ``timeout_s`` seconds (>= 0) to finish; a SIGINT/SIGTERM meanwhile (``hurry``) cuts
+        the wait short. Calls still running are ended UNAVAILABLE (`DrainGate.cut`, one
+        WARNING line with their count) and get `CUT_WAIT_S` seconds to wind down (a call
+        still running then has its task cancelled, another WARNING line); then the server
+        stops with `STOP_AFTER_DRAIN_GRACE_S` seconds of grace, for the control-plane calls
+        still open. grpc.aio's ERROR traceback for a call cancelled by that stop is replaced
+        by a WARNING line with the count. Never raises for the calls it ends.
+        """
+        gate = self.drain_gate
+        gate.begin()
+        await self.health.enter_graceful_shutdown()
+        running = gate.active
+        if running:
+            log.warning("%s draining: %d request(s) in flight, waiting up to %g s for them to finish "
+                        "(SIGINT/SIGTERM again stops at once)", self.name, running, timeout_s)
+        else:
+            log.info("%s draining: no request in flight", self.name)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if await gate.wait_idle(timeout_s, self.hurry):
+            if running:
+                log.info("%s drained in %.1f s", self.name, loop.time() - started)
+        else:
+            cut = gate.cut()
+            why = "on a second signal" if self.hurry.is_set() else f"at the drain deadline ({timeout_s:g} s)"
+            log.warning("%s: %d request(s) still running %s were ended with UNAVAILABLE "
+                        "(the callers are told to retry)", self.name, cut, why)
+            if not await gate.wait_idle(CUT_WAIT_S):
+                stuck = gate.cut(force=True)
+                log.warning("%s: %d request(s) had not ended %g s after the cut; their tasks were cancelled",
+                            self.name, stuck, CUT_WAIT_S)
+                await gate.wait_idle(CUT_WAIT_S)
+        quiet = _CancelledAtStop()
+        grpc_log = logging.getLogger("grpc._cython.cygrpc")
+        grpc_log.addFilter(quiet)
+        try:
+            await self.server.stop(grace=STOP_AFTER_DRAIN_GRACE_S)
+            await asyncio.sleep(0)  # the cancelled calls' tasks finish (and would log) now
+        finally:
+            grpc_log.removeFilter(quiet)
+        if quiet.dropped:
+            log.warning("%s: %d call(s) still open when the server stopped were cancelled", self.name,
+                        quiet.dropped)

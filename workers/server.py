@@ -13,6 +13,15 @@ cluster's Redis holds of the prompt the same way. ``FetchBlocks`` serves the oth
 the leading run of the asked-for chain this worker holds, streamed in batches of
 ``FETCH_BATCH`` blocks so that memory stays bounded and the engine lock is held briefly.
 
+Shutdown (`serve_worker`): on SIGTERM or SIGINT the worker drains. It withdraws its lease
+(``on_drain``), so routers stop choosing it; Generate, Tokenize and FetchBlocks calls that
+arrive from then on are refused UNAVAILABLE (a router retries them on another worker),
+health reports NOT_SERVING, and GetLoad, GetInfo and metrics keep answering. Requests
+already running finish normally, for up to ``drain_timeout_s`` seconds (``--drain-timeout-s``);
+those still running then, or at a second SIGTERM/SIGINT, end UNAVAILABLE ("stopped before
+the request finished; retry"). Then the server, the side servers and the engine stop (the
+engine's tier flush included).
+
 Access (``gate``, a `kvmesh.services.auth.Gate` built by the CLI): FetchBlocks,
 GetSnapshot, ClearCache and GetLoad, and the request fields ``prefix_location`` and
 ``tenant``, are for cluster peers only (PERMISSION_DENIED otherwise); GetInfo and Tokenize
@@ -31,6 +40,7 @@ import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import grpc
 
@@ -42,7 +52,7 @@ from kvmesh.cache_store.fresh_thread import run_on_fresh_thread, to_fresh_thread
 from kvmesh.cache_store.hashing import HASH_BYTES
 from kvmesh.workers.engine import Engine
 from kvmesh.workers.grpc_guard import LogLimiter, TenantCap, clip
-from kvmesh.workers.grpc_host import DEFAULT_MAX_CONCURRENT_RPCS, GrpcHost
+from kvmesh.workers.grpc_host import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_CONCURRENT_RPCS, DrainGate, GrpcHost
 from kvmesh.workers.peer_fetch import MAX_FETCH_BLOCKS, PeerFetcher
 from kvmesh.workers.request import InvalidRequest, Overloaded, RequestOutput
 
@@ -52,6 +62,8 @@ log = logging.getLogger(__name__)
 
 #: Blocks exported per engine-lock acquisition when serving FetchBlocks.
 FETCH_BATCH = 32
+#: Put in a Generate call's output queue when the drain ends the call (`DrainGate.cut`).
+_CUT = object()
 
 
 class _IncrementalText:
@@ -90,6 +102,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         worker_id: this worker's id.
         address: this worker's host:port.
         peer: options of `PeerFetcher` (``mode``, ``max_fetch_s``); None uses the defaults.
+
+    Generate, Tokenize and FetchBlocks run under ``drain`` (a `grpc_host.DrainGate`), which
+    refuses them while the worker shuts down.
     """
 
     def __init__(self, engine: Engine, worker_id: str, address: str = "", peer: dict | None = None,
@@ -108,6 +123,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.metrics = None
         #: per-tenant bound on Generate calls in flight (`--max-inflight-per-tenant`; 0: none)
         self.tenant_cap = TenantCap(0)
+        #: the data-plane calls, refused and ended when the worker drains (`serve_worker`)
+        self.drain = DrainGate(f"worker {worker_id}")
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -119,22 +136,26 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         raise InvalidRequest("request has no prompt: set text or token_ids")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        caller, tenant, salt = (await self.gate.identity(context, request) if self.gate is not None
-                                else wire.forwarded_identity(request))
-        # aclosing at each layer: a caller that stops reading (a cancelled stream, the HTTP
-        # front's aclose) runs _generate's own clean-up now (engine abort, in-flight counts)
-        async with contextlib.aclosing(self.tenant_cap.stream(caller, context, self._generate(
-                request, context, tenant, salt, caller))) as out:
-            async for msg in out:
-                yield msg
+        async with self.drain.call(context) as call:
+            caller, tenant, salt = (await self.gate.identity(context, request) if self.gate is not None
+                                    else wire.forwarded_identity(request))
+            # aclosing at each layer: a caller that stops reading (a cancelled stream, the HTTP
+            # front's aclose) runs _generate's own clean-up now (engine abort, in-flight counts)
+            async with contextlib.aclosing(self.tenant_cap.stream(caller, context, self._generate(
+                    request, context, tenant, salt, caller, call))) as out:
+                async for msg in out:
+                    yield msg
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, tenant: str,
-                        salt: str, caller: str = ""):
+                        salt: str, caller: str = "", call=None):
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue()  # RequestOutputs, or _CUT when the drain ends the call
 
         def on_output(out: RequestOutput) -> None:  # engine thread
             loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        if call is not None:  # the drain's deadline: the token loop answers UNAVAILABLE at its next message
+            call.on_cut = functools.partial(queue.put_nowait, _CUT)
 
         rid = request.request_id or uuid.uuid4().hex
         arrival = time.monotonic()
@@ -179,6 +200,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         try:
             while not finished:
                 out = await queue.get()
+                if out is _CUT:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, self.drain.cut_message())
                 if out.new_token_ids:
                     token_times.append(time.monotonic())
                 if out.finished and self.metrics is not None:
@@ -242,6 +265,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.metrics.observe_fetch(res)
 
     async def FetchBlocks(self, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext):
+        async with self.drain.call(context) as call:
+            call.on_cut = _no_op  # checked between batches: a batch being exported finishes first
+            async for msg in self._fetch_blocks(request, context, call):
+                yield msg
+
+    async def _fetch_blocks(self, request: pb.FetchBlocksRequest, context: grpc.aio.ServicerContext, call):
         if self.gate is not None:
             await self.gate.require_peer(context, "FetchBlocks")
         hashes = list(request.block_hashes)
@@ -259,6 +288,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                 f"{clip(request.kv_producer, 200)!r}: blocks are exchanged between equal producers "
                                 "only; recompute the prefix")
         for start in range(0, len(hashes), FETCH_BATCH):
+            if call.cut:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self.drain.cut_message())
             batch = hashes[start:start + FETCH_BATCH]
             records = await to_fresh_thread(self.engine.export_blocks, batch,
                                             hashes[start - 1] if start else None, start > 0, name="kvmesh-export")
@@ -271,14 +302,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 return
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
-        if self.gate is not None:
-            await self.gate.require_caller(context, "Tokenize")
-        try:
-            where, why = self.engine.context_owner
-            limits.check_text_size(request.text, self.engine.max_model_len, where, "text", why)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.TokenizeResponse(ids=self.engine.tokenizer.encode(request.text))
+        async with self.drain.call(context):
+            if self.gate is not None:
+                await self.gate.require_caller(context, "Tokenize")
+            try:
+                where, why = self.engine.context_owner
+                limits.check_text_size(request.text, self.engine.max_model_len, where, "text", why)
+            except InvalidRequest as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return pb.TokenizeResponse(ids=self.engine.tokenizer.encode(request.text))
 
     async def GetInfo(self, request, context):
         if self.gate is not None:
@@ -315,13 +347,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.ClearCacheResponse(blocks_cleared=await asyncio.to_thread(self.engine.clear_cache))
 
 
+def _no_op() -> None:
+    pass
+
+
 async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worker_id: str | None = None,
                        ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                        peer: dict | None = None, advertise: str | None = None,
                        metrics_port: int | None = None, http_port: int | None = None, tls=None, gate=None,
                        reflection: bool = False, max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
-                       max_inflight_per_tenant: int = 0) -> None:
-    """Serve the engine on host:port until ``stop`` is set or SIGINT/SIGTERM arrives.
+                       max_inflight_per_tenant: int = 0, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+                       on_drain: Callable[[], None] | None = None) -> None:
+    """Serve the engine on host:port until ``stop`` is set or SIGINT/SIGTERM arrives, then drain.
 
     ``peer`` holds `PeerFetcher` options (``mode``, ``max_fetch_s``, ``holder_check``);
     ``advertise`` is the ``HOST:PORT`` other processes reach this worker at (default
@@ -333,9 +370,19 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     (`services.metrics`); ``http_port`` serves the OpenAI-compatible HTTP front
     (`services.http_front`); None = off.
 
+    Shutdown: ``on_drain()`` (blocking; run on a thread, e.g. the CLI's deletion of the
+    worker's lease so that routers stop choosing it) starts with the drain, which refuses
+    new data-plane calls and lets running ones finish for up to ``drain_timeout_s`` seconds
+    (`GrpcHost.drain`; a second SIGINT/SIGTERM ends it at once). Then the side servers, the
+    peer fetcher and the engine stop (``engine.stop`` offloads the device pool and flushes the
+    cache tiers, docs/TIERS.md).
+
     Raises:
         RuntimeError: the port could not be bound.
+        ValueError: ``drain_timeout_s`` is negative or not finite.
     """
+    if not 0 <= drain_timeout_s < float("inf"):
+        raise ValueError(f"drain_timeout_s must be a finite number of seconds >= 0, got {drain_timeout_s!r}")
     worker_id = worker_id or f"{socket.gethostname()}:{port}"
     servicer = WorkerServicer(engine, worker_id, advertise or f"{host}:{port}", peer={**(peer or {}), "tls": tls},
                               gate=gate)
@@ -345,7 +392,8 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
                          tls=tls, reflection_on=reflection,
                          max_receive_bytes=max(limits.request_bytes_limit(engine.max_model_len),
                                                limits.fetch_request_bytes_limit(MAX_FETCH_BLOCKS, HASH_BYTES)),
-                         max_concurrent_rpcs=max_concurrent_rpcs, admit=gate.admit if gate is not None else None)
+                         max_concurrent_rpcs=max_concurrent_rpcs, admit=gate.admit if gate is not None else None,
+                         drain=servicer.drain, name=f"worker {worker_id}")
     servicer.admission = grpc_host.admission  # for the metrics
     engine.start()
     from kvmesh.services import observability
@@ -360,8 +408,14 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     if ready is not None:
         ready.set()
     await grpc_host.wait(stop)
+    withdraw = asyncio.ensure_future(asyncio.to_thread(on_drain)) if on_drain is not None else None
+    await grpc_host.drain(drain_timeout_s)
+    if withdraw is not None:
+        try:
+            await withdraw
+        except Exception:  # noqa: BLE001 - stopping anyway; the lease lapses by itself
+            log.exception("worker %s: withdrawing from the cluster at the drain failed", worker_id)
     await extras.stop()
-    await grpc_host.stop()
     await servicer.fetcher.close()
     servicer._prefetch_pool.shutdown(wait=False, cancel_futures=True)
     engine.stop()
