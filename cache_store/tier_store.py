@@ -51,10 +51,12 @@ under the lock on the engine thread, delaying that step (see docs/TIERS.md).
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import operator
 import os
+import shutil
 import threading
 import time
 from collections import Counter, deque
@@ -254,6 +256,14 @@ class TierStore:
             if self.disk.num_damaged or self.disk.num_torn:
                 log.warning("disk tier %s: deleted %d damaged segment(s) and %d unfinished write(s) at start",
                             self.disk.directory, self.disk.num_damaged, self.disk.num_torn)
+            try:
+                room = self.disk.used_bytes + shutil.disk_usage(self.disk.directory).free
+            except OSError:
+                room = None
+            if room is not None and room < self.disk.capacity_bytes:
+                log.warning("disk tier %s: --disk-bytes is %d bytes but the filesystem has room for %d (free space "
+                            "and this tier's segments); writes will fail once it is full, and the tier then holds "
+                            "what fits", self.disk.directory, self.disk.capacity_bytes, room)
             self._io = ThreadPoolExecutor(self.IO_THREADS, thread_name_prefix="kvmesh-disk-io")
             self._writer = threading.Thread(target=self._write_loop, name="kvmesh-disk-writer", daemon=True)
             self._writer.start()
@@ -638,6 +648,8 @@ class TierStore:
             log.error("disk tier: segment write failed: %s", error)
             with self.lock:
                 self.stats_counters["write_errors"] += 1
+                if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                    self._shrink_disk_to_fit()
                 for _, batch in groups:
                     for job in batch:  # the slot is still pinned by this job: not reused
                         self.host.set_on_disk(job.slot, False)
@@ -655,6 +667,21 @@ class TierStore:
                     self._emit_chains([m.block_hash for m in added], [m.parent for m in added],
                                       [m.token_bytes for m in added], "disk")
                 self._disk_removed(removed)
+
+    def _shrink_disk_to_fit(self) -> None:
+        """The filesystem is full (or the quota reached) before ``--disk-bytes``: hold the tier
+        to what is on disk now less two segments, evicting down to it, so later writes find
+        room instead of failing again. Lasts for this process. Call with the lock held."""
+        disk = self.disk
+        new = max(disk.segment_bytes, disk.used_bytes - 2 * disk.segment_bytes)
+        if new >= disk.capacity_bytes:
+            return
+        log.warning("disk tier %s: the filesystem is full at %d bytes of segments, under --disk-bytes %d; the tier "
+                    "now holds at most %d bytes in this run", disk.directory, disk.used_bytes,
+                    disk.capacity_bytes, new)
+        disk.capacity_bytes = new
+        disk.segment_bytes = min(disk.segment_bytes, new)
+        self._disk_removed(disk.evict_to_capacity())
 
     def _records(self, batch: list[_WriteJob], codec: KVCodec) -> list[tuple[RecordMeta, object]]:
         """``(meta, payload)`` in ``codec`` (or a lossier one, `_slot_record`) for each job's

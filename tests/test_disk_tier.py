@@ -627,3 +627,47 @@ def test_write_through_stop_writes_the_blocks_whose_write_was_skipped(tmp_path):
         assert set(again.disk.entries) == set(a.hashes)
     finally:
         again.close()
+
+
+def test_a_full_filesystem_shrinks_the_tier_to_what_fits(tmp_path, caplog):
+    """A segment write that fails with ENOSPC (injected: the filesystem fills before
+    --disk-bytes) holds the tier to what is on disk less two segments and evicts down to it,
+    so the next writes find room instead of failing again; the blocks evicted are reported
+    removed (BlockRemoved 'disk')."""
+    import errno
+    import logging
+
+    from kvmesh.cache_store.events import BlockRemoved
+
+    kv = _pool().normal_()
+    events: list = []
+    store = _store(kv, tmp_path, events, segment_bytes=2 * BLOCK_BYTES)
+    try:
+        chains = [_chain(60 + i, 2)[0] for i in range(4)]
+        for i, bh in enumerate(chains[:3]):
+            store.offload(_evicted(bh, [2 * i, 2 * i + 1]))
+            assert store.flush(30)
+        assert store.stats()["disk_blocks"] == 6
+        used = store.disk.used_bytes
+        real_write = store.disk.write_segment
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        store.disk.write_segment = full
+        with caplog.at_level(logging.WARNING, logger="kvmesh.cache_store.tier_store"):
+            store.offload(_evicted(chains[3], [6, 7]))
+            assert store.flush(30)
+        assert store.stats()["write_errors"] == 1
+        assert store.disk.capacity_bytes < used and store.disk.used_bytes <= store.disk.capacity_bytes
+        assert "filesystem is full" in caplog.text
+        removed = {h for ev in events if isinstance(ev, BlockRemoved) and ev.medium == "disk" for h in ev.block_hashes}
+        assert removed and removed <= set(chains[0].hashes) | set(chains[1].hashes)
+        store.disk.write_segment = real_write  # room again: the next write succeeds within the new cap
+        bh, _ = _chain(70, 2)
+        store.offload(_evicted(bh, [8, 9]))
+        assert store.flush(30)
+        assert all(h in store.disk.entries for h in bh.hashes)
+        assert store.disk.used_bytes <= store.disk.capacity_bytes
+    finally:
+        store.close()
