@@ -28,8 +28,9 @@ any check is *damaged* and deleted. A payload that fails its checksum when
 read drops its whole segment.
 
 Sound segments this worker cannot load are *foreign*: records of another
-layout (dtype or block shape: another ``--block-size`` or model) or, when
-the tier is given the codecs its worker loads, only of other codecs. They
+layout (dtype or block shape: another ``--block-size`` or model), when the
+tier is given the codecs its worker loads only of other codecs, or written
+by another KV producer (`DiskTier.adopt_producer`). They
 are left in place, neither indexed nor deleted, so one start with the wrong
 settings does not wipe the tier; their bytes count toward
 ``capacity_bytes`` and they are the first deleted when room is needed,
@@ -170,6 +171,10 @@ class DiskTier:
         self.num_torn = 0
         #: foreign segments deleted to make room for this worker's own
         self.num_foreign_evicted = 0
+        #: this process's KV producer and the folder's producer changes (`adopt_producer`);
+        #: None: segments are not told apart by producer
+        self._producer: str | None = None
+        self._producer_history: list[tuple[int, str]] = []
 
     @property
     def foreign_bytes(self) -> int:
@@ -179,11 +184,24 @@ class DiskTier:
     #: File naming the KV producer whose segments the folder holds (`adopt_producer`).
     PRODUCER_NAME = ".kvmesh-producer"
 
+    #: Most producer changes the producer file remembers (older segments count as foreign).
+    PRODUCER_HISTORY = 32
+
     def adopt_producer(self, tag: str) -> int:
-        """Empty the folder of segments another KV producer wrote (a volume moved to a node
-        with another GPU, an image with another torch), then record ``tag`` as the folder's.
-        Call before `scan`. Returns the segments deleted (0 when ``tag`` is "" or matches).
-        Entries named like segments that are not regular files are left alone, as in `scan`.
+        """Record ``tag`` as the KV producer of the segments this process writes, and leave
+        the segments other producers wrote (a volume moved to a node with another GPU, an
+        image with another torch, another ``--threads``) in place as foreign: `scan` does not
+        index them, they count toward the byte cap and are deleted first when room is needed,
+        and a later start with their producer indexes them again. Call before `scan`.
+
+        The producer file holds one line per producer change, ``TAG FIRST_SEGMENT_ID``: a
+        segment belongs to the last producer whose first id is at or below its own (a file
+        of one bare ``TAG`` line, as earlier versions wrote, covers every segment). At most
+        ``PRODUCER_HISTORY`` changes are kept; segments older than the oldest kept count as
+        another producer's.
+
+        Returns:
+            the segments of other producers found (0 when ``tag`` is "").
 
         Raises:
             ValueError: the producer file is a symlink or not a regular file (it is
@@ -196,7 +214,7 @@ class DiskTier:
         try:
             fd = os.open(path, _OPEN_EXISTING)
         except FileNotFoundError:
-            theirs = None
+            text = ""
         except OSError as exc:
             raise ValueError(f"disk_dir {self.directory}: cannot open {self.PRODUCER_NAME} ({exc.strerror}); "
                              "it must be a regular file, not a link") from None
@@ -205,21 +223,40 @@ class DiskTier:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     raise ValueError(f"disk_dir {self.directory}: {self.PRODUCER_NAME} is not a regular file; "
                                      "remove it")
-                theirs = f.read(4096).decode("ascii", errors="replace").strip()
-        dropped = 0
-        if theirs is not None and theirs != tag:
-            for name in os.listdir(self.directory):
-                if _SEG_NAME.fullmatch(name) and _kind(os.path.join(self.directory, name)) == "file":
-                    _unlink(os.path.join(self.directory, name))
-                    dropped += 1
-            log.warning("disk tier %s: dropped %d segment(s) written by another KV producer (%s, this worker is %s): "
-                        "their KV differs in low bits from what this worker computes", self.directory, dropped,
-                        theirs[:16], tag)
-        if theirs != tag:
+                text = f.read(1 << 16).decode("ascii", errors="replace")
+        history: list[tuple[int, str]] = []
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 1 and not history:
+                history.append((0, parts[0]))
+            elif len(parts) == 2 and parts[1].isdigit():
+                history.append((int(parts[1]), parts[0]))
+        ids = [int(m.group(1), 16) for m in map(_SEG_NAME.fullmatch, os.listdir(self.directory)) if m]
+        if not history or history[-1][1] != tag:
+            history.append((max(ids, default=-1) + 1, tag))
+            history = history[-self.PRODUCER_HISTORY:]
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
             with open(fd, "w", encoding="ascii") as f:
-                f.write(tag + "\n")
-        return dropped
+                f.write("".join(f"{t} {first}\n" for first, t in history))
+        self._producer, self._producer_history = tag, history
+        others = sum(1 for name in os.listdir(self.directory)
+                     if (m := _SEG_NAME.fullmatch(name)) and self._producer_of(int(m.group(1), 16)) != tag
+                     and _kind(os.path.join(self.directory, name)) == "file")
+        if others:
+            log.warning("disk tier %s: %d segment(s) written by another KV producer left in place, not indexed "
+                        "(their KV differs in low bits from what this worker, %s, computes); a start with their "
+                        "producer uses them again, and they are deleted first when room is needed",
+                        self.directory, others, tag)
+        return others
+
+    def _producer_of(self, seg_id: int) -> str | None:
+        """The producer tag that wrote segment ``seg_id`` (`adopt_producer`'s history), or
+        None when it is older than the history kept."""
+        found = None
+        for first, tag in self._producer_history:
+            if first <= seg_id:
+                found = tag
+        return found
 
     def release(self) -> None:
         """Give the directory up for another process (its lock; the files stay). Idempotent."""
@@ -275,6 +312,8 @@ class DiskTier:
                 self.num_damaged += 1
                 continue
             self.used_bytes += size
+            if self._producer is not None and self._producer_of(seg_id) != self._producer:
+                why_not = ["written by another KV producer"] * max(1, len(why_not))
             if why_not and all(why_not):
                 self.foreign[seg_id] = Segment(seg_id, path, size)
                 foreign[why_not[0]] += 1
@@ -304,7 +343,7 @@ class DiskTier:
                         "unreadable): %s", self.directory, len(skipped), "y" if len(skipped) == 1 else "ies", shown)
         if foreign:
             codecs = "/".join(sorted(self.codecs)) if self.codecs is not None else "any"
-            log.warning("disk tier %s: %d segment(s) of another layout or codec left in place (%d bytes), not "
+            log.warning("disk tier %s: %d segment(s) of another layout, codec or KV producer left in place (%d bytes), not "
                         "indexed: %s (this worker: %s%s, codecs %s); they count toward the byte cap and are "
                         "deleted first when room is needed", self.directory, len(self.foreign),
                         self.foreign_bytes, ", ".join(f"{n} {why}" for why, n in foreign.items()), self.dtype,
@@ -679,7 +718,11 @@ def _kind(path: str) -> str | None:
 
 
 def _unlink(path: str) -> None:
+    """Delete ``path``; a file already gone is fine, and an entry that cannot be deleted (swapped
+    for a directory since it was checked, permissions) is logged and left, never raised."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as exc:
+        log.warning("disk tier: could not delete %s (%s); left in place", path, exc.strerror or exc)

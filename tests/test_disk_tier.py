@@ -290,19 +290,37 @@ def test_a_directory_serves_one_tier_at_a_time(tmp_path):
     new_tier(tmp_path)
 
 
-def test_segments_of_another_kv_producer_are_dropped_at_start(tmp_path):
-    """A disk folder moved to a node with another GPU, or reused by an image with another
-    torch: what it holds was computed by other kernels and would not equal this worker's
-    cold run. The folder records its producer; another one empties it before the scan."""
+def test_segments_of_another_kv_producer_are_left_in_place_and_not_indexed(tmp_path):
+    """A disk folder moved to a node with another GPU, reused by an image with another torch
+    or a worker started with another --threads: what it holds was computed by other kernels
+    and would not equal this worker's cold run. Those segments are foreign: not indexed, not
+    deleted, counted toward the cap; a start with their producer indexes them again."""
     t = new_tier(tmp_path)
     assert t.adopt_producer("aaaa0000") == 0
-    write(t, items(2, seed=7))
+    a_items = items(2, seed=7)
+    write(t, a_items)
+    t.release()
     t2 = reopen(tmp_path)
     assert t2.adopt_producer("aaaa0000") == 0 and len(t2.scan()) == 2  # same producer: kept
+    t2.release()
     t3 = reopen(tmp_path)
-    assert t3.adopt_producer("bbbb1111") == 1 and t3.scan() == []  # another: dropped
+    assert t3.adopt_producer("bbbb1111") == 1 and t3.scan() == []  # another: not indexed...
+    assert len(t3.foreign) == 1 and t3.used_bytes == t3.foreign_bytes > 0  # ...but kept and counted
+    b_items = items(3, seed=8)
+    write(t3, b_items)
+    t3.release()
     t4 = reopen(tmp_path)
-    assert t4.adopt_producer("bbbb1111") == 0
+    assert t4.adopt_producer("bbbb1111") == 1
+    assert {m.block_hash for m in t4.scan()} == {m.block_hash for m, _ in b_items}
+    t4.release()
+    t5 = reopen(tmp_path)  # back to the first producer: its segment is indexed again, the other's is foreign
+    assert t5.adopt_producer("aaaa0000") == 1
+    assert {m.block_hash for m in t5.scan()} == {m.block_hash for m, _ in a_items}
+    t5.release()
+    # a folder of the earlier one-line format: every segment is that producer's
+    (tmp_path / DiskTier.PRODUCER_NAME).write_text("aaaa0000\n")
+    t6 = reopen(tmp_path)
+    assert t6.adopt_producer("aaaa0000") == 0 and len(t6.scan()) == 5
 
 
 def scan_within(tier: DiskTier, seconds: float = 20.0) -> list:
@@ -421,7 +439,7 @@ def test_segments_of_another_layout_are_left_in_place_and_evicted_first(tmp_path
     assert other.num_damaged == 0 and len(other.foreign) == 2 and not other.entries
     assert len([f for f in files(tmp_path) if f.endswith(".kvs")]) == 2
     assert other.used_bytes == other.foreign_bytes == 2 * seg_bytes
-    assert "2 segment(s) of another layout or codec left in place" in caplog.text
+    assert "2 segment(s) of another layout, codec or KV producer left in place" in caplog.text
     assert "damaged" not in caplog.text
 
     back = new_tier(tmp_path)  # the mistake corrected: everything is there
