@@ -79,6 +79,9 @@ class RouteRequest:
         common_blocks: leading blocks held by more than kv_aware's ``widely_held`` fraction
             of every live worker (`ClusterIndex.common_depth`), for callers that pass a
             shortlist of views; None: read off the views given.
+        retry: the request was routed before (a retry after a worker failed it): policies
+            that learn from the requests they route (kv_aware's mean prompt length) count
+            it once.
     """
 
     num_tokens: int
@@ -86,6 +89,7 @@ class RouteRequest:
     block_size: int
     routed_mean: float | None = None
     common_blocks: int | None = None
+    retry: bool = False
 
 
 class RoutingPolicy(ABC):
@@ -441,9 +445,9 @@ class KVAwarePolicy(RoutingPolicy):
         if not 0.0 <= widely_held <= 1.0:
             raise ValueError(f"widely_held must be in [0, 1], got {widely_held}")
         if share_tokens_cap is not None and not share_tokens_cap > 0:
-            raise ValueError(f"share_tokens_cap must be > 0 or None, got {share_tokens_cap}")
-        if not prompt_window >= 1:
-            raise ValueError(f"prompt_window must be >= 1, got {prompt_window}")
+            raise ValueError(f"share_tokens_cap must be > 0 (None, from Python: no cap), got {share_tokens_cap}")
+        if not 1 <= prompt_window < math.inf:
+            raise ValueError(f"prompt_window must be finite and >= 1, got {prompt_window}")
         self.share_tokens_cap = None if share_tokens_cap is None else float(share_tokens_cap)
         self.prompt_window = float(prompt_window)
         #: exponential average of the prompt lengths routed (tokens); None before the first
@@ -505,7 +509,8 @@ class KVAwarePolicy(RoutingPolicy):
             self.mean_prompt += (num_tokens - self.mean_prompt) / self.prompt_window
 
     def choose(self, req, workers, rng):
-        self.note_prompt(req.num_tokens)
+        if not req.retry and req.num_tokens > 0:  # a request counted once; an unhashed one not at all
+            self.note_prompt(req.num_tokens)
         costs = self.costs(req, workers)
         # Round away float noise so equal estimates tie and the tie-break is random.
         # Equal estimates go to the worker with the smallest recent share, then at random.

@@ -235,7 +235,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         views, routed_mean, common = self._views(live, hashes, now, exclude, others, ids)
         if not views:
             return None, [], None
-        req = RouteRequest(num_tokens, hashes, block_size, routed_mean, common)
+        req = RouteRequest(num_tokens, hashes, block_size, routed_mean, common, retry=bool(exclude))
         return self.policy.choose(req, views, self.rng), views, routed_mean
 
     def _apply_shared_placements(self, hashes: list[bytes], live: dict[str, dict]) -> None:

@@ -375,7 +375,8 @@ class VllmRouter:
             views = self.views(keys, now, tried)
             if not views:
                 break
-            chosen = self.policy.choose(RouteRequest(n_tokens, keys, self.hasher.block_size), views, self.rng)
+            chosen = self.policy.choose(RouteRequest(n_tokens, keys, self.hasher.block_size, retry=attempt > 0),
+                                        views, self.rng)
             tried.add(chosen.worker_id)
             if self.metrics is not None:
                 self.metrics.observe_decision(chosen, views, attempt)

@@ -279,8 +279,18 @@ def test_kv_aware_costs_follow_the_documented_formula():
     assert p.costs(req, ws) == pytest.approx([cost_a + 2.0 / 4 * 59 * 2, cost_b + 2.0 / 4 * 59 * -2])
     with pytest.raises(ValueError):
         KVAwarePolicy(share_tokens_cap=0.0)
-    with pytest.raises(ValueError):
-        KVAwarePolicy(prompt_window=0.5)
+    for bad in (0.5, math.inf, math.nan):
+        with pytest.raises(ValueError):
+            KVAwarePolicy(prompt_window=bad)
+    # choose() counts a request once: not again on a retry, and not one without tokens
+    q = KVAwarePolicy(prompt_window=2)
+    q.choose(request(10), ws, random.Random(0))
+    assert q.mean_prompt == 160
+    for again in (RouteRequest(2 * 160, [], BS, retry=True), RouteRequest(0, [], BS)):
+        q.choose(again, ws, random.Random(0))
+        assert q.mean_prompt == 160
+    q.choose(request(20), ws, random.Random(0))
+    assert q.mean_prompt == 160 + (320 - 160) / 2
 
 
 def test_kv_aware_share_term_pulls_new_work_to_under_share_workers():
