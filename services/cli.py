@@ -414,6 +414,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         # draining: the lease goes at once (routers stop choosing this worker), not at exit
         rc = serve(engine, on_stopper, on_drain=lease.close)
     finally:
+        # the server's signal handlers went with its event loop: a further SIGTERM/SIGINT
+        # would kill these last, bounded steps (lease and event stream closed cleanly)
+        _ignore_stop_signals()
         lease.close()
         publisher.close()
         if "holder_check" in peer:
@@ -424,6 +427,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
               "publish KV events under one id. Give each worker its own --worker-id", file=sys.stderr)
         return 1
     return rc
+
+
+def _ignore_stop_signals() -> None:
+    """Ignore SIGTERM and SIGINT from here on (main thread only; elsewhere a no-op)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def peer_options(args: argparse.Namespace) -> dict:

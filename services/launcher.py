@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -17,6 +19,10 @@ import grpc
 
 from kvmesh.services.procs import (RedisServer, StartCancelled, free_port, python_cmd, spawn, stop_process,
                                    wait_healthy)
+
+#: Seconds a stopped cluster's workers get, together, to drain (--drain-timeout-s 5), stop
+#: their engines and flush their tiers (at most ~20 s with a disk tier) before SIGKILL.
+WORKER_STOP_S = 30.0
 
 log = logging.getLogger("kvmesh.up")
 
@@ -152,8 +158,8 @@ class LocalCluster:
                          "--cluster", self.cluster, "--block-size", str(s.block_size),
                          "--num-blocks", str(s.num_blocks), "--threads", str(threads),
                          "--max-batched-tokens", str(s.max_batched_tokens),
-                         # a drain shorter than stop_process's 10 s before SIGKILL, so a stopped
-                         # cluster's workers still flush their tiers
+                         # a short drain, well inside WORKER_STOP_S, leaving the rest for the
+                         # engine stop and the tiers' flush
                          "--drain-timeout-s", "5", *s.extra_worker_args)
         if s.model:
             cmd += ["--model", s.model]
@@ -335,8 +341,21 @@ class LocalCluster:
 
     def stop(self) -> None:
         stop_process(self.router_proc)
-        for _, proc in self.workers.values():
-            stop_process(proc)
+        # every worker drains at once (one SIGTERM each: a second one would cut the drain),
+        # then each gets what is left of WORKER_STOP_S before SIGKILL
+        procs = [proc for _, proc in self.workers.values() if proc is not None and proc.poll() is None]
+        for proc in procs:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + WORKER_STOP_S
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
         if self.redis is not None:
             self.redis.stop()
             self.redis = None

@@ -352,8 +352,10 @@ class Engine:
 
         With a disk tier, the device pool's cached blocks are then offloaded to the host
         tier, and `TierStore.close` writes the host tier's blocks that have no disk copy yet
-        (in either write mode) and lets queued disk writes finish, within 10 s in all (what
-        is left then is logged), so a restart on the same directory starts warm.
+        (in either write mode) and lets queued disk writes finish: 10 s to queue and wait
+        (what is not queued then is logged), then up to 10 s more for each writer thread
+        (disk, remote) to finish what it holds; so a restart on the same directory starts
+        warm. The engine thread itself is given up to 30 s to leave its step.
         """
         with self._cv:
             self._stop = True
