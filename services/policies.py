@@ -13,6 +13,8 @@ from __future__ import annotations
 import heapq
 import math
 import random
+import statistics
+from collections import OrderedDict
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
@@ -82,6 +84,8 @@ class RouteRequest:
         retry: the request was routed before (a retry after a worker failed it): policies
             that learn from the requests they route (kv_aware's mean prompt length) count
             it once.
+        sender: who sent it (the caller's tenant; "" when unknown): kv_aware's mean prompt
+            length is the median over recent senders, so one client cannot set it for all.
     """
 
     num_tokens: int
@@ -90,6 +94,7 @@ class RouteRequest:
     routed_mean: float | None = None
     common_blocks: int | None = None
     retry: bool = False
+    sender: str = ""
 
 
 class RoutingPolicy(ABC):
@@ -392,8 +397,9 @@ class KVAwarePolicy(RoutingPolicy):
       the prefix every request shares and are never the cheapest (at 100 workers on the
       Mooncake trace a quarter of the fleet stayed empty).
     * ``share_tokens_cap = 1``: the share term counts at most the mean prompt length of
-      this router's recent requests (an exponential average over ``prompt_window = 200``
-      decisions), so it binds only on prompts longer than usual. Proportional to the
+      this router's recent requests (`mean_prompt`: per sender an exponential average over
+      ``prompt_window = 200`` of its requests, and the median over senders, so that one
+      client's flood moves only its own), so it binds only on prompts longer than usual. Proportional to the
       whole uncached prompt, it pulled the largest new prompts to the workers with the
       fewest requests, which are often the ones behind a long queue of large prompts;
       they then kept few requests and stayed the pull's target while the others reached
@@ -450,8 +456,11 @@ class KVAwarePolicy(RoutingPolicy):
             raise ValueError(f"prompt_window must be finite and >= 1, got {prompt_window}")
         self.share_tokens_cap = None if share_tokens_cap is None else float(share_tokens_cap)
         self.prompt_window = float(prompt_window)
-        #: exponential average of the prompt lengths routed (tokens); None before the first
+        #: the median over the last ``MAX_SENDERS`` senders of each one's exponential
+        #: average of its prompt lengths (tokens); None before the first prompt
         self.mean_prompt: float | None = None
+        self._by_sender: OrderedDict[str, float] = OrderedDict()  # least recently heard first
+        self._notes = 0
         self.widely_held = float(widely_held)
         self.recompute_weight = float(recompute_weight)
         self.decode_weight = float(decode_weight)
@@ -501,16 +510,32 @@ class KVAwarePolicy(RoutingPolicy):
                        + per_share * min(uncached, share_cap_tokens) * (w.routed_recent - mean))
         return out
 
-    def note_prompt(self, num_tokens: int) -> None:
-        """Fold one routed prompt's length (tokens) into `mean_prompt`."""
-        if self.mean_prompt is None:
-            self.mean_prompt = float(num_tokens)
-        else:
-            self.mean_prompt += (num_tokens - self.mean_prompt) / self.prompt_window
+    #: Senders whose averages `mean_prompt` takes the median of (the most recently heard).
+    MAX_SENDERS = 256
+    #: With several senders, the median is taken again every this many prompts (and when
+    #: a sender is new), so a decision costs O(1) amortized.
+    MEDIAN_EVERY = 16
+
+    def note_prompt(self, num_tokens: int, sender: str = "") -> None:
+        """Fold one routed prompt's length (tokens) from ``sender`` into `mean_prompt`: the
+        sender's exponential average moves by ``1 / prompt_window`` of the difference, and
+        `mean_prompt` is the median of the recent senders' averages. One client sending most
+        of the requests moves its own average only; with one sender it is that average."""
+        ema = self._by_sender.pop(sender, None)
+        new = ema is None
+        ema = float(num_tokens) if new else ema + (num_tokens - ema) / self.prompt_window
+        self._by_sender[sender] = ema
+        if len(self._by_sender) > self.MAX_SENDERS:
+            self._by_sender.popitem(last=False)
+        self._notes += 1
+        if len(self._by_sender) == 1:
+            self.mean_prompt = ema
+        elif new or self.mean_prompt is None or self._notes % self.MEDIAN_EVERY == 0:
+            self.mean_prompt = statistics.median(self._by_sender.values())
 
     def choose(self, req, workers, rng):
         if not req.retry and req.num_tokens > 0:  # a request counted once; an unhashed one not at all
-            self.note_prompt(req.num_tokens)
+            self.note_prompt(req.num_tokens, req.sender)
         costs = self.costs(req, workers)
         # Round away float noise so equal estimates tie and the tie-break is random.
         # Equal estimates go to the worker with the smallest recent share, then at random.

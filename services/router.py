@@ -226,7 +226,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         return views, routed_mean, common
 
     def decide(self, live: dict[str, dict], num_tokens: int, hashes: list[bytes], block_size: int, now: float,
-               exclude: set[str], others: dict | None = None, ids: list[str] | None = None
+               exclude: set[str], others: dict | None = None, ids: list[str] | None = None, sender: str = ""
                ) -> tuple[WorkerView | None, list[WorkerView], float | None]:
         """One routing decision: the policy's choice among `_views` of ``live`` minus
         ``exclude`` for a request of ``num_tokens`` tokens (``hashes``: its block hashes),
@@ -235,7 +235,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         views, routed_mean, common = self._views(live, hashes, now, exclude, others, ids)
         if not views:
             return None, [], None
-        req = RouteRequest(num_tokens, hashes, block_size, routed_mean, common, retry=bool(exclude))
+        req = RouteRequest(num_tokens, hashes, block_size, routed_mean, common, retry=bool(exclude), sender=sender)
         return self.policy.choose(req, views, self.rng), views, routed_mean
 
     def _apply_shared_placements(self, hashes: list[bytes], live: dict[str, dict]) -> None:
@@ -355,7 +355,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         for _attempt in range(self.max_attempts):
             now = time.monotonic()
             chosen, views, routed_mean = self.decide(live, len(ids), hashes, block_size, now, tried, others,
-                                                     ids_of_live)
+                                                     ids_of_live, sender=caller)
             if chosen is None:
                 break
             tried.add(chosen.worker_id)

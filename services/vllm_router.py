@@ -347,8 +347,8 @@ class VllmRouter:
         return self.chat_template.encode(self.tokenizer, text)
 
     async def forward(self, request: web.Request, path: str) -> web.StreamResponse:
-        if self.auth is not None:
-            self._tenant(request)  # a stranger gets 401 before its body is read
+        # a stranger gets 401 before its body is read; the tenant also keys kv_aware's prompt mean
+        sender = self._tenant(request) if self.auth is not None else ""
         try:
             body = await read_json_object(request)
         except ValueError as exc:
@@ -375,8 +375,8 @@ class VllmRouter:
             views = self.views(keys, now, tried)
             if not views:
                 break
-            chosen = self.policy.choose(RouteRequest(n_tokens, keys, self.hasher.block_size, retry=attempt > 0),
-                                        views, self.rng)
+            chosen = self.policy.choose(RouteRequest(n_tokens, keys, self.hasher.block_size, retry=attempt > 0,
+                                                     sender=sender), views, self.rng)
             tried.add(chosen.worker_id)
             if self.metrics is not None:
                 self.metrics.observe_decision(chosen, views, attempt)

@@ -293,6 +293,32 @@ def test_kv_aware_costs_follow_the_documented_formula():
     assert q.mean_prompt == 160 + (320 - 160) / 2
 
 
+def test_kv_aware_mean_prompt_is_the_median_over_senders():
+    # Three tenants with prompts of 1,000-3,000 tokens; a fourth floods one-token prompts.
+    p = KVAwarePolicy(prompt_window=8)
+    for _ in range(50):
+        for sender, n in (("a", 1000), ("b", 2000), ("c", 3000)):
+            p.note_prompt(n, sender)
+    assert p.mean_prompt == pytest.approx(2000)
+    for _ in range(5000):
+        p.note_prompt(1, "flood")
+    # the flood moves only its own average: the median of {1000, 2000, 3000, 1} is 1,500
+    assert 1000 <= p.mean_prompt <= 2000
+    for _ in range(5000):
+        p.note_prompt(10 ** 6, "flood")
+    assert 2000 <= p.mean_prompt <= 3000
+    # one sender: its own average, as before
+    one = KVAwarePolicy(prompt_window=4)
+    for _ in range(200):
+        one.note_prompt(1, "x")
+    assert one.mean_prompt == pytest.approx(1)
+    # senders beyond MAX_SENDERS: the least recently heard leave the median
+    many = KVAwarePolicy()
+    for i in range(KVAwarePolicy.MAX_SENDERS + 10):
+        many.note_prompt(100, f"t{i}")
+    assert len(many._by_sender) == KVAwarePolicy.MAX_SENDERS and "t0" not in many._by_sender
+
+
 def test_kv_aware_share_term_pulls_new_work_to_under_share_workers():
     # A new conversation (only the shared first block in common) on a worker that holds the
     # block but has a large share, against a cold worker with none: the share term

@@ -138,7 +138,7 @@ def test_a_prompt_that_fits_only_some_contexts_is_routed_among_those(tmp_path):
     seen = []
     real_decide = router.decide
 
-    def spy(live_, *args):
+    def spy(live_, *args, **kwargs):
         seen.append(sorted(live_))
         return None, [], None  # no worker is dialled: the call ends UNAVAILABLE
 
