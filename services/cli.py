@@ -101,7 +101,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="context limit in tokens, at most the model's max_position_embeddings (default: the model's)")
     p.add_argument("--max-waiting", type=positive_int("--max-waiting"), default=512,
                    help="most queued requests before new ones get RESOURCE_EXHAUSTED (default 512)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0 = torch default, which depends on the node). On a CPU the count is "
+                   "part of the KV producer: workers that share KV (remote tier, peer fetch, a disk folder across "
+                   "restarts) need the same count")
     p.add_argument("--compute-dtype", choices=["auto", "model", "float32", "bfloat16", "float16"], default="auto",
                    help="dtype of the forward pass; the KV pool keeps the checkpoint's (default auto: the "
                    "checkpoint's, except float32 for a bf16/fp16 checkpoint on a CPU without AMX where a float32 "
