@@ -225,6 +225,9 @@ def test_round_trip_publisher_to_index(shared_redis, cluster):
             b.emit(stored([20, 21]))
             for w in (a, b):
                 assert w.pub.wait_published()
+            # a lease is first written by its own thread's first beat: on a busy machine that can
+            # come after a registry poll, so wait for both to be live, then for their streams
+            await wait_until(lambda: set(sub.live_workers()) == {"a", "b"}, timeout=30.0)
             await sub.wait_synced(5.0)
             assert set(sub.live_workers()) == {"a", "b"}
             lease = sub.live_workers()["a"]
