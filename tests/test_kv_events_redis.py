@@ -450,7 +450,7 @@ def test_lapsed_lease_removes_the_workers_entries_within_ttl_plus_poll(shared_re
 
     async def main():
         a = Worker(shared_redis.url, cluster, "a", ttl_s=ttl, interval_s=0.1)
-        b = Worker(shared_redis.url, cluster, "b", ttl_s=ttl, interval_s=0.1)
+        b = Worker(shared_redis.url, cluster, "b")  # the survivor: a default lease, not starved out
         index = ClusterIndex()
         resync, calls = no_resync()
         sub = IndexSubscriber(shared_redis.url, index, resync, cluster=cluster, poll_interval_s=POLL)
@@ -459,6 +459,7 @@ def test_lapsed_lease_removes_the_workers_entries_within_ttl_plus_poll(shared_re
             a.emit(stored([1, 2]))
             b.emit(stored([1]))
             assert a.pub.wait_published() and b.pub.wait_published()
+            await wait_until(lambda: set(sub.live_workers()) == {"a", "b"}, timeout=30.0)  # first beats
             await sub.wait_synced(5.0)
             assert index.num_blocks("a") == 2
             a.close(delete=False)  # dies: no more heartbeats, the key just expires
