@@ -36,7 +36,7 @@ import redis.asyncio as aioredis
 from kvmesh.cache_store.events import decode_batch
 from kvmesh.services.aio import within
 from kvmesh.services.cluster_index import ClusterIndex
-from kvmesh.workers.kv_publisher import DEFAULT_CLUSTER, lease_key, stream_key, workers_key
+from kvmesh.workers.kv_publisher import DEFAULT_CLUSTER, lease_key, prune_worker_ids, stream_key, workers_key
 
 __all__ = ["IndexSubscriber", "ResyncFn"]
 
@@ -91,6 +91,10 @@ class IndexSubscriber:
         ValueError: ``poll_interval_s`` or ``read_count`` is not positive.
     """
 
+    #: Seconds between prunings of gone workers' ids, and most ids looked at in one.
+    PRUNE_EVERY_S = 60.0
+    PRUNE_BATCH = 5000
+
     def __init__(self, redis_url: str, index: ClusterIndex, resync: ResyncFn,
                  cluster: str = DEFAULT_CLUSTER, poll_interval_s: float = 0.5, read_count: int = 512,
                  redis_restart_grace_s: float = 10.0):
@@ -107,6 +111,9 @@ class IndexSubscriber:
         # Replies never take longer than one XREAD block; the margin only bounds a dead connection.
         self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=poll_interval_s + 10.0,
                                               socket_connect_timeout=5.0)
+        self._next_prune = float("-inf")      # loop time of the next pruning of gone workers' ids
+        #: ids of gone workers removed from the registry set (see `prune_worker_ids`)
+        self.pruned_ids = 0
         self._live: dict[str, dict] = {}
         #: bumped whenever the live set or a lease changes (each poll): a router keeps what it
         #: derives from `live_workers` (compatibility, contexts) until this moves
@@ -295,6 +302,20 @@ class IndexSubscriber:
         self._live = live
         self.live_version += 1
         await self._check_tails(live, fresh={w for w, raw in zip(members, values) if raw is not None})
+        gone = [w for w, raw in zip(members, values) if raw is None]
+        if gone and asyncio.get_running_loop().time() >= self._next_prune:
+            await self._prune(gone)
+
+    async def _prune(self, gone: list[str]) -> None:
+        """Drop ids of workers long gone (no lease, stream expired) from the registry set,
+        so that each poll reads the leases of live workers and not of every pod that ever
+        ran. At most `PRUNE_BATCH` ids per `PRUNE_EVERY_S`; an error only delays it."""
+        self._next_prune = asyncio.get_running_loop().time() + self.PRUNE_EVERY_S
+        try:
+            for i in range(0, min(len(gone), self.PRUNE_BATCH), 500):
+                self.pruned_ids += int(await prune_worker_ids(self._redis, gone[i:i + 500], self.cluster))
+        except redis.RedisError as exc:
+            log.info("registry of gone workers not pruned this time: %s", exc)
 
     async def _check_tails(self, live: dict[str, dict], fresh: set[str]) -> None:
         """Resync workers whose index lags what their lease says they published.

@@ -15,7 +15,8 @@ from kvmesh.cache_store.events import AllBlocksCleared, BlockRemoved, BlockStore
 from kvmesh.services.cluster_index import ClusterIndex
 from kvmesh.services.index_subscriber import IndexSubscriber
 from kvmesh.services.procs import RedisServer, free_port
-from kvmesh.workers.kv_publisher import KVEventPublisher, WorkerLease, lease_key, stream_key, workers_key
+from kvmesh.workers.kv_publisher import (KVEventPublisher, WorkerLease, lease_key, prune_worker_ids, stream_key,
+                                         workers_key)
 
 POLL = 0.1
 
@@ -202,6 +203,55 @@ def test_lease_is_written_with_ttl_and_deleted_on_close(shared_redis, cluster, r
         lease.close()
     assert rclient.get(lease_key("w9", cluster)) is None
     assert rclient.smembers(workers_key(cluster)) == {b"w9"}  # "ever registered" stays
+
+
+def test_beat_gives_the_event_stream_an_idle_ttl(shared_redis, cluster, rclient):
+    """A gone worker's stream must not stay in Redis forever: each beat pushes its expiry on."""
+    rclient.xadd(stream_key("w8", cluster), {"seq": "1", "epoch": "e", "data": b""})
+    assert rclient.pttl(stream_key("w8", cluster)) == -1  # no TTL before a beat
+    lease = WorkerLease(shared_redis.url, "w8", "10.0.0.8:5000", {}, lambda: {}, cluster=cluster,
+                        ttl_s=2.0, interval_s=0.1, stream_idle_ttl_s=30.0)
+    try:
+        deadline = time.monotonic() + 10
+        while rclient.pttl(stream_key("w8", cluster)) < 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert 0 < rclient.pttl(stream_key("w8", cluster)) <= 30_000
+        assert rclient.xlen(stream_key("w8", cluster)) == 1  # the entries are kept
+    finally:
+        lease.close()
+    with pytest.raises(ValueError, match="stream_idle_ttl_s"):
+        WorkerLease(shared_redis.url, "w7", "a:1", {}, lambda: {}, cluster=cluster, ttl_s=2.0,
+                    interval_s=0.1, stream_idle_ttl_s=2.0)
+
+
+def test_prune_removes_only_ids_whose_lease_and_stream_are_gone(rclient, cluster):
+    rclient.sadd(workers_key(cluster), "gone", "leased", "streamed")
+    rclient.set(lease_key("leased", cluster), "{}", px=60_000)
+    rclient.xadd(stream_key("streamed", cluster), {"seq": "1"})
+    assert prune_worker_ids(rclient, ["gone", "leased", "streamed", "never-in-set"], cluster) == 1
+    assert rclient.smembers(workers_key(cluster)) == {b"leased", b"streamed"}
+    assert prune_worker_ids(rclient, [], cluster) == 0
+
+
+def test_subscriber_prunes_gone_workers_from_the_registry(shared_redis, cluster, rclient):
+    rclient.sadd(workers_key(cluster), *[f"old-{i}" for i in range(40)])
+
+    async def main():
+        a = Worker(shared_redis.url, cluster, "a")
+        index = ClusterIndex()
+        resync, _ = no_resync()
+        sub = IndexSubscriber(shared_redis.url, index, resync, cluster=cluster, poll_interval_s=POLL)
+        await sub.start()
+        try:
+            await wait_until(lambda: set(sub.live_workers()) == {"a"}, timeout=30.0)
+            await wait_until(lambda: rclient.smembers(workers_key(cluster)) == {b"a"}, timeout=30.0)
+            assert sub.pruned_ids == 40
+        finally:
+            await sub.stop()
+            a.close()
+
+    asyncio.run(main())
 
 
 # ----------------------------------------------------------------- round trip

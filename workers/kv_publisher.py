@@ -7,7 +7,10 @@ Redis layout for a cluster named ``C`` (default ``"default"``):
     ``seq`` (decimal batch sequence number, 1, 2, 3, ... per publisher),
     ``epoch`` (random id of the publishing process; a new value means the
     worker restarted with an empty cache and numbering began again at 1) and
-    ``data`` (the batch, :func:`cache_store.events.encode_batch`).
+    ``data`` (the batch, :func:`cache_store.events.encode_batch`). Each lease beat sets
+    the stream's TTL to ``STREAM_IDLE_TTL_S``, so the stream of a worker that is gone
+    (a pod replaced under a new name, a fleet scaled down) leaves Redis that long after
+    its last beat instead of staying forever.
 ``kvmesh:C:worker:<worker_id>`` (string, JSON, with a TTL)
     The worker's lease: ``worker_id``, ``address``, the static ``info`` fields
     (``block_size``, ``model_id``, ``max_model_len``, ...), ``load`` (dict of load
@@ -15,7 +18,9 @@ Redis layout for a cluster named ``C`` (default ``"default"``):
     see `KVEventPublisher.lease_fields`) and ``ts`` (seconds since the epoch). Rewritten with ``SET ... PX ttl`` every
     heartbeat; the worker counts as alive while the key exists.
 ``kvmesh:C:workers`` (set)
-    Ids of every worker that ever registered; readers check each one's lease.
+    Ids of the workers that registered; readers check each one's lease. An id whose
+    lease and stream are both gone is removed by the routers' index subscribers
+    (`prune_worker_ids`); a worker that comes back adds itself again at its next beat.
 
 Both classes run their Redis I/O on a daemon thread of their own with the
 synchronous redis client, so the engine thread never waits on the network.
@@ -44,6 +49,8 @@ __all__ = [
     "KVEventPublisher",
     "WorkerLease",
     "live_lease_holder",
+    "prune_worker_ids",
+    "STREAM_IDLE_TTL_S",
 ]
 
 log = logging.getLogger(__name__)
@@ -347,16 +354,51 @@ local function held_by_other(key, instance)
   return nil
 end
 """
-#: Write a lease unless another process holds it. KEYS: lease, workers set; ARGV: value,
-#: TTL (ms), this process's instance token, worker id. Returns the holder's lease (a string)
-#: when another instance wrote the key and it has not lapsed, else writes and returns false.
+#: Write a lease unless another process holds it. KEYS: lease, workers set, event stream;
+#: ARGV: value, TTL (ms), this process's instance token, worker id, the stream's idle TTL
+#: (ms). Returns the holder's lease (a string) when another instance wrote the key and it
+#: has not lapsed, else writes, pushes the stream's expiry on, and returns false.
 _BEAT = _LEASE_PRELUDE + """
 local other = held_by_other(KEYS[1], ARGV[3])
 if other then return other end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[4])
+redis.call('PEXPIRE', KEYS[3], ARGV[5])
 return false
 """
+#: Remove worker ids whose lease and event stream are both gone from the workers set.
+#: KEYS: workers set; ARGV: lease key prefix, stream key prefix, then the ids. Returns
+#: the number removed. Checked and removed in one script, so a worker that beats in
+#: between keeps its id (its beat re-adds it in any case).
+_PRUNE = """
+local removed = 0
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  if redis.call('EXISTS', ARGV[1] .. id) == 0 and redis.call('EXISTS', ARGV[2] .. id) == 0 then
+    removed = removed + redis.call('SREM', KEYS[1], id)
+  end
+end
+return removed
+"""
+
+#: Seconds a worker's event stream outlives its last lease beat (the TTL each beat sets).
+#: A stream is read only while its worker's lease is live, and a worker that comes back
+#: after this starts a new epoch (or is resynced from its snapshot), so nothing reads it
+#: later; the margin covers Redis outages and slow restarts under the same id.
+STREAM_IDLE_TTL_S = 600.0
+
+
+def prune_worker_ids(client, worker_ids, cluster: str = DEFAULT_CLUSTER) -> int:
+    """Remove from ``kvmesh:{cluster}:workers`` each of ``worker_ids`` whose lease and
+    event stream are both gone (its stream expired ``STREAM_IDLE_TTL_S`` after its last
+    beat). Works with a synchronous or an asyncio redis-py client (returns what the
+    client's ``eval`` returns: the count removed, or an awaitable of it).
+
+    Raises:
+        redis.RedisError: Redis could not be reached.
+    """
+    return client.eval(_PRUNE, 1, workers_key(cluster), lease_key("", cluster), stream_key("", cluster),
+                       *worker_ids)
 #: Write to a worker's event stream unless another instance holds its lease. KEYS: lease,
 #: stream; ARGV: instance token, "trim" | "add", then for "add": seq, epoch, data, maxlen.
 #: Returns 1 when written, 0 when fenced.
@@ -414,18 +456,24 @@ class WorkerLease:
             another instance holds this worker id's lease.
         instance: this process's token (default: a new random one); give the same to its
             `KVEventPublisher` so that its stream writes are fenced too.
+        stream_idle_ttl_s: the TTL (seconds) each beat gives the worker's event stream
+            (``kvmesh:{cluster}:events:{worker_id}``), so a gone worker's stream expires.
 
     Raises:
-        ValueError: ``interval_s`` is not in ``(0, ttl_s)``.
+        ValueError: ``interval_s`` is not in ``(0, ttl_s)``, or ``stream_idle_ttl_s`` is
+            not above ``ttl_s``.
     """
 
     def __init__(self, redis_url: str, worker_id: str, address: str, info: dict,
                  load_fn: Callable[[], dict], cluster: str = DEFAULT_CLUSTER,
                  ttl_s: float = 3.0, interval_s: float = 1.0,
                  fields_fn: Callable[[], dict] | None = None,
-                 on_lost: Callable[[dict], None] | None = None, instance: str | None = None):
+                 on_lost: Callable[[dict], None] | None = None, instance: str | None = None,
+                 stream_idle_ttl_s: float = STREAM_IDLE_TTL_S):
         if not 0 < interval_s < ttl_s:
             raise ValueError("interval_s must be positive and below ttl_s")
+        if not stream_idle_ttl_s > ttl_s:
+            raise ValueError("stream_idle_ttl_s must be above ttl_s")
         self.worker_id = worker_id
         self.address = address
         self.info = dict(info)
@@ -433,6 +481,8 @@ class WorkerLease:
         self.fields_fn = fields_fn
         self.key = lease_key(worker_id, cluster)
         self.set_key = workers_key(cluster)
+        self.stream_key = stream_key(worker_id, cluster)
+        self.stream_idle_ttl_s = stream_idle_ttl_s
         self.ttl_s = ttl_s
         self.interval_s = interval_s
         self.instance = instance or uuid.uuid4().hex
@@ -471,8 +521,9 @@ class WorkerLease:
             redis.RedisError: Redis could not be reached.
         """
         value = json.dumps(self.lease_value(), separators=(",", ":"))
-        holder = self._beat_script(keys=[self.key, self.set_key],
-                                   args=[value, int(self.ttl_s * 1000), self.instance, self.worker_id])
+        holder = self._beat_script(keys=[self.key, self.set_key, self.stream_key],
+                                   args=[value, int(self.ttl_s * 1000), self.instance, self.worker_id,
+                                         int(self.stream_idle_ttl_s * 1000)])
         if not holder:
             return True
         try:
