@@ -67,8 +67,10 @@ real block replaces it. Every worker of a cluster needs the same key (`kvmesh wo
 --remote-record-key-file`; `kvmesh up` makes one). The engine keeps each key's records apart
 (`record_key_id` in the cluster name ``C``, `tier_store._connect_remote`), so workers with
 another key or none never read them, and a key rotation or a rolling upgrade starts an
-empty tier beside the old one (which ages out of Redis only when Redis evicts it or an
-operator deletes ``kvmesh:C:*``) instead of deleting each other's records.
+empty tier beside the old one instead of deleting each other's records. A namespace whose
+KV producer no live worker names any more (an upgrade) is deleted after a grace period by
+:mod:`cache_store.remote_gc`; one left by a key rotation, whose producer is still live, ages
+out of Redis only when Redis evicts it or an operator deletes ``kvmesh:C:*``.
 
 What a read verifies: the MAC (with a ``record_key``), then
 :func:`cache_store.block_record.decode_record` (magic,
@@ -118,6 +120,7 @@ from typing import Sequence
 import redis
 
 from kvmesh.cache_store.block_record import RecordError, RecordMeta, decode_record, encode_header
+from kvmesh.cache_store.tier_config import glob_escape as _glob_escape
 from kvmesh.cache_store.tier_config import MIN_RECORD_KEY_BYTES, record_key_from_file  # noqa: F401 (re-exported)
 
 __all__ = [
@@ -396,7 +399,8 @@ class RemoteTier:
 
         self._damage_log = LogLimiter(log, "damaged records")
         self._counters = {"remote_stored": 0, "remote_present": 0, "remote_evicted": 0, "remote_refused": 0,
-                          "remote_hits": 0, "remote_damaged": 0, "remote_errors": 0, "remote_skipped": 0}
+                          "remote_hits": 0, "remote_damaged": 0, "remote_errors": 0, "remote_skipped": 0,
+                          "remote_gc_deleted": 0}
 
     # -- writing -----------------------------------------------------------------
     def put_many(self, records: list[tuple[RecordMeta, bytes | memoryview]],
@@ -631,8 +635,10 @@ class RemoteTier:
             ``remote_present`` (found already stored by a put),
             ``remote_evicted`` (by this instance's puts), ``remote_refused``
             (larger than the cap), ``remote_hits`` (returned by get_run),
-            ``remote_damaged``; ``remote_errors`` (failed Redis calls) and
-            ``remote_skipped`` (calls not made while Redis was cooling down).
+            ``remote_damaged``; ``remote_errors`` (failed Redis calls),
+            ``remote_skipped`` (calls not made while Redis was cooling down) and
+            ``remote_gc_deleted`` (keys of abandoned namespaces this worker's
+            :class:`cache_store.remote_gc.RemoteGC` deleted; keys, not blocks).
         """
         blocks = used = None
         if self._available():
@@ -714,8 +720,3 @@ def record_key_id(record_key: bytes) -> str:
     """8 hex digits naming a record key (keyed BLAKE2b of nothing: the key cannot be
     recovered from it), for the Redis namespace of the records made with it."""
     return hashlib.blake2b(b"", key=bytes(record_key)[:64], digest_size=4, person=b"kvmesh-keyid").hexdigest()
-
-
-def _glob_escape(s: str) -> str:
-    """``s`` with Redis glob metacharacters escaped, for SCAN MATCH."""
-    return re.sub(r"([*?\[\]\\])", r"\\\1", s)

@@ -8,6 +8,7 @@ small machine).
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 
 __all__ = ["WRITE_MODES", "LOAD_POLICIES", "BUILTIN_CODECS", "TierConfig"]
@@ -166,3 +167,8 @@ class TierConfig:
     @property
     def enabled(self) -> bool:
         return self.host_bytes > 0 or self.peer_bytes > 0 or self.remote_bytes > 0
+
+
+def glob_escape(s: str) -> str:
+    """``s`` with Redis glob metacharacters (``* ? [ ] \\``) escaped, for ``SCAN ... MATCH``."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", s)

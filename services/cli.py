@@ -60,6 +60,25 @@ def _float_at_least(low: float, flag: str):
     return parse
 
 
+def _gc_grace(text: str) -> float:
+    """argparse type of ``--remote-gc-grace-s``: 0 (off) or a finite number of seconds of at
+    least `cache_store.remote_gc.MIN_GRACE_S`."""
+    from kvmesh.cache_store.remote_gc import MIN_GRACE_S
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--remote-gc-grace-s takes a number of seconds, got {text!r}") from None
+    if value == 0:
+        return 0.0
+    if not math.isfinite(value) or value < MIN_GRACE_S:
+        why = ("" if not math.isfinite(value) or value < 0 else
+               ": a shorter grace could delete the remote blocks of workers that are only restarting")
+        raise argparse.ArgumentTypeError(f"--remote-gc-grace-s must be 0 (off) or a finite number of seconds >= "
+                                         f"{MIN_GRACE_S:g}, got {text!r}{why}")
+    return value
+
+
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite IEEE 754 binary32 value
 
 
@@ -346,7 +365,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                advertise=advertise, stop=stop, max_concurrent_rpcs=args.max_concurrent_rpcs,
                                max_inflight_per_tenant=args.max_inflight_per_tenant,
                                drain_timeout_s=args.drain_timeout_s, on_drain=on_drain,
-                               **ports, **secure)
+                               remote_gc_grace_s=args.remote_gc_grace_s, **ports, **secure)
 
         return run_server(main(), args.port)  # a port taken since it was checked: exit 2 naming its flag
 
@@ -702,6 +721,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "still running then end UNAVAILABLE; a second signal stops at once. On Kubernetes keep "
                         "preStop sleep + this + ~10 s within terminationGracePeriodSeconds "
                         f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})")
+    from kvmesh.cache_store.remote_gc import DEFAULT_GRACE_S, MIN_GRACE_S
+
+    p.add_argument("--remote-gc-grace-s", type=_gc_grace, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                   help="with --remote-bytes: delete the remote-tier keys of a KV producer (and of the untagged "
+                        "namespace of older versions) that no live worker of the cluster has named for this many "
+                        "seconds, e.g. after an upgrade of torch; one worker of the cluster at a time, in the "
+                        f"background. 0 = off, else at least {MIN_GRACE_S:g} (default {DEFAULT_GRACE_S:g})")
     from kvmesh.services.observability import add_server_flags
 
     add_server_flags(p, "worker")

@@ -50,6 +50,7 @@ from kvmesh.workers import limits, wire
 from kvmesh.cache_store.block_record import RECORD_FORMAT_VERSION
 from kvmesh.cache_store.fresh_thread import run_on_fresh_thread, to_fresh_thread
 from kvmesh.cache_store.hashing import HASH_BYTES
+from kvmesh.cache_store.remote_gc import DEFAULT_GRACE_S, RemoteGC
 from kvmesh.workers.engine import Engine
 from kvmesh.workers.grpc_guard import LogLimiter, TenantCap, clip
 from kvmesh.workers.grpc_host import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_CONCURRENT_RPCS, DrainGate, GrpcHost
@@ -357,7 +358,8 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
                        metrics_port: int | None = None, http_port: int | None = None, tls=None, gate=None,
                        reflection: bool = False, max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
                        max_inflight_per_tenant: int = 0, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-                       on_drain: Callable[[], None] | None = None) -> None:
+                       on_drain: Callable[[], None] | None = None,
+                       remote_gc_grace_s: float = DEFAULT_GRACE_S) -> None:
     """Serve the engine on host:port until ``stop`` is set or SIGINT/SIGTERM arrives, then drain.
 
     ``peer`` holds `PeerFetcher` options (``mode``, ``max_fetch_s``, ``holder_check``);
@@ -368,7 +370,9 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     flight (`GrpcHost`), ``max_inflight_per_tenant`` each tenant's Generate calls
     (`grpc_guard.TenantCap`; 0: no cap). ``metrics_port`` serves Prometheus ``/metrics``
     (`services.metrics`); ``http_port`` serves the OpenAI-compatible HTTP front
-    (`services.http_front`); None = off.
+    (`services.http_front`); None = off. With a remote tier, ``remote_gc_grace_s`` > 0 runs
+    `cache_store.remote_gc.RemoteGC` on a thread of its own: the cluster's remote-tier
+    namespaces that no live lease has named for that many seconds are deleted (0 = off).
 
     Shutdown: ``on_drain()`` (blocking; run on a thread, e.g. the CLI's deletion of the
     worker's lease so that routers stop choosing it) starts with the drain, which refuses
@@ -379,10 +383,13 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
 
     Raises:
         RuntimeError: the port could not be bound.
-        ValueError: ``drain_timeout_s`` is negative or not finite.
+        ValueError: ``drain_timeout_s`` or ``remote_gc_grace_s`` is negative or not finite.
     """
     if not 0 <= drain_timeout_s < float("inf"):
         raise ValueError(f"drain_timeout_s must be a finite number of seconds >= 0, got {drain_timeout_s!r}")
+    if not 0 <= remote_gc_grace_s < float("inf"):
+        raise ValueError(f"remote_gc_grace_s must be a finite number of seconds >= 0 (0 = off), "
+                         f"got {remote_gc_grace_s!r}")
     worker_id = worker_id or f"{socket.gethostname()}:{port}"
     servicer = WorkerServicer(engine, worker_id, advertise or f"{host}:{port}", peer={**(peer or {}), "tls": tls},
                               gate=gate)
@@ -402,6 +409,7 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
         servicer, host, metrics_port, http_port,
         ssl_context=tls.server_ssl_context() if tls is not None else None)
     bound = await grpc_host.start()
+    remote_gc = _start_remote_gc(engine, remote_gc_grace_s)
     log.info("worker %s serving on %s:%d", worker_id, host, bound)
     print(f"kvmesh worker {worker_id} listening on {host}:{bound}", flush=True)
     print(f"kvmesh worker {worker_id}: {engine.describe()}", flush=True)
@@ -418,4 +426,17 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     await extras.stop()
     await servicer.fetcher.close()
     servicer._prefetch_pool.shutdown(wait=False, cancel_futures=True)
+    if remote_gc is not None:
+        await asyncio.to_thread(remote_gc.stop)
     engine.stop()
+
+
+def _start_remote_gc(engine: Engine, grace_s: float):
+    """The running `RemoteGC` of the engine's remote tier, or None (no remote tier, or
+    ``grace_s`` 0)."""
+    tiers = getattr(engine, "tiers", None)
+    if not grace_s or tiers is None or tiers.remote is None:
+        return None
+    gc = RemoteGC.for_tier(tiers.remote, tiers.config.remote_url, tiers.config.remote_cluster, grace_s)
+    gc.start()
+    return gc
