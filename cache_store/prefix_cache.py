@@ -84,6 +84,11 @@ class PrefixCache:
             ``allocate`` returns: the blocks' KV is intact until the caller
             writes into the blocks it was handed, so the callback may copy it
             to a lower tier. Must not raise.
+        row_rank: ``row_rank(block_id)`` is the loss rank of the KV a block
+            holds (`kv_codec.loss_rank`: 0 exact, higher lossier; a worker's
+            `TierStore.row_loss`). :meth:`commit` then replaces a cached block
+            by a less lossy copy of the same block. None: every block is as good
+            as any other, and a cached block is never replaced.
 
     Not thread-safe: one scheduler owns it.
 
@@ -99,6 +104,7 @@ class PrefixCache:
         hash_fn: Callable[[bytes, bytes], bytes] = hash_block,
         medium: str = "device",
         on_offload: Callable[[list[EvictedBlock]], None] | None = None,
+        row_rank: Callable[[int], int] | None = None,
     ):
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -114,6 +120,9 @@ class PrefixCache:
         self._on_offload = on_offload
         self._offload: list[EvictedBlock] = []
         self.num_orphan_evictions = 0  # descendants dropped with an evicted parent
+        self.row_rank = row_rank
+        #: cached blocks replaced by a less lossy copy of the same block (`commit`)
+        self.num_replaced = 0
 
     # -- hashing -------------------------------------------------------------
     def hash_blocks(self, token_ids: Sequence[int], parent_hash: bytes) -> BlockHashes:
@@ -227,8 +236,22 @@ class PrefixCache:
         one ``BlockStored`` for the newly cached run, parent hash = the hash
         of the block before the run (None for block 0).
 
+        Less lossy copies (``row_rank``): where a block's hash is cached, in
+        this sequence's chain, under another block whose KV is lossier than
+        this sequence's (a copy decoded from a lossy codec, or computed over
+        one, where this sequence computed it over exact context), this
+        sequence's block takes its place in the index: the hash stays cached,
+        now by the better copy, so later requests reuse that one, and a
+        request that must not reuse lossy KV finds it. The replaced block
+        loses its hash; a request holding it keeps its KV (it is freed when
+        that request lets it go) but caches nothing more below it. Cached
+        children of the replaced block stay cached below the new one, except
+        those held by a request, which are uncached with what is below them
+        (reported in one ``BlockRemoved``): a held child's parent must stay
+        held as long as it is. Equal or lossier copies never replace.
+
         Returns:
-            number of blocks newly cached.
+            number of blocks newly cached (replacements included).
 
         Raises:
             ValueError: bad range, block size mismatch, too few block ids, a
@@ -245,9 +268,10 @@ class PrefixCache:
         if len(block_ids) < end:
             raise ValueError(f"{len(block_ids)} block ids for blocks up to {end}")
         index, pool = self.index, self.pool
+        prev = None  # the node of block first-1 (None: block 0 is next)
         if start > 0:
-            parent = index.node(hashes[start - 1])
-            if parent is None or parent.value != block_ids[start - 1] or parent.depth != start:
+            prev = index.node(hashes[start - 1])
+            if prev is None or prev.value != block_ids[start - 1] or prev.depth != start:
                 return 0
         first = start
         while first < end:
@@ -255,8 +279,10 @@ class PrefixCache:
             if node is None:
                 break
             if node.value != block_ids[first]:
-                return 0  # cached under another block id (or a collision)
-            first += 1
+                if not self._better_copy(node, prev, block_ids[first], block_hashes, first):
+                    return 0  # cached under another block id, as good (or a collision)
+                break
+            prev, first = node, first + 1
         if first == end:
             return 0
         run = block_ids[first:end]
@@ -267,9 +293,26 @@ class PrefixCache:
                 raise ValueError(f"block {bid} is not held")
             if pool.get_hash(bid) is not None:
                 raise ValueError(f"block {bid} already holds another block's hash")
+        removed: list[bytes] = []
+        replaced = 0
+        while first < end:  # blocks cached as lossier copies: this sequence's take their place
+            node = index.node(hashes[first])
+            if node is None:
+                break
+            if not self._better_copy(node, prev, block_ids[first], block_hashes, first):
+                if removed:
+                    self._emit(BlockRemoved(removed, self.medium))
+                return replaced
+            removed += self._replace(node, block_ids[first], owner)
+            replaced += 1
+            prev, first = node, first + 1
+        if removed:
+            self._emit(BlockRemoved(removed, self.medium))
+        if first == end:
+            return replaced
         inserted = index.extend(hashes, block_hashes.block_tokens, block_ids, first, end)
         if not inserted:
-            return 0
+            return replaced
         for i in inserted:
             pool.set_hash(block_ids[i], hashes[i], owner)
         lo, hi = inserted[0], inserted[-1] + 1
@@ -285,7 +328,47 @@ class PrefixCache:
                 medium=self.medium,
             )
         )
-        return len(inserted)
+        return replaced + len(inserted)
+
+    def _better_copy(self, node, prev, block_id: int, block_hashes, i: int) -> bool:
+        """True if ``block_id``, a sequence's block ``i``, may replace the cached ``node`` of
+        the same hash: its KV is less lossy (``row_rank``) and ``node`` is that sequence's block
+        ``i`` (below ``prev``, the sequence's block ``i-1``, or the root; same token bytes)."""
+        rank = self.row_rank
+        if rank is None or not rank(block_id) < rank(node.value):
+            return False
+        parent = node.parent
+        if prev is not None:
+            if parent is not prev:
+                return False
+        elif parent is None or parent.block_hash is not None:
+            return False
+        return node.tokens == block_hashes.block_tokens(i)
+
+    def _replace(self, node, block_id: int, owner: object) -> list[bytes]:
+        """Cache ``block_id`` (held, no hash) as ``node``'s block in place of the one there.
+
+        Children of ``node`` held by a request are uncached first, with what is below them
+        (their holders keep their KV): they would otherwise stay cached below a block that
+        may be freed before them. The replaced block loses its hash: freed at once when
+        nobody holds it, else when its holders let it go.
+
+        Returns:
+            the hashes uncached.
+        """
+        pool, index = self.pool, self.index
+        removed: list[bytes] = []
+        for child in list(node.children.values()):
+            if pool.ref_cnt(child.value) > 0:
+                for bid in index.remove(child.block_hash):
+                    h = pool.clear_hash(bid)
+                    if h is not None:
+                        removed.append(h)
+        old = index.set_value(node.block_hash, block_id)
+        pool.clear_hash(old)
+        pool.set_hash(block_id, node.block_hash, owner)
+        self.num_replaced += 1
+        return removed
 
     # -- whole-cache operations ----------------------------------------------------
     def clear(self) -> int:

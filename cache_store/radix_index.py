@@ -283,6 +283,13 @@ class RadixIndex:
             self._push(node)
         return inserted
 
+    def set_value(self, block_hash: bytes, value: Any) -> Any:
+        """Store ``value`` as the payload of a present block (its place in the tree, children
+        and LRU position unchanged). Returns the payload it replaces. KeyError if absent."""
+        node = self._nodes[block_hash]
+        old, node.value = node.value, value
+        return old
+
     def remove(self, block_hash: bytes) -> list:
         """Remove a block and, if it has any, its whole subtree.
 

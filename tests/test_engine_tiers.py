@@ -802,3 +802,177 @@ def test_a_preempted_request_does_not_resume_on_lossier_kv():
             assert e.cache.pool.num_in_use_blocks == 0
         finally:
             e.stop()
+
+
+class _Out:
+    """One request's outputs on an engine stepped by hand (`_drive`)."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.usage: dict | None = None
+        self.error = ""
+
+    def __call__(self, o) -> None:
+        self.token_ids.extend(o.new_token_ids)
+        if o.finished:
+            self.usage, self.error = o.usage, o.error
+
+
+def _steps(e: Engine, done, limit: int = 400) -> None:
+    """Step ``e`` (not started) until ``done()``, checking the pool and index after each step."""
+    for _ in range(limit):
+        if done():
+            return
+        e.step()
+        e.check_integrity()
+    raise AssertionError(f"not done after {limit} steps")
+
+
+def _drive(e: Engine, prompt, sp) -> _Out:
+    out = _Out()
+    e.submit(prompt, sp, out)
+    _steps(e, lambda: out.usage is not None)
+    assert not out.error, out.error
+    return out
+
+
+def _preempt_and_park(e: Engine, rid: str):
+    """Preempt a running request and take it off the queue until `_resume`; returns it."""
+    req = e._requests[rid]
+    with e._lock:
+        e.scheduler._preempt(req)
+        e.scheduler.waiting.remove(req)
+    return req
+
+
+def _resume(e: Engine, req) -> None:
+    with e._lock:
+        e.scheduler.waiting.appendleft(req)
+
+
+def _device_ranks(e: Engine, prompt) -> list[int]:
+    """The loss rank of each cached device block of ``prompt``'s chain."""
+    hashed = hash_blocks(prompt, BS, e.namespace("", "", "").root_hash())
+    m = e.cache.index.match(hashed.hashes, hashed.block_tokens)
+    return [e.tiers.row_loss[b] for b in m.values]
+
+
+def _int4_engine(**kw) -> Engine:
+    """Not started (stepped by hand); an int4 host tier."""
+    return Engine(device=DEVICE, num_blocks=64, block_size=BS, max_num_batched_tokens=512,
+                  tiers=TierConfig(host_bytes=64 * BLOCK_BYTES, host_codec="int4", peer_bytes=0), **kw)
+
+
+@pytest.mark.parametrize("lossy_copy_held", [False, True])
+def test_an_exact_copy_replaces_a_lossy_one_in_the_device_index(lossy_copy_held):
+    """A request whose first schedule used exact KV (``allowed_loss`` 0) is preempted; meanwhile
+    another request loads the shared prefix from the int4 host tier, so the device index holds
+    lossy copies of those blocks. The first request must not resume on them: it computes them
+    again over exact context and matches the cold run. Its exact copies then take the lossy
+    ones' place in the device index, so later requests (exact-only ones included) reuse exact
+    KV instead of computing it once more. With ``lossy_copy_held`` the request that loaded the
+    lossy copies is still running and holding them when they are replaced: it keeps its KV
+    (its tokens equal those it gives alone), and no block it holds is freed under it."""
+    e = _int4_engine()
+    try:
+        p = rand_prompt(41, 4 * BS)
+        q = p + rand_prompt(42, 2 * BS + 5)  # 6 full blocks, the first 4 shared with p
+        b_prompt = p + rand_prompt(43, 5)
+        sp = SamplingParams(max_tokens=6)
+        b_sp = SamplingParams(max_tokens=40, ignore_eos=True)
+        want = _drive(e, q, sp)
+        assert want.usage["cached_tokens"] == 0
+        e.clear_cache()  # b alone, on p's blocks decoded from int4: what b gives when nothing interferes
+        _drive(e, q, SamplingParams(max_tokens=1))
+        e.offload_device_cache()
+        b_alone = _drive(e, b_prompt, b_sp)
+        assert b_alone.usage["lossy_cached_tokens"] == 4 * BS
+        e.clear_cache()
+
+        a = _Out()
+        rid = e.submit(q, sp, a)
+        e.step()  # a computes its prompt on an empty cache: exact
+        req = _preempt_and_park(e, rid)
+        assert req.allowed_loss == 0 and req.num_cached == 0
+        e.offload_device_cache()  # int4 copies in the host tier; the device pool is empty
+        b = _Out()
+        b_rid = e.submit(b_prompt, b_sp, b)
+        held = []
+        if lossy_copy_held:
+            e.step()  # b loads p's blocks from the host tier and keeps running on them
+            held = list(e._requests[b_rid].block_table)
+        else:
+            _steps(e, lambda: b.usage is not None)
+        assert _device_ranks(e, q) == [2] * 4  # int4 copies of p's blocks, on the device
+        computed = e.computed_prompt_tokens
+        _resume(e, req)
+        e.step()
+        e.check_integrity()
+        if held:  # b still holds every block it had, in its block table
+            assert all(e.cache.pool.ref_cnt(x) >= 1 for x in held)
+            assert e._requests[b_rid].block_table[:len(held)] == held
+        assert _device_ranks(e, q) == [0] * 6  # a's exact copies took the int4 copies' place
+        # not held: each int4 copy is replaced in place; held: the first is, and those below
+        # it, held by b, are uncached (b keeps them) and a's copies cached instead
+        assert e.cache.num_replaced == (1 if lossy_copy_held else 4)
+        assert e.computed_prompt_tokens - computed >= len(q)  # a computed its whole prompt again
+        _steps(e, lambda: a.usage is not None and b.usage is not None)
+        assert a.token_ids == want.token_ids and a.usage["lossy_cached_tokens"] == 0
+        assert b.token_ids == b_alone.token_ids and b.usage["lossy_cached_tokens"] == 4 * BS
+        assert e.cache.pool.num_in_use_blocks == 0
+
+        # later requests hit the exact copies: a fresh one, and one scheduled again after a
+        # preemption on exact KV (it used to compute the blocks every time)
+        fresh = _drive(e, q, sp)
+        assert fresh.usage["cached_tokens_by_tier"]["device"] == 6 * BS
+        assert fresh.usage["lossy_cached_tokens"] == 0 and fresh.token_ids == want.token_ids
+        c = _Out()
+        rid = e.submit(q, sp, c)
+        e.step()
+        req = _preempt_and_park(e, rid)
+        assert req.allowed_loss == 0
+        computed = e.computed_prompt_tokens
+        _resume(e, req)
+        e.step()
+        assert e.computed_prompt_tokens - computed < BS  # its cached prefix was reused
+        _steps(e, lambda: c.usage is not None)
+        assert c.token_ids == want.token_ids and c.usage["lossy_cached_tokens"] == 0
+        assert e.cache.pool.num_in_use_blocks == 0
+    finally:
+        e.stop()
+
+
+def test_a_resumed_request_uses_no_more_lossy_blocks_than_it_reported():
+    """A request whose first schedule reused 2 exact device blocks and 4 int4 host blocks
+    reports 4 lossy blocks. Preempted, its exact blocks go down to the int4 host tier too; when
+    it is scheduled again it must not reuse int4 copies where it reused exact KV before (it
+    used to load all 6 lossy blocks while reporting 4)."""
+    e = _int4_engine()
+    try:
+        q = rand_prompt(44, 6 * BS + 5)
+        sp = SamplingParams(max_tokens=6)
+        _drive(e, q, SamplingParams(max_tokens=1))
+        e.offload_device_cache()  # int4 copies of q's blocks in the host tier
+        hashed = hash_blocks(q, BS, e.namespace("", "", "").root_hash())
+        with e.tiers.lock:  # the host tier keeps blocks 2.. only
+            for h in hashed.hashes[:2]:
+                assert e.tiers.host.remove(h) is not None
+        _drive(e, q[:2 * BS + 1], SamplingParams(max_tokens=1))  # blocks 0 and 1, exact, on the device
+        a = _Out()
+        rid = e.submit(q, sp, a)
+        e.step()
+        req = _preempt_and_park(e, rid)
+        assert req.num_cached == 6 * BS and req.num_lossy_cached == 4 * BS
+        first = [0, 0, 2, 2, 2, 2]  # the loss rank of each block its first schedule reused
+        e.offload_device_cache()  # now the host tier holds int4 copies of all 6 blocks
+        _resume(e, req)
+        e.step()
+        used = [e.tiers.row_loss[b] for b in req.block_table[:6]]
+        assert all(u <= f for u, f in zip(used, first)), used
+        assert sum(1 for u in used if u) * BS <= req.num_lossy_cached
+        _steps(e, lambda: a.usage is not None)
+        assert a.usage["lossy_cached_tokens"] == 4 * BS
+        assert list(req.cached_loss) == first
+        assert e.cache.pool.num_in_use_blocks == 0
+    finally:
+        e.stop()

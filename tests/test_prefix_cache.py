@@ -309,11 +309,12 @@ PIECES = [[p] * 8 + [p + 1] * 8 for p in range(4)] + [[0] * 8 + [9] * 8, [1] * 1
 class Driver:
     """Runs requests against a PrefixCache while tracking what each block truly holds."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, ranks: list[int] | None = None):
         self.cache = cache
         self.truth: dict[int, tuple] = {}  # block id -> full token prefix its KV was computed for
         self.live: list[dict] = []
         self.evicted_log: list = []
+        self.ranks = ranks  # block id -> loss rank (the cache's row_rank), or None
 
     def snapshot(self):
         c = self.cache
@@ -322,27 +323,37 @@ class Driver:
             for h, bid in c.index.items()
         }
 
-    def start(self, tokens):
+    def start(self, tokens, rank: int = 0, exact: bool = False):
+        """A request: reuses its cached prefix (with ``exact``, only up to the first lossy
+        block) and computes the rest, which takes the lossiest rank of its context and
+        ``rank``."""
         c = self.cache
         bh = c.hash_blocks(tokens, ROOT)
-        hit = c.match(bh)
-        for i, bid in enumerate(hit.block_ids):
+        hit = c.match(bh).block_ids
+        for i, bid in enumerate(hit):
             # a hit must hand out exactly the KV of this prefix
             assert self.truth[bid] == tuple(tokens[: (i + 1) * BS])
-        c.lock(hit.block_ids)
-        need = -(-len(tokens) // BS) - len(hit.block_ids)
+        if self.ranks is not None and exact:
+            hit = hit[:next((i for i, b in enumerate(hit) if self.ranks[b]), len(hit))]
+        c.lock(hit)
+        need = -(-len(tokens) // BS) - len(hit)
         snap = self.snapshot()
         before = len(self.evicted_log)
+        held = {b for r in self.live for b in r["ids"]}
         new = c.allocate(need)
         if new is None:
-            c.unlock(hit.block_ids)
+            c.unlock(hit)
             return
+        assert held.isdisjoint(new), "handed out a block a request holds"
         self.check_evictions(snap, self.evicted_log[before:])
         for k, bid in enumerate(new):
-            i = len(hit.block_ids) + k
+            i = len(hit) + k
             self.truth[bid] = tuple(tokens[: (i + 1) * BS])
-        ids = hit.block_ids + new
-        self.live.append({"tokens": list(tokens), "ids": ids, "committed": len(hit.block_ids)})
+            if self.ranks is not None:
+                self.ranks[bid] = 0 if exact else max([rank] + [self.ranks[b] for b in hit])
+        ids = hit + new
+        self.live.append({"tokens": list(tokens), "ids": ids, "committed": len(hit)})
+        return
 
     def check_evictions(self, snap, evicted_hashes):
         gone = set()
@@ -377,10 +388,13 @@ ops_strategy = st.lists(
 )
 
 
+@pytest.mark.parametrize("ranked", [False, True], ids=["exact", "lossy-copies"])
 @pytest.mark.parametrize("hash_fn", [hash_block, weak_hash], ids=["xxh3", "weak"])
 @settings(max_examples=120, deadline=None)
 @given(ops=ops_strategy)
-def test_random_workloads_keep_invariants(hash_fn, ops):
+def test_random_workloads_keep_invariants(hash_fn, ranked, ops):
+    """With ``ranked``, blocks have loss ranks and some requests reuse only exact blocks and
+    compute the rest exactly, so their copies replace lossy cached ones (`PrefixCache.commit`)."""
     d = None
     events = []
 
@@ -389,12 +403,13 @@ def test_random_workloads_keep_invariants(hash_fn, ops):
         if isinstance(ev, BlockRemoved):
             d.evicted_log.extend(ev.block_hashes)
 
-    cache = PrefixCache(10, BS, event_sink=sink, hash_fn=hash_fn)
-    d = Driver(cache)
+    ranks = [0] * 10 if ranked else None
+    cache = PrefixCache(10, BS, event_sink=sink, hash_fn=hash_fn, row_rank=ranks.__getitem__ if ranked else None)
+    d = Driver(cache, ranks)
     for op, pieces, pick, extra in ops:
         if op == "start":
             tokens = [t for p in pieces for t in PIECES[p]] + list(range(100, 100 + extra))
-            d.start(tokens)
+            d.start(tokens, rank=pick % 3, exact=ranked and extra % 2 == 0)
         elif op == "commit" and d.live:
             r = d.live[pick % len(d.live)]
             d.commit(r, (pick % 5) + 1)
@@ -424,3 +439,124 @@ def test_random_workloads_keep_invariants(hash_fn, ops):
         else:
             replay.clear()
     assert replay == {h for h, _ in cache.index.items()}
+
+
+def make_ranked(num_blocks=16):
+    """A cache whose blocks have loss ranks (``ranks[block_id]``, 0 exact), as a worker's
+    device pool has with lossy tiers."""
+    events, ranks = [], [0] * num_blocks
+    cache = PrefixCache(num_blocks, BS, event_sink=events.append, row_rank=ranks.__getitem__)
+    return cache, events, ranks
+
+
+def test_an_exact_copy_replaces_a_lossy_one():
+    """Blocks cached as lossy copies (loaded from a lossy tier) are replaced by a later
+    sequence's exact copies of the same blocks: the hashes stay cached, now by the exact
+    blocks; the lossy blocks become empty; children of a replaced block not held by anyone stay
+    cached below the new one; equal or lossier copies never replace."""
+    cache, events, ranks = make_ranked()
+    p = toks(1, 64)
+    bh = cache.hash_blocks(p, ROOT)
+    lossy = cache.allocate(4)
+    for b in lossy:
+        ranks[b] = 2
+    assert cache.commit(bh, lossy, 0, 4) == 4
+    cache.unlock(lossy)
+    # a sibling branch below block 1, not held: stays cached below the new block 1
+    q = p[:32] + toks(2, 16)
+    bq = cache.hash_blocks(q, ROOT)
+    hit = cache.match(bq).block_ids
+    cache.lock(hit)
+    [side] = cache.allocate(1)
+    ranks[side] = 2
+    assert cache.commit(bq, hit + [side], 2, 3) == 1
+    cache.unlock(hit + [side])
+    cache.check_integrity()
+    # as lossy as the cached copies: nothing changes
+    same = cache.allocate(4)
+    for b in same:
+        ranks[b] = 2
+    n = len(events)
+    assert cache.commit(bh, same, 0, 4) == 0 and len(events) == n
+    cache.unlock(same)
+    # exact: takes their place
+    exact = cache.allocate(4)
+    assert cache.commit(bh, exact, 0, 4) == 4
+    assert len(events) == n  # the hashes stayed cached: nothing to report
+    assert cache.match(bh).block_ids == exact and cache.num_replaced == 4
+    assert all(cache.pool.get_hash(b) is None for b in lossy)
+    assert cache.match(bq).block_ids == exact[:2] + [side]
+    cache.check_integrity()
+    cache.unlock(exact)
+    cache.check_integrity()
+    # lossier copies never replace exact ones; the replaced blocks, empty now, are handed
+    # out first
+    worse = cache.allocate(4)
+    assert worse == lossy[::-1]
+    for b in worse:
+        ranks[b] = 1
+    assert cache.commit(bh, worse, 0, 4) == 0
+    cache.unlock(worse)
+    assert cache.match(bh).block_ids == exact
+    cache.check_integrity()
+    assert cache.num_orphan_evictions == 0
+
+
+def test_replacing_a_lossy_copy_in_use_keeps_its_holder_safe():
+    """A request still runs on lossy copies when an exact sequence replaces them: its blocks
+    keep their KV and their references (nothing is freed under it); its cached blocks below
+    the replaced one are uncached (reported in one BlockRemoved) instead of staying below a
+    block it does not hold; its later commits cache nothing; and once both let go the pool
+    and index are consistent, with no orphan evictions."""
+    cache, events, ranks = make_ranked()
+    p = toks(1, 64)
+    bh = cache.hash_blocks(p, ROOT)
+    held = cache.allocate(4)  # the running request, on lossy copies
+    for b in held:
+        ranks[b] = 2
+    assert cache.commit(bh, held, 0, 3) == 3
+    exact = cache.allocate(4)
+    n = len(events)
+    assert cache.commit(bh, exact, 0, 4) == 4
+    assert events[n:] == [BlockRemoved(bh.hashes[1:3], "device"),
+                          BlockStored(bh.hashes[1:4], bh.hashes[0], p[16:64], BS, "device")]
+    assert cache.match(bh).block_ids == exact
+    assert all(cache.pool.ref_cnt(b) == 1 and cache.pool.get_hash(b) is None for b in held)
+    cache.check_integrity()
+    assert cache.commit(bh, held, 3, 4) == 0  # its chain is no longer cached
+    cache.unlock(exact)
+    cache.check_integrity()
+    cache.allocate(cache.pool.num_free_blocks)  # pressure: evicts whatever is not held
+    cache.check_integrity()
+    assert all(cache.pool.ref_cnt(b) == 1 for b in held)
+    cache.unlock(held)
+    cache.check_integrity()
+    assert cache.num_orphan_evictions == 0
+
+
+def test_replacement_checks_the_chain():
+    """A copy replaces only the node of its own chain: not one cached under another parent,
+    nor one whose token bytes differ (a hash collision)."""
+    cache, events, ranks = make_ranked()
+    p = toks(1, 32)
+    bh = cache.hash_blocks(p, ROOT)
+    lossy = cache.allocate(2)
+    for b in lossy:
+        ranks[b] = 2
+    cache.commit(bh, lossy, 0, 2)
+    cache.unlock(lossy)
+    node = cache.index.node(bh.hashes[0])
+    exact = cache.allocate(2)
+    assert not cache._better_copy(node, cache.index.node(bh.hashes[1]), exact[0], bh, 0)  # wrong parent
+    other = cache.hash_blocks(toks(5, 32), ROOT)
+
+    class Forged:  # block 0's hash with other tokens
+        hashes = [bh.hashes[0]]
+        block_size = BS
+        token_bytes = other.token_bytes
+        block_tokens = other.block_tokens
+    assert cache.commit(Forged, exact, 0, 1) == 0
+    assert cache.match(bh).block_ids == lossy
+    assert cache.commit(bh, exact, 0, 2) == 2 and cache.match(bh).block_ids == exact
+    cache.unlock(exact)
+    cache.check_integrity()

@@ -188,7 +188,9 @@ class Engine:
             tiers = dataclasses.replace(tiers, producer=model_identity.producer_tag(self.kv_producer))
         self.tiers = TierStore(self.kv_cache, tiers, event_sink) if tiers is not None and tiers.enabled else None
         offload = self.tiers.offload if self.tiers is not None and self.tiers.can_offload else None
-        self.cache = PrefixCache(num_blocks, block_size, event_sink=event_sink, on_offload=offload)
+        # a block cached in a lossy copy is replaced by an exact (or less lossy) one computed later
+        self.cache = PrefixCache(num_blocks, block_size, event_sink=event_sink, on_offload=offload,
+                                 row_rank=self.tiers.row_loss.__getitem__ if self.tiers is not None else None)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens, max_num_seqs, tiers=self.tiers,
                                    long_prefill_token_threshold=long_prefill_token_threshold,
                                    max_num_partial_prefills=max_num_partial_prefills,

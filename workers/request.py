@@ -111,9 +111,13 @@ class Request:
     #: the loss rank (`kv_codec.loss_rank`) of the KV this request's new rows are computed on:
     #: the lossiest of its cached prefix rows, so KV computed over lossy context is marked so
     context_loss: int = 0
-    #: the loss rank of the KV its first schedule used: a preempted request is scheduled again
-    #: on KV at most that lossy (so `num_lossy_cached` stays true of its output)
+    #: the loss rank of the KV its first schedule used (the context it computed its new rows
+    #: over): a preempted request is scheduled again on KV at most that lossy
     allowed_loss: int = 0
+    #: the loss rank of each block its first schedule reused: scheduled again, it reuses each
+    #: block only as lossy as it was then (exact where it was exact), so `num_lossy_cached`
+    #: stays true of its output
+    cached_loss: bytes = b""
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None
     first_scheduled: float | None = None

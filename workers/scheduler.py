@@ -131,9 +131,19 @@ class DeadlinePressure:
             self._level = max(0.0, self._level + self._down)
 
 
-def _first_lossier(ranks: Sequence[int], allowed: int) -> int:
-    """Index of the first loss rank above ``allowed`` (``len(ranks)`` if none)."""
-    return next((i for i, r in enumerate(ranks) if r > allowed), len(ranks))
+def _first_lossier(ranks: Sequence[int], req: Request, offset: int = 0) -> int:
+    """Index of the first of ``ranks`` (the loss ranks of ``req``'s blocks ``offset``,
+    ``offset + 1``, ...) lossier than ``req``'s first schedule had at that block, ``len(ranks)``
+    if none: blocks it reused then are held to the rank each had (`Request.cached_loss`),
+    blocks it computed then to the rank of the context it computed them over
+    (`Request.allowed_loss`)."""
+    caps, beyond = req.cached_loss, req.allowed_loss
+    n = len(caps)
+    for i, r in enumerate(ranks):
+        j = offset + i
+        if r > (caps[j] if j < n else beyond):
+            return i
+    return len(ranks)
 
 
 class Scheduler:
@@ -463,20 +473,25 @@ class Scheduler:
         if inflight and len(block_ids) < max_blocks and req.block_hashes[len(block_ids)] in inflight:
             return False
         self.cache.lock(block_ids)
+        if self.tiers is not None and req.num_cached >= 0:
+            # scheduled again after a preemption: never on KV lossier than the request's first
+            # schedule used, block by block (usage reported that one), so a request that
+            # started on exact KV stays equal to a cold run and one that reused some lossy
+            # blocks uses no more of them than it reported. Lossier device rows are loaded
+            # again where a lower tier holds a good enough copy (`_load_from_tiers` applies the
+            # same rule), else computed again; either copy then takes the lossier one's place in
+            # the device index (`PrefixCache.commit`)
+            row_loss = self.tiers.row_loss
+            cut = _first_lossier([row_loss[b] for b in block_ids], req)
+            if cut < len(block_ids):
+                self.cache.unlock(block_ids[cut:])
+                del block_ids[cut:]
         num_device = len(block_ids)
         media: list[str] = []
         if self.tiers is not None and num_device < max_blocks:
             media = self._load_from_tiers(req, block_ids, max_blocks)
         if self.tiers is not None:  # rows loaded from a lossy codec stay lossy on the device
             loss = [self.tiers.row_loss[b] for b in block_ids]
-            if req.num_cached >= 0:
-                # scheduled again after a preemption: never on KV lossier than the request's
-                # first schedule used (usage reported that one), so a request that started
-                # on exact KV stays equal to a cold run; lossier rows are computed again
-                cut = _first_lossier(loss, req.allowed_loss)
-                if cut < len(block_ids):
-                    self.cache.unlock(block_ids[cut:])
-                    del block_ids[cut:], loss[cut:]
             # the rows this request computes depend on that KV: they carry its loss rank on
             # (`_grow`), so a later hit on them is reported lossy and never exported as exact
             req.context_loss = max(loss, default=0)
@@ -491,6 +506,7 @@ class Scheduler:
                 by_tier[m] = by_tier.get(m, 0) + self.block_size
             req.cached_by_tier = by_tier
             if self.tiers is not None:
+                req.cached_loss = bytes(loss)
                 req.num_lossy_cached = sum(1 for r in loss if r) * self.block_size
         return True
 
@@ -509,8 +525,8 @@ class Scheduler:
             self.tiers.release(located[keep:])
             located = located[:keep]
         if located and req.num_cached >= 0:  # scheduled again: nothing lossier than its first schedule
-            cut = _first_lossier(self.tiers.loss_ranks(located), req.allowed_loss)
-            if cut < len(located):  # not loaded only to be dropped (`_lock_cached_prefix`)
+            cut = _first_lossier(self.tiers.loss_ranks(located), req, start)
+            if cut < len(located):  # (`_lock_cached_prefix`)
                 self.tiers.release(located[cut:])
                 located = located[:cut]
         if not located:
