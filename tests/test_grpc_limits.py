@@ -360,3 +360,112 @@ def test_reflection_streams_are_bounded_like_watch_streams():
             await host.server.stop(0)
 
     asyncio.run(scenario())
+
+
+class _CountingWorker(pb_grpc.WorkerServicer):
+    """Answers Tokenize (unary) and Generate (server streaming) and counts the calls served."""
+
+    def __init__(self) -> None:
+        self.served = 0
+
+    async def Tokenize(self, request, context):
+        self.served += 1
+        return pb.TokenizeResponse(ids=[len(request.text)])
+
+    async def Generate(self, request, context):
+        self.served += 1
+        yield pb.GenerateResponse(request_id=request.request_id, token_ids=[1])
+        yield pb.GenerateResponse(request_id=request.request_id, finished=True)
+
+
+def test_unary_request_methods_take_exactly_one_message():
+    """Unary-request methods are served as stream-request ones (to read the message under a
+    deadline). A call that sends a second message is refused INVALID_ARGUMENT and not served
+    on its first, on unary and server-streaming methods of the data and control planes; a
+    call that sends its message and never ends its request stream is bounded by the same
+    deadline; normal calls answer as before, and every slot comes back."""
+    import asyncio
+
+    from grpc import aio
+
+    from kvmesh.workers.grpc_host import GrpcHost
+
+    timeout_s = 1.0
+    tok = pb.TokenizeRequest(text="abc").SerializeToString()
+    gen = pb.GenerateRequest(request_id="r", token_ids=pb.TokenIds(ids=[1, 2])).SerializeToString()
+    check = health_pb2.HealthCheckRequest().SerializeToString()
+    calls = {  # method: (request, response streaming)
+        "/kvmesh.v1.Worker/Tokenize": (tok, False),
+        "/kvmesh.v1.Worker/Generate": (gen, True),
+        "/grpc.health.v1.Health/Check": (check, False),
+        "/grpc.health.v1.Health/Watch": (check, True),
+    }
+
+    async def scenario():
+        worker = _CountingWorker()
+        host = GrpcHost("127.0.0.1", 0, [(pb_grpc.add_WorkerServicer_to_server, worker, "kvmesh.v1.Worker")],
+                        message_timeout_s=timeout_s)
+        port = await host.start()
+        release = asyncio.Event()
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                async def status(method: str, messages) -> tuple:
+                    raw, streaming = calls[method]
+                    make = ch.stream_stream if streaming else ch.stream_unary
+                    call = make(method, request_serializer=lambda x: x, response_deserializer=lambda b: b)
+                    try:
+                        if streaming:
+                            got = [m async for m in call(messages(raw), timeout=30)]
+                            return grpc.StatusCode.OK, got
+                        return grpc.StatusCode.OK, await call(messages(raw), timeout=30)
+                    except aio.AioRpcError as exc:
+                        return exc.code(), exc.details()
+
+                async def two(raw):
+                    yield raw
+                    yield raw
+
+                async def two_apart(raw):  # the second message comes a little later
+                    yield raw
+                    await asyncio.sleep(0.1)
+                    yield raw
+
+                async def open_after_one(raw):  # never half-closes
+                    yield raw
+                    await release.wait()
+
+                for method in calls:
+                    for messages in (two, two_apart):
+                        code, details = await status(method, messages)
+                        assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, code, details)
+                        assert "takes exactly one request message" in details, details
+                    started = time.monotonic()
+                    code, details = await status(method, open_after_one)
+                    assert code == grpc.StatusCode.DEADLINE_EXCEEDED, (method, code, details)
+                    assert "did not end its request stream within 1 s" in details, details
+                    assert time.monotonic() - started < timeout_s + 5
+                assert worker.served == 0  # no call was served on its first message
+                # normal clients: unary and server streaming, on both planes
+                stub = pb_grpc.WorkerStub(ch)
+                assert list((await stub.Tokenize(pb.TokenizeRequest(text="abcd"), timeout=10)).ids) == [4]
+                out = [m async for m in stub.Generate(pb.GenerateRequest(request_id="x"), timeout=10)]
+                assert [m.finished for m in out] == [False, True]
+                health = health_pb2_grpc.HealthStub(ch)
+                assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+                watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=10)
+                assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+                watch.cancel()
+                assert worker.served == 2
+                a = host.admission
+                deadline = time.monotonic() + 30  # slots come back when their calls end
+                while (a.control.total or a.watches.total or a.data_pending.total or a.cap.active) and \
+                        time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert (a.control.total, a.watches.total, a.data_pending.total, a.cap.active) == (0, 0, 0, 0)
+                assert a.timed_out == len(calls)
+        finally:
+            release.set()
+            await host.server.stop(0)
+
+    asyncio.run(scenario())

@@ -20,6 +20,9 @@ among them long-lived streams (health Watch, reflection), are bounded per client
 their whole life, so one host cannot take the slots kept for the control plane. Every slot
 is given back when the call ends, not when its handler returns. To read the message under a deadline, every unary-request method is
 served as a stream-request one: the wire format is the same, and clients see no difference.
+Such a call still takes exactly one request message, as a unary RPC does: one that sends a
+second is answered INVALID_ARGUMENT, not served on its first, and the end of its request
+stream must come within the same deadline as the message.
 """
 from __future__ import annotations
 
@@ -293,7 +296,11 @@ _PROMPT_MESSAGE_S = 0.05
 async def _read_message(admission: CallAdmission, method: str, context, limit: HostLimit | None = None,
                         host: str = "", grace_s: float = 0.0) -> bytes:
     """The call's one request message (raw bytes); aborts the call when it does not arrive
-    within ``admission.message_timeout_s`` or the call ends without one. With ``limit``,
+    within ``admission.message_timeout_s`` or the call ends without one
+    (INVALID_ARGUMENT). The request stream must end after it within the same time: a second
+    message is refused INVALID_ARGUMENT (the method takes exactly one), a stream left open
+    DEADLINE_EXCEEDED. A client's unary call sends its half-close with the message, so that
+    check waits for nothing. With ``limit``,
     a call whose message has not come within ``grace_s`` seconds holds one of its slots for
     ``host`` while the message is awaited, and is refused RESOURCE_EXHAUSTED when none is
     free.
@@ -323,20 +330,34 @@ async def _read_message(admission: CallAdmission, method: str, context, limit: H
     if limit is not None:
         handle = asyncio.get_running_loop().call_later(grace_s, slow)
     refusal = None
+    raw = None
     try:
         async with asyncio.timeout(admission.message_timeout_s):
             raw = await context.read()
+            # then the end of the request stream: a client's unary call sends its half-close
+            # with the message, so this read returns at once for it
+            after = grpc.aio.EOF if raw is grpc.aio.EOF else await context.read()
         if raw is grpc.aio.EOF:
             refusal = (grpc.StatusCode.INVALID_ARGUMENT, f"the {method} call ended without a request message")
+        elif after is not grpc.aio.EOF:
+            _limiter.warn("%s call from %s sent more than one request message", method, context.peer())
+            refusal = (grpc.StatusCode.INVALID_ARGUMENT,
+                       f"the {method} method takes exactly one request message; the call sent more than one")
         else:
             return raw
     except TimeoutError:
         admission.timed_out += 1
-        _limiter.warn("%s call from %s sent no request message within %g s", method, context.peer(),
-                      admission.message_timeout_s)
-        refusal = (grpc.StatusCode.DEADLINE_EXCEEDED,
-                   f"the {method} request message did not arrive within {admission.message_timeout_s:g} s "
-                   "of the call's start; send it with the call")
+        t = admission.message_timeout_s
+        if raw is None:
+            _limiter.warn("%s call from %s sent no request message within %g s", method, context.peer(), t)
+            refusal = (grpc.StatusCode.DEADLINE_EXCEEDED,
+                       f"the {method} request message did not arrive within {t:g} s of the call's start; "
+                       "send it with the call")
+        else:
+            _limiter.warn("%s call from %s did not end its request stream within %g s", method, context.peer(), t)
+            refusal = (grpc.StatusCode.DEADLINE_EXCEEDED,
+                       f"the {method} call did not end its request stream within {t:g} s of the call's start; "
+                       "a unary method takes exactly one request message, sent with the half-close")
     except asyncio.CancelledError:
         if not state["refused"]:
             raise  # the call itself was cancelled
