@@ -113,10 +113,27 @@ DEFAULT_CONTEXT_TOKENS = 4096
 UNSUPPORTED = ("stop", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "presence_penalty",
                "frequency_penalty", "tools", "tool_choice", "functions", "function_call", "response_format",
                "stop_token_ids", "min_tokens")
-#: Neutral values of the unsupported fields that clients send by default.
-_NEUTRAL = (None, False, 0, 0.0, [], {}, "none", "auto")
-#: Per field, further values that ask for what kvmesh does anyway (OpenAI's defaults).
-_NEUTRAL_FOR = {"best_of": (1,), "response_format": ({"type": "text"},)}
+#: Per unsupported field, the values that ask for what kvmesh does anyway (OpenAI's defaults,
+#: which clients send unasked); null is neutral for every field. Anything else is refused. A
+#: value matches only with the same JSON type: ``false`` is not ``0``, ``true`` is not ``1``.
+#: ``logprobs`` is a count on the legacy completions route, where 0 still asks for the sampled
+#: token's logprob (so only null is neutral there), and a boolean on chat.
+_NEUTRAL_FOR = {
+    "stop": ([],), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+    "suffix": ("",), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,), "tools": ([],),
+    "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},), "stop_token_ids": ([],), "min_tokens": (0,),
+    "modalities": (["text"],), "web_search_options": ({},), "reasoning_effort": ("none",),
+}
+
+
+def _neutral(name: str, value, route: str) -> bool:
+    """Whether ``value`` of the unsupported field ``name`` asks for nothing kvmesh does not do."""
+    if value is None:
+        return True
+    if name == "logprobs" and route == "completions":
+        return False
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in _NEUTRAL_FOR.get(name, ()))
 #: Request fields each route honours (OpenAI's, then kvmesh's extensions).
 HONOURED = {
     "completions": ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "n", "stream",
@@ -504,15 +521,19 @@ class HttpError(Exception):
         self.headers = headers
 
     @classmethod
-    def from_abort(cls, exc: GrpcAbort) -> "HttpError":
+    def from_abort(cls, exc: GrpcAbort, max_tokens_field: str = "max_tokens") -> "HttpError":
+        """The HTTP error for a gRPC refusal; a refusal of ``max_tokens`` names
+        ``max_tokens_field``, the field the client sent (chat's ``max_completion_tokens``)."""
         status, type_ = HTTP_STATUS.get(exc.code, (500, "server_error"))
         # a rate limit's "retry-after" (seconds) becomes the Retry-After header (RFC 9110, 10.2.3)
         retry = next((v for k, v in exc.trailing_metadata if k == "retry-after" and str(v).isdigit()), None)
         details = exc.details or exc.code.name
         # the engine's one refusal about a request field that the front cannot check (it does
         # not know the context): name it, as every refusal made here does
-        param = "max_tokens" if exc.code == grpc.StatusCode.INVALID_ARGUMENT and \
-            details.startswith("max_tokens ") else None
+        param = None
+        if exc.code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("max_tokens "):
+            param = max_tokens_field
+            details = max_tokens_field + details[len("max_tokens"):]
         return cls(status, details, type_, param=param, code=exc.code.name.lower(),
                    headers={"Retry-After": str(retry)} if retry is not None else None)
 
@@ -810,18 +831,17 @@ class HttpFront:
                                  f"{request.path}; it accepts {', '.join(HONOURED[route])} (and ignores "
                                  f"{', '.join(IGNORED)})", param=clip(unknown[0], 60))
         for name in UNSUPPORTED_CHAT if route == "chat" else ():
-            if body.get(name) not in (*_NEUTRAL, ["text"]):
+            if not _neutral(name, body.get(name), route):
                 raise HttpError(400, f"{name} is not supported by kvmesh; remove it from the request", param=name)
         model = body.get("model")
         if model not in (None, "", self.model_id):
             raise HttpError(404, f"model {model!r} is not served here; this server serves {self.model_id!r} "
                                  f"(see GET /v1/models)", "not_found_error", param="model", code="model_not_found")
         for name in UNSUPPORTED:
-            value = body.get(name)
-            if value not in _NEUTRAL and (isinstance(value, bool) or value not in _NEUTRAL_FOR.get(name, ())):
+            if not _neutral(name, body.get(name), route):
                 raise HttpError(400, f"{name} is not supported by kvmesh; remove it from the request", param=name)
         n = body.get("n", 1)
-        if n not in (None, 1):
+        if n is not None and (isinstance(n, bool) or n != 1):
             raise HttpError(400, f"n must be 1 (got {n!r}): send separate requests for several completions",
                             param="n")
         return body
@@ -935,7 +955,11 @@ class HttpFront:
             # this front may not know (a router's workers can run shorter contexts)
             req.sampling.max_tokens_up_to_context = True
         req.token_ids.ids.extend(ids)
-        return await self._answer(request, body, req, chat=True)
+        try:
+            return await self._answer(request, body, req, chat=True)
+        except GrpcAbort as exc:  # refused before any answer: name the field this client sent
+            sent = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+            raise HttpError.from_abort(exc, sent) from None
 
     async def _answer(self, request: web.Request, body: dict, req: pb.GenerateRequest,
                       chat: bool) -> web.StreamResponse:

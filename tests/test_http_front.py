@@ -172,6 +172,16 @@ def _refused(path: str, body: dict | bytes, headers: dict | None = None, **kw) -
     ({"prompt": "a", "best_of": True}, "best_of"),
     ({"prompt": "a", "n": 2}, "n"),
     ({"prompt": "a", "logprobs": 2}, "logprobs"),
+    # values that are neutral for some fields are real values of others, or of the wrong type
+    ({"prompt": "a", "logprobs": 0}, "logprobs"),  # legacy completions: 0 still asks for the sampled token's
+    ({"prompt": "a", "stop": "none"}, "stop"),
+    ({"prompt": "a", "stop": "auto"}, "stop"),
+    ({"prompt": "a", "stop": 0}, "stop"),
+    ({"prompt": "a", "suffix": "auto"}, "suffix"),
+    ({"prompt": "a", "logit_bias": "none"}, "logit_bias"),
+    ({"prompt": "a", "presence_penalty": False}, "presence_penalty"),
+    ({"prompt": "a", "echo": 0}, "echo"),
+    ({"prompt": "a", "n": True}, "n"),
     ({"prompt": [1, -3]}, "prompt"),
     ({"prompt": "a", "stream": "yes"}, "stream"),
     ({"prompt": "a", "return_token_ids": "no"}, "return_token_ids"),  # truthy: it once meant yes
@@ -919,15 +929,27 @@ def test_a_worker_refusing_max_tokens_over_its_context_names_the_field():
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         yield _final()
 
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+
     async def run():
         front, url = await _serve(generate)
+        out = []
         try:
             async with aiohttp.ClientSession() as s:
-                r = await s.post(f"{url}/completions", json={"prompt": "abc", "max_tokens": 50})
-                return r.status, await r.json()
+                for path, body in (("completions", {"prompt": "abc", "max_tokens": 50}),
+                                   ("chat/completions", {**chat, "max_completion_tokens": 50}),
+                                   ("chat/completions", {**chat, "max_tokens": 50}),
+                                   ("chat/completions", {**chat, "max_completion_tokens": 50, "stream": True})):
+                    r = await s.post(f"{url}/{path}", json=body)
+                    out.append((r.status, await r.json()))
         finally:
             await front.stop()
+        return out
 
-    status, err = asyncio.run(run())
+    (status, err), *chats = asyncio.run(run())
     assert status == 400 and err["error"]["param"] == "max_tokens", err
     assert "at most 5 tokens" in err["error"]["message"]
+    # chat names the field its client sent, not the wire's name for it
+    for (status, err), field in zip(chats, ("max_completion_tokens", "max_tokens", "max_completion_tokens")):
+        assert status == 400 and err["error"]["param"] == field, err
+        assert err["error"]["message"].startswith(f"{field} is 50 "), err
