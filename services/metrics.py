@@ -173,12 +173,12 @@ class WorkerMetrics:
                                "(tokens).", registry=r)
         self.hits = Counter(_name("prefix_cache_hits"), "Prompt tokens served from the prefix cache, by the tier "
                             "the blocks came from (tokens).", ["tier"], registry=r)
-        self.prompt_tokens = Counter(_name("prompt_tokens"), "Prompt tokens of finished requests (tokens).",
-                                     registry=r)
+        self.prompt_tokens = Counter(_name("prompt_tokens"), "Prompt tokens of finished requests, and of "
+                                     "cancelled ones whose prefill ended (tokens).", registry=r)
         self.computed_prefill = Counter(_name("computed_prefill_tokens"), "Prompt tokens computed by prefill "
                                         "(not cached) of finished requests (tokens).", registry=r)
-        self.generation_tokens = Counter(_name("generation_tokens"), "Generated tokens of finished requests "
-                                         "(tokens).", registry=r)
+        self.generation_tokens = Counter(_name("generation_tokens"), "Generated tokens of finished and "
+                                         "cancelled requests (tokens).", registry=r)
         self.requests = Counter(_name("request_success"), "Finished requests by finish reason.",
                                 ["finished_reason"], registry=r)
         self.ttft = Histogram(_name("time_to_first_token_seconds"), "Time to first token, arrival at the worker "
@@ -235,6 +235,19 @@ class WorkerMetrics:
             self.queue_time.observe(max(0.0, timing.get("queue_ms", 0.0)) / 1000.0)
         for a, b in zip(token_times, token_times[1:]):
             self.itl.observe(max(0.0, b - a))
+
+    def observe_cancelled(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """Count one request its client cancelled (or whose deadline passed) before it finished.
+
+        Its work counts as vLLM counts it, per step: ``completion_tokens`` (the tokens streamed
+        to it) into ``generation_tokens_total`` and, once its prefill ended (it produced a
+        token), ``prompt_tokens`` into ``prompt_tokens_total``. Cache queries and hits count
+        finished requests only, whose usage says what was reused.
+        """
+        self.requests.labels(finished_reason="abort").inc()
+        if completion_tokens > 0:
+            self.prompt_tokens.inc(max(0, int(prompt_tokens)))
+            self.generation_tokens.inc(int(completion_tokens))
 
     def observe_fetch(self, result) -> None:
         """Count one peer-fetch hint's outcome (a `workers.peer_fetch.FetchResult`)."""

@@ -47,6 +47,19 @@ def test_counters_follow_finished_requests(engine):
     assert s[("kvmesh:time_to_first_token_seconds_sum", ())] == pytest.approx(0.02)
 
 
+def test_cancelled_requests_count_the_tokens_they_used(engine):
+    """A cancelled request's streamed tokens (and, once its prefill ended, its prompt) count,
+    as vLLM counts tokens per step; cache queries and hits stay those of finished requests."""
+    m = WorkerMetrics(engine, "w0")
+    m.observe_cancelled(100, 5)  # cancelled while decoding
+    m.observe_cancelled(80, 0)   # cancelled before its first token: its prefill did not end
+    s = samples(m.registry)
+    assert s[("kvmesh:generation_tokens_total", ())] == 5
+    assert s[("kvmesh:prompt_tokens_total", ())] == 100
+    assert s[("kvmesh:prefix_cache_queries_total", ())] == 0
+    assert s[("kvmesh:request_success_total", (("finished_reason", "abort"),))] == 2
+
+
 def test_engine_gauges_match_the_engine(engine):
     m = WorkerMetrics(engine, "w0")
     engine.generate(list(range(1, 50)), timeout=60)

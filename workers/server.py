@@ -198,6 +198,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         finished = False
         detok = _IncrementalText(self.engine.tokenizer) if request.return_text else None
         token_times: list[float] = []
+        generated = 0  # tokens streamed so far: a cancelled request's work still counts
         try:
             while not finished:
                 out = await queue.get()
@@ -205,6 +206,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, self.drain.cut_message())
                 if out.new_token_ids:
                     token_times.append(time.monotonic())
+                    generated += len(out.new_token_ids)
                 if out.finished and self.metrics is not None:
                     reason = out.finish_reason
                     if out.error:
@@ -228,7 +230,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if not finished:  # client cancelled or deadline passed
                 self.engine.abort(engine_rid)
                 if self.metrics is not None:
-                    self.metrics.observe_finished(None, None, "abort")
+                    self.metrics.observe_cancelled(len(prompt_ids), generated)
 
     async def _refuse_foreign_model(self, model_id: str, context) -> None:
         """FAILED_PRECONDITION for a request tokenized and hashed for another model.
