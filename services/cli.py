@@ -411,8 +411,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"error: {with_flag_names(exc)}", file=sys.stderr)
         return 2
     engine.snapshot_seq_fn = publisher.flush_now
+    from kvmesh.workers.model_identity import tokenizer_fingerprint
+
+    # tokenizer_id: what a router compares its own tokenizer with before it sends text's token
+    # ids here, without reading the weights that model_id covers
     info = {"model_id": engine.kv_model_id, "block_size": engine.block_size, "num_blocks": engine.num_blocks,
             "max_model_len": engine.max_model_len, "kv_producer": engine.kv_producer}
+    try:
+        info["tokenizer_id"] = tokenizer_fingerprint(args.model)
+    except OSError as exc:  # read a moment ago by the engine; without it routers compare model ids
+        wlog.warning("tokenizer files not hashed for the lease (%s): routers compare model ids instead", exc)
     stopper: dict = {"stop": None, "lost": False}
 
     def lost(holder: dict) -> None:  # another process took this id's lease: stop serving under it

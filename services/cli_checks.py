@@ -479,7 +479,8 @@ def model_problem(model: str | None, max_model_len: int | None = None) -> str | 
     """What is wrong with a ``--model`` folder (missing, no config.json, no weights, no usable
     tokenizer), or with a ``--max-model-len`` (tokens) above the model's context
     (``max_position_embeddings``), or None. ``model`` None is the built-in model. Reads
-    config.json and the tokenizer, not the weights (beyond their cached digest)."""
+    config.json and the tokenizer, and every weight file once to name the model
+    (`workers.model_identity.checkpoint_fingerprint`, whose digests are cached between starts)."""
     from kvmesh.workers.limits import resolve_max_model_len
 
     if model is None:

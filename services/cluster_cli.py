@@ -43,9 +43,9 @@ def cmd_router(args: argparse.Namespace) -> int:
     if args.port is None or not args.redis_url:
         args.router_parser.error("the router needs --port and --redis-url (or env KVMESH_REDIS_URL), "
                                  "or --backend vllm")
-    from kvmesh.services.cli_checks import model_problem, policy_problem, run_server, server_ports_problem
+    from kvmesh.services.cli_checks import policy_problem, run_server, server_ports_problem
     from kvmesh.services.observability import server_ports
-    from kvmesh.services.router import serve_router
+    from kvmesh.services.router import model_dir_problem, serve_router
     from kvmesh.services.security import server_gate
 
     try:  # first: a non-loopback bind without TLS is refused whatever else is wrong
@@ -54,7 +54,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    problem = (policy_problem(args.policy) or model_problem(args.model)
+    # the router reads --model's config and tokenizer, never its weights
+    problem = (policy_problem(args.policy) or model_dir_problem(args.model)
                or server_ports_problem(args.host, args))  # --port, --http-port, --metrics-port free
     if problem:
         print(f"error: {problem}", file=sys.stderr)

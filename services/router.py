@@ -21,7 +21,17 @@ worker decides from measured rates whether pulling the blocks beats recomputing 
 Model: a request's ``model_id``, when set, must name what the routed workers serve (their
 KV model id, or the checkpoint's id without the compute-dtype tag); any other gets
 NOT_FOUND from the router itself, with the served ids, as the HTTP front answers 404 for
-an unknown ``model``, and is never forwarded. Empty means whatever is served.
+an unknown ``model``, and is never forwarded. Empty means whatever is served. The namespace
+a request is hashed in always takes the workers' model id (weights included).
+
+Tokenizer: the router never runs the model, so at start it reads only config.json and the
+tokenizer files of ``--model`` (`model_identity.tokenizer_fingerprint`), never the weights.
+Text, and chat prompts its HTTP front renders, go only to workers whose lease names the
+same ``tokenizer_id``; otherwise FAILED_PRECONDITION says what to fix, and token-id prompts
+are still served (`services.membership`). Where a lease carries no tokenizer id (an older
+worker) the router compares model ids as it used to: it hashes its own checkpoint then, once,
+on a thread of its own (`_CheckpointId`), and text requests wait for that (token-id ones
+only when the workers serve several checkpoints).
 
 Access: the tenant of each request comes from the client's credentials (`Gate.tenant`,
 `kvmesh.services.auth`), goes into the namespace the router hashes in, and is forwarded to
@@ -34,8 +44,10 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import random
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,6 +59,7 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.services.auth import Gate
 from kvmesh.services.cluster_index import ClusterIndex, reported_tier_weights, weighted_blocks
+from kvmesh.services.http_front import GrpcAbort, HttpError
 from kvmesh.services.index_subscriber import IndexSubscriber
 from kvmesh.services.membership import Compatibility
 from kvmesh.services.shared_load import SharedLoad, matched_prefix
@@ -55,7 +68,8 @@ from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make
 from kvmesh.services.rate_limit import TenantRateLimit
 from kvmesh.workers.config import ModelConfig
 from kvmesh.workers.grpc_guard import LogLimiter, TenantCap, clip
-from kvmesh.workers.model_identity import base_model_id
+from kvmesh.workers.model_identity import (base_model_id, checkpoint_model_id, config_without_weights,
+                                           tokenizer_fingerprint)
 from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, DEFAULT_MAX_CONCURRENT_RPCS, ChannelPool, GrpcHost
 from kvmesh.workers import limits, wire
 from kvmesh.workers.request import InvalidRequest
@@ -79,6 +93,9 @@ class _Fleet:
     block_size: int
     model_id: str
     why: str                       # why none is usable ("" when some are)
+    text_reason: str               # why text may not go to them ("" when it may; `Selection`)
+    needs_model_id: bool           # the router's checkpoint id would change the choice (`Selection`)
+    checkpoints: int               # distinct checkpoints (model ids without compute tag) among the live
     max_context: int               # longest context any live worker serves (tokens)
     min_context: int | None        # shortest context a usable lease states; None: none states one
 
@@ -115,9 +132,24 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.policy = make_policy(policy_name)
         self.policy_name = policy_name
         self.model_dir = model_dir
-        self.config = _load_config(model_dir)
-        self.tokenizer = load_tokenizer(model_dir, self.config)
-        self.compat = Compatibility(self.config.model_id if model_dir is not None else None)
+        self.config = _load_config(model_dir)  # config.json only: model_id is the folder's name
+        self._tokenizer = load_tokenizer(model_dir, self.config)
+        #: what the HTTP front and Tokenize encode with: refuses while the workers' tokenizer differs
+        self.tokenizer = _FleetTokenizer(self._tokenizer, self)
+        try:
+            #: `model_identity.tokenizer_fingerprint` of ``model_dir``, compared with the workers' leases
+            self.tokenizer_id = tokenizer_fingerprint(model_dir)
+        except OSError as exc:
+            raise ValueError(f"--model {model_dir}: cannot read its tokenizer files ({exc})") from None
+        # the router's own checkpoint id (weights hashed), only once a lease needs it
+        self.checkpoint_id = _CheckpointId(model_dir, self._checkpoint_id_done) if model_dir is not None else None
+        self.compat = Compatibility(None if model_dir is not None else self.config.model_id, self.tokenizer_id,
+                                    own_model=model_dir is not None,
+                                    router_name=f"--model {model_dir}" if model_dir is not None else
+                                    "the built-in model (no --model)")
+        self.compat.model_id_pending = model_dir is not None
+        #: HTTP fronts whose served model name follows the workers' (`_fleet`, `_follow_fleet`)
+        self.http_fronts: list = []
         self.rng = random.Random(seed)
         self.max_attempts = max_attempts
         self.gate = gate or Gate()
@@ -143,6 +175,38 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def close(self) -> None:
         await self._channels.close()
 
+    def _select(self, live: dict[str, dict]):
+        """`Compatibility.select` of ``live``; starts hashing the router's checkpoint (on a
+        thread) when the selection needs its id."""
+        if self.checkpoint_id is not None:
+            self.compat.model_id_pending = self.checkpoint_id.pending()
+        sel = self.compat.select(live)
+        if sel.needs_model_id:
+            try:
+                self.checkpoint_id.start()
+            except RuntimeError:  # no event loop running: the next selection on one starts it
+                pass
+        return sel
+
+    def _checkpoint_id_done(self, value: str | None, problem: str) -> None:
+        """`_CheckpointId`'s result, on the event loop: select again with it."""
+        self.compat.router_model_id = value
+        self.compat.model_id_problem = problem
+        self.compat.model_id_pending = self.checkpoint_id.pending()
+        self._fleet_cache = None
+
+    async def _wait_checkpoint_id(self) -> None:
+        """Wait until the router's checkpoint id is computed or failed (it is computed once;
+        a caller that leaves does not stop it)."""
+        fut = self.checkpoint_id.start() if self.checkpoint_id is not None else None
+        if fut is not None:
+            await asyncio.shield(fut)
+
+    def text_refusal(self) -> str:
+        """Why text must not be tokenized for the workers routed to now ("" when it may)."""
+        fleet = self._fleet()
+        return fleet.text_reason if fleet.usable else ""
+
     def _fleet(self) -> _Fleet:
         """The live leases and what follows from them, recomputed only when the subscriber's
         `live_version` moves (every request when the subscriber has none)."""
@@ -151,12 +215,17 @@ class RouterServicer(pb_grpc.RouterServicer):
         if cached is not None and version is not None and cached.version == version:
             return cached
         live = self.subscriber.live_workers()
-        usable, block_size, model_id, why = self.compat.select(live)
-        usable = {w: info for w, info in usable.items() if info.get("address")}  # nothing to dial otherwise
+        sel = self._select(live)
+        usable = {w: info for w, info in sel.workers.items() if info.get("address")}  # nothing to dial otherwise
         stated = [int(info["max_model_len"]) for info in usable.values()
                   if isinstance(info.get("max_model_len"), int) and info["max_model_len"] > 0]
-        fleet = _Fleet(version, live, usable, list(usable), block_size, model_id, why,
+        checkpoints = len({base_model_id(str(info.get("model_id", ""))) for info in live.values()})
+        fleet = _Fleet(version, live, usable, list(usable), sel.block_size, sel.model_id, sel.reason,
+                       sel.text_reason, sel.needs_model_id, checkpoints,
                        context_limit(live, self.config.max_position_embeddings), min(stated) if stated else None)
+        if sel.model_id and self.model_dir is not None:
+            for front in self.http_fronts:  # the HTTP front serves the checkpoint the workers serve
+                front.model_id = base_model_id(sel.model_id)
         # gone, or now of another model or block size: a worker's share must not weigh on the
         # mean nor fill the least-routed places
         self.routed.keep_only(usable)
@@ -266,7 +335,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "text":
-            return self.tokenizer.encode(request.text)
+            return self._tokenizer.encode(request.text)
         return []
 
     # ----------------------------------------------------------------- RPCs
@@ -282,6 +351,11 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, tenant: str,
                         salt: str, caller: str):
         fleet = self._fleet()
+        # an older worker's lease, or checkpoints to choose from: the router's own checkpoint id
+        # decides whether text may go there, and (of several checkpoints) where anything goes
+        if fleet.needs_model_id and (request.WhichOneof("prompt") == "text" or fleet.checkpoints > 1):
+            await self._wait_checkpoint_id()
+            fleet = self._fleet()
         max_len = fleet.max_context
         # tokens the completion needs room for: the worker lowers an up-to-context max_tokens
         completion = 1 if request.sampling.max_tokens_up_to_context else \
@@ -324,11 +398,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"model_id {clip(request.model_id)!r} is not served here; the workers serve {' or '.join(map(repr, served))}: "
                 f"send one of these, or leave model_id empty for whatever is served")
-        if request.WhichOneof("prompt") == "text" and base_model_id(model_id) != self.config.model_id:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"the router tokenizes for model {self.config.model_id!r} but workers serve {model_id!r}: start the "
-                f"router with --model pointing at the workers' model directory, or send token_ids")
+        if request.WhichOneof("prompt") == "text" and fleet.text_reason:  # the workers' tokenizer is not ours
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, fleet.text_reason)
         if self.rate_limit is not None:  # last: a request refused for any other reason spends nothing
             refused = await self.rate_limit.check(caller, len(ids))
             if refused is not None:
@@ -426,7 +497,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 await self.gate.require_caller(context, "Status")
             return pb.RouterStatus(policy=self.policy_name, details_withheld=True)
         live = self.subscriber.live_workers()
-        usable = self.compat.select(live).workers
+        usable = self._select(live).workers
         out = pb.RouterStatus(policy=self.policy_name, indexed_blocks=self.index.num_blocks())
         for wid, info in sorted(live.items()):
             load = info.get("load") or {}
@@ -485,15 +556,162 @@ class WorkerFacade(pb_grpc.WorkerServicer):
             limits.check_text_size(request.text, max_len, "the workers' model")
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.TokenizeResponse(ids=self.router.tokenizer.encode(request.text))
+        try:
+            ids = self.router.tokenizer.encode(request.text)
+        except TokenizerMismatch as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.message)
+        return pb.TokenizeResponse(ids=ids)
 
 
 def _load_config(model_dir: str | None) -> ModelConfig:
+    """The router's model config: config.json only (its ``model_id`` is the folder's name, not
+    the workers' id), or the built-in model's."""
     if model_dir is None:
         return ModelConfig.tiny()
-    from kvmesh.workers.loader import read_config
+    return config_without_weights(model_dir)
 
-    return read_config(model_dir)
+
+def model_dir_problem(model_dir: str | None) -> str | None:
+    """What is wrong with a router's ``--model`` folder (missing, no usable config.json or
+    tokenizer, a tokenizer file that cannot be read), or None. Reads config.json and the
+    tokenizer files; never a weight file (the router needs none to start)."""
+    if model_dir is None:
+        return None
+    if not os.path.isdir(model_dir):
+        what = "a file, not a directory" if os.path.isfile(model_dir) else "no such directory"
+        return f"--model {model_dir}: {what} (the workers' Hugging Face folder: config.json and tokenizer files)"
+    try:
+        load_tokenizer(model_dir, config_without_weights(model_dir))
+        tokenizer_fingerprint(model_dir)
+    except ValueError as exc:
+        return f"--model: {exc}"
+    except OSError as exc:
+        return f"--model {model_dir}: cannot read its tokenizer files ({exc})"
+    return None
+
+
+class TokenizerMismatch(HttpError):
+    """Text refused before it is tokenized: the workers routed to use another tokenizer.
+    ``message`` says what to fix; the HTTP front answers it as it answers a refused Generate
+    (FAILED_PRECONDITION)."""
+
+    def __init__(self, why: str):
+        err = HttpError.from_abort(GrpcAbort(grpc.StatusCode.FAILED_PRECONDITION, why))
+        super().__init__(err.status, err.message, err.type, err.param, err.code, err.headers)
+
+
+class _FleetTokenizer:
+    """The router's tokenizer as its HTTP front and Tokenize see it: `encode` raises
+    `TokenizerMismatch` while the workers routed to use another tokenizer, since a chat prompt
+    reaches Generate as token ids, past its text check. Everything else is the tokenizer's."""
+
+    def __init__(self, tokenizer, router: "RouterServicer"):
+        self._tok = tokenizer
+        self._router = router
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        """The tokenizer's ids of ``text``.
+
+        Raises:
+            TokenizerMismatch: the workers routed to use another tokenizer.
+        """
+        why = self._router.text_refusal()
+        if why:
+            raise TokenizerMismatch(why)
+        return self._tok.encode(text, **kwargs)
+
+
+class _CheckpointId:
+    """The router's checkpoint id (`model_identity.checkpoint_model_id`: every weight file
+    hashed), computed only when a selection needs it, at most once at a time, on a daemon
+    thread (a shutdown does not wait for it), and kept. After a failure (logged) it is tried
+    again no sooner than ``RETRY_S`` seconds later.
+
+    Args:
+        model_dir: the router's ``--model``.
+        on_done: ``(id or None, problem)``, called on the event loop with each result.
+    """
+
+    #: Seconds after a failed attempt before the next may start.
+    RETRY_S = 60.0
+
+    def __init__(self, model_dir: str, on_done):
+        self.model_dir = model_dir
+        self.on_done = on_done
+        self.value: str | None = None
+        self.problem = ""
+        self._future: asyncio.Future | None = None
+        self._failed_at: float | None = None
+
+    def pending(self) -> bool:
+        """Whether the id is unknown and being computed, or may be computed now."""
+        if self.value is not None:
+            return False
+        return self._future is not None or self._failed_at is None or \
+            time.monotonic() - self._failed_at >= self.RETRY_S
+
+    def start(self) -> asyncio.Future | None:
+        """The running computation's future (its result: the id, or None on failure), started
+        now if none runs; None when the id is known or failed less than ``RETRY_S`` ago.
+        Call on the event loop."""
+        if self._future is not None or not self.pending():
+            return self._future
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._future = fut
+        began = time.monotonic()
+        log.info("hashing the weight files of %s for the model id older workers are compared by", self.model_dir)
+
+        def finish(value: str | None, problem: str) -> None:
+            self._future = None
+            if value is not None:
+                self.value, self.problem = value, ""
+                log.info("router's checkpoint id: %s (%.1f s)", value, time.monotonic() - began)
+            else:
+                self.problem, self._failed_at = problem, time.monotonic()
+                log.error("could not hash the router's checkpoint %s (%s): workers that publish no tokenizer id "
+                          "get no text prompts; retrying in %.0f s at the earliest", self.model_dir, problem,
+                          self.RETRY_S)
+            try:
+                self.on_done(self.value, self.problem)
+            finally:
+                if not fut.done():
+                    fut.set_result(self.value)
+
+        def work() -> None:
+            try:
+                result = (checkpoint_model_id(self.model_dir), "")
+            except Exception as exc:  # noqa: BLE001 - OSError mostly; any failure is reported, not raised
+                result = (None, str(exc) or type(exc).__name__)
+            try:
+                loop.call_soon_threadsafe(finish, *result)
+            except RuntimeError:  # the loop has closed: nobody waits any more
+                pass
+
+        threading.Thread(target=work, name="kvmesh-checkpoint-id", daemon=True).start()
+        return fut
+
+
+async def _follow_fleet(servicer: RouterServicer, period_s: float) -> None:
+    """Recompute the router's fleet every ``period_s`` seconds (only when the leases moved),
+    so that what follows it (the HTTP front's model name) does between requests too."""
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            servicer._fleet()
+        except Exception:  # noqa: BLE001 - a bug here must not end the loop nor the server
+            log.exception("recomputing the router's fleet failed")
+
+
+def http_fronts(extras) -> list:
+    """The HTTP fronts among a process's side servers (`observability.Extras`)."""
+    from kvmesh.services.http_front import HttpFront
+
+    return [fn.__self__ for fn in getattr(extras, "_stops", ())
+            if isinstance(getattr(fn, "__self__", None), HttpFront)]
 
 
 _ADDRESS = re.compile(r"(ipv4|ipv6|unix|dns):\S+|\b\d{1,3}(\.\d{1,3}){3}(:\d+)?|\[[0-9a-fA-F:]+\](:\d+)?")
@@ -611,13 +829,20 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
         ssl_context=gate.tls.server_ssl_context() if gate.tls is not None else None)
     await subscriber.start()
     startup_check = asyncio.get_running_loop().call_later(
-        2.0, lambda: servicer.compat.select(subscriber.live_workers()))  # logs mismatched workers at start
+        2.0, lambda: servicer._select(subscriber.live_workers()))  # logs mismatched workers at start
+    follower = None
+    if model_dir is not None:
+        servicer.http_fronts = http_fronts(extras)
+        if servicer.http_fronts:  # the front's model name follows the workers' between requests too
+            follower = asyncio.get_running_loop().create_task(_follow_fleet(servicer, subscriber.poll_interval_s))
     bound = await grpc_host.start()
     print(f"kvmesh router ({policy}) listening on {host}:{bound}", flush=True)
     if ready is not None:
         ready.set()
     await grpc_host.wait(stop)
     startup_check.cancel()
+    if follower is not None:
+        follower.cancel()
     await extras.stop()
     await grpc_host.stop()
     await subscriber.stop()

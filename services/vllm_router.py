@@ -197,10 +197,11 @@ class VllmRouter:
         self.chat_template = None
         if model_dir is not None:
             from kvmesh.services.chat_template import ChatTemplate
-            from kvmesh.workers.loader import read_config
+            from kvmesh.workers.model_identity import config_without_weights
             from kvmesh.workers.tokenizer import load_tokenizer
 
-            self.tokenizer = load_tokenizer(model_dir, read_config(model_dir))
+            # config.json and the tokenizer only: the weights would cost a read of the whole checkpoint
+            self.tokenizer = load_tokenizer(model_dir, config_without_weights(model_dir))
             self.chat_template = ChatTemplate.for_model(model_dir)
         self.servers: dict[str, _ServerState] = {}
         for s in servers:

@@ -96,9 +96,12 @@ def test_compatibility_routes_around_other_models_and_block_sizes(caplog):
     assert len(lines) == 2
     assert any("worker c" in m and "--block-size 32" in m and "--block-size 16" in m for m in lines)
     assert any("worker d" in m and "'other'" in m for m in lines)
-    # no worker of the router's model: a reason that says what to do
+    assert sel.text_reason == ""
+    # no worker of the router's model (nor tokenizer): token ids still go to the workers'
+    # model, text is refused with a reason that says what to do
     sel = Compatibility("m2").select({"a": lease()})
-    assert not sel.workers and "--model" in sel.reason
+    assert set(sel.workers) == {"a"} and sel.model_id == "m" and sel.reason == ""
+    assert "--model" in sel.text_reason and "token_ids" in sel.text_reason
 
 
 def test_router_without_model_follows_the_majority():

@@ -13,6 +13,13 @@ of that:
   xxh3-128 (never the whole file in memory; ~10 GB/s, so a 16 GB checkpoint costs a
   couple of seconds of a cold page cache's read time).
 
+A router never runs the model: what it must share with the workers is the tokenizer.
+`tokenizer_fingerprint` hashes only what decides the token ids of a text or chat prompt
+(``config.json``, the tokenizer files above and ``chat_template.jinja``), never a weight
+file; workers publish it in their lease (``tokenizer_id``) next to ``model_id``, so a
+router checks its tokenizer against theirs without reading the weights
+(`services.membership`). ``model_id``, weights included, stays what names the KV cache.
+
 Whole-file digests are cached in ``$KVMESH_CACHE_DIR`` (default ``~/.cache/kvmesh``)
 ``/weight-digests.json``, keyed by the file's real path, device, inode, size, mtime and
 ctime (ns), so a restart reads no weight file twice for its identity. ctime is in the key
@@ -40,6 +47,18 @@ IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "to
                   "special_tokens_map.json", "tokenizer.model")
 #: Version of this recipe; a change gives every checkpoint a new id.
 IDENTITY_VERSION = 2
+
+
+#: Files whose bytes decide the token ids of a text or chat prompt, hashed in this order by
+#: `tokenizer_fingerprint`: config.json (vocabulary size, BOS/EOS ids), the tokenizer files
+#: of `IDENTITY_FILES` (generation_config.json: extra EOS ids; tokenizer_config.json: the
+#: chat template, special tokens) and ``chat_template.jinja`` (the chat template when
+#: tokenizer_config.json has none). Everything but the weights.
+TOKENIZER_FILES = IDENTITY_FILES + ("chat_template.jinja",)
+#: Version of the `tokenizer_fingerprint` recipe; a change gives every tokenizer a new id.
+TOKENIZER_IDENTITY_VERSION = 1
+#: How every tokenizer id of this recipe starts (`tokenizer_fingerprint`).
+TOKENIZER_ID_PREFIX = f"tok-v{TOKENIZER_IDENTITY_VERSION}-"
 
 
 def _cache_path() -> str:
@@ -95,15 +114,14 @@ def file_digest(path: str, cache: dict | None = None) -> str:
     return digest
 
 
-def checkpoint_fingerprint(model_dir: str) -> str:
-    """Content hash of a checkpoint directory: 12 hex chars of SHA-256 over the identity
-    files and the whole-file digest of every ``*.safetensors`` file (module docstring).
+def _hash_files(h, model_dir: str, names: tuple[str, ...]) -> None:
+    """Feed each file of ``names`` in ``model_dir`` to ``h`` (name, length, bytes; a missing
+    one as missing).
 
     Raises:
-        OSError: config.json or a weight file cannot be read.
+        OSError: config.json is missing, or a file cannot be read.
     """
-    h = hashlib.sha256(f"kvmesh-model-identity-v{IDENTITY_VERSION}".encode())
-    for name in IDENTITY_FILES:
+    for name in names:
         path = os.path.join(model_dir, name)
         h.update(name.encode() + b"\0")
         if os.path.isfile(path):
@@ -115,6 +133,17 @@ def checkpoint_fingerprint(model_dir: str) -> str:
             raise OSError(f"{path}: config.json not found")
         else:
             h.update(b"<missing>")
+
+
+def checkpoint_fingerprint(model_dir: str) -> str:
+    """Content hash of a checkpoint directory: 12 hex chars of SHA-256 over the identity
+    files and the whole-file digest of every ``*.safetensors`` file (module docstring).
+
+    Raises:
+        OSError: config.json or a weight file cannot be read.
+    """
+    h = hashlib.sha256(f"kvmesh-model-identity-v{IDENTITY_VERSION}".encode())
+    _hash_files(h, model_dir, IDENTITY_FILES)
     cache = _load_cache()
     before = dict(cache)
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
@@ -124,6 +153,73 @@ def checkpoint_fingerprint(model_dir: str) -> str:
     if cache != before:
         _save_cache(cache)
     return h.hexdigest()[:12]
+
+
+def checkpoint_model_id(model_dir: str) -> str:
+    """The id a worker loading ``model_dir`` names its checkpoint with:
+    ``"<directory name>@<checkpoint_fingerprint>"`` (`workers.loader.read_config`'s
+    ``model_id``). Reads every weight file whose digest is not cached: seconds to minutes.
+
+    Raises:
+        OSError: config.json or a weight file cannot be read.
+    """
+    return f"{os.path.basename(os.path.normpath(model_dir))}@{checkpoint_fingerprint(model_dir)}"
+
+
+def tokenizer_fingerprint(model_dir: str | None) -> str:
+    """Identity of what turns a text or chat prompt into token ids for ``model_dir``.
+
+    ``TOKENIZER_ID_PREFIX`` + 16 hex chars of SHA-256 over `TOKENIZER_FILES` (each file's
+    name, length and bytes; a missing file hashed as missing, so a folder without
+    ``tokenizer.json``, served by the byte-level tokenizer, never matches one with it). No
+    weight file is read: a few small files, milliseconds. Two folders with equal ids give
+    every text the same token ids, stop ids and chat rendering. For ``model_dir`` None (the
+    built-in model and its byte-level tokenizer) the id names the built-in model instead.
+
+    Raises:
+        OSError: config.json is missing, or a tokenizer file cannot be read.
+    """
+    if model_dir is None:
+        from kvmesh.workers.config import ModelConfig
+
+        return f"{TOKENIZER_ID_PREFIX}builtin-{ModelConfig.tiny().model_id}"
+    h = hashlib.sha256(f"kvmesh-tokenizer-identity-v{TOKENIZER_IDENTITY_VERSION}".encode())
+    _hash_files(h, model_dir, TOKENIZER_FILES)
+    return TOKENIZER_ID_PREFIX + h.hexdigest()[:16]
+
+
+def comparable_tokenizer_id(value) -> bool:
+    """Whether ``value`` (a lease's ``tokenizer_id``) was made by this `tokenizer_fingerprint`
+    recipe, so that equal ids mean equal tokenizers and unequal ones different tokenizers.
+    False for a missing field (a worker older than the field) or another recipe version."""
+    return isinstance(value, str) and value.startswith(TOKENIZER_ID_PREFIX)
+
+
+def config_without_weights(model_dir: str, model_id: str | None = None):
+    """The `workers.config.ModelConfig` of a local HF directory from its config.json alone:
+    no weight file is opened (`workers.loader.read_config` also hashes every weight file for
+    the id). ``model_id`` defaults to the directory's name: not the id workers hash under.
+
+    Raises:
+        ValueError: config.json is missing, unreadable or unsupported (names the file).
+    """
+    from kvmesh.workers.config import ModelConfig
+
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: config.json not found in model directory {model_dir!r}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot parse config.json ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: config.json must hold a JSON object")
+    name = model_id if model_id is not None else os.path.basename(os.path.normpath(model_dir))
+    try:
+        return ModelConfig.from_hf_dict(data, model_id=name)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 #: Separator of the compute-dtype tag in a worker's KV model id (see `kv_model_id`).
