@@ -23,7 +23,8 @@ budgets it is over; one that loses a race at the second budget has spent the fir
 budget has its own counters (requests and tokens never share a key, whatever their
 numbers). A request is counted when it is admitted, before it is routed: one that then
 fails (no worker reachable) has spent its share, and a client's retry counts again. A prompt larger
-than the whole token budget can never fit and is refused as such. If Redis cannot be
+than the whole token budget can never fit: it is refused as such with INVALID_ARGUMENT (HTTP
+400), so that clients do not retry it as they retry a 429. If Redis cannot be
 reached the request is admitted (fail open, logged at a limited rate): an outage of the
 counters never becomes an outage of the service.
 """
@@ -146,9 +147,11 @@ class TenantRateLimit:
     def enabled(self) -> bool:
         return self.requests is not None or self.tokens is not None
 
-    async def check(self, tenant: str, prompt_tokens: int) -> tuple[str, float] | None:
+    async def check(self, tenant: str, prompt_tokens: int) -> tuple[str, float | None] | None:
         """Count one request of ``prompt_tokens`` tokens for ``tenant`` if it fits both
-        budgets; else ``(message, retry_after_seconds)`` and nothing is counted.
+        budgets; else ``(message, retry_after_seconds)`` and nothing is counted, with
+        ``retry_after_seconds`` None when the prompt is larger than the whole token budget
+        (no wait makes it fit).
 
         ``tenant`` is the one resolved from the caller's credentials ("" in open mode,
         where every caller shares one budget)."""
@@ -162,7 +165,7 @@ class TenantRateLimit:
                                  self.TIMEOUT_S)
             return None
 
-    async def _check(self, tenant: str, prompt_tokens: int) -> tuple[str, float] | None:
+    async def _check(self, tenant: str, prompt_tokens: int) -> tuple[str, float | None] | None:
         who = tenant or "-"
         budgets = [b for b in (_Budget(self.requests, 1, "requests", "--tenant-request-limit", self.requests_text),
                                _Budget(self.tokens, prompt_tokens, "tokens", "--tenant-token-limit", self.tokens_text))
@@ -172,7 +175,7 @@ class TenantRateLimit:
                 if b.cost > b.item.amount:
                     self.refused[b.name] += 1
                     return (f"a prompt of {b.cost:,} tokens is larger than this tenant's whole token budget "
-                            f"({b.flag} {b.text}): shorten it"), 0.0
+                            f"({b.flag} {b.text}): shorten it"), None
             # a look first (nothing counted): a request over any budget spends none, and is
             # told the longest wait, so that a client retrying when told is not refused again
             over = [b for b in budgets if not await self.limiter.test(b.item, b.name, who, cost=b.cost)]

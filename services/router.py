@@ -404,8 +404,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             refused = await self.rate_limit.check(caller, len(ids))
             if refused is not None:
                 message, wait = refused
-                if wait > 0:
-                    context.set_trailing_metadata((("retry-after", str(math.ceil(wait))),))
+                if wait is None:  # larger than the whole budget: no wait makes it fit (HTTP 400, not 429)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+                context.set_trailing_metadata((("retry-after", str(math.ceil(wait))),))
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         ns = Namespace(model_id=model_id, cache_salt=salt, adapter_id=request.adapter_id, tenant=tenant)
         hashes = list(hash_blocks(ids, block_size, ns.root_hash()).hashes)

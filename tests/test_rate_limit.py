@@ -83,7 +83,7 @@ def test_token_budget_counts_prompt_tokens_and_a_refusal_spends_nothing(redis_se
             message, _ = await r.check("", 1)  # over both budgets now: counted as refused by each
             assert "--tenant-request-limit" in message or "--tenant-token-limit" in message
             message, wait = await r.check("big", 101)  # can never fit
-            assert "larger than this tenant's whole token budget" in message and wait == 0.0
+            assert "larger than this tenant's whole token budget" in message and wait is None
             assert r.refused == {"requests": 1, "tokens": 3}
         finally:
             await r.close()
