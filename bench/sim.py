@@ -64,8 +64,18 @@ engine instead (``kvmesh sim --calibrate``).
 
 ``pooled`` is not a router: one cache holding all workers' capacity, served by as many
 prefill streams from one shared queue, the reference a router's hit rate is measured
-against. It is not a strict bound: LRU is not an optimal eviction order, and a router whose
-partitions shield some conversations from others' churn can occasionally beat it.
+against. Its streams share prefixes in flight, as the engine does: a request whose next
+uncached block is being computed by a running prefill waits, without taking a stream, until
+that prefill commits; it then hits those blocks and computes only the rest of its prompt
+(its TTFT includes the wait). Without this, requests with a common prefix that arrive
+together would each compute it on their own stream, where a router that queues them on one
+worker hits. A routed worker has one prefill stream in arrival order, so a request starts
+only after the previous prefill has committed and the rule never applies there (a worker
+with several streams applies it too). With ``unbounded``, pooled hits every block an earlier
+request has computed or is computing, the infinite-cache hit rate, and no router exceeds it.
+With a bounded capacity it is not a strict bound: LRU is not an optimal eviction order, and
+a router whose partitions shield some conversations from others' churn can occasionally
+beat it.
 
 Reported per policy: ``hit_rate_blocks``, ``hit_rate_tokens``, ``ttft_ms`` {p50, p99},
 ``imbalance`` (max over mean of per-worker request counts), ``prefill_tokens_saved``, and
@@ -376,11 +386,12 @@ class _Job:
     fetch_from: int = 0           # peer fetch: first and end cache block staged from the holder
     fetch_to: int = 0
     peer: int = 0                 # cache blocks of the hit that came from the peer
+    waiters: list = field(default_factory=list)  # requests waiting for the blocks its prefill computes
 
 
 class _Worker:
     __slots__ = ("worker_id", "cache", "queue", "free_streams", "stream_counts", "inflight", "queued_prefill",
-                 "seq", "capacity")
+                 "seq", "capacity", "computing")
 
     def __init__(self, worker_id: str, capacity: int, streams: int, block_size: int, index: ClusterIndex | None):
         self.worker_id = worker_id
@@ -391,6 +402,10 @@ class _Worker:
         self.inflight = 0
         self.queued_prefill = 0
         self.seq = 0
+        # In-flight prefix sharing, with more than one stream: the hash of each block a running
+        # prefill will commit -> (that request, the block's position in its prompt). With one
+        # stream a request starts only after the previous prefill has committed, so it is None.
+        self.computing: dict | None = {} if streams > 1 else None
         self.cache = PrefixCache(capacity, block_size, event_sink=self._sink(index) if index is not None else None)
 
     def _sink(self, index: ClusterIndex) -> Callable[[object], None]:
@@ -590,13 +605,21 @@ def simulate(reqs, policy: str | RoutingPolicy, num_workers: int, capacity_token
 
     def start(w: _Worker, now: float) -> None:
         nonlocal order
+        computing = w.computing
         while w.free_streams and w.queue:
             job = w.queue.popleft()
-            s = w.free_streams.popleft()
-            w.stream_counts[s] += 1
             spec = job.spec
             chain = spec.chain
             held = list(w.cache.index.match(spec.route_hashes[:spec.reuse_cap], chain.block_tokens).values)
+            if computing and len(held) < spec.reuse_cap:
+                # in-flight prefix sharing: the next block is being computed by a running
+                # prefill; wait for it (without a stream) instead of computing it again
+                owner = computing.get(spec.route_hashes[len(held)])
+                if owner is not None and owner[1] == len(held):
+                    owner[0].waiters.append(job)
+                    continue
+            s = w.free_streams.popleft()
+            w.stream_counts[s] += 1
             w.cache.lock(held)
             new = w.cache.allocate(spec.alloc_blocks - len(held))
             job.held = len(held)
@@ -606,6 +629,10 @@ def simulate(reqs, policy: str | RoutingPolicy, num_workers: int, capacity_token
             if job.allocated and job.fetch_from <= job.held < job.fetch_to:
                 job.peer = job.fetch_to - job.held
             _, cached = wl.hit_of(spec, job.held + job.peer)
+            if computing is not None and job.allocated:
+                hashes = spec.route_hashes
+                for i in range(job.held, spec.commit_blocks):
+                    computing[hashes[i]] = (job, i)
             heapq.heappush(events, (now + cost.prefill_s_per_token * (spec.num_tokens - cached), order,
                                     _PREFILL_DONE, (w, s, job)))
             order += 1
@@ -634,6 +661,14 @@ def simulate(reqs, policy: str | RoutingPolicy, num_workers: int, capacity_token
             spec = job.spec
             if job.allocated:
                 w.cache.commit(spec.chain, job.ids, job.held, spec.commit_blocks)
+                if w.computing is not None:
+                    computing, hashes = w.computing, spec.route_hashes
+                    for i in range(job.held, spec.commit_blocks):
+                        if computing.get(hashes[i], (None,))[0] is job:
+                            del computing[hashes[i]]
+            if job.waiters:  # back to the head of the queue, in their order: their blocks are cached now
+                w.queue.extendleft(reversed(job.waiters))
+                job.waiters = []
             ttfts.append((now - job.arrival) * 1000.0)
             w.queued_prefill = max(0, w.queued_prefill - job.est_prefill)
             w.free_streams.append(s)

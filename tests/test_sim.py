@@ -245,6 +245,40 @@ def test_pooled_shares_one_cache_between_its_streams():
     assert sum(r["worker_requests"]) == 3 and len(r["worker_requests"]) == 3
 
 
+def test_pooled_shares_a_prefix_that_another_stream_is_still_computing():
+    # A and B share an 8-block prefix and arrive together with C (unrelated) on 2 streams.
+    # B does not compute A's prefix a second time: it waits, without a stream, for A's
+    # prefill (8 x 512 ms), then computes its last block; C takes the free stream at once.
+    reqs = [req(range(1, 9)), req([*range(1, 9), 99]), req([50])]
+    r = simulate(reqs, POOLED, 2, num_blocks=20, cost=SLOW_COST)
+    assert (r["hit_blocks"], r["total_blocks"]) == (8, 18)
+    assert r["prefill_tokens_computed"] == (8 + 1 + 1) * 512
+    assert sorted(r["worker_requests"]) == [1, 2]
+    ttfts = sorted((512.0, 4096.0, 4096.0 + 512.0))  # C; A; B after A's prefill
+    assert r["ttft_ms"]["p50"] == pytest.approx(ttfts[1])
+    assert r["ttft_ms"]["p99"] == pytest.approx(ttfts[1] + (ttfts[2] - ttfts[1]) * 0.98)
+    # the same hits as one stream, where B simply queues behind A
+    one = simulate(reqs, "round_robin", 1, num_blocks=20, cost=SLOW_COST)
+    assert one["hit_blocks"] == r["hit_blocks"]
+
+
+@pytest.mark.parametrize("block_size", [None, 16])
+def test_unbounded_pooled_is_at_least_every_router(block_size):
+    # With nothing evicted, one shared cache with in-flight prefix sharing hits every block
+    # seen before: no placement of the requests can do better.
+    reqs = load_mooncake(DEFAULT_SAMPLE, max_requests=200)
+    wl = prepare(reqs, 16, block_size) if block_size else prepare(reqs)
+    if block_size is None:
+        hits, total = infinite_cache_hit_rate(reqs)
+    for workers in (2, 4):
+        res = run_policies(wl, sim.DEFAULT_POLICIES, num_workers=workers, unbounded=True)
+        pooled = res.pop(POOLED)["hit_rate_blocks"]
+        beaten = {name: r["hit_rate_blocks"] for name, r in res.items() if r["hit_rate_blocks"] > pooled}
+        assert not beaten, (workers, pooled, beaten)
+        if block_size is None:
+            assert pooled == hits / total
+
+
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_registered_policy_replays_a_trace(name):
     reqs = load_mooncake(DEFAULT_SAMPLE, max_requests=60)
