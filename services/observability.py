@@ -22,6 +22,8 @@ class Extras:
         self.metrics_port: int | None = None
         self.http_port: int | None = None
         self.registry = None
+        #: the OpenAI-compatible HTTP fronts started (`services.http_front.HttpFront`)
+        self.http_fronts: list = []
         self._stops: list[Callable[[], Awaitable[None] | None]] = []
 
     async def stop(self) -> None:
@@ -84,6 +86,7 @@ async def start_worker_extras(servicer, host: str, metrics_port: int | None, htt
                           max_model_len=servicer.engine.max_model_len, authenticate=authenticate,
                           check_key=_key_check(servicer))
         extras.http_port = await front.start(host, http_port, ssl_context)
+        extras.http_fronts.append(front)
         extras._stops.append(front.stop)
     return extras
 
@@ -132,6 +135,7 @@ async def start_router_extras(servicer, host: str, metrics_port: int | None, htt
                           authenticate=authenticate, max_model_len=servicer.config.max_position_embeddings,
                           check_key=_key_check(servicer))
         extras.http_port = await front.start(host, http_port, ssl_context)
+        extras.http_fronts.append(front)
         extras._stops.append(front.stop)
     return extras
 

@@ -708,11 +708,8 @@ async def _follow_fleet(servicer: RouterServicer, period_s: float) -> None:
 
 
 def http_fronts(extras) -> list:
-    """The HTTP fronts among a process's side servers (`observability.Extras`)."""
-    from kvmesh.services.http_front import HttpFront
-
-    return [fn.__self__ for fn in getattr(extras, "_stops", ())
-            if isinstance(getattr(fn, "__self__", None), HttpFront)]
+    """The HTTP fronts among a process's side servers (`observability.Extras.http_fronts`)."""
+    return list(getattr(extras, "http_fronts", ()))
 
 
 _ADDRESS = re.compile(r"(ipv4|ipv6|unix|dns):\S+|\b\d{1,3}(\.\d{1,3}){3}(:\d+)?|\[[0-9a-fA-F:]+\](:\d+)?")
