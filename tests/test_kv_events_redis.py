@@ -225,6 +225,40 @@ def test_beat_gives_the_event_stream_an_idle_ttl(shared_redis, cluster, rclient)
                     interval_s=0.1, stream_idle_ttl_s=2.0)
 
 
+def test_leases_beat_while_redis_is_full(cluster):
+    """A Redis over its maxmemory under noeviction (filled by KV records) refuses SET; the lease
+    beat is flagged allow-oom, so workers stay in the routers' view."""
+    server = RedisServer()
+    raw = redis.Redis.from_url(server.url)
+    lease = None
+    try:
+        pipe = raw.pipeline(transaction=False)
+        for i in range(4000):  # small values: no large query buffer that Redis frees later
+            pipe.set(f"filler:{i}", b"x" * 1000)
+        pipe.execute()
+        time.sleep(0.5)
+        raw.config_set("maxmemory-policy", "noeviction")
+        raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) - 2_000_000)  # well over it
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            raw.set("plain", "refused")  # what an unflagged lease write would get
+        lease = WorkerLease(server.url, "w6", "10.0.0.6:5000", {}, lambda: {}, cluster=cluster,
+                            ttl_s=2.0, interval_s=0.1)
+        deadline = time.monotonic() + 30
+        while raw.get(lease_key("w6", cluster)) is None:
+            assert time.monotonic() < deadline, "no lease written on a full Redis"
+            time.sleep(0.05)
+        first = json.loads(raw.get(lease_key("w6", cluster)))["ts"]
+        while json.loads(raw.get(lease_key("w6", cluster)) or b'{"ts": 0}')["ts"] == first:
+            assert time.monotonic() < deadline, "the lease was not renewed on a full Redis"
+            time.sleep(0.05)
+        assert raw.smembers(workers_key(cluster)) == {b"w6"}
+    finally:
+        if lease is not None:
+            lease.close()
+        raw.close()
+        server.stop()
+
+
 def test_prune_removes_only_ids_whose_lease_and_stream_are_gone(rclient, cluster):
     rclient.sadd(workers_key(cluster), "gone", "leased", "streamed")
     rclient.set(lease_key("leased", cluster), "{}", px=60_000)

@@ -366,6 +366,12 @@ redis.call('SADD', KEYS[2], ARGV[4])
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
 return false
 """
+#: Prefix that lets a script run while Redis is over its maxmemory under ``noeviction``
+#: (Redis >= 7.0 script flags; an older Redis refuses the line and the plain script is used).
+#: A lease is a few hundred bytes; without it a Redis filled by the remote tier would take
+#: every worker out of the routers' view, and the remote tier's collector would then see
+#: their namespaces as abandoned.
+_ALLOW_OOM = "#!lua flags=allow-oom\n"
 #: Remove worker ids whose lease and event stream are both gone from the workers set.
 #: KEYS: workers set; ARGV: lease key prefix, stream key prefix, then the ids. Returns
 #: the number removed. Checked and removed in one script, so a worker that beats in
@@ -431,7 +437,9 @@ class WorkerLease:
     with ``SET ... PX ttl_s*1000`` and adds the id to ``kvmesh:{cluster}:workers``.
     If the worker stops beating, readers see the key vanish after ``ttl_s``.
     Redis errors and ``load_fn`` errors are logged and retried on the next
-    beat (the last good load is reused).
+    beat (the last good load is reused). The beat runs even while Redis is over its
+    ``maxmemory`` under ``noeviction`` (an ``allow-oom`` script, Redis >= 7.0): a Redis
+    filled by KV records must not take every worker out of the routers' view.
 
     **Fencing.** ``instance`` is a random token of this process. A beat (one Lua script)
     does not overwrite a lease another instance wrote and that has not lapsed: two
@@ -490,7 +498,7 @@ class WorkerLease:
         #: the other process's lease once a beat found one (the heartbeat has stopped)
         self.lost_to: dict | None = None
         self._redis = _client(redis_url)
-        self._beat_script = self._redis.register_script(_BEAT)
+        self._beat_scripts = [self._redis.register_script(_ALLOW_OOM + _BEAT), self._redis.register_script(_BEAT)]
         self._release_script = self._redis.register_script(_RELEASE)
         self._load: dict = {}
         self._stop = threading.Event()
@@ -521,9 +529,18 @@ class WorkerLease:
             redis.RedisError: Redis could not be reached.
         """
         value = json.dumps(self.lease_value(), separators=(",", ":"))
-        holder = self._beat_script(keys=[self.key, self.set_key, self.stream_key],
-                                   args=[value, int(self.ttl_s * 1000), self.instance, self.worker_id,
-                                         int(self.stream_idle_ttl_s * 1000)])
+        keys = [self.key, self.set_key, self.stream_key]
+        args = [value, int(self.ttl_s * 1000), self.instance, self.worker_id, int(self.stream_idle_ttl_s * 1000)]
+        while True:
+            try:
+                holder = self._beat_scripts[0](keys=keys, args=args)
+                break
+            except redis.ResponseError as exc:
+                if isinstance(exc, redis.exceptions.OutOfMemoryError) or len(self._beat_scripts) == 1:
+                    raise
+                # a Redis before 7.0 knows no script flags: beat with the plain script from now on
+                log.debug("lease of %s: flagged script refused (%s); using the plain one", self.worker_id, exc)
+                self._beat_scripts = self._beat_scripts[1:]
         if not holder:
             return True
         try:
