@@ -105,7 +105,17 @@ def cluster_name(text: str) -> str:
     if not CLUSTER_NAME_RE.fullmatch(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a cluster name: use 1-64 letters, digits, '.', '_' or '-' "
                                          "(it becomes part of the cluster's Redis keys), e.g. kvmesh-v1")
+    if any(_NAMESPACE_PART.fullmatch(part) for part in text.split(".")[1:]):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a cluster name: a part after a '.' may not be 8 hexadecimal digits (or k and 8): "
+            "the remote tier names its namespaces CLUSTER.TAG and CLUSTER.kID that way, so this cluster's keys "
+            "would be taken for another cluster's (e.g. use kvmesh-20261207 rather than kvmesh.20261207)")
     return text
+
+
+#: A ``.``-separated part that the remote tier appends to a cluster's name: a KV producer tag
+#: or a record-key id (`cache_store.tier_store._connect_remote`).
+_NAMESPACE_PART = re.compile(r"k?[0-9a-fA-F]{8}")
 
 
 def port_in_use(host: str, port: int) -> str | None:

@@ -265,7 +265,20 @@ def test_cluster_name_is_checked_by_every_command(capsys, command, name):
     assert exit_.value.code == 2 and "--cluster" in err and "A-Za-z" not in err and "letters, digits" in err, err
 
 
-@pytest.mark.parametrize("name", ["default", "t", "kvmesh-v1", "c1234-56789012", "tenants", "a.b_c-D9", "x" * 64])
+@pytest.mark.parametrize("name", ["g1.20261207", "a.kdeadbeef", "prod.ABCDEF01.x"])
+def test_cluster_names_that_look_like_a_remote_namespace_are_refused(capsys, name):
+    """The remote tier keys cluster C's records under C.TAG and C.kID (8 hex digits each): a
+    cluster named like that would share key names with another's (and its collector's)."""
+    from kvmesh.services.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["worker", "--port", "0", "--cluster", name])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--cluster" in err and "8 hexadecimal digits" in err, err
+
+
+@pytest.mark.parametrize("name", ["default", "t", "kvmesh-v1", "c1234-56789012", "tenants", "a.b_c-D9", "x" * 64,
+                                  "kvmesh-20261207", "a.2026120", "a.202612070", "20261207.a"])
 def test_cluster_names_in_use_are_accepted(name):
     from kvmesh.services.cli import build_parser
 
