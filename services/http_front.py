@@ -20,9 +20,10 @@ extension object ``usage.kvmesh`` (``cached_tokens_by_tier``, ``computed_prefill
 ``worker_id``, ``timing`` in ms).
 
 Chat prompts are rendered with the model's chat template (`services.chat_template`) and
-tokenized here without adding special tokens again; completions send the prompt text (or
-token ids) as is, so a completion is token for token what the gRPC API returns for the
-same prompt.
+tokenized here without adding special tokens again, and Generate is told so
+(`_HttpContext.tokenized_from_text`: a router checks them as text); completions send the
+prompt text (or token ids) as is, so a completion is token for token what the gRPC API
+returns for the same prompt.
 
 Authentication: the request's ``Authorization`` header is handed to Generate as the
 ``authorization`` gRPC metadata (`_HttpContext.invocation_metadata`), so a Generate that
@@ -33,7 +34,8 @@ can check keys at the front: anything it raises answers 401 before Generate runs
 its tenant becomes the request's cache salt. Without it the body's optional
 ``cache_salt`` extension is passed on as the gRPC field would be.
 
-Request fields kvmesh honours: ``model`` (must name the served model when given),
+Request fields kvmesh honours: ``model`` (must name the served model when given: its id
+or one of the front's ``model_aliases``),
 ``prompt`` / ``messages``, ``max_tokens`` (``max_completion_tokens`` for chat; default 16
 for completions, the rest of the context for chat, as in vLLM), ``temperature`` (default 1),
 ``top_p``, ``seed``, ``stream``, ``stream_options.include_usage``, ``n`` (only 1), and the
@@ -82,10 +84,14 @@ from kvmesh.workers.limits import MAX_CACHE_SALT_CHARS
 
 log = logging.getLogger(__name__)
 
-#: gRPC status -> (HTTP status, OpenAI error type).
+#: gRPC status -> (HTTP status, OpenAI error type). FAILED_PRECONDITION is a 400: what
+#: reaches a front with it is a router's refusal of text (or a chat prompt) for workers of
+#: another tokenizer, which the client can work around by sending token ids; the fleet's own
+#: states (no usable worker) come as UNAVAILABLE, a 503.
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
@@ -545,12 +551,17 @@ class HttpError(Exception):
 
 
 class _HttpContext:
-    """The part of ``grpc.aio.ServicerContext`` that the Generate code paths use."""
+    """The part of ``grpc.aio.ServicerContext`` that the Generate code paths use.
 
-    def __init__(self, timeout_s: float, metadata: tuple = ()):
+    ``tokenized_from_text``: the request's token ids are this front's tokenization of text
+    (a chat prompt), not ids the client sent; a router checks them as text against the
+    tokenizer of the workers it routes to (`services.router`)."""
+
+    def __init__(self, timeout_s: float, metadata: tuple = (), tokenized_from_text: bool = False):
         self._deadline = time.monotonic() + timeout_s
         self._metadata = metadata
         self._trailing: tuple = ()
+        self.tokenized_from_text = tokenized_from_text
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise GrpcAbort(code, details, self._trailing)
@@ -670,7 +681,8 @@ class HttpFront:
         generate: ``async generator (GenerateRequest, context) -> GenerateResponse`` (the
             router's or worker's ``Generate``).
         tokenizer: the process's tokenizer (chat prompts are tokenized here).
-        model_id: the served model's id (``/v1/models``, the ``model`` field).
+        model_id: the served model's id (``/v1/models``, the ``model`` field); requests may
+            also name it by one of ``model_aliases`` (empty here; a router sets them).
         model_dir: where the chat template is read from (None: the built-in model).
         registry: Prometheus registry served at ``/metrics`` (None: 404 there).
         authenticate: ``Authorization`` header -> tenant; raising answers 401. None
@@ -698,6 +710,9 @@ class HttpFront:
         self.generate = generate
         self.tokenizer = tokenizer
         self.model_id = model_id
+        #: other names that ``model`` may give the served model (a router sets them: its
+        #: folder's name, the workers' id with or without compute tag)
+        self.model_aliases: frozenset[str] = frozenset()
         self.chat_template = ChatTemplate.for_model(model_dir)
         self.registry = registry
         self.authenticate = authenticate
@@ -764,7 +779,7 @@ class HttpFront:
         await self._tenant(request)
         await self._check_key(request)
         name = request.match_info["model"]
-        if name != self.model_id:
+        if name != self.model_id and name not in self.model_aliases:
             raise HttpError(404, f"model {name!r} is not served here; see GET /v1/models", "not_found_error",
                             param="model", code="model_not_found")
         return web.json_response({"id": self.model_id, "object": "model", "created": self.created,
@@ -834,7 +849,7 @@ class HttpFront:
             if not _neutral(name, body.get(name), route):
                 raise HttpError(400, f"{name} is not supported by kvmesh; remove it from the request", param=name)
         model = body.get("model")
-        if model not in (None, "", self.model_id):
+        if model not in (None, "", self.model_id) and model not in self.model_aliases:
             raise HttpError(404, f"model {model!r} is not served here; this server serves {self.model_id!r} "
                                  f"(see GET /v1/models)", "not_found_error", param="model", code="model_not_found")
         for name in UNSUPPORTED:
@@ -877,9 +892,11 @@ class HttpFront:
                 ignore_eos=ignore_eos),
             cache_salt=salt, return_text=True)
 
-    async def _run(self, req: pb.GenerateRequest, authorization: str | None) -> AsyncIterator[pb.GenerateResponse]:
+    async def _run(self, req: pb.GenerateRequest, authorization: str | None,
+                   from_text: bool = False) -> AsyncIterator[pb.GenerateResponse]:
         # the header travels as gRPC metadata too, so a check inside Generate sees the same key
-        ctx = _HttpContext(self.timeout_s, (("authorization", authorization),) if authorization else ())
+        ctx = _HttpContext(self.timeout_s, (("authorization", authorization),) if authorization else (),
+                           tokenized_from_text=from_text)
         agen = self.generate(req, ctx)
         try:
             async for msg in agen:
@@ -975,7 +992,7 @@ class HttpFront:
         created = int(time.time())
         if not stream:
             text, ids, final = [], [], None
-            async with contextlib.aclosing(self._run(req, request.headers.get("Authorization"))) as messages:
+            async with contextlib.aclosing(self._run(req, request.headers.get("Authorization"), chat)) as messages:
                 async for msg in messages:
                     if request.transport is None:
                         # the client left but the cancellation that says so was lost on the way
@@ -1004,7 +1021,7 @@ class HttpFront:
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         # aclosing: however the answer ends (a client gone before or after the headers, an
         # error event), the Generate call is closed now, not when a cycle collector gets to it
-        async with contextlib.aclosing(self._run(req, request.headers.get("Authorization"))) as gen:
+        async with contextlib.aclosing(self._run(req, request.headers.get("Authorization"), chat)) as gen:
             # the first message decides the status: an error before any token is a plain HTTP error
             try:
                 first = await gen.__anext__()

@@ -12,7 +12,9 @@ The router tokenizes text (and chat) prompts itself, so it sends text only to wo
 tokenizer is its own: equal ``tokenizer_id``. A lease without one (a worker older than the
 field, or of another recipe version) is compared by its ``model_id`` with the router's own
 checkpoint id, which the router then computes once by hashing every weight file
-(`Selection.needs_model_id`), as it used to at start. Token-id prompts need no tokenizer.
+(`Selection.needs_model_id`), as it used to at start; a router whose ``--model`` folder
+holds no weight files cannot, and sends such workers token ids only. Token-id prompts need
+no tokenizer.
 
 Which model: a router with ``--model`` routes to the workers that share its tokenizer, and
 among those, when they serve several checkpoints, to its own checkpoint's if its id is
@@ -95,6 +97,9 @@ class Compatibility:
         self.model_id_pending = False
         #: why ``router_model_id`` could not be computed ("" when it was not tried or worked)
         self.model_id_problem = ""
+        #: ``router_model_id`` could not be computed because the router's folder holds no
+        #: weight files (config and tokenizer only): nothing to compare older leases with
+        self.model_id_weightless = False
         self._logged: dict[str, str] = {}
         self._text_logged = ""
         self._in_use: str | None = None  # the tagged id chosen last time (see `select`)
@@ -207,6 +212,11 @@ class Compatibility:
             why = (f"the workers serving {model!r} do not publish their tokenizer id (an older kvmesh) and the "
                    f"router is still hashing its checkpoint to compare model ids: retry in a moment, or send "
                    f"token_ids")
+        elif self.model_id_weightless:
+            why = (f"the workers serving {model!r} do not publish their tokenizer id (an older kvmesh) and the "
+                   f"router's {self.router_name} folder has no weight files (*.safetensors) to compute the "
+                   f"checkpoint id they are compared by: upgrade those workers (they then publish their tokenizer "
+                   f"id), give the router the full checkpoint, or send token_ids")
         else:
             why = (f"the workers serving {model!r} do not publish their tokenizer id (an older kvmesh) and the "
                    f"router could not hash its checkpoint to compare model ids ({self.model_id_problem or 'no id'}): "

@@ -22,16 +22,27 @@ Model: a request's ``model_id``, when set, must name what the routed workers ser
 KV model id, or the checkpoint's id without the compute-dtype tag); any other gets
 NOT_FOUND from the router itself, with the served ids, as the HTTP front answers 404 for
 an unknown ``model``, and is never forwarded. Empty means whatever is served. The namespace
-a request is hashed in always takes the workers' model id (weights included).
+a request is hashed in always takes the workers' model id (weights included). The HTTP
+front lists the workers' checkpoint id once the leases are read, and answers to it, to its
+compute-tagged form, to its name before ``@`` and to the router's folder name (what it
+listed before the leases were read) as the same model (`_fleet`).
 
 Tokenizer: the router never runs the model, so at start it reads only config.json and the
 tokenizer files of ``--model`` (`model_identity.tokenizer_fingerprint`), never the weights.
-Text, and chat prompts its HTTP front renders, go only to workers whose lease names the
-same ``tokenizer_id``; otherwise FAILED_PRECONDITION says what to fix, and token-id prompts
-are still served (`services.membership`). Where a lease carries no tokenizer id (an older
-worker) the router compares model ids as it used to: it hashes its own checkpoint then, once,
-on a thread of its own (`_CheckpointId`), and text requests wait for that (token-id ones
-only when the workers serve several checkpoints).
+Text, Tokenize, and chat prompts its HTTP front renders (token ids of the router's tokenizer,
+flagged on the front's context: `_from_text`) go only to workers whose lease names the same
+``tokenizer_id``, checked on the fleet each request is routed in; otherwise
+FAILED_PRECONDITION says what to fix (HTTP 400: the client may send token ids), and token-id
+prompts are still served (`services.membership`). Where a lease carries no tokenizer id (an
+older worker) the router compares model ids as it used to: it hashes its own checkpoint then,
+once, on a thread of its own (`_CheckpointId`), and text, chat and Tokenize requests wait for
+that, within their deadline (token-id ones only when the workers serve several checkpoints).
+A ``--model`` folder without weight files cannot be compared so: such workers then get
+token ids only, and the refusal says so.
+
+No usable worker (none of the router's model with an address, or a worker that refuses the
+model its lease names, having restarted with another ``--model``) is UNAVAILABLE, as no
+worker at all is: the fleet, not the request, is at fault, and a retry may find it fixed.
 
 Access: the tenant of each request comes from the client's credentials (`Gate.tenant`,
 `kvmesh.services.auth`), goes into the namespace the router hashes in, and is forwarded to
@@ -59,7 +70,6 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.services.auth import Gate
 from kvmesh.services.cluster_index import ClusterIndex, reported_tier_weights, weighted_blocks
-from kvmesh.services.http_front import GrpcAbort, HttpError
 from kvmesh.services.index_subscriber import IndexSubscriber
 from kvmesh.services.membership import Compatibility
 from kvmesh.services.shared_load import SharedLoad, matched_prefix
@@ -68,8 +78,8 @@ from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make
 from kvmesh.services.rate_limit import TenantRateLimit
 from kvmesh.workers.config import ModelConfig
 from kvmesh.workers.grpc_guard import LogLimiter, TenantCap, clip
-from kvmesh.workers.model_identity import (base_model_id, checkpoint_model_id, config_without_weights,
-                                           tokenizer_fingerprint)
+from kvmesh.workers.model_identity import (NoWeightFiles, base_model_id, checkpoint_model_id,
+                                           config_without_weights, tokenizer_fingerprint)
 from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, DEFAULT_MAX_CONCURRENT_RPCS, ChannelPool, GrpcHost
 from kvmesh.workers import limits, wire
 from kvmesh.workers.request import InvalidRequest
@@ -133,9 +143,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.policy_name = policy_name
         self.model_dir = model_dir
         self.config = _load_config(model_dir)  # config.json only: model_id is the folder's name
-        self._tokenizer = load_tokenizer(model_dir, self.config)
-        #: what the HTTP front and Tokenize encode with: refuses while the workers' tokenizer differs
-        self.tokenizer = _FleetTokenizer(self._tokenizer, self)
+        #: the router's tokenizer (text prompts, Tokenize, the HTTP front's chat prompts); whether
+        #: the workers routed to share it is checked per request (`_generate`, `refuse_text`)
+        self.tokenizer = load_tokenizer(model_dir, self.config)
         try:
             #: `model_identity.tokenizer_fingerprint` of ``model_dir``, compared with the workers' leases
             self.tokenizer_id = tokenizer_fingerprint(model_dir)
@@ -192,20 +202,42 @@ class RouterServicer(pb_grpc.RouterServicer):
         """`_CheckpointId`'s result, on the event loop: select again with it."""
         self.compat.router_model_id = value
         self.compat.model_id_problem = problem
+        self.compat.model_id_weightless = self.checkpoint_id.weightless
         self.compat.model_id_pending = self.checkpoint_id.pending()
         self._fleet_cache = None
 
-    async def _wait_checkpoint_id(self) -> None:
+    async def _wait_checkpoint_id(self, context=None) -> None:
         """Wait until the router's checkpoint id is computed or failed (it is computed once;
-        a caller that leaves does not stop it)."""
+        a caller that leaves does not stop it), at most until ``context``'s deadline (None,
+        or a context without one: no bound), which ends the call DEADLINE_EXCEEDED."""
         fut = self.checkpoint_id.start() if self.checkpoint_id is not None else None
-        if fut is not None:
-            await asyncio.shield(fut)
+        if fut is None:
+            return
+        left = context.time_remaining() if context is not None else None
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), left)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the request's deadline passed while the router hashed its checkpoint (to compare "
+                                "it with workers that publish no tokenizer id): retry with a longer deadline, or "
+                                "send token_ids")
 
     def text_refusal(self) -> str:
-        """Why text must not be tokenized for the workers routed to now ("" when it may)."""
+        """Why text must not be tokenized for the workers routed to now ("" when it may).
+        Does not wait for the router's checkpoint id (`refuse_text` does)."""
         fleet = self._fleet()
         return fleet.text_reason if fleet.usable else ""
+
+    async def refuse_text(self, context) -> None:
+        """Abort FAILED_PRECONDITION (`Selection.text_reason`) when text must not be tokenized
+        for the workers routed to now; first, when an older lease needs the router's checkpoint
+        id to decide, wait for it as a text Generate does (bounded by ``context``'s deadline)."""
+        fleet = self._fleet()
+        if fleet.needs_model_id:
+            await self._wait_checkpoint_id(context)
+            fleet = self._fleet()
+        if fleet.usable and fleet.text_reason:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, fleet.text_reason)
 
     def _fleet(self) -> _Fleet:
         """The live leases and what follows from them, recomputed only when the subscriber's
@@ -224,8 +256,14 @@ class RouterServicer(pb_grpc.RouterServicer):
                        sel.text_reason, sel.needs_model_id, checkpoints,
                        context_limit(live, self.config.max_position_embeddings), min(stated) if stated else None)
         if sel.model_id and self.model_dir is not None:
-            for front in self.http_fronts:  # the HTTP front serves the checkpoint the workers serve
-                front.model_id = base_model_id(sel.model_id)
+            served = base_model_id(sel.model_id)
+            # the HTTP front serves the checkpoint the workers serve, under its full id; the
+            # names it answered to before the leases were read (the router's folder) and the
+            # other spellings of that id stay valid
+            names = frozenset({self.config.model_id, served.partition("@")[0], served, sel.model_id})
+            for front in self.http_fronts:
+                front.model_id = served
+                front.model_aliases = names
         # gone, or now of another model or block size: a worker's share must not weigh on the
         # mean nor fill the least-routed places
         self.routed.keep_only(usable)
@@ -335,7 +373,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "text":
-            return self._tokenizer.encode(request.text)
+            return self.tokenizer.encode(request.text)
         return []
 
     # ----------------------------------------------------------------- RPCs
@@ -350,11 +388,15 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, tenant: str,
                         salt: str, caller: str):
+        # text, or token ids the HTTP front made from text with this router's tokenizer (a chat
+        # prompt): either may go only to workers of the router's tokenizer, checked now, on the
+        # fleet this request is routed in (`_from_text`)
+        text = _from_text(request, context)
         fleet = self._fleet()
         # an older worker's lease, or checkpoints to choose from: the router's own checkpoint id
         # decides whether text may go there, and (of several checkpoints) where anything goes
-        if fleet.needs_model_id and (request.WhichOneof("prompt") == "text" or fleet.checkpoints > 1):
-            await self._wait_checkpoint_id()
+        if fleet.needs_model_id and (text or fleet.checkpoints > 1):
+            await self._wait_checkpoint_id(context)
             fleet = self._fleet()
         max_len = fleet.max_context
         # tokens the completion needs room for: the worker lowers an up-to-context max_tokens
@@ -374,8 +416,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no live workers registered: start workers or retry")
         # only workers of the router's model identity and the cluster's block size (others are logged)
         live, block_size, model_id, ids_of_live = fleet.usable, fleet.block_size, fleet.model_id, fleet.ids
-        if not live:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, fleet.why)
+        if not live:  # the fleet's configuration, not the request: UNAVAILABLE (HTTP 503) until it changes
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                fleet.why or "no live worker of the router's model can be reached yet: retry")
         # a worker of a shorter context would only refuse it (no pass over the fleet when all fit)
         fitting = live if fleet.min_context is None or len(ids) + completion <= fleet.min_context else \
             fitting_workers(live, len(ids), completion)
@@ -398,7 +441,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"model_id {clip(request.model_id)!r} is not served here; the workers serve {' or '.join(map(repr, served))}: "
                 f"send one of these, or leave model_id empty for whatever is served")
-        if request.WhichOneof("prompt") == "text" and fleet.text_reason:  # the workers' tokenizer is not ours
+        if text and fleet.text_reason:  # the workers' tokenizer is not ours
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, fleet.text_reason)
         if self.rate_limit is not None:  # last: a request refused for any other reason spends nothing
             refused = await self.rate_limit.check(caller, len(ids))
@@ -461,15 +504,22 @@ class RouterServicer(pb_grpc.RouterServicer):
                 return
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
-                retryable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                # the worker refused the model id its own lease names (`forward.model_id`): it
+                # restarted with another --model and its lease is not renewed yet. Nothing the
+                # client sent is wrong: another worker may take it, else UNAVAILABLE (retry)
+                stale = code == grpc.StatusCode.FAILED_PRECONDITION and not relayed
+                retryable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED) or stale
                 if retryable and not relayed and _attempt + 1 < self.max_attempts:
                     # the client sees the worker's id, as in every response, but not its address
-                    last_error = f"worker {chosen.worker_id}: {code.name}: {_client_details(exc)}"
-                    last_code = code
+                    last_error = _stale_lease(chosen.worker_id, exc) if stale else \
+                        f"worker {chosen.worker_id}: {code.name}: {_client_details(exc)}"
+                    last_code = grpc.StatusCode.UNAVAILABLE if stale else code
                     self._retry_log.warn("worker %s at %s: %s: %s; trying another worker", chosen.worker_id,
                                          chosen.address, code.name, clip(exc.details() or ""))
                     continue
                 details = _client_details(exc) or code.name
+                if stale:
+                    code, details = grpc.StatusCode.UNAVAILABLE, _stale_lease(chosen.worker_id, exc)
                 if relayed and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
                                         grpc.StatusCode.UNKNOWN) and not _from_worker(exc):
                     # the stream broke under way (a worker killed, a connection lost): say so,
@@ -557,11 +607,9 @@ class WorkerFacade(pb_grpc.WorkerServicer):
             limits.check_text_size(request.text, max_len, "the workers' model")
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
-            ids = self.router.tokenizer.encode(request.text)
-        except TokenizerMismatch as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.message)
-        return pb.TokenizeResponse(ids=ids)
+        # the ids are only worth having if the workers routed to would make the same ones
+        await self.router.refuse_text(context)
+        return pb.TokenizeResponse(ids=self.router.tokenizer.encode(request.text))
 
 
 def _load_config(model_dir: str | None) -> ModelConfig:
@@ -591,45 +639,25 @@ def model_dir_problem(model_dir: str | None) -> str | None:
     return None
 
 
-class TokenizerMismatch(HttpError):
-    """Text refused before it is tokenized: the workers routed to use another tokenizer.
-    ``message`` says what to fix; the HTTP front answers it as it answers a refused Generate
-    (FAILED_PRECONDITION)."""
-
-    def __init__(self, why: str):
-        err = HttpError.from_abort(GrpcAbort(grpc.StatusCode.FAILED_PRECONDITION, why))
-        super().__init__(err.status, err.message, err.type, err.param, err.code, err.headers)
+def _from_text(request: pb.GenerateRequest, context) -> bool:
+    """Whether ``request``'s prompt is text, or token ids that this process's HTTP front made
+    from text with the router's tokenizer (a chat prompt: its `_HttpContext` says
+    ``tokenized_from_text``). Token ids a client sent, over gRPC or HTTP, are neither."""
+    return request.WhichOneof("prompt") == "text" or getattr(context, "tokenized_from_text", False) is True
 
 
-class _FleetTokenizer:
-    """The router's tokenizer as its HTTP front and Tokenize see it: `encode` raises
-    `TokenizerMismatch` while the workers routed to use another tokenizer, since a chat prompt
-    reaches Generate as token ids, past its text check. Everything else is the tokenizer's."""
-
-    def __init__(self, tokenizer, router: "RouterServicer"):
-        self._tok = tokenizer
-        self._router = router
-
-    def __getattr__(self, name):
-        return getattr(self._tok, name)
-
-    def encode(self, text: str, **kwargs) -> list[int]:
-        """The tokenizer's ids of ``text``.
-
-        Raises:
-            TokenizerMismatch: the workers routed to use another tokenizer.
-        """
-        why = self._router.text_refusal()
-        if why:
-            raise TokenizerMismatch(why)
-        return self._tok.encode(text, **kwargs)
+def _stale_lease(worker_id: str, exc: grpc.aio.AioRpcError) -> str:
+    """What the client is told when ``worker_id`` refused the model its lease names."""
+    return (f"worker {worker_id} no longer serves the model its lease names ({clip(exc.details() or '', 300)}); "
+            f"the router routes around it once its lease is renewed: retry in a moment")
 
 
 class _CheckpointId:
     """The router's checkpoint id (`model_identity.checkpoint_model_id`: every weight file
     hashed), computed only when a selection needs it, at most once at a time, on a daemon
     thread (a shutdown does not wait for it), and kept. After a failure (logged) it is tried
-    again no sooner than ``RETRY_S`` seconds later.
+    again no sooner than ``RETRY_S`` seconds later; a folder without weight files fails at
+    once (``weightless``: no worker loads it, so no worker's id could match).
 
     Args:
         model_dir: the router's ``--model``.
@@ -644,6 +672,8 @@ class _CheckpointId:
         self.on_done = on_done
         self.value: str | None = None
         self.problem = ""
+        #: the last attempt found no weight file in ``model_dir`` (`model_identity.NoWeightFiles`)
+        self.weightless = False
         self._future: asyncio.Future | None = None
         self._failed_at: float | None = None
 
@@ -666,11 +696,17 @@ class _CheckpointId:
         began = time.monotonic()
         log.info("hashing the weight files of %s for the model id older workers are compared by", self.model_dir)
 
-        def finish(value: str | None, problem: str) -> None:
+        def finish(value: str | None, problem: str, weightless: bool) -> None:
             self._future = None
+            self.weightless = weightless
             if value is not None:
                 self.value, self.problem = value, ""
                 log.info("router's checkpoint id: %s (%.1f s)", value, time.monotonic() - began)
+            elif weightless:
+                self.problem, self._failed_at = problem, time.monotonic()
+                log.error("the router's --model %s holds no weight files (*.safetensors): workers that publish no "
+                          "tokenizer id (an older kvmesh) get no text prompts; upgrade them or give the router the "
+                          "full checkpoint (looking again in %.0f s at the earliest)", self.model_dir, self.RETRY_S)
             else:
                 self.problem, self._failed_at = problem, time.monotonic()
                 log.error("could not hash the router's checkpoint %s (%s): workers that publish no tokenizer id "
@@ -684,9 +720,9 @@ class _CheckpointId:
 
         def work() -> None:
             try:
-                result = (checkpoint_model_id(self.model_dir), "")
+                result = (checkpoint_model_id(self.model_dir), "", False)
             except Exception as exc:  # noqa: BLE001 - OSError mostly; any failure is reported, not raised
-                result = (None, str(exc) or type(exc).__name__)
+                result = (None, str(exc) or type(exc).__name__, isinstance(exc, NoWeightFiles))
             try:
                 loop.call_soon_threadsafe(finish, *result)
             except RuntimeError:  # the loop has closed: nobody waits any more

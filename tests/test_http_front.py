@@ -953,3 +953,82 @@ def test_a_worker_refusing_max_tokens_over_its_context_names_the_field():
     for (status, err), field in zip(chats, ("max_completion_tokens", "max_tokens", "max_completion_tokens")):
         assert status == 400 and err["error"]["param"] == field, err
         assert err["error"]["message"].startswith(f"{field} is 50 "), err
+
+
+def test_a_refusal_of_text_for_another_tokenizer_is_400_and_the_fleets_states_are_503():
+    """FAILED_PRECONDITION reaches a front only as a router's refusal of text (or a chat
+    prompt) for workers of another tokenizer: a 400, which the client works around by sending
+    token ids. No usable worker comes as UNAVAILABLE: a 503, as before."""
+    refusals = {"tokenizer": (grpc.StatusCode.FAILED_PRECONDITION,
+                              "the workers use another tokenizer: send token_ids"),
+                "fleet": (grpc.StatusCode.UNAVAILABLE, "no live workers registered: start workers or retry")}
+
+    def refusing(code, details):
+        async def generate(req, ctx):
+            await ctx.abort(code, details)
+            yield  # pragma: no cover
+        return generate
+
+    async def run():
+        out = {}
+        for name, (code, details) in refusals.items():
+            front, url = await _serve(refusing(code, details))
+            try:
+                async with aiohttp.ClientSession() as s:
+                    for route, body in (("completions", {"prompt": "abc", "max_tokens": 1}),
+                                        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                        r = await s.post(f"{url}/{route}", json=body)
+                        out[name, route] = (r.status, await r.json())
+            finally:
+                await front.stop()
+        return out
+
+    out = asyncio.run(run())
+    for route in ("completions", "chat/completions"):
+        status, body = out["tokenizer", route]
+        assert status == 400 and body["error"] == {
+            "message": "the workers use another tokenizer: send token_ids", "type": "invalid_request_error",
+            "param": None, "code": "failed_precondition"}, body
+        status, body = out["fleet", route]
+        assert status == 503 and body["error"]["type"] == "service_unavailable", body
+
+
+def test_the_model_may_be_named_by_an_alias_and_chat_ids_say_they_come_from_text():
+    """A front's ``model_aliases`` (a router sets them) name the served model as its id does;
+    other names are 404. Generate is told which token ids this front made from text (a chat
+    prompt) and which the client sent."""
+    seen = []
+
+    async def generate(req, ctx):
+        seen.append((req.WhichOneof("prompt"), ctx.tokenized_from_text))
+        yield _final()
+
+    async def run():
+        front, url = await _serve(generate)
+        front.model_id, front.model_aliases = "m@123", frozenset({"m", "m@123+compute=float32"})
+        out = {}
+        try:
+            async with aiohttp.ClientSession() as s:
+                for name in ("m@123", "m", "m@123+compute=float32", "n", "m@124"):
+                    r = await s.post(f"{url}/completions", json={"model": name, "prompt": "abc", "max_tokens": 1})
+                    out[name] = (r.status, (await r.json()).get("model"))
+                    r = await s.get(f"{url}/models/{name}")
+                    out["GET " + name] = (r.status, (await r.json()).get("id"))
+                r = await s.get(f"{url}/models")
+                out["listed"] = [m["id"] for m in (await r.json())["data"]]
+                del seen[:]
+                await s.post(f"{url}/chat/completions", json={"model": "m", "messages": [
+                    {"role": "user", "content": "hi"}]})
+                await s.post(f"{url}/completions", json={"prompt": [104, 105], "max_tokens": 1})
+                await s.post(f"{url}/completions", json={"prompt": "hi", "max_tokens": 1})
+        finally:
+            await front.stop()
+        return out
+
+    out = asyncio.run(run())
+    for name in ("m@123", "m", "m@123+compute=float32"):
+        assert out[name] == (200, "m@123") and out["GET " + name] == (200, "m@123"), (name, out)
+    for name in ("n", "m@124"):
+        assert out[name] == (404, None) and out["GET " + name] == (404, None), (name, out)
+    assert out["listed"] == ["m@123"]
+    assert seen == [("token_ids", True), ("token_ids", False), ("text", False)]

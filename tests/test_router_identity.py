@@ -4,10 +4,13 @@ without one (an older worker) is compared by checkpoint id, which the router the
 once, off its event loop.
 
 Unit tests of `model_identity.tokenizer_fingerprint`, `membership.Compatibility` and the
-router's lazy checkpoint id, then real redis-server, worker and router processes on
+router's lazy checkpoint id; the router in-process behind its HTTP front, with stand-in
+workers and leases the test sets (chat ids checked on the fleet they are routed in, every
+name of the served model, a router folder without weights, the wait's deadline, HTTP
+statuses of the fleet's states); then real redis-server, worker and router processes on
 loopback: a router whose weight file cannot be read serves text and token ids; one of
 another tokenizer refuses text (gRPC, Tokenize, HTTP chat) and serves token ids; older
-leases fall back to the checkpoint id."""
+leases fall back to the checkpoint id, and chat and Tokenize wait for it as text does."""
 from __future__ import annotations
 
 import asyncio
@@ -23,6 +26,8 @@ import urllib.request
 import grpc
 import pytest
 
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.services.membership import Compatibility
 from kvmesh.workers import model_identity
 from kvmesh.workers.loader import read_config, save_tiny_checkpoint
@@ -59,6 +64,15 @@ def _tokenizer_only_copy(src: str, dst: str) -> str:
         if os.path.isfile(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))
     os.symlink(os.path.join(dst, "no-such-file"), os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def _weightless_copy(src: str, dst: str) -> str:
+    """``src``'s config and tokenizer files in ``dst``, and no weight file at all."""
+    os.makedirs(dst)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
     return dst
 
 
@@ -249,6 +263,291 @@ def test_checkpoint_id_is_computed_once_off_the_loop_and_retried_after_a_failure
     assert len(results) == 3 and results[1][0] is None and "model.safetensors" in results[1][1]
 
 
+def test_a_folder_without_weight_files_has_no_checkpoint_id(ckpt, tmp_path):
+    """Config and tokenizer files alone would hash to an id no worker has: it fails instead."""
+    bare = _weightless_copy(ckpt, str(tmp_path / "bare"))
+    with pytest.raises(model_identity.NoWeightFiles, match="no weight files"):
+        checkpoint_model_id(bare)
+    assert tokenizer_fingerprint(bare) == tokenizer_fingerprint(ckpt)  # the router still starts on it
+
+
+# ------------------------------------------------------------------ the router in-process
+class _Leases:
+    """Stands in for the router's `IndexSubscriber`: the live leases, set by the test."""
+
+    def __init__(self, live: dict):
+        self.live, self.live_version = dict(live), 0
+
+    def live_workers(self) -> dict:
+        return dict(self.live)
+
+    def set(self, live: dict) -> None:
+        self.live, self.live_version = dict(live), self.live_version + 1
+
+
+class _StandIn(pb_grpc.WorkerServicer):
+    """A worker stand-in (gRPC on loopback, in the test's event loop): records each Generate
+    and answers one token, or refuses with ``refuse`` as a worker of another model does."""
+
+    def __init__(self, worker_id: str, refuse: str = ""):
+        self.worker_id, self.refuse = worker_id, refuse
+        self.requests: list = []
+        self.server, self.address = None, ""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if self.refuse:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.refuse)
+        yield pb.GenerateResponse(token_ids=[5], text="x", finished=True, finish_reason="length",
+                                  worker_id=self.worker_id,
+                                  usage=pb.Usage(prompt_tokens=len(request.token_ids.ids), completion_tokens=1))
+
+    async def start(self) -> "_StandIn":
+        self.server = grpc.aio.server()
+        pb_grpc.add_WorkerServicer_to_server(self, self.server)
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        await self.server.start()
+        return self
+
+    def lease(self, model: str, tok) -> dict:
+        return dict(lease(model, tok), address=self.address)
+
+    async def stop(self) -> None:
+        await self.server.stop(None)
+
+
+def _router(model_dir: str, live: dict):
+    from kvmesh.services.cluster_index import ClusterIndex
+    from kvmesh.services.router import RouterServicer
+
+    return RouterServicer(ClusterIndex(), _Leases(live), model_dir=model_dir, seed=0)
+
+
+async def _front(router, generate=None, tokenizer=None):
+    """An HTTP front on a free port, in front of ``router`` (or ``generate``), as the router
+    process starts it; returns (front, base URL)."""
+    from kvmesh.services.http_front import HttpFront
+
+    front = HttpFront(generate or router.Generate, tokenizer or router.tokenizer, router.config.model_id,
+                      model_dir=router.model_dir, max_model_len=router.config.max_position_embeddings)
+    router.http_fronts = [front]
+    port = await front.start("127.0.0.1", 0)
+    return front, f"http://127.0.0.1:{port}/v1"
+
+
+async def _post(url: str, body: dict) -> tuple[int, dict]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=120)) as resp:
+            return resp.status, await resp.json()
+
+
+async def _get(url: str) -> tuple[int, dict]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=60)) as resp:
+            return resp.status, await resp.json()
+
+
+class _SwapsOnEncode:
+    """A tokenizer that runs ``swap`` (the fleet changes) each time it has encoded."""
+
+    def __init__(self, tokenizer, swap):
+        self._tok, self._swap = tokenizer, swap
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def encode(self, text, **kwargs):
+        ids = self._tok.encode(text, **kwargs)
+        self._swap()
+        return ids
+
+
+def test_chat_ids_are_checked_on_the_fleet_they_are_routed_in(ckpt):
+    """The last worker of the router's tokenizer leaves between the chat prompt's tokenization
+    and its Generate: the router's ids are refused as text would be (400), never sent to the
+    worker of another tokenizer; token ids a client sends still go there."""
+    async def main():
+        same, other = await _StandIn("same").start(), await _StandIn("other").start()
+        router = _router(ckpt, {})
+        mine = router.tokenizer_id
+        router.subscriber.set({"same": same.lease("served@1", mine)})
+        after = {"other": other.lease("x@1", OTHER_TOK)}
+        front, url = await _front(router, tokenizer=_SwapsOnEncode(router.tokenizer,
+                                                                   lambda: router.subscriber.set(after)))
+        try:
+            assert router.text_refusal() == ""  # the fleet as the chat request starts
+            ids = router.tokenizer.encode("t5 t6 t7")
+            chat = await _post(f"{url}/chat/completions", CHAT)
+            router.subscriber.set(after)
+            by_ids = await _post(f"{url}/completions", {"prompt": ids, "max_tokens": 1})
+            text = await _post(f"{url}/completions", {"prompt": "t5 t6 t7", "max_tokens": 1})
+        finally:
+            await front.stop()
+            await router.close()
+            await same.stop()
+            await other.stop()
+        return chat, by_ids, text, ids, same.requests, other.requests
+    chat, by_ids, text, ids, to_same, to_other = asyncio.run(main())
+    code, body = chat
+    assert code == 400 and body["error"]["code"] == "failed_precondition", chat
+    assert body["error"]["message"] == text[1]["error"]["message"]  # the refusal text gets
+    assert "--model" in body["error"]["message"] and "token_ids" in body["error"]["message"]
+    assert by_ids[0] == 200 and by_ids[1]["usage"]["kvmesh"]["worker_id"] == "other", by_ids
+    assert to_same == [] and [list(r.token_ids.ids) for r in to_other] == [ids]  # the client's ids only
+
+
+def test_the_http_front_answers_to_every_name_of_the_served_model(ckpt):
+    """Before the leases are read the front lists the router's folder name; after, the
+    workers' checkpoint id. A client that used either, or the compute-tagged id the workers
+    publish, or the workers' name before "@", reaches the same model; another name is 404."""
+    async def generate(req, ctx):
+        yield pb.GenerateResponse(token_ids=[5], text="x", finished=True, finish_reason="length",
+                                  usage=pb.Usage(prompt_tokens=1, completion_tokens=1))
+
+    async def main():
+        router = _router(ckpt, {})
+        tagged = "other-name@abc+compute=float32"
+        router.subscriber.set({"w1": dict(lease(tagged, router.tokenizer_id))})
+        front, url = await _front(router, generate=generate)
+        out = {}
+        try:
+            def body(model):
+                return {"model": model, "prompt": "t1", "max_tokens": 1}
+            out["listed before"] = await _get(f"{url}/models")
+            out["folder before"] = await _post(f"{url}/completions", body("served"))
+            router._fleet()  # what a request or the fleet follower does once the leases are read
+            out["listed after"] = await _get(f"{url}/models")
+            for name in ("served", "other-name", "other-name@abc", tagged):
+                out[name] = await _post(f"{url}/completions", body(name))
+                out["GET " + name] = await _get(f"{url}/models/{name}")
+            for name in ("elsewhere", "other-name@abd", "served@abc"):
+                out[name] = await _post(f"{url}/completions", body(name))
+        finally:
+            await front.stop()
+            await router.close()
+        return out
+    out = asyncio.run(main())
+    assert [m["id"] for m in out["listed before"][1]["data"]] == ["served"]
+    assert out["folder before"][0] == 200 and out["folder before"][1]["model"] == "served"
+    assert [m["id"] for m in out["listed after"][1]["data"]] == ["other-name@abc"]
+    for name in ("served", "other-name", "other-name@abc", "other-name@abc+compute=float32"):
+        assert out[name][0] == 200 and out[name][1]["model"] == "other-name@abc", (name, out[name])
+        assert out["GET " + name] == (200, dict(out["GET " + name][1], id="other-name@abc")), out["GET " + name]
+    for name in ("elsewhere", "other-name@abd", "served@abc"):
+        assert out[name][0] == 404 and out[name][1]["error"]["code"] == "model_not_found", (name, out[name])
+
+
+def test_a_router_without_weights_tells_text_for_older_workers_why_and_what_to_do(ckpt, tmp_path, caplog):
+    """Workers that publish no tokenizer id, a router folder of config and tokenizer files only
+    (identical to the workers'): text is refused saying that the folder has no weights to
+    compare with, not that the tokenizers differ; token ids are served."""
+    async def main():
+        worker = await _StandIn("old").start()
+        router = _router(_weightless_copy(ckpt, str(tmp_path / "bare")),
+                         {"old": worker.lease(read_config(ckpt).model_id, None)})
+        front, url = await _front(router)
+        try:
+            out = {"chat": await _post(f"{url}/chat/completions", CHAT),
+                   "text": await _post(f"{url}/completions", {"prompt": "t5 t6", "max_tokens": 1}),
+                   "ids": await _post(f"{url}/completions", {"prompt": [5, 6], "max_tokens": 1})}
+        finally:
+            await front.stop()
+            await router.close()
+            await worker.stop()
+        return out
+    with caplog.at_level(logging.ERROR):
+        out = asyncio.run(main())
+    for name in ("chat", "text"):
+        code, body = out[name]
+        message = body["error"]["message"]
+        assert code == 400 and body["error"]["code"] == "failed_precondition", (name, out[name])
+        assert "no weight files" in message and "upgrade those workers" in message and \
+            "full checkpoint" in message and "token_ids" in message, message
+        assert "tokenizer files differ" not in message and "still hashing" not in message, message
+    assert out["ids"][0] == 200, out["ids"]
+    assert "holds no weight files" in caplog.text
+
+
+def test_a_wait_for_the_checkpoint_id_ends_at_the_requests_deadline(ckpt, monkeypatch):
+    """While the router hashes its checkpoint for an older lease, chat (as text) waits, and
+    no longer than the request's deadline: then 504, and token ids are served meanwhile."""
+    import threading
+
+    from kvmesh.services import router as router_mod
+
+    release = threading.Event()
+    real = router_mod.checkpoint_model_id
+
+    def slow(model_dir):
+        release.wait(120)
+        return real(model_dir)
+    monkeypatch.setattr(router_mod, "checkpoint_model_id", slow)
+
+    async def main():
+        worker = await _StandIn("old").start()
+        router = _router(ckpt, {"old": worker.lease(read_config(ckpt).model_id, None)})
+        front, url = await _front(router)
+        front.timeout_s = 1.0
+        try:
+            chat = await _post(f"{url}/chat/completions", CHAT)
+            ids = await _post(f"{url}/completions", {"prompt": [5, 6], "max_tokens": 1})
+            release.set()
+            await asyncio.wait_for(asyncio.shield(router.checkpoint_id.start() or asyncio.sleep(0)), 60)
+            front.timeout_s = 60.0
+            after = await _post(f"{url}/chat/completions", CHAT)
+        finally:
+            release.set()
+            await front.stop()
+            await router.close()
+            await worker.stop()
+        return chat, ids, after, worker.requests
+    chat, ids, after, sent = asyncio.run(main())
+    assert chat[0] == 504 and "hashed its checkpoint" in chat[1]["error"]["message"], chat
+    assert ids[0] == 200 and after[0] == 200, (ids, after)
+    assert len(sent) == 2  # the token ids, then the chat prompt once the ids compare equal
+
+
+def test_no_usable_worker_is_unavailable_and_a_stale_lease_is_routed_around(ckpt):
+    """The fleet's states are 503s, not the client's fault: no worker of the router's model
+    to dial, and a worker that refuses the model its lease names (it restarted with another
+    --model and its lease is not renewed yet), which the router routes around."""
+    async def main():
+        stale = await _StandIn("stale", refuse="request is for model 'served@1' but worker stale serves "
+                                               "'new@2': send model_id 'new@2' or leave it empty").start()
+        good = await _StandIn("good").start()
+        router = _router(ckpt, {})
+        mine = router.tokenizer_id
+        front, url = await _front(router)
+        body = {"prompt": [5, 6], "max_tokens": 1}
+        out = {}
+        try:
+            router.subscriber.set({"far": {k: v for k, v in lease("served@1", mine).items() if k != "address"}})
+            out["no address"] = await _post(f"{url}/completions", body)
+            router.subscriber.set({"stale": stale.lease("served@1", mine)})
+            out["stale alone"] = await _post(f"{url}/completions", body)
+            router.subscriber.set({"stale": stale.lease("served@1", mine), "good": good.lease("served@1", mine)})
+            for i in range(4):
+                out[f"both {i}"] = await _post(f"{url}/completions", body)
+        finally:
+            await front.stop()
+            await router.close()
+            await stale.stop()
+            await good.stop()
+        return out
+    out = asyncio.run(main())
+    code, body = out["no address"]
+    assert code == 503 and body["error"]["code"] == "unavailable", out["no address"]
+    code, body = out["stale alone"]
+    assert code == 503 and "no longer serves the model its lease names" in body["error"]["message"], out
+    for i in range(4):
+        code, body = out[f"both {i}"]
+        assert code == 200 and body["usage"]["kvmesh"]["worker_id"] == "good", (i, out[f"both {i}"])
+
+
 # ------------------------------------------------------------------ real processes
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -309,12 +608,12 @@ def _wait_routed(address: str, worker_id: str, timeout: float = 60.0) -> dict:
         time.sleep(0.2)
 
 
-def _http(port: int, path: str, body: dict | None = None) -> tuple[int, dict]:
+def _http(port: int, path: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict]:
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="POST" if body is not None else "GET",
                                  data=json.dumps(body).encode() if body is not None else None,
                                  headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
@@ -352,6 +651,13 @@ def test_a_router_without_readable_weights_serves_text_and_token_ids(cluster):
     code, body = _http(http_port, "/v1/chat/completions", dict(CHAT, model=served_id))
     assert code == 200, body
     assert body["model"] == served_id and body["usage"]["completion_tokens"] == 2
+    # the name the front served before it read the leases (the router's folder), and the
+    # workers' name before "@", stay names of the same model; another is still unknown
+    for name in ("tokenizer-only", "served"):
+        code, body = _http(http_port, "/v1/chat/completions", dict(CHAT, model=name))
+        assert code == 200 and body["model"] == served_id, (name, code, body)
+    code, body = _http(http_port, "/v1/chat/completions", dict(CHAT, model="served@000000000000"))
+    assert code == 404 and body["error"]["code"] == "model_not_found", body
     with open(log_path) as fh:
         log_text = fh.read()
     assert "hashing the weight files" not in log_text and "could not hash" not in log_text, log_text
@@ -360,9 +666,6 @@ def test_a_router_without_readable_weights_serves_text_and_token_ids(cluster):
 
 def _worker_model_id(cluster) -> str:
     """The checkpoint id the worker serves (no compute tag: it computes in the checkpoint's dtype)."""
-    import kvmesh.proto.kvmesh_pb2 as pb
-    import kvmesh.proto.kvmesh_pb2_grpc as pb_grpc
-
     with grpc.insecure_channel(cluster["worker"]) as ch:
         return pb_grpc.WorkerStub(ch).GetInfo(pb.WorkerInfoRequest(), timeout=10).model_id
 
@@ -388,8 +691,9 @@ def test_a_router_of_another_tokenizer_refuses_text_and_serves_token_ids(cluster
     # a chat prompt reaches the router as token ids of its own tokenizer: refused before that
     code, body = _http(http_port, "/v1/chat/completions", CHAT)
     assert body["error"]["code"] == "failed_precondition" and "--model" in body["error"]["message"], (code, body)
+    assert code == 400 and body["error"]["type"] == "invalid_request_error"  # the client can send token ids
     code, body = _http(http_port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
-    assert body["error"]["code"] == "failed_precondition", (code, body)
+    assert code == 400 and body["error"]["code"] == "failed_precondition", (code, body)
     code, body = _http(http_port, "/v1/completions", {"prompt": ids, "max_tokens": 2, "temperature": 0})
     assert code == 200 and body["usage"]["completion_tokens"] == 2, body
 
@@ -438,4 +742,105 @@ def test_an_older_workers_lease_falls_back_to_the_checkpoint_id(cluster):
         with open(bad_log) as fh:
             assert "could not hash the router's checkpoint" in fh.read()
     finally:
+        old.close()
+
+
+def test_chat_and_tokenize_wait_for_the_routers_checkpoint_id_as_text_does(cluster, monkeypatch):
+    """An older worker's lease (no tokenizer id) and a router whose checkpoint takes long to
+    hash: HTTP chat, gRPC Tokenize and text Generate all wait for its id (none is refused
+    meanwhile), and are answered once it is known. The router runs in this process, serving
+    as ``kvmesh router`` does, so that its hashing can be held until every request waits."""
+    import threading
+
+    import redis as redis_lib
+
+    from kvmesh.services import router as router_mod
+    from kvmesh.services.client import KvmeshClient
+    from kvmesh.services.procs import free_port, wait_healthy
+    from kvmesh.workers.kv_publisher import WorkerLease, lease_key
+
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(cluster["tmp"] / "in-process-cache"))
+    release, hashing = threading.Event(), threading.Event()
+    real_id = router_mod.checkpoint_model_id
+
+    def slow_id(model_dir):
+        hashing.set()
+        release.wait(600)
+        return real_id(model_dir)
+    monkeypatch.setattr(router_mod, "checkpoint_model_id", slow_id)
+    waits = []
+    real_wait = router_mod.RouterServicer._wait_checkpoint_id
+
+    async def counted_wait(self, *args, **kwargs):
+        waits.append(1)
+        return await real_wait(self, *args, **kwargs)
+    monkeypatch.setattr(router_mod.RouterServicer, "_wait_checkpoint_id", counted_wait)
+
+    client = redis_lib.Redis.from_url(cluster["redis"].url)
+    current = json.loads(client.get(lease_key("w0", "ident")))
+    client.close()
+    info = {k: v for k, v in current.items() if k not in ("tokenizer_id", "worker_id", "address", "instance",
+                                                           "load", "ts", "kv_seq", "kv_epoch")}
+    old = WorkerLease(cluster["redis"].url, "old0", cluster["worker"], info, lambda: current.get("load") or {},
+                      cluster="ident-slow", ttl_s=10.0, interval_s=1.0)
+    port, http_port = free_port(), free_port()
+    raddr = f"127.0.0.1:{port}"
+    state: dict = {}
+
+    def serve():
+        async def main():
+            state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
+            await router_mod.serve_router(port, cluster["redis"].url, model_dir=cluster["served"],
+                                          cluster="ident-slow", stop=state["stop"], http_port=http_port)
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            state["error"] = exc
+    server = threading.Thread(target=serve, name="router", daemon=True)
+    results: dict = {}
+
+    def call(name, fn):
+        try:
+            results[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            results[name] = exc
+
+    def tokenize():
+        with KvmeshClient(raddr) as r:
+            return r.tokenize(PROMPT, timeout=300)
+
+    def text():
+        with KvmeshClient(raddr) as r:
+            return r.generate(PROMPT, max_tokens=2, temperature=0.0, timeout=300)
+    try:
+        server.start()
+        wait_healthy(raddr, timeout=120)
+        _wait_routed(raddr, "old0")  # token ids may go there while the id is unknown
+        with KvmeshClient(cluster["worker"]) as w:
+            expected_ids = w.tokenize(PROMPT)
+            direct = w.generate(PROMPT, max_tokens=2, temperature=0.0, timeout=60)
+        callers = [threading.Thread(target=call, args=(name, fn), daemon=True) for name, fn in (
+            ("chat", lambda: _http(http_port, "/v1/chat/completions", CHAT, timeout=300)),
+            ("tokenize", tokenize), ("text", text))]
+        for t in callers:
+            t.start()
+        deadline = time.monotonic() + 120
+        while len(waits) < 3 and not results and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not results and len(waits) == 3, (results, len(waits))  # all three wait; none was refused
+        assert hashing.is_set()
+        release.set()
+        for t in callers:
+            t.join(300)
+        code, body = results["chat"]
+        assert code == 200 and body["usage"]["completion_tokens"] == 2, results["chat"]
+        assert body["model"] == current["model_id"] and body["usage"]["kvmesh"]["worker_id"] == "w0"
+        assert results["tokenize"] == expected_ids
+        assert results["text"].token_ids == direct.token_ids
+        assert "error" not in state, state
+    finally:
+        release.set()
+        if "loop" in state:
+            state["loop"].call_soon_threadsafe(state["stop"].set)
+        server.join(60)
         old.close()

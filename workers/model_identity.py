@@ -155,14 +155,23 @@ def checkpoint_fingerprint(model_dir: str) -> str:
     return h.hexdigest()[:12]
 
 
+class NoWeightFiles(OSError):
+    """A folder holds no ``*.safetensors`` file: no worker loads it, so no worker names a
+    checkpoint with its id (`checkpoint_model_id`)."""
+
+
 def checkpoint_model_id(model_dir: str) -> str:
     """The id a worker loading ``model_dir`` names its checkpoint with:
     ``"<directory name>@<checkpoint_fingerprint>"`` (`workers.loader.read_config`'s
     ``model_id``). Reads every weight file whose digest is not cached: seconds to minutes.
 
     Raises:
+        NoWeightFiles: ``model_dir`` holds no ``*.safetensors`` file (config and tokenizer
+            files only): a fingerprint of those would match no worker's.
         OSError: config.json or a weight file cannot be read.
     """
+    if not glob.glob(os.path.join(model_dir, "*.safetensors")):
+        raise NoWeightFiles(f"{model_dir} holds no weight files (*.safetensors)")
     return f"{os.path.basename(os.path.normpath(model_dir))}@{checkpoint_fingerprint(model_dir)}"
 
 
