@@ -72,26 +72,15 @@ def checkpoint_fingerprint(model_dir: str) -> str:
 def read_config(model_dir: str) -> ModelConfig:
     """The `ModelConfig` of a local HF directory, without loading weights.
 
-    ``model_id`` is ``"<dir name>@<checkpoint_fingerprint>"``, the id workers hash under.
+    ``model_id`` is ``"<dir name>@<checkpoint_fingerprint>"``, the id workers hash under
+    (config.json is checked first, `model_identity.config_without_weights`, then every weight
+    file is hashed).
 
     Raises:
         ValueError: config.json is missing, unreadable or unsupported (names the file).
     """
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"{path}: config.json not found in model directory {model_dir!r}")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot parse config.json ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: config.json must hold a JSON object")
-    name = os.path.basename(os.path.normpath(model_dir))
-    try:
-        return ModelConfig.from_hf_dict(data, model_id=f"{name}@{checkpoint_fingerprint(model_dir)}")
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+    cfg = model_identity.config_without_weights(model_dir)
+    return dataclasses.replace(cfg, model_id=f"{cfg.model_id}@{checkpoint_fingerprint(model_dir)}")
 
 
 def _read_tensors(model_dir: str) -> dict[str, torch.Tensor]:
