@@ -35,7 +35,9 @@ its tenant becomes the request's cache salt. Without it the body's optional
 ``cache_salt`` extension is passed on as the gRPC field would be.
 
 Request fields kvmesh honours: ``model`` (must name the served model when given: its id
-or one of the front's ``model_aliases``),
+or one of the front's ``model_aliases``; in front of a router a full checkpoint id, with
+``@``, is also sent as Generate's ``model_id``, so the router refuses it if it no longer
+serves that checkpoint when the request is routed),
 ``prompt`` / ``messages``, ``max_tokens`` (``max_completion_tokens`` for chat; default 16
 for completions, the rest of the context for chat, as in vLLM), ``temperature`` (default 1),
 ``top_p``, ``seed``, ``stream``, ``stream_options.include_usage``, ``n`` (only 1), and the
@@ -713,6 +715,11 @@ class HttpFront:
         #: other names that ``model`` may give the served model (a router sets them: its
         #: folder's name, the workers' id with or without compute tag)
         self.model_aliases: frozenset[str] = frozenset()
+        #: a ``model`` that is a full checkpoint id (with "@") goes into Generate's ``model_id``,
+        #: so a router that no longer routes to that checkpoint when the request is routed (its
+        #: fleet changed while the request waited) refuses it NOT_FOUND instead of answering
+        #: with another model (a router sets this; a worker's front checks ``model`` alone)
+        self.forward_model_id = False
         self.chat_template = ChatTemplate.for_model(model_dir)
         self.registry = registry
         self.authenticate = authenticate
@@ -890,7 +897,16 @@ class HttpFront:
                 top_p=_top_p(body),
                 seed=_number(body, "seed", 0, lo=0, hi=2**64 - 1, integer=True),
                 ignore_eos=ignore_eos),
-            cache_salt=salt, return_text=True)
+            cache_salt=salt, return_text=True, model_id=self._model_id(body))
+
+    def _model_id(self, body: dict) -> str:
+        """Generate's ``model_id`` for a (validated) body: its ``model`` when that names one
+        checkpoint (``name@hash``) and `forward_model_id` is on, else "" (whatever is served;
+        a folder name may name a newer checkpoint tomorrow, and is only checked here)."""
+        model = body.get("model")
+        if self.forward_model_id and isinstance(model, str) and "@" in model:
+            return model
+        return ""
 
     async def _run(self, req: pb.GenerateRequest, authorization: str | None,
                    from_text: bool = False) -> AsyncIterator[pb.GenerateResponse]:

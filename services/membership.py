@@ -199,14 +199,19 @@ class Compatibility:
 
     def _text_reason(self, model: str, speaks: list) -> str:
         """Why text may not go to workers of ``model`` whose `speaks` are ``speaks`` ("" when
-        it may), logged once per change."""
+        it may), logged once per change. What is returned goes to clients: it names the kind
+        of problem and what to do, never the router's folder nor an error of its filesystem,
+        which the log line carries."""
         waiting = False  # for the router's checkpoint id: not worth an error line
+        detail = ""  # what only the log says
         if all(speaks):
             why = ""
         elif False in speaks:
-            why = (f"the router tokenizes for {self.router_name} but the workers serving {model!r} use another "
-                   f"tokenizer (config.json or tokenizer files differ): start the router with --model pointing at "
-                   f"the workers' model directory, or send token_ids")
+            mine = "its --model folder" if self.own_model else self.router_name  # a path stays in the log
+            why = (f"the router tokenizes for {mine} but the workers serving {model!r} use another tokenizer "
+                   f"(config.json or tokenizer files differ): send token_ids, or have the operator start the "
+                   f"router with --model pointing at the workers' model directory")
+            detail = f"the router tokenizes for {self.router_name}"
         elif self.model_id_pending:
             waiting = True
             why = (f"the workers serving {model!r} do not publish their tokenizer id (an older kvmesh) and the "
@@ -214,18 +219,20 @@ class Compatibility:
                    f"token_ids")
         elif self.model_id_weightless:
             why = (f"the workers serving {model!r} do not publish their tokenizer id (an older kvmesh) and the "
-                   f"router's {self.router_name} folder has no weight files (*.safetensors) to compute the "
-                   f"checkpoint id they are compared by: upgrade those workers (they then publish their tokenizer "
-                   f"id), give the router the full checkpoint, or send token_ids")
+                   f"router's --model folder has no weight files (*.safetensors) to compute the checkpoint id "
+                   f"they are compared by: send token_ids; the operator may upgrade those workers (they then "
+                   f"publish their tokenizer id) or give the router the full checkpoint (see the router's log)")
+            detail = f"the router's folder is {self.router_name}"
         else:
             why = (f"the workers serving {model!r} do not publish their tokenizer id (an older kvmesh) and the "
-                   f"router could not hash its checkpoint to compare model ids ({self.model_id_problem or 'no id'}): "
-                   f"upgrade the workers, make the router's --model folder and its weights readable, or send "
-                   f"token_ids")
+                   f"router could not read its own checkpoint to compare model ids: send token_ids; the operator "
+                   f"should check the router's log (upgrade the workers, or make the router's --model folder "
+                   f"and its weights readable)")
+            detail = f"{self.router_name}: {self.model_id_problem or 'no id'}"
         if why != self._text_logged:
             self._text_logged = why
             if why and not waiting:
-                log.error("text prompts refused: %s", why)
+                log.error("text prompts refused: %s%s", why, f" ({detail})" if detail else "")
         return why
 
     def reason(self, worker_id: str) -> str:

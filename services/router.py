@@ -24,8 +24,12 @@ NOT_FOUND from the router itself, with the served ids, as the HTTP front answers
 an unknown ``model``, and is never forwarded. Empty means whatever is served. The namespace
 a request is hashed in always takes the workers' model id (weights included). The HTTP
 front lists the workers' checkpoint id once the leases are read, and answers to it, to its
-compute-tagged form, to its name before ``@`` and to the router's folder name (what it
-listed before the leases were read) as the same model (`_fleet`).
+compute-tagged form, to its name before ``@`` (while no other live checkpoint has that
+name) and to the router's folder name (what it listed before the leases were read; only
+while the workers routed to share the router's tokenizer) as the same model (`_fleet`,
+`_aliases`). A full id (with ``@``) that a client names there becomes the request's
+``model_id``, so a request that waited while the fleet moved to another checkpoint is
+refused NOT_FOUND rather than answered by another model.
 
 Tokenizer: the router never runs the model, so at start it reads only config.json and the
 tokenizer files of ``--model`` (`model_identity.tokenizer_fingerprint`), never the weights.
@@ -160,6 +164,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.compat.model_id_pending = model_dir is not None
         #: HTTP fronts whose served model name follows the workers' (`_fleet`, `_follow_fleet`)
         self.http_fronts: list = []
+        #: set by `begin_shutdown`: waits for the checkpoint id end UNAVAILABLE
+        self.stopping = False
+        self._stop_waiters: set[asyncio.Future] = set()
         self.rng = random.Random(seed)
         self.max_attempts = max_attempts
         self.gate = gate or Gate()
@@ -206,21 +213,51 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.compat.model_id_pending = self.checkpoint_id.pending()
         self._fleet_cache = None
 
+    def begin_shutdown(self) -> None:
+        """The server is stopping: requests waiting for the router's checkpoint id end now
+        (UNAVAILABLE, `_wait_checkpoint_id`), and later ones do not start waiting, so that
+        the HTTP front and the gRPC server stop without waiting for a hash. Call on the
+        event loop."""
+        self.stopping = True
+        for waiter in list(self._stop_waiters):
+            if not waiter.done():
+                waiter.set_result(None)
+
     async def _wait_checkpoint_id(self, context=None) -> None:
         """Wait until the router's checkpoint id is computed or failed (it is computed once;
         a caller that leaves does not stop it), at most until ``context``'s deadline (None,
-        or a context without one: no bound), which ends the call DEADLINE_EXCEEDED."""
+        or a context without one: no bound), which ends the call DEADLINE_EXCEEDED, and
+        until the server begins to stop (`begin_shutdown`), which ends it UNAVAILABLE."""
         fut = self.checkpoint_id.start() if self.checkpoint_id is not None else None
         if fut is None:
             return
+        if self.stopping:
+            await self._abort_stopping(context)
         left = context.time_remaining() if context is not None else None
+        done = asyncio.shield(fut)
+        stopped = asyncio.get_running_loop().create_future()
+        self._stop_waiters.add(stopped)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), left)
-        except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                "the request's deadline passed while the router hashed its checkpoint (to compare "
-                                "it with workers that publish no tokenizer id): retry with a longer deadline, or "
-                                "send token_ids")
+            await asyncio.wait((done, stopped), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._stop_waiters.discard(stopped)
+            stopped.cancel()
+            if not done.done():
+                done.cancel()  # the shield only: the hash goes on for the next caller
+        if fut.done() or context is None:
+            return
+        if self.stopping:
+            await self._abort_stopping(context)
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "the request's deadline passed while the router hashed its checkpoint (to compare "
+                            "it with workers that publish no tokenizer id): retry with a longer deadline, or "
+                            "send token_ids")
+
+    @staticmethod
+    async def _abort_stopping(context) -> None:
+        if context is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the router is shutting down: retry (another router replica answers)")
 
     def text_refusal(self) -> str:
         """Why text must not be tokenized for the workers routed to now ("" when it may).
@@ -257,13 +294,12 @@ class RouterServicer(pb_grpc.RouterServicer):
                        context_limit(live, self.config.max_position_embeddings), min(stated) if stated else None)
         if sel.model_id and self.model_dir is not None:
             served = base_model_id(sel.model_id)
-            # the HTTP front serves the checkpoint the workers serve, under its full id; the
-            # names it answered to before the leases were read (the router's folder) and the
-            # other spellings of that id stay valid
-            names = frozenset({self.config.model_id, served.partition("@")[0], served, sel.model_id})
             for front in self.http_fronts:
                 front.model_id = served
-                front.model_aliases = names
+                front.model_aliases = _aliases(served, sel.model_id, self.config.model_id,
+                                               speaks=bool(usable) and not sel.text_reason, live=live)
+                # a full checkpoint id a client names is checked again where the request is routed
+                front.forward_model_id = True
         # gone, or now of another model or block size: a worker's share must not weigh on the
         # mean nor fill the least-routed places
         self.routed.keep_only(usable)
@@ -639,6 +675,23 @@ def model_dir_problem(model_dir: str | None) -> str | None:
     return None
 
 
+def _aliases(served: str, tagged: str, folder: str, speaks: bool, live: dict[str, dict]) -> frozenset[str]:
+    """The names an HTTP front answers to besides ``served`` (the checkpoint id the workers
+    routed to serve; ``tagged``: with their compute tag): those two; the name before ``@``
+    only when no other live checkpoint has it (it would name either); the router's folder
+    name (``folder``: what the front listed before the leases were read) only when the
+    workers routed to share the router's tokenizer (``speaks``): otherwise that folder is
+    not the model they serve. Pure."""
+    names = {served, tagged}
+    base = served.partition("@")[0]
+    if len({base_model_id(str(info.get("model_id", ""))) for info in live.values()
+            if str(info.get("model_id", "")).partition("@")[0] == base}) <= 1:
+        names.add(base)
+    if speaks:
+        names.add(folder)
+    return frozenset(names)
+
+
 def _from_text(request: pb.GenerateRequest, context) -> bool:
     """Whether ``request``'s prompt is text, or token ids that this process's HTTP front made
     from text with the router's tokenizer (a chat prompt: its `_HttpContext` says
@@ -655,17 +708,22 @@ def _stale_lease(worker_id: str, exc: grpc.aio.AioRpcError) -> str:
 class _CheckpointId:
     """The router's checkpoint id (`model_identity.checkpoint_model_id`: every weight file
     hashed), computed only when a selection needs it, at most once at a time, on a daemon
-    thread (a shutdown does not wait for it), and kept. After a failure (logged) it is tried
-    again no sooner than ``RETRY_S`` seconds later; a folder without weight files fails at
-    once (``weightless``: no worker loads it, so no worker's id could match).
+    thread (a shutdown does not wait for it), and kept. After a failure it is tried again no
+    sooner than ``RETRY_S`` seconds later, and after each further failure twice as late, up
+    to ``MAX_RETRY_S`` (each attempt reads every weight file); a success ends the retries.
+    The first failure, each longer wait and a new problem are logged as errors, the others
+    as warnings. A folder without weight files fails at once (``weightless``: no worker
+    loads it, so no worker's id could match).
 
     Args:
         model_dir: the router's ``--model``.
         on_done: ``(id or None, problem)``, called on the event loop with each result.
     """
 
-    #: Seconds after a failed attempt before the next may start.
+    #: Seconds after the first failed attempt before the next may start.
     RETRY_S = 60.0
+    #: The longest wait between attempts (the wait doubles from ``RETRY_S`` up to it).
+    MAX_RETRY_S = 3600.0
 
     def __init__(self, model_dir: str, on_done):
         self.model_dir = model_dir
@@ -676,17 +734,20 @@ class _CheckpointId:
         self.weightless = False
         self._future: asyncio.Future | None = None
         self._failed_at: float | None = None
+        #: seconds from the last failure before the next attempt (0: none failed)
+        self.retry_s = 0.0
 
     def pending(self) -> bool:
         """Whether the id is unknown and being computed, or may be computed now."""
         if self.value is not None:
             return False
         return self._future is not None or self._failed_at is None or \
-            time.monotonic() - self._failed_at >= self.RETRY_S
+            time.monotonic() - self._failed_at >= self.retry_s
 
     def start(self) -> asyncio.Future | None:
         """The running computation's future (its result: the id, or None on failure), started
-        now if none runs; None when the id is known or failed less than ``RETRY_S`` ago.
+        now if none runs; None when the id is known or the wait after a failure
+        (``retry_s``) has not passed.
         Call on the event loop."""
         if self._future is not None or not self.pending():
             return self._future
@@ -700,18 +761,22 @@ class _CheckpointId:
             self._future = None
             self.weightless = weightless
             if value is not None:
-                self.value, self.problem = value, ""
+                self.value, self.problem, self.retry_s, self._failed_at = value, "", 0.0, None
                 log.info("router's checkpoint id: %s (%.1f s)", value, time.monotonic() - began)
-            elif weightless:
-                self.problem, self._failed_at = problem, time.monotonic()
-                log.error("the router's --model %s holds no weight files (*.safetensors): workers that publish no "
-                          "tokenizer id (an older kvmesh) get no text prompts; upgrade them or give the router the "
-                          "full checkpoint (looking again in %.0f s at the earliest)", self.model_dir, self.RETRY_S)
             else:
+                before, again = self.retry_s, (problem != self.problem)
+                self.retry_s = self.RETRY_S if before == 0 else min(before * 2, self.MAX_RETRY_S)
                 self.problem, self._failed_at = problem, time.monotonic()
-                log.error("could not hash the router's checkpoint %s (%s): workers that publish no tokenizer id "
-                          "get no text prompts; retrying in %.0f s at the earliest", self.model_dir, problem,
-                          self.RETRY_S)
+                level = logging.ERROR if self.retry_s != before or again else logging.WARNING
+                if weightless:
+                    log.log(level, "the router's --model %s holds no weight files (*.safetensors): workers that "
+                            "publish no tokenizer id (an older kvmesh) get no text prompts; upgrade them or give "
+                            "the router the full checkpoint (looking again in %.0f s at the earliest)",
+                            self.model_dir, self.retry_s)
+                else:
+                    log.log(level, "could not hash the router's checkpoint %s (%s): workers that publish no "
+                            "tokenizer id get no text prompts; retrying in %.0f s at the earliest",
+                            self.model_dir, problem, self.retry_s)
             try:
                 self.on_done(self.value, self.problem)
             finally:
@@ -874,6 +939,11 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
     if ready is not None:
         ready.set()
     await grpc_host.wait(stop)
+    # health first: load balancers and probes see NOT_SERVING while the fronts stop; requests
+    # waiting for the checkpoint id end now, so neither the HTTP front (which waits for its
+    # handlers) nor the gRPC server waits for a hash
+    await grpc_host.health.enter_graceful_shutdown()
+    servicer.begin_shutdown()
     startup_check.cancel()
     if follower is not None:
         follower.cancel()

@@ -1032,3 +1032,35 @@ def test_the_model_may_be_named_by_an_alias_and_chat_ids_say_they_come_from_text
         assert out[name] == (404, None) and out["GET " + name] == (404, None), (name, out)
     assert out["listed"] == ["m@123"]
     assert seen == [("token_ids", True), ("token_ids", False), ("text", False)]
+
+
+def test_a_full_checkpoint_id_named_by_model_is_sent_to_generate_and_a_folder_name_is_not():
+    """In front of a router (``forward_model_id``), a ``model`` with "@" names one checkpoint:
+    Generate gets it as ``model_id`` and refuses it if that checkpoint is no longer served
+    when the request is routed; a name without "@", or no name, leaves ``model_id`` empty.
+    A worker's front (the default) sends none."""
+    seen = []
+
+    async def generate(req, ctx):
+        seen.append(req.model_id)
+        yield _final()
+
+    async def run():
+        front, url = await _serve(generate)
+        front.model_id, front.model_aliases = "m@123", frozenset({"m", "m@123+compute=float32"})
+        try:
+            async with aiohttp.ClientSession() as s:
+                async def post(path, body):
+                    r = await s.post(f"{url}/{path}", json=body)
+                    assert r.status == 200, (body, r.status, await r.text())
+                await post("completions", {"model": "m@123", "prompt": "abc", "max_tokens": 1})
+                front.forward_model_id = True
+                for name in ("m@123", "m@123+compute=float32", "m", "", None):
+                    await post("completions", {"model": name, "prompt": [104, 105], "max_tokens": 1})
+                await post("chat/completions", {"model": "m@123", "messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 1})
+        finally:
+            await front.stop()
+
+    asyncio.run(run())
+    assert seen == ["", "m@123", "m@123+compute=float32", "", "", "", "m@123"]

@@ -6,11 +6,13 @@ once, off its event loop.
 Unit tests of `model_identity.tokenizer_fingerprint`, `membership.Compatibility` and the
 router's lazy checkpoint id; the router in-process behind its HTTP front, with stand-in
 workers and leases the test sets (chat ids checked on the fleet they are routed in, every
-name of the served model, a router folder without weights, the wait's deadline, HTTP
-statuses of the fleet's states); then real redis-server, worker and router processes on
+name of the served model and no other, a request naming a checkpoint never answered by
+another, a router folder without weights, the wait's deadline and its end at shutdown, HTTP
+statuses of the fleet's states, the failed hash's back-off); then real redis-server, worker and router processes on
 loopback: a router whose weight file cannot be read serves text and token ids; one of
 another tokenizer refuses text (gRPC, Tokenize, HTTP chat) and serves token ids; older
-leases fall back to the checkpoint id, and chat and Tokenize wait for it as text does."""
+leases fall back to the checkpoint id, and chat and Tokenize wait for it as text does; a
+router stopped while a request waits for its hash reports NOT_SERVING and stops in seconds."""
 from __future__ import annotations
 
 import asyncio
@@ -159,8 +161,10 @@ def test_another_tokenizer_gets_token_ids_only(caplog):
         sel = compat.select({"w1": lease("x@1", OTHER_TOK), "w2": lease("x@1", OTHER_TOK)})
         compat.select({"w1": lease("x@1", OTHER_TOK), "w2": lease("x@1", OTHER_TOK)})
     assert set(sel.workers) == {"w1", "w2"} and sel.model_id == "x@1" and not sel.needs_model_id
-    assert "--model /m" in sel.text_reason and "token_ids" in sel.text_reason
-    assert len([r for r in caplog.records if "text prompts refused" in r.getMessage()]) == 1  # once per change
+    assert "--model" in sel.text_reason and "token_ids" in sel.text_reason
+    assert "/m" not in sel.text_reason  # the router's path is for its log, not for clients
+    refused = [r.getMessage() for r in caplog.records if "text prompts refused" in r.getMessage()]
+    assert len(refused) == 1 and "--model /m" in refused[0]  # once per change
     # workers of the router's tokenizer come first, whatever the majority serves
     sel = compat.select({"w1": lease("x@1", OTHER_TOK), "w2": lease("x@1", OTHER_TOK), "w3": lease("a@1")})
     assert set(sel.workers) == {"w3"} and sel.text_reason == ""
@@ -180,9 +184,11 @@ def test_an_older_lease_is_compared_by_checkpoint_id():
     sel = compat.select(old)
     assert set(sel.workers) == {"w1"} and "--model" in sel.text_reason
     # the id could not be computed: older workers get token ids only, and the reason says why
-    compat.router_model_id, compat.model_id_problem = None, "model.safetensors: no such file"
+    compat.router_model_id, compat.model_id_problem = None, "No such file or directory: '/m/model.safetensors'"
     sel = compat.select(old)
-    assert not sel.needs_model_id and "no such file" in sel.text_reason and "older kvmesh" in sel.text_reason
+    assert not sel.needs_model_id and "older kvmesh" in sel.text_reason and "token_ids" in sel.text_reason
+    assert "router's log" in sel.text_reason
+    assert "/m" not in sel.text_reason and "No such file" not in sel.text_reason  # for the log only
     # another recipe version of the tokenizer id counts as none
     assert compat.speaks(lease("served@1", tok="tok-v9-aaaa")) is None
     # an older lease of a model id that a current lease vouches for shares its tokenizer
@@ -548,6 +554,171 @@ def test_no_usable_worker_is_unavailable_and_a_stale_lease_is_routed_around(ckpt
         assert code == 200 and body["usage"]["kvmesh"]["worker_id"] == "good", (i, out[f"both {i}"])
 
 
+def _held_hash(monkeypatch):
+    """Makes the router's checkpoint hash wait until the returned event is set."""
+    import threading
+
+    from kvmesh.services import router as router_mod
+
+    release = threading.Event()
+    real = router_mod.checkpoint_model_id
+
+    def slow(model_dir):
+        release.wait(120)
+        return real(model_dir)
+    monkeypatch.setattr(router_mod, "checkpoint_model_id", slow)
+    return release
+
+
+def test_a_request_naming_a_checkpoint_is_never_answered_by_another(ckpt, monkeypatch):
+    """Workers of two checkpoints of the router's tokenizer, the router's id not known yet: the
+    majority's checkpoint is served meanwhile. A request naming it by its full id waits for the
+    router's id like any other; when the fleet then flips to the router's own checkpoint, the
+    request is refused 404, not answered by the other checkpoint. Naming the router's own
+    checkpoint, or no model, is served."""
+    release = _held_hash(monkeypatch)
+
+    async def main():
+        own_id = read_config(ckpt).model_id
+        majority = own_id.partition("@")[0] + "@9d51ac0ccd1d"
+        a, b, own = (await _StandIn("a").start(), await _StandIn("b").start(), await _StandIn("own").start())
+        router = _router(ckpt, {})
+        mine = router.tokenizer_id
+        router.subscriber.set({"a": a.lease(majority, mine), "b": b.lease(majority, mine),
+                               "own": own.lease(own_id, mine)})
+        front, url = await _front(router)
+        out = {}
+        try:
+            router._fleet()  # the leases are read: the majority's checkpoint is listed meanwhile
+            out["listed"] = await _get(f"{url}/models")
+            waiting = asyncio.get_running_loop().create_task(
+                _post(f"{url}/completions", {"model": majority, "prompt": [5, 6], "max_tokens": 1}))
+            await asyncio.sleep(0.5)
+            release.set()
+            out["majority"] = await asyncio.wait_for(waiting, 60)
+            out["own"] = await _post(f"{url}/completions", {"model": own_id, "prompt": [5, 6], "max_tokens": 1})
+            out["any"] = await _post(f"{url}/completions", {"prompt": [5, 6], "max_tokens": 1})
+        finally:
+            release.set()
+            await front.stop()
+            await router.close()
+            for w in (a, b, own):
+                await w.stop()
+        return out, majority, own_id, a.requests + b.requests, own.requests
+    out, majority, own_id, to_majority, to_own = asyncio.run(main())
+    assert [m["id"] for m in out["listed"][1]["data"]] == [majority], out["listed"]
+    code, body = out["majority"]
+    assert code == 404 and majority in body["error"]["message"], out["majority"]
+    assert to_majority == []
+    assert out["own"][0] == 200 and out["any"][0] == 200, out
+    assert [r.model_id for r in to_own] == [own_id, own_id]  # what the router hashes and forwards under
+
+
+def test_the_http_front_answers_only_to_names_of_the_model_it_serves(ckpt):
+    """No worker shares the router's tokenizer: the router's folder name is not the served
+    model, so the front answers 404 to it (text would be refused, and token ids would be
+    served by another model). A checkpoint's name before "@" names it only while no other
+    live checkpoint has that name."""
+    async def main():
+        x1, x2 = await _StandIn("x1").start(), await _StandIn("x2").start()
+        router = _router(ckpt, {"x1": x1.lease("x@1", OTHER_TOK)})
+        front, url = await _front(router)
+        out = {}
+        ids = {"prompt": [5, 6], "max_tokens": 1}
+        try:
+            router._fleet()
+            out["folder"] = await _post(f"{url}/completions", dict(ids, model="served"))
+            out["GET folder"] = await _get(f"{url}/models/served")
+            out["x"] = await _post(f"{url}/completions", dict(ids, model="x"))
+            out["x@1"] = await _post(f"{url}/completions", dict(ids, model="x@1"))
+            # two checkpoints named x: "x" would name either
+            router.subscriber.set({"x1": x1.lease("x@1", OTHER_TOK), "x1b": x1.lease("x@1", OTHER_TOK),
+                                   "x2": x2.lease("x@2", OTHER_TOK)})
+            router._fleet()
+            out["x of two"] = await _post(f"{url}/completions", dict(ids, model="x"))
+            out["GET x of two"] = await _get(f"{url}/models/x")
+            out["x@1 of two"] = await _post(f"{url}/completions", dict(ids, model="x@1"))
+        finally:
+            await front.stop()
+            await router.close()
+            await x1.stop()
+            await x2.stop()
+        return out
+    out = asyncio.run(main())
+    for name in ("folder", "GET folder", "x of two", "GET x of two"):
+        assert out[name][0] == 404, (name, out[name])
+    for name in ("x", "x@1", "x@1 of two"):
+        assert out[name][0] == 200 and out[name][1]["model"] == "x@1", (name, out[name])
+
+
+def test_a_failed_hash_is_retried_ever_later_and_logged_at_each_step(ckpt, tmp_path, caplog):
+    """Each attempt reads every weight file: after a failure the wait before the next doubles
+    from RETRY_S up to MAX_RETRY_S, and only the first failure and each longer wait are
+    errors in the log; a success ends it."""
+    from kvmesh.services import router as router_mod
+
+    broken = _tokenizer_only_copy(ckpt, str(tmp_path / "broken"))
+
+    async def main():
+        lazy = router_mod._CheckpointId(broken, lambda value, problem: None)
+        waits = []
+        for _ in range(9):
+            assert lazy.pending()
+            assert await lazy.start() is None
+            waits.append(lazy.retry_s)
+            lazy._failed_at -= lazy.retry_s - 1
+            assert not lazy.pending() and lazy.start() is None  # not a second sooner
+            lazy._failed_at -= 1
+        return waits
+    with caplog.at_level(logging.WARNING, logger="kvmesh.services.router"):
+        waits = asyncio.run(main())
+    assert waits == [60, 120, 240, 480, 960, 1920, 3600, 3600, 3600], waits
+    levels = [r.levelno for r in caplog.records if "could not hash" in r.getMessage()]
+    assert levels == [logging.ERROR] * 7 + [logging.WARNING] * 2, levels
+
+    async def recovers():
+        lazy = router_mod._CheckpointId(broken, lambda value, problem: None)
+        await lazy.start()
+        lazy._failed_at -= lazy.retry_s
+        os.remove(os.path.join(broken, "model.safetensors"))
+        shutil.copy(os.path.join(ckpt, "model.safetensors"), os.path.join(broken, "model.safetensors"))
+        value = await lazy.start()
+        return value, lazy
+    value, lazy = asyncio.run(recovers())
+    assert value and lazy.retry_s == 0 and not lazy.pending() and lazy.start() is None
+
+
+def test_a_request_waiting_for_the_checkpoint_id_ends_at_once_when_the_router_stops(ckpt, monkeypatch):
+    """A shutdown while a chat request waits for the router's checkpoint hash: the wait ends
+    UNAVAILABLE (503) at once, so the HTTP front stops in a moment, not after its handlers'
+    minute; token ids were served meanwhile."""
+    release = _held_hash(monkeypatch)
+
+    async def main():
+        worker = await _StandIn("old").start()
+        router = _router(ckpt, {"old": worker.lease(read_config(ckpt).model_id, None)})
+        front, url = await _front(router)
+        try:
+            waiting = asyncio.get_running_loop().create_task(_post(f"{url}/chat/completions", CHAT))
+            ids = await _post(f"{url}/completions", {"prompt": [5, 6], "max_tokens": 1})
+            await asyncio.sleep(0.3)
+            began = time.monotonic()
+            router.begin_shutdown()
+            chat = await asyncio.wait_for(waiting, 30)
+            await front.stop()
+            took = time.monotonic() - began
+        finally:
+            release.set()
+            await front.stop()
+            await router.close()
+            await worker.stop()
+        return ids, chat, took
+    ids, chat, took = asyncio.run(main())
+    assert ids[0] == 200, ids
+    assert chat[0] == 503 and "shutting down" in chat[1]["error"]["message"], chat
+    assert took < 20, took
+
+
 # ------------------------------------------------------------------ real processes
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -736,11 +907,14 @@ def test_an_older_workers_lease_falls_back_to_the_checkpoint_id(cluster):
             with pytest.raises(grpc.RpcError) as err:
                 r.generate(PROMPT, max_tokens=2, temperature=0.0, timeout=120)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "older kvmesh" in err.value.details() and "model.safetensors" in err.value.details()
+            details = err.value.details()
+            assert "older kvmesh" in details and "router's log" in details and "token_ids" in details, details
+            assert "model.safetensors" not in details and broken not in details, details  # the log has them
             out = r.generate(token_ids=ids, max_tokens=2, temperature=0.0, timeout=60)
             assert out.token_ids == direct.token_ids
         with open(bad_log) as fh:
-            assert "could not hash the router's checkpoint" in fh.read()
+            text = fh.read()
+        assert "could not hash the router's checkpoint" in text and "model.safetensors" in text, text
     finally:
         old.close()
 
@@ -841,6 +1015,105 @@ def test_chat_and_tokenize_wait_for_the_routers_checkpoint_id_as_text_does(clust
     finally:
         release.set()
         if "loop" in state:
+            state["loop"].call_soon_threadsafe(state["stop"].set)
+        server.join(60)
+        old.close()
+
+
+def test_a_router_told_to_stop_while_a_request_waits_for_its_hash_stops_in_seconds(cluster, monkeypatch):
+    """SIGTERM's path (``serve_router``'s stop) while an HTTP chat request waits for the
+    router's checkpoint hash: health reports NOT_SERVING before the HTTP front stops, the
+    request ends 503 at once, and the router returns within seconds, not after the front's
+    minute of waiting for its handlers."""
+    import threading
+
+    import redis as redis_lib
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvmesh.services import http_front as front_mod
+    from kvmesh.services import router as router_mod
+    from kvmesh.services.procs import free_port, wait_healthy
+    from kvmesh.workers.kv_publisher import WorkerLease, lease_key
+
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(cluster["tmp"] / "stop-cache"))
+    release = threading.Event()
+    real_id = router_mod.checkpoint_model_id
+
+    def held_id(model_dir):
+        release.wait(600)
+        return real_id(model_dir)
+    monkeypatch.setattr(router_mod, "checkpoint_model_id", held_id)
+    waits = []
+    real_wait = router_mod.RouterServicer._wait_checkpoint_id
+
+    async def counted_wait(self, *args, **kwargs):
+        waits.append(1)
+        return await real_wait(self, *args, **kwargs)
+    monkeypatch.setattr(router_mod.RouterServicer, "_wait_checkpoint_id", counted_wait)
+    port, http_port = free_port(), free_port()
+    raddr = f"127.0.0.1:{port}"
+    health_at_front_stop = []
+    real_stop = front_mod.HttpFront.stop
+
+    async def observed_stop(self):
+        if not health_at_front_stop:
+            async with grpc.aio.insecure_channel(raddr) as ch:
+                resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                  timeout=10)
+            health_at_front_stop.append(resp.status)
+        return await real_stop(self)
+    monkeypatch.setattr(front_mod.HttpFront, "stop", observed_stop)
+
+    client = redis_lib.Redis.from_url(cluster["redis"].url)
+    current = json.loads(client.get(lease_key("w0", "ident")))
+    client.close()
+    info = {k: v for k, v in current.items() if k not in ("tokenizer_id", "worker_id", "address", "instance",
+                                                           "load", "ts", "kv_seq", "kv_epoch")}
+    old = WorkerLease(cluster["redis"].url, "old0", cluster["worker"], info, lambda: current.get("load") or {},
+                      cluster="ident-stop", ttl_s=10.0, interval_s=1.0)
+    state: dict = {}
+
+    def serve():
+        async def main():
+            state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
+            await router_mod.serve_router(port, cluster["redis"].url, model_dir=cluster["served"],
+                                          cluster="ident-stop", stop=state["stop"], http_port=http_port)
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            state["error"] = exc
+    server = threading.Thread(target=serve, name="router", daemon=True)
+    results: dict = {}
+
+    def chat():
+        try:
+            results["chat"] = _http(http_port, "/v1/chat/completions", CHAT, timeout=300)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            results["chat"] = exc
+    caller = threading.Thread(target=chat, daemon=True)
+    try:
+        server.start()
+        wait_healthy(raddr, timeout=120)
+        _wait_routed(raddr, "old0")
+        caller.start()
+        deadline = time.monotonic() + 120
+        while not waits and not results and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert waits and not results, results
+        began = time.monotonic()
+        state["loop"].call_soon_threadsafe(state["stop"].set)
+        server.join(40)
+        took = time.monotonic() - began
+        assert not server.is_alive(), "the router did not stop within 40 s"
+        caller.join(30)
+        assert took < 20, took
+        assert health_at_front_stop == [health_pb2.HealthCheckResponse.NOT_SERVING], health_at_front_stop
+        code, body = results["chat"]
+        assert code == 503 and "shutting down" in body["error"]["message"], results["chat"]
+        assert "error" not in state, state
+    finally:
+        release.set()
+        if "loop" in state and server.is_alive():
             state["loop"].call_soon_threadsafe(state["stop"].set)
         server.join(60)
         old.close()
