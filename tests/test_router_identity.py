@@ -869,23 +869,62 @@ def test_a_router_of_another_tokenizer_refuses_text_and_serves_token_ids(cluster
     assert code == 200 and body["usage"]["completion_tokens"] == 2, body
 
 
-def test_an_older_workers_lease_falls_back_to_the_checkpoint_id(cluster):
-    """A lease without tokenizer_id (as an older worker writes) in a cluster of its own,
-    naming the real worker: a router with the real checkpoint hashes its weights once, after
-    start, and then serves text; one whose weights cannot be read serves token ids only."""
+def _older_worker_lease(cluster, cluster_name: str):
+    """A lease without tokenizer_id (as an older worker writes) naming the real worker w0, in
+    cluster ``cluster_name``; returns the `WorkerLease` (close it) and w0's own lease."""
     import redis as redis_lib
 
-    from kvmesh.services.client import KvmeshClient
     from kvmesh.workers.kv_publisher import WorkerLease, lease_key
 
     client = redis_lib.Redis.from_url(cluster["redis"].url)
     current = json.loads(client.get(lease_key("w0", "ident")))
     client.close()
-    assert comparable_tokenizer_id(current["tokenizer_id"])
     info = {k: v for k, v in current.items() if k not in ("tokenizer_id", "worker_id", "address", "instance",
                                                            "load", "ts", "kv_seq", "kv_epoch")}
     old = WorkerLease(cluster["redis"].url, "old0", cluster["worker"], info, lambda: current.get("load") or {},
-                      cluster="ident-old", ttl_s=10.0, interval_s=1.0)
+                      cluster=cluster_name, ttl_s=10.0, interval_s=1.0)
+    return old, current
+
+
+def _count_checkpoint_waits(monkeypatch, router_mod) -> list:
+    """Patch the router's wait for its checkpoint id to count its callers (one entry each)."""
+    waits = []
+    real_wait = router_mod.RouterServicer._wait_checkpoint_id
+
+    async def counted_wait(self, *args, **kwargs):
+        waits.append(1)
+        return await real_wait(self, *args, **kwargs)
+    monkeypatch.setattr(router_mod.RouterServicer, "_wait_checkpoint_id", counted_wait)
+    return waits
+
+
+def _router_thread(cluster, router_mod, port: int, http_port: int, cluster_name: str):
+    """A thread that serves a router in this process as ``kvmesh router`` does (not started);
+    ``state`` gets its ``loop`` and ``stop`` event once it runs, and ``error`` if it raised."""
+    import threading
+
+    state: dict = {}
+
+    def serve():
+        async def main():
+            state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
+            await router_mod.serve_router(port, cluster["redis"].url, model_dir=cluster["served"],
+                                          cluster=cluster_name, stop=state["stop"], http_port=http_port)
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            state["error"] = exc
+    return threading.Thread(target=serve, name="router", daemon=True), state
+
+
+def test_an_older_workers_lease_falls_back_to_the_checkpoint_id(cluster):
+    """A lease without tokenizer_id (as an older worker writes) in a cluster of its own,
+    naming the real worker: a router with the real checkpoint hashes its weights once, after
+    start, and then serves text; one whose weights cannot be read serves token ids only."""
+    from kvmesh.services.client import KvmeshClient
+
+    old, current = _older_worker_lease(cluster, "ident-old")
+    assert comparable_tokenizer_id(current["tokenizer_id"])
     try:
         good, _, good_log = _start_router(cluster, "r-old-good", cluster["served"], cluster_name="ident-old")
         broken = _tokenizer_only_copy(cluster["served"], str(cluster["tmp"] / "old-broken"))
@@ -926,12 +965,9 @@ def test_chat_and_tokenize_wait_for_the_routers_checkpoint_id_as_text_does(clust
     as ``kvmesh router`` does, so that its hashing can be held until every request waits."""
     import threading
 
-    import redis as redis_lib
-
     from kvmesh.services import router as router_mod
     from kvmesh.services.client import KvmeshClient
     from kvmesh.services.procs import free_port, wait_healthy
-    from kvmesh.workers.kv_publisher import WorkerLease, lease_key
 
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(cluster["tmp"] / "in-process-cache"))
     release, hashing = threading.Event(), threading.Event()
@@ -942,35 +978,11 @@ def test_chat_and_tokenize_wait_for_the_routers_checkpoint_id_as_text_does(clust
         release.wait(600)
         return real_id(model_dir)
     monkeypatch.setattr(router_mod, "checkpoint_model_id", slow_id)
-    waits = []
-    real_wait = router_mod.RouterServicer._wait_checkpoint_id
-
-    async def counted_wait(self, *args, **kwargs):
-        waits.append(1)
-        return await real_wait(self, *args, **kwargs)
-    monkeypatch.setattr(router_mod.RouterServicer, "_wait_checkpoint_id", counted_wait)
-
-    client = redis_lib.Redis.from_url(cluster["redis"].url)
-    current = json.loads(client.get(lease_key("w0", "ident")))
-    client.close()
-    info = {k: v for k, v in current.items() if k not in ("tokenizer_id", "worker_id", "address", "instance",
-                                                           "load", "ts", "kv_seq", "kv_epoch")}
-    old = WorkerLease(cluster["redis"].url, "old0", cluster["worker"], info, lambda: current.get("load") or {},
-                      cluster="ident-slow", ttl_s=10.0, interval_s=1.0)
+    waits = _count_checkpoint_waits(monkeypatch, router_mod)
+    old, current = _older_worker_lease(cluster, "ident-slow")
     port, http_port = free_port(), free_port()
     raddr = f"127.0.0.1:{port}"
-    state: dict = {}
-
-    def serve():
-        async def main():
-            state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
-            await router_mod.serve_router(port, cluster["redis"].url, model_dir=cluster["served"],
-                                          cluster="ident-slow", stop=state["stop"], http_port=http_port)
-        try:
-            asyncio.run(main())
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            state["error"] = exc
-    server = threading.Thread(target=serve, name="router", daemon=True)
+    server, state = _router_thread(cluster, router_mod, port, http_port, "ident-slow")
     results: dict = {}
 
     def call(name, fn):
@@ -1027,13 +1039,11 @@ def test_a_router_told_to_stop_while_a_request_waits_for_its_hash_stops_in_secon
     minute of waiting for its handlers."""
     import threading
 
-    import redis as redis_lib
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from kvmesh.services import http_front as front_mod
     from kvmesh.services import router as router_mod
     from kvmesh.services.procs import free_port, wait_healthy
-    from kvmesh.workers.kv_publisher import WorkerLease, lease_key
 
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(cluster["tmp"] / "stop-cache"))
     release = threading.Event()
@@ -1043,13 +1053,7 @@ def test_a_router_told_to_stop_while_a_request_waits_for_its_hash_stops_in_secon
         release.wait(600)
         return real_id(model_dir)
     monkeypatch.setattr(router_mod, "checkpoint_model_id", held_id)
-    waits = []
-    real_wait = router_mod.RouterServicer._wait_checkpoint_id
-
-    async def counted_wait(self, *args, **kwargs):
-        waits.append(1)
-        return await real_wait(self, *args, **kwargs)
-    monkeypatch.setattr(router_mod.RouterServicer, "_wait_checkpoint_id", counted_wait)
+    waits = _count_checkpoint_waits(monkeypatch, router_mod)
     port, http_port = free_port(), free_port()
     raddr = f"127.0.0.1:{port}"
     health_at_front_stop = []
@@ -1064,25 +1068,8 @@ def test_a_router_told_to_stop_while_a_request_waits_for_its_hash_stops_in_secon
         return await real_stop(self)
     monkeypatch.setattr(front_mod.HttpFront, "stop", observed_stop)
 
-    client = redis_lib.Redis.from_url(cluster["redis"].url)
-    current = json.loads(client.get(lease_key("w0", "ident")))
-    client.close()
-    info = {k: v for k, v in current.items() if k not in ("tokenizer_id", "worker_id", "address", "instance",
-                                                           "load", "ts", "kv_seq", "kv_epoch")}
-    old = WorkerLease(cluster["redis"].url, "old0", cluster["worker"], info, lambda: current.get("load") or {},
-                      cluster="ident-stop", ttl_s=10.0, interval_s=1.0)
-    state: dict = {}
-
-    def serve():
-        async def main():
-            state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
-            await router_mod.serve_router(port, cluster["redis"].url, model_dir=cluster["served"],
-                                          cluster="ident-stop", stop=state["stop"], http_port=http_port)
-        try:
-            asyncio.run(main())
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            state["error"] = exc
-    server = threading.Thread(target=serve, name="router", daemon=True)
+    old, _ = _older_worker_lease(cluster, "ident-stop")
+    server, state = _router_thread(cluster, router_mod, port, http_port, "ident-stop")
     results: dict = {}
 
     def chat():
