@@ -481,17 +481,7 @@ def test_a_router_without_weights_tells_text_for_older_workers_why_and_what_to_d
 def test_a_wait_for_the_checkpoint_id_ends_at_the_requests_deadline(ckpt, monkeypatch):
     """While the router hashes its checkpoint for an older lease, chat (as text) waits, and
     no longer than the request's deadline: then 504, and token ids are served meanwhile."""
-    import threading
-
-    from kvmesh.services import router as router_mod
-
-    release = threading.Event()
-    real = router_mod.checkpoint_model_id
-
-    def slow(model_dir):
-        release.wait(120)
-        return real(model_dir)
-    monkeypatch.setattr(router_mod, "checkpoint_model_id", slow)
+    release = _held_hash(monkeypatch)
 
     async def main():
         worker = await _StandIn("old").start()
