@@ -808,11 +808,6 @@ async def _follow_fleet(servicer: RouterServicer, period_s: float) -> None:
             log.exception("recomputing the router's fleet failed")
 
 
-def http_fronts(extras) -> list:
-    """The HTTP fronts among a process's side servers (`observability.Extras.http_fronts`)."""
-    return list(getattr(extras, "http_fronts", ()))
-
-
 _ADDRESS = re.compile(r"(ipv4|ipv6|unix|dns):\S+|\b\d{1,3}(\.\d{1,3}){3}(:\d+)?|\[[0-9a-fA-F:]+\](:\d+)?")
 
 
@@ -931,7 +926,7 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
         2.0, lambda: servicer._select(subscriber.live_workers()))  # logs mismatched workers at start
     follower = None
     if model_dir is not None:
-        servicer.http_fronts = http_fronts(extras)
+        servicer.http_fronts = list(extras.http_fronts)
         if servicer.http_fronts:  # the front's model name follows the workers' between requests too
             follower = asyncio.get_running_loop().create_task(_follow_fleet(servicer, subscriber.poll_interval_s))
     bound = await grpc_host.start()

@@ -20,21 +20,11 @@ from kvmesh.cache_store.remote_tier import RemoteTier
 from kvmesh.workers.kv_publisher import WorkerLease, lease_key, stream_key, workers_key
 from kvmesh.workers.model_identity import producer_tag
 from tests.test_disk_tier import items  # a chain of n (meta, payload) records
+from tests.test_remote_tier import connect, raw  # noqa: F401 (raw: a fixture)
 
 LIVE = "cpu avx2, 1 thread, torch 2.13.0, kernel"  # the producer the live workers name
 OLD = "cpu avx2, torch 2.12.0, kernel"  # the producer of the fleet before an upgrade
 LIVE_TAG, OLD_TAG = producer_tag(LIVE), producer_tag(OLD)
-
-
-def connect(url, timeout=2.0):
-    return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-
-
-@pytest.fixture()
-def raw(redis_server):
-    c = connect(redis_server.url)
-    yield c
-    c.close()
 
 
 @pytest.fixture()

@@ -9,7 +9,6 @@ tiny default (`ModelConfig.tiny`), or looked up for a few public models (`KNOWN_
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -503,18 +502,9 @@ def resolve_model_shape(name_or_dir: str) -> ModelConfig:
         if text.lower() in (key.lower(), cfg.model_id.lower()):
             return cfg
     if os.path.isdir(text):
-        path = os.path.join(text, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(f"{text!r} is a directory without config.json")
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: cannot read config.json ({exc})") from None
-        try:
-            return ModelConfig.from_hf_dict(data, model_id=os.path.basename(os.path.normpath(text)))
-        except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from None
+        from kvmesh.workers.model_identity import config_without_weights
+
+        return config_without_weights(text)
     names = ", ".join(["tiny", *KNOWN_SHAPES])
     raise ValueError(f"unknown model {text!r}; known names: {names}; or pass a directory with config.json")
 
