@@ -182,12 +182,18 @@ async def read_json_object(request: web.Request, timeout_s: float | None = DEFAU
 
     Raises:
         web.HTTPRequestTimeout: the body did not arrive in time (a 408).
+        web.HTTPRequestEntityTooLarge: the body is, or its Content-Length says it is, over
+            the application's ``client_max_size`` (a 413; a declared size is refused before
+            the body is read).
         ValueError: the body is not a JSON object; the message (safe to send back, as a
             400) says why: invalid JSON or UTF-8, a charset Python does not know, a body
             that does not decode as its Content-Encoding says, an integer past Python's
             digit limit (4,300 digits), nesting too deep for the parser, or another JSON
             value.
     """
+    declared, most = request.content_length, request.client_max_size
+    if declared is not None and most and declared > most:  # refused before a byte of it is read
+        raise web.HTTPRequestEntityTooLarge(max_size=most, actual_size=declared)
     try:
         body = json.loads(await within(request.text(), timeout_s))
     except asyncio.TimeoutError:
@@ -606,10 +612,16 @@ def _error_middleware(max_body_bytes: int = 0):
             if exc.status < 400:
                 raise
             if exc.status == 413:
-                return HttpError(413, f"request body over {max_body_bytes:,} bytes: more than the model's context "
+                resp = HttpError(413, f"request body over {max_body_bytes:,} bytes: more than the model's context "
                                       "could hold; shorten the prompt").response()
-            return HttpError(exc.status, f"{request.method} {request.path}: {exc.reason}",
-                             "not_found_error" if exc.status == 404 else "invalid_request_error").response()
+            else:
+                resp = HttpError(exc.status, f"{request.method} {request.path}: {exc.reason}",
+                                 "not_found_error" if exc.status == 404 else "invalid_request_error").response()
+            if exc.status in (408, 413):
+                # the body was not read to its end: what the client still sends would be read
+                # as the next request on this connection, so it closes after the answer
+                resp.force_close()
+            return resp
         except ConnectionError:  # the client went away (reset mid-body, closed before the answer): its choice
             log.debug("HTTP %s %s: client disconnected", request.method, clip(request.path, 200))
             raise

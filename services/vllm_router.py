@@ -455,9 +455,13 @@ class VllmRouter:
             except _HttpError as exc:
                 return exc.response()
             except web.HTTPRequestEntityTooLarge:
-                return _HttpError(413, f"request body over {MAX_BODY_BYTES:,} bytes; shorten the prompt").response()
+                resp = _HttpError(413, f"request body over {MAX_BODY_BYTES:,} bytes; shorten the prompt").response()
+                resp.force_close()  # the body was not read to its end (see `http_front`'s errors)
+                return resp
             except web.HTTPRequestTimeout as exc:  # the body did not arrive in time (`read_json_object`)
-                return _HttpError(408, exc.reason or "request body not received in time; send it at once").response()
+                resp = _HttpError(408, exc.reason or "request body not received in time; send it at once").response()
+                resp.force_close()
+                return resp
 
         app = web.Application(middlewares=[errors], client_max_size=MAX_BODY_BYTES)
         async def completions(request):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
 import grpc
@@ -561,14 +562,53 @@ def test_a_body_that_does_not_arrive_is_408():
             r, w = await asyncio.open_connection("127.0.0.1", front._serving.port)
             w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")
-            got = await _closed_within(r, 20.0)
+            # the answer, read as it arrives: the server then lingers (aiohttp reads and drops
+            # what the client still sends for a while) before it closes
+            got = await _answer(r)
             w.close()
             return got
         finally:
             await front.stop()
 
-    got = asyncio.run(run())
-    assert got is not None and got.startswith(b"HTTP/1.1 408"), got
+    head, body = asyncio.run(run())
+    assert head.startswith(b"HTTP/1.1 408"), head
+    # the unread rest of the body must not be taken for the next request on this connection
+    assert re.search(rb"(?i)\r\nconnection: *close\r\n", head), head
+    assert "not received within 0.5 s" in body["error"]["message"], body
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[bytes, dict]:
+    """One HTTP response as it arrives (without waiting for the connection to close): its
+    status line and headers, and its JSON body."""
+    async with asyncio.timeout(20):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
+        return head, json.loads(await reader.readexactly(length))
+
+
+def test_a_declared_body_over_the_cap_is_refused_before_it_is_read():
+    """A Content-Length over the body cap gets 413 at once, not after the front has read (or
+    waited for) that many bytes, and the connection closes after the answer."""
+    async def never(req, ctx):  # pragma: no cover
+        raise AssertionError("reached Generate")
+        yield
+
+    async def run():
+        front, url = await _serve(never, max_model_len=2048, body_timeout_s=60.0)
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", front._serving.port)
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n{\"prompt\": " % (front.max_body_bytes + 1))
+            got = await _answer(r)  # within 20 s, far less than the body timeout
+            w.close()
+            return got
+        finally:
+            await front.stop()
+
+    head, body = asyncio.run(run())
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert re.search(rb"(?i)\r\nconnection: *close\r\n", head), head
+    assert "shorten the prompt" in body["error"]["message"], body
 
 
 def test_connections_over_the_cap_get_503_unread_and_health_answers_once_the_slow_ones_leave():

@@ -302,3 +302,43 @@ def test_a_subscriber_that_stops_is_logged_once_and_shown_in_health(caplog):
     assert later["servers"]["a"]["error"] == entry["error"]
     errors = [r for r in caplog.records if r.levelno == logging.ERROR and "tcp://*:5557" in r.getMessage()]
     assert len(errors) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_a_declared_body_over_the_cap_is_refused_at_once_and_the_connection_closes():
+    """A Content-Length over `MAX_BODY_BYTES` gets an OpenAI-shaped 413 before the body is
+    read (not after the 60 s body timeout) and ``Connection: close``: the unread rest of
+    the body must not be taken for the next request on that connection."""
+    import asyncio
+    import json
+    import re
+
+    from aiohttp import web
+
+    from kvmesh.services.vllm_compat import VllmHashConfig
+    from kvmesh.services.vllm_router import MAX_BODY_BYTES, VllmRouter
+
+    async def completions(request):  # pragma: no cover - never reached
+        return web.json_response({})
+
+    async def run():
+        runner, port = await _stand_in_vllm(completions)
+        router = VllmRouter([VllmServerSpec("a", f"http://127.0.0.1:{port}", "tcp://127.0.0.1:1")], VllmHashConfig())
+        fport = await router.start("127.0.0.1", 0)
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", fport)
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n{\"prompt\": " % (MAX_BODY_BYTES + 1))
+            async with asyncio.timeout(20):
+                head = await r.readuntil(b"\r\n\r\n")
+                length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
+                body = json.loads(await r.readexactly(length))
+            w.close()
+            return head, body
+        finally:
+            await router.stop()
+            await runner.cleanup()
+
+    head, body = asyncio.run(run())
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert re.search(rb"(?i)\r\nconnection: *close\r\n", head), head
+    assert body["error"]["code"] == 413 and "shorten the prompt" in body["error"]["message"], body
