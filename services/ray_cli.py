@@ -61,8 +61,9 @@ def register(sub) -> argparse.ArgumentParser:
                         "reachable from other machines (refused by default: Ray access would be peer access; "
                         "docs/SECURITY.md)")
     p.add_argument("--run-dir", default=None,
-                   help="folder on the driver's machine for the generated credentials (RUN_DIR/credentials: CA, "
-                        "certificates, api-keys, client.env); default a new temporary folder, removed at stop")
+                   help="folder on the driver's machine for the generated credentials (RUN_DIR/credentials: CA "
+                        "certificates, keys, api-keys, client.env; the CA keys are deleted once the certificates "
+                        "are issued, the rest at stop); default a new temporary folder, removed at stop")
     p.add_argument("--cert-dns", action="append", default=[], metavar="NAME",
                    help="another DNS name clients reach the router by, added to its certificate (repeatable; "
                         "e.g. the Kubernetes Service kvmesh-router; default none)")

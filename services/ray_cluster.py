@@ -17,10 +17,12 @@ node's IP and advertising it:
   the driver's Ray job, so Ray removes them even if the driver is killed;
 - secure by default, as `kvmesh up`: the driver generates the cluster's credentials
   (`kvmesh.services.credentials`; the certificate also names every Ray node's IP) in its
-  run directory, ships the files each process needs to its actor (written 0600 on that
-  node), and starts every process with ``--tls-cert/--tls-key/--tls-ca/--client-ca/
-  --api-keys``; the Redis URL with its password reaches the processes in
-  ``KVMESH_REDIS_URL``, never in argv. ``insecure`` turns all of it off;
+  run directory and deletes the two CA keys as soon as the certificates are issued (nothing
+  is issued later: a restarted actor gets the same files), ships the files each process
+  needs to its actor (written 0600 on that node), and starts every process with
+  ``--tls-cert/--tls-key/--tls-ca/--client-ca/--api-keys``; the Redis URL with its password
+  reaches the processes in ``KVMESH_REDIS_URL``, never in argv. `RayPlacement.stop` deletes
+  the driver's credentials and every actor its own copy. ``insecure`` turns all of it off;
 - every worker and the router serve Prometheus metrics on a free port of their node, and
   the router its HTTP front; `format_status` prints their URLs.
 
@@ -105,8 +107,11 @@ class ProcessSupervisor:
     ``{ip}``, ``{port}``, ``{metrics_port}``, ``{http_port}`` (free ports of this node) and
     ``{creds}`` (the folder ``files`` are written to, mode 0700, files 0600) are replaced.
     ``env``: extra environment of the child (``KVMESH_REDIS_URL``). The child is started in
-    ``__init__`` (so a restarted actor starts it again); a watcher thread ends the actor's
-    process when the child exits unexpectedly, which is what makes Ray restart the actor.
+    ``__init__`` (so a restarted actor starts it again, writing ``files`` again); a watcher
+    thread ends the actor's process when the child exits unexpectedly, which is what makes
+    Ray restart the actor. The ``{creds}`` folder exists only while the child runs: it is
+    deleted when the child does not become ready, when it exits unexpectedly (before the
+    actor's process ends) and by `stop`.
 
     Raises:
         RuntimeError: from ``__init__``, the child did not become ready in ``ready_timeout``.
@@ -121,6 +126,7 @@ class ProcessSupervisor:
 
         self.role, self.name = role, name
         self.metrics_port = self.http_port = None
+        self.creds_dir: str | None = None   # the folder `_write_files` made, until `_remove_files`
         self.tls = bool(files)
         ctx = ray.get_runtime_context()
         self.node_id = ctx.get_node_id()
@@ -140,19 +146,23 @@ class ProcessSupervisor:
                                    "or pass --redis-url")
             self.workdir = os.path.join(self.log_dir, f"{name}-data")
             os.makedirs(self.workdir, exist_ok=True)
-            cmd = [exe, "--port", str(self.port), "--bind", self.node_ip, *cmd_args, "--save", "",
+            # a config file among ``files`` (the password: never in argv, where `ps` shows it)
+            # comes first; the options after it add to it
+            creds = self._write_files(files)
+            conf = [os.path.join(creds, name) for name in sorted(files or ()) if name.endswith(".conf")]
+            cmd = [exe, *conf, "--port", str(self.port), "--bind", self.node_ip, *cmd_args, "--save", "",
                    "--appendonly", "no", "--dir", self.workdir]
         else:
             from kvmesh.services.procs import python_cmd
 
-            creds = self._write_files(files)
-            subs = {"{ip}": self.node_ip, "{port}": str(self.port), "{creds}": creds or ""}
+            subs = {"{ip}": self.node_ip, "{port}": str(self.port)}
             if any("{metrics_port}" in a for a in cmd_args):
                 self.metrics_port = free_port(self.node_ip)
                 subs["{metrics_port}"] = str(self.metrics_port)
             if any("{http_port}" in a for a in cmd_args):
                 self.http_port = free_port(self.node_ip)
                 subs["{http_port}"] = str(self.http_port)
+            creds = subs["{creds}"] = self._write_files(files) or ""
 
             def sub(a: str) -> str:
                 for k, v in subs.items():
@@ -161,7 +171,11 @@ class ProcessSupervisor:
 
             cmd = python_cmd(*[sub(a) for a in cmd_args])
         self.stopping = False
-        self.proc = spawn(cmd, self.log_path, env=env)
+        try:
+            self.proc = spawn(cmd, self.log_path, env=env)
+        except BaseException:
+            self._remove_files()
+            raise
         try:
             if cmd_kind == "redis":
                 self._wait_tcp(ready_timeout)
@@ -178,21 +192,34 @@ class ProcessSupervisor:
             from kvmesh.services.procs import stop_process
 
             stop_process(self.proc)
+            self._remove_files()
             raise
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _write_files(self, files: dict[str, bytes] | None) -> str | None:
-        """Write ``files`` into LOG_DIR/NAME-credentials (0700; files 0600); its path."""
+        """Write ``files`` into LOG_DIR/NAME-credentials (0700; files 0600); its path, also
+        kept in ``creds_dir`` for `_remove_files`."""
         if not files:
             return None
-        folder = os.path.join(self.log_dir, f"{self.name}-credentials")
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        os.chmod(folder, 0o700)
         from kvmesh.services.credentials import _write  # 0600 whatever was there, never through a symlink
 
-        for fname, data in files.items():
-            _write(os.path.join(folder, fname), data, private=True)
+        folder = self.creds_dir = os.path.join(self.log_dir, f"{self.name}-credentials")
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            os.chmod(folder, 0o700)
+            for fname, data in files.items():
+                _write(os.path.join(folder, fname), data, private=True)
+        except BaseException:   # no partial set left behind
+            self._remove_files()
+            raise
         return folder
+
+    def _remove_files(self) -> None:
+        """Delete the folder `_write_files` made, with everything in it (keys, api-keys); a
+        no-op when there is none or it is gone already."""
+        folder, self.creds_dir = self.creds_dir, None
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _wait_tcp(self, timeout: float) -> None:
         import socket
@@ -211,7 +238,8 @@ class ProcessSupervisor:
 
     def _watch(self) -> None:
         self.proc.wait()
-        if not self.stopping:   # crashed or killed: let Ray restart this actor
+        if not self.stopping:   # crashed or killed: let Ray restart this actor, which writes the files again
+            self._remove_files()
             os._exit(1)
 
     def info(self) -> dict:
@@ -226,11 +254,15 @@ class ProcessSupervisor:
         return out
 
     def stop(self) -> int | None:
-        """SIGTERM the child (the servers drain gracefully) and wait; returns its exit code."""
+        """SIGTERM the child (the servers drain gracefully), wait, then delete its credentials
+        folder; returns the child's exit code."""
         from kvmesh.services.procs import stop_process
 
         self.stopping = True
-        stop_process(self.proc, timeout=30)
+        try:
+            stop_process(self.proc, timeout=30)
+        finally:
+            self._remove_files()
         return self.proc.returncode
 
 
@@ -276,6 +308,38 @@ class RayPlacement:
         self.peer_tls = None
         self._files: dict[str, bytes] | None = None
         self._own_run_dir: str | None = None
+        self._written: list[str] = []   # the driver's credential files, deleted by `stop`
+
+    #: CA keys `generate_cluster_credentials` writes, deleted once the certificates are issued.
+    CA_KEY_FILES = ("ca.key", "client-ca.key")
+
+    @classmethod
+    def _credential_paths(cls, c) -> list[str]:
+        """Every file `generate_cluster_credentials` wrote for ``c`` (a `ClusterCredentials`)."""
+        import dataclasses
+
+        paths = [getattr(c, f.name) for f in dataclasses.fields(c) if f.name not in ("run_dir", "api_key")]
+        paths += [os.path.join(c.run_dir, name) for name in cls.CA_KEY_FILES]
+        return list(dict.fromkeys(p for p in paths if p))
+
+    def _remove_credentials(self) -> None:
+        """Delete the driver's credential files and their folder (RUN_DIR/credentials, when
+        nothing else is in it), or the whole temporary run directory when no ``run_dir`` was
+        given. Idempotent."""
+        written, self._written = self._written, []
+        for path in written:
+            try:
+                os.unlink(path)
+            except OSError:   # gone already; or not deletable: the others still go
+                pass
+        if written:
+            try:
+                os.rmdir(os.path.dirname(written[0]))
+            except OSError:   # something else is in it, or it is gone
+                pass
+        if self._own_run_dir:
+            shutil.rmtree(self._own_run_dir, ignore_errors=True)
+            self._own_run_dir = None
 
     def _options(self, **kw):
         return self.Actor.options(max_restarts=self.spec.max_restarts, **kw)
@@ -299,7 +363,19 @@ class RayPlacement:
                 *(["--remote-record-key-file", "{creds}/record.key"] if worker else [])]
 
     def _make_credentials(self) -> None:
-        """Generate the cluster's credentials (certificate naming every live Ray node's IP)."""
+        """Generate the cluster's credentials in RUN_DIR/credentials (certificate naming every
+        live Ray node's IP), then delete the CA keys (``ca.key``, ``client-ca.key``).
+
+        Nothing is issued after this: a restarted actor starts with the files it was created
+        with, and the set of workers is fixed for the run, so the CA keys would only let
+        whoever reads the driver's disk mint peers and clients. ``credentials.ca_key`` is ""
+        afterwards. `stop` deletes the rest (`_remove_credentials`).
+
+        Raises:
+            OSError: the credentials cannot be written or the CA keys deleted.
+        """
+        import dataclasses
+
         from kvmesh.services.credentials import generate_cluster_credentials
         from kvmesh.workers.tls import TlsConfig
 
@@ -307,8 +383,12 @@ class RayPlacement:
         if run_dir is None:
             run_dir = self._own_run_dir = tempfile.mkdtemp(prefix="kvmesh-ray-")
         ips = tuple(sorted({n["NodeManagerAddress"] for n in self.ray.nodes() if n.get("Alive")}))
-        c = self.credentials = generate_cluster_credentials(os.path.join(run_dir, "credentials"),
-                                                            dns=tuple(self.spec.cert_dns), ips=ips)
+        c = generate_cluster_credentials(os.path.join(run_dir, "credentials"), dns=tuple(self.spec.cert_dns),
+                                         ips=ips)
+        self._written = self._credential_paths(c)
+        for path in self.CA_KEY_FILES:
+            os.unlink(os.path.join(c.run_dir, path))
+        c = self.credentials = dataclasses.replace(c, ca_key="")
         self._files = {}
         for name, path in (("peer.pem", c.cert), ("peer.key", c.key), ("ca.pem", c.ca),
                            ("client-ca.pem", c.client_ca), ("api-keys", c.api_keys), ("record.key", c.record_key)):
@@ -372,8 +452,8 @@ class RayPlacement:
             if self.redis_url is None:
                 password = secrets.token_urlsafe(18)
                 self.redis = self._options(name=f"kvmesh-{s.cluster}-redis", **head).remote(
-                    "redis", "redis", "redis", ["--requirepass", password, "--protected-mode", "yes"], 0,
-                    s.ready_timeout, s.log_dir)
+                    "redis", "redis", "redis", ["--protected-mode", "yes"], 0, s.ready_timeout, s.log_dir,
+                    files={"redis.conf": f"requirepass {password}\n".encode()})
                 info = self._get(self.redis.info.remote(), s.ready_timeout, cancel, "redis-server")
                 self.redis_url = f"redis://:{password}@{info['address']}/0"
             env = {"KVMESH_REDIS_URL": self.redis_url}   # the password stays out of every argv
@@ -443,7 +523,8 @@ class RayPlacement:
             time.sleep(0.2)  # ``cancel`` is looked at on the next turn
 
     def stop(self) -> None:
-        """Stop every child gracefully, kill the actors, remove the placement group."""
+        """Stop every child gracefully (each actor deletes its copy of the credentials), kill
+        the actors, remove the placement group, delete the driver's credentials. Idempotent."""
         actors = list(self.workers.values()) + [a for a in (self.router, self.redis) if a is not None]
         refs = [a.stop.remote() for a in actors]
         try:
@@ -464,9 +545,7 @@ class RayPlacement:
                 pass
         self.workers.clear()
         self.router = self.redis = self.pg = None
-        if self._own_run_dir:
-            shutil.rmtree(self._own_run_dir, ignore_errors=True)
-            self._own_run_dir = None
+        self._remove_credentials()
 
     def client_options(self) -> dict:
         """Keyword arguments of `kvmesh.services.cli.generate` / `client_channel` for a client of

@@ -132,6 +132,21 @@ def test_place_serve_kill_recover(ray_cluster, capsys, tmp_path):
         # secure by default: plaintext and key-less clients are refused
         creds = placement.credentials
         assert creds is not None and placement.client_options()
+        # the CA keys are gone once the certificates are issued; each actor holds its own copy
+        # of what its process needs, on its node
+        assert creds.ca_key == "" and sorted(os.listdir(creds.run_dir)) == [
+            "api-keys", "ca.pem", "client-ca.pem", "client.env", "client.key", "client.pem", "peer.key",
+            "peer.pem", "record.key"]
+        logs = tmp_path / "logs"
+        assert sorted(p.name for p in logs.glob("*-credentials")) == [
+            "redis-credentials", "router-credentials", "worker-0-credentials", "worker-1-credentials"]
+        # the Redis password is in no process's argv (`ps` shows argv to every local user)
+        password = placement.redis_url.split("@")[0].rpartition(":")[2]
+        assert len(password) >= 16
+        for name in ("redis", "router", "worker-0"):
+            with open(f"/proc/{infos[name]['pid']}/cmdline", "rb") as f:
+                assert password.encode() not in f.read(), name
+        assert not any(p.name.startswith(("ca.key", "client-ca.key")) for p in logs.rglob("*"))
         with pytest.raises(grpc.RpcError):
             generate(placement.router_address, token_ids=[1, 2, 3], max_tokens=1, timeout=10)
         with pytest.raises(grpc.RpcError):
@@ -159,6 +174,8 @@ def test_place_serve_kill_recover(ray_cluster, capsys, tmp_path):
         recovery = time.monotonic() - t1
         after = {i["name"]: i for i in placement.status()}
         assert after["worker-0"]["restarted"] and after["worker-0"]["actor_pid"] != victim["actor_pid"]
+        # restarted without any CA key: the actor writes the files it was created with again
+        assert (logs / "worker-0-credentials" / "peer.key").is_file()
         assert after["worker-0"]["state"] == "serving"
         assert router_workers(placement.router_address, placement.peer_tls)["worker-0"] == after["worker-0"]["address"]
         pids.append(after["worker-0"]["pid"])
@@ -186,6 +203,9 @@ def test_place_serve_kill_recover(ray_cluster, capsys, tmp_path):
         run_dir = os.path.dirname(placement.credentials.run_dir) if placement.credentials else None
         placement.stop()
     assert run_dir and not os.path.exists(run_dir), "the generated credentials are removed at stop"
+    left = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "logs").rglob("*")
+                  if p.name.endswith("-credentials") or p.parent.name.endswith("-credentials"))
+    assert not left, f"every actor deletes its credentials at stop: {left}"
     # nothing left: every child exited, the placement group is removed
     for pid in pids:
         deadline = time.monotonic() + 30
@@ -198,8 +218,9 @@ def test_place_serve_kill_recover(ray_cluster, capsys, tmp_path):
 
 
 def test_kvmesh_ray_command(ray_cluster, tmp_path, redis_server):
-    """The CLI with an external Redis (--redis-url): status lines per actor, then SIGTERM
-    removes actors and placement group."""
+    """The CLI with an external Redis (--redis-url) and --run-dir (as the KubeRay overlay):
+    status lines per actor, then SIGTERM removes actors and placement group, and every
+    credential file the run wrote: the driver's in RUN/credentials and each actor's."""
     import ray
     from ray.util import placement_group_table
 
@@ -207,9 +228,10 @@ def test_kvmesh_ray_command(ray_cluster, tmp_path, redis_server):
     cmd = python_cmd("ray", "--address", ray_cluster.address, "--workers", "1", "--cpus-per-worker", "1",
                      "--router-port", "0", "--cluster", "raycli", "--status-interval", "1",
                      "--status-file", str(status_file), "--max-restarts", "1", "--redis-url", redis_server.url,
-                     "--log-dir", str(tmp_path / "logs"), *WORKER_ARGS)
+                     "--log-dir", str(tmp_path / "logs"), "--run-dir", str(tmp_path / "run"), *WORKER_ARGS)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
+    creds = tmp_path / "run" / "credentials"
     try:
         deadline = time.monotonic() + 240
         while not status_file.exists():
@@ -222,12 +244,22 @@ def test_kvmesh_ray_command(ray_cluster, tmp_path, redis_server):
                    for line in lines)
         pgs = [p for p in placement_group_table().values() if p["name"] == "kvmesh-raycli"]
         assert len(pgs) == 1 and pgs[0]["state"] == "CREATED"
+        # while serving: what clients need is there, the CA keys are not
+        assert (creds / "client.env").is_file() and (creds / "client.key").is_file()
+        assert not (creds / "ca.key").exists() and not (creds / "client-ca.key").exists()
+        assert (tmp_path / "logs" / "worker-0-credentials" / "peer.key").is_file()
+        assert (tmp_path / "logs" / "router-credentials" / "api-keys").is_file()
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     assert "actors and placement group removed" in out
     assert "clients: set -a; . " in out and "client.env" in out, "secure by default, says how to connect"
+    assert "removed when this command stops" in out
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")
+                  if p.is_file() and (p.parent == creds or p.parent.name.endswith("-credentials")))
+    assert not left and not creds.exists(), f"credentials left after stop: {left}"
+    assert (tmp_path / "run").is_dir(), "--run-dir itself is the operator's: it stays"
     from kvmesh.services.security import redact_url
 
     assert f"redis {redact_url(redis_server.url)}" in out and "kvmesh on Ray: router" in out
