@@ -32,7 +32,8 @@ same key (an UNAUTHENTICATED abort answers 401, PERMISSION_DENIED 403). Independ
 injected callable ``authenticate(authorization_header) -> tenant`` (header value or None)
 can check keys at the front: anything it raises answers 401 before Generate runs, and
 its tenant becomes the request's cache salt. Without it the body's optional
-``cache_salt`` extension is passed on as the gRPC field would be.
+``cache_salt`` extension is passed on as the gRPC field would be (``null``, as absent: no
+salt).
 
 Request fields kvmesh honours: ``model`` (must name the served model when given: its id
 or one of the front's ``model_aliases``; in front of a router a full checkpoint id, with
@@ -891,7 +892,9 @@ class HttpFront:
             max_tokens = body.get("max_tokens")
         max_tokens = _number({max_tokens_field: max_tokens}, max_tokens_field, default_max, lo=1, hi=2**32 - 1,
                              integer=True)
-        salt = body.get("cache_salt", "") if tenant is None else tenant
+        salt = body.get("cache_salt") if tenant is None else tenant
+        if salt is None:  # absent or null: no salt
+            salt = ""
         if not isinstance(salt, str):
             raise HttpError(400, "cache_salt must be a string", param="cache_salt")
         _utf8(salt, "cache_salt")

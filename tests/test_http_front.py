@@ -323,6 +323,40 @@ def test_openai_client_fields_are_accepted():
     assert a_status == 400 and a_body["error"]["param"] == "modalities", a_body
 
 
+def test_a_null_cache_salt_is_no_salt_and_a_non_string_one_is_400():
+    """``"cache_salt": null`` is taken as absent, as ``"model": null`` is: the request reaches
+    Generate with no salt (the same cache namespace as one without the field)."""
+    seen = []
+
+    async def generate(req, ctx):
+        seen.append(req.cache_salt)
+        yield _final()
+
+    async def run():
+        front, url = await _serve(generate)
+        try:
+            async with aiohttp.ClientSession() as s:
+                out = []
+                for path, body in (("completions", {"prompt": "abc", "max_tokens": 1, "cache_salt": None}),
+                                   ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 1, "cache_salt": None, "model": None}),
+                                   ("completions", {"prompt": "abc", "max_tokens": 1}),
+                                   ("completions", {"prompt": "abc", "max_tokens": 1, "cache_salt": "s1"})):
+                    r = await s.post(f"{url}/{path}", json=body)
+                    out.append((r.status, await r.json()))
+                return out
+        finally:
+            await front.stop()
+
+    out = asyncio.run(run())
+    assert [status for status, _ in out] == [200, 200, 200, 200], out
+    assert seen == ["", "", "", "s1"]
+    for bad in (5, ["s"], {"s": 1}, False):
+        status, err = _refused("completions", {"prompt": "a", "cache_salt": bad})
+        assert status == 400 and err["error"]["param"] == "cache_salt", (bad, err)
+        assert "must be a string" in err["error"]["message"], err
+
+
 def test_the_bench_openai_target_is_accepted():
     """`kvmesh bench --api openai` (bench.openai_target) sends every kvmesh extension with
     a streamed completion; the front takes all of them."""
