@@ -177,7 +177,7 @@ def test_router_errors_are_openai_shaped(fleet):
     assert status == 400 and out["error"]["param"] == "prompt"
 
 
-def _conversation_slice(max_blocks: int = 64) -> list:
+def _conversation_slice(max_blocks: int = 32) -> list:
     """The sample's multi-turn requests: those whose second trace block another request shares.
 
     Most single requests of the sample share only trace block 0 (a system prompt every
