@@ -295,8 +295,12 @@ class AdmissionCollector:
         yield awaiting
         control = GaugeMetricFamily(_name("grpc_control_calls_open"), "Control-plane gRPC calls open (health, "
                                     "GetLoad, Status, ...), from their start to their end.")
-        control.add_metric([], a.control.total)
+        control.add_metric([], a.control.total + a.anonymous_control.total)
         yield control
+        anonymous = GaugeMetricFamily(_name("grpc_anonymous_control_calls_open"), "Of those, the calls of callers "
+                                      "without a peer certificate (at most grpc_guard.ANONYMOUS_CONTROL_LIMIT).")
+        anonymous.add_metric([], a.anonymous_control.total)
+        yield anonymous
 
 
 class _EngineCollector:

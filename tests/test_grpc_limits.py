@@ -254,7 +254,12 @@ def test_peer_host_names_the_client_host():
 
     assert peer_host("ipv4:10.1.2.3:5000") == "10.1.2.3"
     assert peer_host("ipv6:[::1]:5000") == "::1"
-    assert peer_host("ipv6:%5B2001:db8::1%5D:443") == "2001:db8::1"
+    # an IPv6 client counts by its /64: one host can take a new address of it per call
+    assert peer_host("ipv6:%5B2001:db8::1%5D:443") == "2001:db8::/64"
+    assert peer_host("ipv6:[2001:db8::ffff:1:2]:443") == peer_host("ipv6:[2001:db8::9]:80") == "2001:db8::/64"
+    assert peer_host("ipv6:[2001:db8:0:1::9]:80") == "2001:db8:0:1::/64"
+    assert peer_host("ipv6:[::ffff:10.1.2.3]:5000") == "10.1.2.3"  # IPv4-mapped: the IPv4 host
+    assert peer_host("ipv6:[fe80::1%25eth0]:5000") == "fe80::/64"
     assert peer_host("unix:/tmp/sock") == "unix"
     limit = HostLimit(2, 3)
     assert limit.enter("a") and limit.enter("a") and not limit.enter("a")  # per host
@@ -319,6 +324,121 @@ def test_one_host_cannot_hold_the_data_plane_or_flood_the_reserve(monkeypatch):
 
     admission = asyncio.run(scenario())
     assert admission.control.total == admission.data_pending.total == admission.cap.active == 0
+
+
+def test_callers_without_a_peer_certificate_cannot_fill_the_control_plane(monkeypatch, tmp_path):
+    """On a TLS port, the control calls of callers without a peer certificate, from however
+    many hosts, are bounded in all (`ANONYMOUS_CONTROL_LIMIT`; past it RESOURCE_EXHAUSTED
+    saying so) and hold slots of their own in gRPC's limit. Before, ~34 hosts holding 8
+    stalled health checks each filled gRPC's whole limit (the data-plane cap plus the
+    reserve): a peer's health check (the probes) and its Generate calls were refused."""
+    import asyncio
+
+    from grpc import aio
+
+    from kvmesh.services.credentials import generate_cluster_credentials
+    from kvmesh.workers.grpc_guard import ANONYMOUS_CONTROL_LIMIT
+    from kvmesh.workers.grpc_host import GrpcHost
+    from kvmesh.workers.tls import PEER_SERVER_NAME, TlsConfig
+
+    c = generate_cluster_credentials(str(tmp_path / "creds"))
+    tls = TlsConfig.from_files(c.cert, c.key, c.ca, client_ca=c.client_ca)  # a router with --client-ca
+    read = lambda path: open(path, "rb").read()  # noqa: E731
+    # each connection stands for a client host, none of them this machine (every test client
+    # is on 127.0.0.1)
+    monkeypatch.setattr("kvmesh.workers.grpc_guard.peer_host", lambda peer: peer)
+    monkeypatch.setattr("kvmesh.workers.grpc_host.local_peer", lambda peer: False)
+    hosts = ANONYMOUS_CONTROL_LIMIT // CONTROL_PER_HOST + 2
+    cap = 4
+
+    async def scenario():
+        trivial = type("S", (_Trivial, pb_grpc.WorkerServicer), {})()
+        host = GrpcHost("127.0.0.1", 0, [(pb_grpc.add_WorkerServicer_to_server, trivial, "kvmesh.v1.Worker")],
+                        tls=tls, max_concurrent_rpcs=cap)
+        port = await host.start()
+        release = asyncio.Event()
+        opts = [("grpc.ssl_target_name_override", PEER_SERVER_NAME), ("grpc.use_local_subchannel_pool", 1)]
+        # clients of the client CA: callers, not peers
+        client = grpc.ssl_channel_credentials(read(c.ca), read(c.client_key), read(c.client_cert))
+        peer = grpc.ssl_channel_credentials(read(c.ca), read(c.key), read(c.cert))
+        strangers = [aio.secure_channel(f"127.0.0.1:{port}", client, options=opts) for _ in range(hosts)]
+        try:
+            checks = []
+            for ch in strangers:
+                checks += await _stalled_calls(ch, "/grpc.health.v1.Health/Check", CONTROL_PER_HOST, release)
+            assert await _settle(checks, ANONYMOUS_CONTROL_LIMIT) == ANONYMOUS_CONTROL_LIMIT
+            refused = {(await c.code(), await c.details()) for c in checks if c.done()}
+            async with aio.secure_channel(f"127.0.0.1:{port}", peer, options=opts) as ch:
+                health = health_pb2_grpc.HealthStub(ch)
+                served = (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status
+                stub = pb_grpc.WorkerStub(ch)
+                outs = await asyncio.gather(*[_collect(stub.Generate(pb.GenerateRequest(), timeout=10))
+                                              for _ in range(cap)])
+            open_now = host.admission.anonymous_control.total
+            for call in checks:
+                call.cancel()
+        finally:
+            release.set()
+            for ch in strangers:
+                await ch.close()
+            await host.server.stop(0)
+        return refused, served, outs, open_now
+
+    refused, served, outs, open_now = asyncio.run(scenario())
+    assert open_now == ANONYMOUS_CONTROL_LIMIT
+    assert {code for code, _ in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}, refused
+    assert all("without a peer certificate" in details for _, details in refused), refused
+    assert served == health_pb2.HealthCheckResponse.SERVING
+    assert all(out[-1].finished for out in outs)
+
+
+async def _collect(call) -> list:
+    return [m async for m in call]
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_caller_on_the_servers_loopback_counts_as_trusted(monkeypatch, tmp_path, local):
+    """A router without a client CA has no peers among its callers, and its pod's probes
+    call it without a peer certificate from 127.0.0.1: their control calls count with the
+    peers' (`local_peer`), not in the strangers' `ANONYMOUS_CONTROL_LIMIT`. The same caller
+    from another host counts there."""
+    import asyncio
+
+    from grpc import aio
+
+    from kvmesh.services.credentials import generate_cluster_credentials
+    from kvmesh.workers.grpc_host import GrpcHost
+    from kvmesh.workers.tls import PEER_SERVER_NAME, TlsConfig
+
+    c = generate_cluster_credentials(str(tmp_path / "creds"))
+    tls = TlsConfig.from_files(c.cert, c.key, c.ca)
+    if not local:
+        monkeypatch.setattr("kvmesh.workers.grpc_host.local_peer", lambda peer: False)
+
+    async def scenario():
+        trivial = type("S", (_Trivial, pb_grpc.WorkerServicer), {})()
+        host = GrpcHost("127.0.0.1", 0, [(pb_grpc.add_WorkerServicer_to_server, trivial, "kvmesh.v1.Worker")],
+                        tls=tls, max_concurrent_rpcs=4)
+        port = await host.start()
+        release = asyncio.Event()
+        creds = grpc.ssl_channel_credentials(open(c.ca, "rb").read())
+        try:
+            async with aio.secure_channel(f"127.0.0.1:{port}", creds,
+                                          options=[("grpc.ssl_target_name_override", PEER_SERVER_NAME)]) as ch:
+                calls = await _stalled_calls(ch, "/grpc.health.v1.Health/Check", 2, release)
+                deadline = time.monotonic() + 30
+                while host.admission.control.total + host.admission.anonymous_control.total < 2 and \
+                        time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                counts = host.admission.control.total, host.admission.anonymous_control.total
+                for call in calls:
+                    call.cancel()
+        finally:
+            release.set()
+            await host.server.stop(0)
+        return counts
+
+    assert asyncio.run(scenario()) == ((2, 0) if local else (0, 2))
 
 
 def test_reflection_streams_are_bounded_like_watch_streams():

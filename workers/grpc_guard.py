@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import ipaddress
 import logging
 import time
 from typing import Awaitable, Callable
@@ -191,9 +192,18 @@ DATA_PLANE_METHODS = frozenset({"Generate", "Tokenize", "FetchBlocks"})
 REQUEST_MESSAGE_TIMEOUT_S = 10.0
 #: Control-plane calls (health, GetLoad, Status, ...) one client host has open at once,
 #: counted from a call's start to its end (a call whose answer the client does not read
-#: stays open). There is no limit in all: gRPC's reserve (`grpc_host.CONTROL_RPC_RESERVE`)
-#: is one, and a limit in all below it would let a few hosts refuse everyone else.
+#: stays open). Cluster peers' calls have no limit in all besides gRPC's reserve
+#: (`grpc_host.CONTROL_RPC_RESERVE`): a limit in all below it would let a few hosts refuse
+#: everyone else.
 CONTROL_PER_HOST = 8
+#: Control-plane calls open at once from callers without a peer certificate (clients, load
+#: balancers' health checks, strangers), all hosts together, on a TLS port; callers on the
+#: server's own loopback (a pod's probes) are not counted here (`local_peer`). They have slots
+#: of their own in gRPC's limit (`grpc_host.GrpcHost`), so however many hosts open them they
+#: take no slot from the data plane nor from peers' control calls (probes, routers'
+#: GetLoad); past it such a call is refused RESOURCE_EXHAUSTED. 256 is 64 client hosts each
+#: holding its 4 health Watch streams.
+ANONYMOUS_CONTROL_LIMIT = 256
 #: Of those, long-lived streams (health Watch, and server reflection when it is on).
 WATCH_PER_HOST = 4
 #: Data-plane calls whose message has not come with the call (`_PROMPT_MESSAGE_S`) waiting
@@ -205,14 +215,41 @@ DATA_PENDING_PER_HOST = 16
 
 
 def peer_host(peer: str) -> str:
-    """The host part of a gRPC peer string (``ipv4:10.0.0.1:5000`` -> ``10.0.0.1``,
-    ``ipv6:[::1]:5000`` -> ``::1``; a Unix socket peer is ``unix``)."""
+    """The client host of a gRPC peer string, as per-host limits count it:
+    ``ipv4:10.0.0.1:5000`` -> ``10.0.0.1``; an IPv6 address by its /64 network
+    (``ipv6:[2001:db8::1]:443`` -> ``2001:db8::/64``: one site or host is usually given a
+    whole /64, RFC 6177, and could otherwise take a new address per call), IPv4-mapped ones
+    as IPv4, loopback as ``::1``; a Unix socket peer is ``unix``."""
     kind, _, rest = peer.partition(":")
     if kind == "unix" or not rest:
         return kind or "?"
     rest = rest.replace("%5B", "[").replace("%5D", "]")
-    host = rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest
-    return host.strip("[]")
+    host = (rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest).strip("[]")
+    if kind != "ipv6":
+        return host
+    try:
+        ip = ipaddress.IPv6Address(host.partition("%")[0])  # without a zone id
+    except ValueError:
+        return host
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    if ip.is_loopback:
+        return "::1"
+    return str(ipaddress.IPv6Network((ip, 64), strict=False))
+
+
+def local_peer(peer: str) -> bool:
+    """Whether a gRPC peer string is a caller on this machine (a loopback address or a Unix
+    socket): in a pod, its own probes; no stranger's connection arrives from there."""
+    kind, _, rest = peer.partition(":")
+    if kind == "unix":
+        return True
+    rest = rest.replace("%5B", "[").replace("%5D", "]")
+    host = (rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest).strip("[]")
+    try:
+        return ipaddress.ip_address(host.partition("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 class HostLimit:
@@ -257,6 +294,10 @@ class CallAdmission:
       its start to its end (none free: RESOURCE_EXHAUSTED), and a long-lived stream (health
       Watch, reflection) one of ``WATCH_PER_HOST`` as well. So one host cannot fill the
       reserve with calls that never send their message, or whose answers it never reads.
+      A caller that ``trusted`` does not admit (neither a cluster peer nor on this
+      machine's loopback) counts in ``anonymous_control`` instead:
+      ``ANONYMOUS_CONTROL_LIMIT`` in all, so many hosts together cannot fill the reserve or
+      the data plane's slots either.
     * Every slot, the data-plane cap's included, is given back when the call ends
       (``context.add_done_callback``), not when its handler returns: gRPC counts a call
       until its answer is sent.
@@ -267,14 +308,20 @@ class CallAdmission:
         admit: ``await admit(context)`` aborts a data-plane call whose caller has no
             credentials (`kvmesh.services.auth.Gate.admit`); None admits everyone.
         message_timeout_s: seconds a call has to deliver its request message.
+        trusted: ``trusted(context)``: whether the caller's control calls count in
+            ``control`` (a cluster peer, or a caller on this machine: `local_peer`); None:
+            every caller's do (a port without TLS, where no caller can be told apart).
     """
 
     def __init__(self, cap: RpcCap | None = None, admit: Callable[[object], Awaitable[None]] | None = None,
-                 message_timeout_s: float = REQUEST_MESSAGE_TIMEOUT_S) -> None:
+                 message_timeout_s: float = REQUEST_MESSAGE_TIMEOUT_S,
+                 trusted: Callable[[object], bool] | None = None) -> None:
         self.cap = cap
         self.admit = admit
         self.message_timeout_s = float(message_timeout_s)
+        self.trusted = trusted
         self.control = HostLimit(CONTROL_PER_HOST)
+        self.anonymous_control = HostLimit(CONTROL_PER_HOST, ANONYMOUS_CONTROL_LIMIT)
         self.data_pending = HostLimit(DATA_PENDING_PER_HOST, DATA_PENDING_LIMIT)
         self.watches = HostLimit(WATCH_PER_HOST)
         self.refused = 0      # calls refused at their start (no slot)
@@ -381,9 +428,17 @@ async def _hold(admission: CallAdmission, limit: HostLimit, host: str, method: s
 
 
 async def _hold_control(admission: CallAdmission, host: str, method: str, context) -> None:
-    """A control-plane call's slot of its client host, for the call's life (`_hold`)."""
-    await _hold(admission, admission.control, host, method, context,
-                f"this host has {CONTROL_PER_HOST} control calls open, the most one host may have")
+    """A control-plane call's slot of its client host, for the call's life (`_hold`); of
+    ``anonymous_control`` when the caller is not ``trusted``."""
+    per_host = f"this host has {CONTROL_PER_HOST} control calls open, the most one host may have"
+    if admission.trusted is None or admission.trusted(context):
+        await _hold(admission, admission.control, host, method, context, per_host)
+        return
+    limit = admission.anonymous_control
+    await _hold(admission, limit, host, method, context,
+                per_host if limit.by_host.get(host, 0) >= limit.per_host else
+                f"{ANONYMOUS_CONTROL_LIMIT} control calls of callers without a peer certificate are open, the most "
+                "this server takes")
 
 
 async def _hold_stream(admission: CallAdmission, host: str, method: str, context) -> None:

@@ -26,7 +26,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from kvmesh.workers.grpc_guard import REQUEST_MESSAGE_TIMEOUT_S, CallAdmission, RpcCap, add_guarded
+from kvmesh.workers.grpc_guard import (
+    ANONYMOUS_CONTROL_LIMIT, REQUEST_MESSAGE_TIMEOUT_S, CallAdmission, RpcCap, add_guarded, local_peer)
+from kvmesh.workers.tls import caller_of
 
 #: Largest message a channel accepts and a server sends (bytes): FetchBlocks streams KV
 #: payloads. What a server accepts is set per server from what a valid request needs
@@ -244,9 +246,11 @@ class GrpcHost:
     their largest valid request needs, `kvmesh.workers.limits`); responses may be up to
     ``MAX_MESSAGE_BYTES`` (FetchBlocks streams KV payloads). ``max_concurrent_rpcs``
     caps the data-plane RPCs in flight (`grpc_guard.RpcCap`); gRPC's own limit,
-    ``max_concurrent_rpcs + CONTROL_RPC_RESERVE``, caps all RPCs, so health checks and
+    ``max_concurrent_rpcs + CONTROL_RPC_RESERVE`` (plus, with ``tls``,
+    `grpc_guard.ANONYMOUS_CONTROL_LIMIT` for the control calls of callers without a peer
+    certificate, which count there and nowhere else), caps all RPCs, so health checks and
     control-plane RPCs still answer while the data plane is full. Memory held by requests
-    is thus bounded by about ``(max_concurrent_rpcs + CONTROL_RPC_RESERVE) * max_receive_bytes``.
+    is thus bounded by about that limit times ``max_receive_bytes``.
     Calls are admitted when they start, before their request message
     (`grpc_guard.CallAdmission`): ``admit`` (``await admit(context)``, e.g.
     `kvmesh.services.auth.Gate.admit`) refuses a data-plane call without credentials at
@@ -279,13 +283,17 @@ class GrpcHost:
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", int(max_receive_bytes)),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=self.cap.limit + CONTROL_RPC_RESERVE)
+            ("grpc.so_reuseport", 0)],
+            # callers without a peer certificate have control slots of their own (CallAdmission)
+            maximum_concurrent_rpcs=self.cap.limit + CONTROL_RPC_RESERVE + (ANONYMOUS_CONTROL_LIMIT if tls else 0))
         self.health = health_aio.HealthServicer()
         self.names = [name for _, _, name in services]
         # calls are admitted at their start, before their message (grpc_guard.CallAdmission):
         # a body that does not parse: INVALID_ARGUMENT; data-plane RPCs over the cap or without
         # credentials: RESOURCE_EXHAUSTED / UNAUTHENTICATED at once; no message in time: DEADLINE_EXCEEDED
-        self.admission = CallAdmission(self.cap, admit, message_timeout_s)
+        self.admission = CallAdmission(
+            self.cap, admit, message_timeout_s,
+            trusted=(lambda ctx: local_peer(ctx.peer()) or caller_of(ctx, tls).is_peer) if tls else None)
         for add, servicer, _ in services:
             add_guarded(add, servicer, self.server, self.admission)
         add_guarded(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server, self.admission)
