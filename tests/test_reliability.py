@@ -399,3 +399,56 @@ def test_worker_with_another_block_size_is_routed_around(cluster):
         assert "not routing to worker odd" in text and "--block-size 32" in text
     finally:
         stop_process(proc)
+
+
+def test_a_frozen_worker_fails_its_calls_and_the_router_retries_elsewhere(tmp_path):
+    """A worker that stops answering (SIGSTOP: a hung node, or one the network cut off)
+    keeps its TCP connections open. Before, a call routed to it waited for its deadline
+    (600 s on the HTTP front by default), also after the router had dropped its lapsed
+    lease. Channels between cluster processes now send keepalive PINGs
+    (`grpc_host.CHANNEL_OPTIONS`), and one not acknowledged closes the connection: a call
+    that has streamed tokens ends UNAVAILABLE saying the worker went away, and one that has
+    streamed nothing is retried on another worker and answered, both long before the
+    deadline they were given."""
+    import signal
+
+    spec = ClusterSpec(num_workers=2, num_blocks=1024, threads_per_worker=1, log_dir=str(tmp_path / "logs"))
+    deadline_s = 120.0
+    with LocalCluster(spec) as c:
+        pids = {wid: proc.pid for wid, (_, proc) in c.workers.items()}
+        prompt = toks(7, 96)
+        with grpc.insecure_channel(c.router_address) as ch:
+            stub = pb_grpc.RouterStub(ch)
+            long = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                                    sampling=pb.SamplingParams(max_tokens=4000, ignore_eos=True)),
+                                 timeout=deadline_s)
+            first = next(long)
+            frozen = first.worker_id
+            assert frozen in pids, first
+            os.kill(pids[frozen], signal.SIGSTOP)
+            try:
+                # the same prompt: its blocks are on the frozen worker, whose lease has not
+                # lapsed yet, so the router sends it there first
+                again = {}
+
+                def second():
+                    try:
+                        out = list(stub.Generate(pb.GenerateRequest(
+                            token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=2)),
+                            timeout=deadline_s))
+                        again["worker"], again["tokens"] = out[-1].worker_id, sum(len(m.token_ids) for m in out)
+                    except grpc.RpcError as exc:
+                        again["error"] = exc.code()
+
+                t = threading.Thread(target=second)
+                t.start()
+                with pytest.raises(grpc.RpcError) as err:
+                    for _ in long:
+                        pass
+                t.join(deadline_s + 10)
+            finally:
+                os.kill(pids[frozen], signal.SIGCONT)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, (err.value.code(), err.value.details())
+    assert f"worker {frozen} went away" in err.value.details(), err.value.details()
+    assert "error" not in again, again
+    assert again["worker"] != frozen and again["tokens"] == 2, again

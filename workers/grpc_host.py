@@ -42,9 +42,35 @@ DEFAULT_MAX_CONCURRENT_RPCS = 1024
 #: control-plane RPCs while the data plane is full; past that gRPC itself answers
 #: RESOURCE_EXHAUSTED before reading the request.
 CONTROL_RPC_RESERVE = 64
+#: Keepalive of channels between cluster processes (router -> worker, worker -> worker):
+#: while a call is open, an HTTP/2 PING every ``KEEPALIVE_TIME_S`` seconds, and the
+#: connection is closed when one is not acknowledged within ``KEEPALIVE_TIMEOUT_S``
+#: (gRPC core's keepalive, doc/keepalive.md of grpc/grpc). A peer that is frozen
+#: (SIGSTOP, a hung node) or cut off by the network thus fails the calls open to it with
+#: UNAVAILABLE within about 10 s, and a router retries one that has streamed nothing on
+#: another worker, instead of each call waiting for its deadline (600 s for the HTTP
+#: front's default). PINGs are answered by gRPC's own threads, so a worker busy in a long
+#: prefill acknowledges them; pings are sent without data frames too (a long prefill
+#: streams nothing).
+KEEPALIVE_TIME_S = 5.0
+KEEPALIVE_TIMEOUT_S = 5.0
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+    # gRPC core waits this long for any PING's acknowledgement (its default: 60 s), whatever
+    # the keepalive timeout says
+    ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+#: What a server accepts of its callers' keepalive PINGs: one every 4 s without data frames
+#: (below `KEEPALIVE_TIME_S`, so the cluster's own channels are never told "too many
+#: pings"; gRPC's default is 5 minutes). A caller that pings faster is sent GOAWAY after
+#: gRPC's default of 2 strikes.
+SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.http2.min_ping_interval_without_data_ms", 4000),
 ]
 #: Default of the worker's ``--drain-timeout-s`` (seconds): how long requests running at
 #: SIGTERM may take to finish. With Kubernetes' preStop sleep (5 s) and the stop steps after
@@ -283,7 +309,7 @@ class GrpcHost:
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", int(max_receive_bytes)),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0)],
+            ("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS],
             # callers without a peer certificate have control slots of their own (CallAdmission)
             maximum_concurrent_rpcs=self.cap.limit + CONTROL_RPC_RESERVE + (ANONYMOUS_CONTROL_LIMIT if tls else 0))
         self.health = health_aio.HealthServicer()
