@@ -18,8 +18,20 @@ Recovery, per worker:
   is retried with backoff;
 * restart (the stream's ``epoch`` field changes): the worker's entries are
   dropped and the new numbering is applied from its first batch;
-* lease lapsed: the worker's entries leave the index at the next registry
-  poll, i.e. within the lease TTL plus ``poll_interval_s``.
+* lease lapsed (or deleted by a worker draining): the worker's entries leave
+  the index at the next registry poll, i.e. within the lease TTL plus
+  ``poll_interval_s``.
+
+Recovery, all workers at once: Redis lost its data, because it restarted empty
+(``INFO server`` reports a new ``run_id``) or its keys were wiped in place
+(``FLUSHALL``, ``FLUSHDB``, a deleted namespace: the cluster's data marker, a
+random token at ``kvmesh:{cluster}:data-marker`` that each poll writes when
+absent, went away or changed). Every lease vanishes at once although the
+workers are up; each known worker then stays live for
+``redis_restart_grace_s`` or until its lease is back, whichever comes first
+(a worker that re-registered and then leaves is dropped at once), its entries
+are kept meanwhile, and it is resynced from its snapshot once its lease is
+back. A worker not back within the grace is dropped.
 
 All Redis calls go through ``redis.asyncio``; nothing here blocks the loop.
 """
@@ -28,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from typing import Awaitable, Callable
 
 import redis
@@ -38,7 +51,7 @@ from kvmesh.services.aio import within
 from kvmesh.services.cluster_index import ClusterIndex
 from kvmesh.workers.kv_publisher import DEFAULT_CLUSTER, lease_key, prune_worker_ids, stream_key, workers_key
 
-__all__ = ["IndexSubscriber", "ResyncFn"]
+__all__ = ["IndexSubscriber", "ResyncFn", "data_marker_key"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +59,20 @@ log = logging.getLogger(__name__)
 ResyncFn = Callable[[str, str], Awaitable[tuple[int, list[tuple[bytes, bytes | None, str]]]]]
 
 _BACKOFF_MAX_S = 10.0
+
+
+def data_marker_key(cluster: str = DEFAULT_CLUSTER) -> str:
+    """Redis key of the cluster's data marker (a string: a random token, no TTL):
+    ``kvmesh:{cluster}:data-marker``. Index subscribers write it when it is absent and note
+    its value; a value gone or changed means Redis lost the cluster's keys (``FLUSHALL``,
+    ``FLUSHDB``, an empty restart) while the workers may all be up."""
+    return f"kvmesh:{cluster}:data-marker"
+
+
+#: Writes the data marker when absent (KEYS: the marker; ARGV: a new token), also while Redis
+#: is over its maxmemory under noeviction (Redis >= 7.0 script flags): an operator may well
+#: flush a Redis the remote tier filled, and the marker must be there to tell.
+_MARKER_SET_OOM = "#!lua flags=allow-oom\nreturn redis.call('SET', KEYS[1], ARGV[1], 'NX')"
 
 
 def _id_key(stream_id: bytes | str) -> tuple[int, int]:
@@ -82,13 +109,18 @@ class IndexSubscriber:
         cluster: cluster name (key prefix).
         poll_interval_s: registry poll period and longest XREAD block (seconds).
         read_count: most entries read per stream per XREAD (batches).
+        redis_restart_grace_s: after Redis lost its data (a restart with a new ``run_id``,
+            or ``FLUSHALL`` / ``FLUSHDB``, seen by the data marker), how long each worker
+            known then stays live while its lease is missing (seconds); 0 drops them at once.
 
     Attributes:
         resyncs: snapshots applied so far.
         resync_failures: resync callbacks that raised so far.
+        data_losses: times Redis was seen to have lost the cluster's keys (restarts and flushes).
 
     Raises:
-        ValueError: ``poll_interval_s`` or ``read_count`` is not positive.
+        ValueError: ``poll_interval_s`` or ``read_count`` is not positive, or
+            ``redis_restart_grace_s`` is negative.
     """
 
     #: Seconds between prunings of gone workers' ids, and most ids looked at in one.
@@ -102,7 +134,11 @@ class IndexSubscriber:
             raise ValueError("poll_interval_s and read_count must be positive, redis_restart_grace_s >= 0")
         self.redis_restart_grace_s = redis_restart_grace_s
         self._run_id: str | None = None       # Redis server run_id: a new one means its data is gone
+        self._marker: bytes | None = None     # the data marker's value last read (None: not known)
+        self._marker_flagged = True           # False: this Redis knows no script flags, plain SET NX
         self._grace_until = float("-inf")     # loop time until which missing leases are kept
+        self._awaited: set[str] = set()       # workers known when Redis lost its data, not back yet
+        self.data_losses = 0
         self.index = index
         self.cluster = cluster
         self.poll_interval_s = poll_interval_s
@@ -253,30 +289,60 @@ class IndexSubscriber:
                 log.warning("kv index subscriber: redis error (%s); retrying in %.1f s", exc, backoff)
                 await asyncio.sleep(backoff)
 
-    def _check_redis_restart(self, info) -> None:
-        """Notice a Redis that came back empty (its ``run_id``, from ``INFO server``, changed):
-        the workers' leases and streams are gone until they write them again, which is no
-        reason to forget them."""
+    def _check_data_loss(self, info, marker) -> None:
+        """Notice a Redis that lost the cluster's keys: it came back empty (its ``run_id``, from
+        ``INFO server``, changed) or they were wiped in place (the data marker, ``marker`` as
+        read at the end of this poll, is gone or changed; an exception: it could not be read).
+        The workers' leases and streams are gone until they write them again, which is no
+        reason to forget them: the workers known now stay live for the grace, or until their
+        lease is back, and are resynced from their snapshots."""
         run_id = info.get("run_id") if isinstance(info, dict) else None
+        why = None
         if run_id and self._run_id is not None and run_id != self._run_id:
-            self._grace_until = asyncio.get_running_loop().time() + self.redis_restart_grace_s
-            for st in self._streams.values():
-                st.cursor = "0"          # a new server: its streams start over
-                st.must_resync = True    # and what was in the old ones may be lost
-            log.warning("redis restarted (new run_id); keeping %d known worker(s) for %.1f s while they "
-                        "re-register, then resyncing each from its snapshot", len(self._live),
-                        self.redis_restart_grace_s)
+            why = "redis restarted (new run_id)"
+        if not isinstance(marker, Exception):
+            if why is None and self._marker is not None and marker != self._marker:
+                why = "the cluster's keys in redis were wiped (FLUSHALL, FLUSHDB or deleted: its data marker changed)"
+            self._marker = marker
         if run_id:
             self._run_id = run_id
+        if why is None:
+            return
+        self.data_losses += 1
+        self._grace_until = asyncio.get_running_loop().time() + self.redis_restart_grace_s
+        self._awaited |= set(self._live)
+        for st in self._streams.values():
+            st.cursor = "0"          # the streams start over
+            st.must_resync = True    # and what was in the old ones may be lost
+        log.warning("%s; keeping %d known worker(s) for up to %.1f s while they re-register, then resyncing each "
+                    "from its snapshot", why, len(self._awaited), self.redis_restart_grace_s)
 
     async def _discover(self) -> None:
         pipe = self._redis.pipeline(transaction=False)
         pipe.smembers(workers_key(self.cluster))
         pipe.info("server")
         raw_members, info = await pipe.execute()
-        self._check_redis_restart(info)
         members = sorted(m.decode() if isinstance(m, bytes) else m for m in raw_members)
-        values = await self._redis.mget([lease_key(w, self.cluster) for w in members]) if members else []
+        # The marker is read after the leases, in the same round trip: Redis runs the commands
+        # in order, so leases read after a flush come with a marker read after it too.
+        marker = data_marker_key(self.cluster)
+        pipe = self._redis.pipeline(transaction=False)
+        if members:
+            pipe.mget([lease_key(w, self.cluster) for w in members])
+        if self._marker_flagged:  # a no-op while the marker exists
+            pipe.eval(_MARKER_SET_OOM, 1, marker, uuid.uuid4().hex)
+        else:
+            pipe.set(marker, uuid.uuid4().hex, nx=True)
+        pipe.get(marker)
+        replies = await pipe.execute(raise_on_error=False)
+        values = replies[0] if members else []
+        if isinstance(values, Exception):
+            raise values
+        if isinstance(replies[-2], Exception):  # not written this time: it is only a hint
+            if self._marker_flagged and not isinstance(replies[-2], redis.exceptions.OutOfMemoryError):
+                self._marker_flagged = False  # a Redis before 7.0 refuses the flags line
+            log.debug("data marker not written: %s", replies[-2])
+        self._check_data_loss(info, replies[-1])
         live: dict[str, dict] = {}
         for w, raw in zip(members, values):
             if raw is None:
@@ -288,9 +354,16 @@ class IndexSubscriber:
                 continue
             if isinstance(lease, dict):
                 live[w] = lease
-        if asyncio.get_running_loop().time() < self._grace_until:
-            for w, lease in self._live.items():  # not yet re-registered after a Redis restart
-                live.setdefault(w, lease)
+        if self._awaited:
+            self._awaited -= set(live)  # back: from now on its lease alone counts
+            if asyncio.get_running_loop().time() < self._grace_until:
+                for w in self._awaited:  # not yet re-registered after Redis lost its data
+                    if w in self._live:
+                        live[w] = self._live[w]
+            else:
+                log.warning("%d worker(s) did not re-register within %.1f s after redis lost its data: %s",
+                            len(self._awaited), self.redis_restart_grace_s, ", ".join(sorted(self._awaited)))
+                self._awaited.clear()
         for w in [w for w in self._streams if w not in live]:
             self._forget(w)
         for w in self.index.workers():
@@ -324,7 +397,7 @@ class IndexSubscriber:
         the index holds less of a worker than ``kv_seq``, or entries of another epoch, and
         its stream has nothing left to read (the tail was trimmed, deleted or never
         written), no future batch would reveal it: resync from the worker's snapshot.
-        Also resyncs a worker whose lease is back after a Redis restart.
+        Also resyncs a worker whose lease is back after Redis lost its data (restart, flush).
         """
         loop = asyncio.get_running_loop()
         suspects = []

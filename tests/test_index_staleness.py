@@ -1,8 +1,9 @@
-"""The router's index stays true when event batches are lost and when Redis restarts empty.
+"""The router's index stays true when event batches are lost and when Redis loses its data
+(restarts empty, or FLUSHALL while it runs), and membership is held across such a loss only.
 
-Real redis-server; publishers, leases and the subscriber run in-process. A worker's
-"true set" is the cache state its events describe, which is also what its snapshot
-(the resync callback) returns.
+Real redis-server; publishers, leases and the subscriber run in-process, but for one test
+that runs a real router and real workers under load. A worker's "true set" is the cache
+state its events describe, which is also what its snapshot (the resync callback) returns.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import redis
 
 from kvmesh.cache_store.events import AllBlocksCleared, BlockStored
 from kvmesh.services.cluster_index import ClusterIndex
-from kvmesh.services.index_subscriber import IndexSubscriber
+from kvmesh.services.index_subscriber import IndexSubscriber, data_marker_key
 from kvmesh.services.procs import RedisServer
 from kvmesh.workers.kv_publisher import KVEventPublisher, WorkerLease, lease_key, stream_key
 
@@ -256,3 +257,255 @@ def test_redis_restart_keeps_membership_and_resyncs():
         for w in workers.values():
             w.close()
         server.stop()
+
+
+async def until(sub: IndexSubscriber, cond, polls: int, what: str) -> int:
+    """Wait until ``cond()`` holds, at most ``polls`` registry polls of the subscriber (its
+    own clock, which a busy machine slows down with everything else). Returns the polls it took."""
+    start = sub._polls
+    backstop = time.monotonic() + 60.0  # only if the subscriber stopped polling altogether
+    while not cond():
+        assert sub._polls <= start + polls, f"{what}: not within {polls} polls"
+        assert time.monotonic() < backstop, f"{what}: the subscriber made {sub._polls - start} polls in 60 s"
+        await asyncio.sleep(0.01)
+    return sub._polls - start
+
+
+async def watch_live(sub: IndexSubscriber, want: set[str], polls: int) -> list:
+    """The live sets other than ``want`` seen over the next ``polls`` registry polls."""
+    missing = []
+    end = sub._polls + polls
+    while sub._polls < end:
+        live = set(sub.live_workers())
+        if live != want:
+            missing.append(sorted(live))
+        await asyncio.sleep(0.01)
+    return missing
+
+
+def test_flushall_keeps_membership_and_resyncs():
+    """FLUSHALL wipes every lease, stream and the workers set while Redis keeps running (same
+    run_id) and the workers stay up: the router keeps both workers live, with their index
+    entries, until their leases are back, then resyncs each from its snapshot."""
+    server = RedisServer()
+    cluster = "t" + uuid.uuid4().hex[:8]
+    workers = {f"w{i}": Worker(server.url, cluster, f"w{i}") for i in range(2)}
+    rc = redis.Redis.from_url(server.url)
+
+    async def main():
+        index, sub = make_subscriber(server.url, cluster, workers, redis_restart_grace_s=10.0)
+        await sub.start()
+        try:
+            for i, w in enumerate(workers.values()):
+                for j in range(5):
+                    w.publish(stored(100 * i + j))
+            await converged(index, sub, list(workers.values()))
+            resyncs = sub.resyncs
+            for w in workers.values():
+                w.lease.close(delete=False)  # no beat lands between the flush and the polls watched
+            assert rc.flushall()
+            missing = await watch_live(sub, set(workers), polls=5)
+            assert not missing, f"router lost workers after FLUSHALL: {missing[:3]}"
+            for w in workers.values():  # a prompt cached before the flush is still found
+                assert index.worker_blocks(w.worker_id) == w.truth()
+            for w in workers.values():  # the cache changes meanwhile; the events go to new streams
+                w.publish(stored(999))
+                w.restart_lease()
+            missing = await watch_live(sub, set(workers), polls=5)
+            assert not missing, f"router lost workers as they re-registered: {missing[:3]}"
+            await converged(index, sub, list(workers.values()))
+            assert sub.resyncs >= resyncs + 2
+        finally:
+            await sub.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for w in workers.values():
+            w.close()
+        rc.close()
+        server.stop()
+
+
+def test_workers_leaving_are_dropped_at_once_and_a_flush_holds_them_only_for_the_grace():
+    """Only a loss of Redis's data holds workers: a worker whose lease is deleted (drain) is
+    dropped at the next poll, also when it is the last one; after a FLUSHALL a worker that
+    re-registered and then leaves is dropped at once, and one that never comes back (a real
+    mass death) only when the grace is over."""
+    server = RedisServer()
+    cluster = "t" + uuid.uuid4().hex[:8]
+    workers = {f"w{i}": Worker(server.url, cluster, f"w{i}") for i in range(3)}
+    rc = redis.Redis.from_url(server.url)
+    grace = 4.0
+    # the poll under way may have read the lease just before (1); the next one sees it gone (2)
+    at_once = 2
+
+    async def main():
+        index, sub = make_subscriber(server.url, cluster, workers, redis_restart_grace_s=grace)
+        await sub.start()
+        loop = asyncio.get_running_loop()
+        try:
+            for i, w in enumerate(workers.values()):
+                w.publish(stored(i))
+            await converged(index, sub, list(workers.values()))
+            w0, w1, w2 = workers.values()
+
+            w0.lease.close()  # drained: its lease is deleted
+            await until(sub, lambda: "w0" not in sub.live_workers() and not index.worker_blocks("w0"), at_once,
+                        "a drained worker dropped")
+
+            for w in (w1, w2):
+                w.lease.close(delete=False)
+            assert rc.flushall()
+            flushed = loop.time()
+            assert await watch_live(sub, {"w1", "w2"}, polls=3) == []
+            w1.restart_lease()  # back, and then drained within the grace
+            await until(sub, lambda: rc.get(lease_key("w1", cluster)) is not None, 50, "w1's lease back")
+            await sub.wait_synced()
+            w1.lease.close()
+            await until(sub, lambda: "w1" not in sub.live_workers(), at_once, "a re-registered worker that drained")
+            assert "w2" in sub.live_workers() and loop.time() < flushed + grace
+            # w2 never comes back: held for the grace, not longer
+            await until(sub, lambda: not sub.live_workers(), int(grace / POLL) + 10, "the grace ended")
+            assert loop.time() >= flushed + grace
+            assert not index.workers()
+
+            # a worker alone that drains is dropped at once: every known lease vanished, the
+            # workers set and the data marker did not
+            w3 = workers["w3"] = Worker(server.url, cluster, "w3")
+            w3.publish(stored(3))
+            await until(sub, lambda: "w3" in sub.live_workers(), 50, "w3 registered")
+            w3.lease.close()
+            await until(sub, lambda: not sub.live_workers(), at_once, "the only worker drained")
+        finally:
+            await sub.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for w in workers.values():
+            w.close()
+        rc.close()
+        server.stop()
+
+
+def test_flushall_of_a_full_redis_keeps_membership():
+    """A Redis over its maxmemory under noeviction (filled by remote-tier blocks) refuses plain
+    writes, which is when an operator may flush it: the data marker is written all the same,
+    so the FLUSHALL that follows holds the worker as on any other Redis."""
+    server = RedisServer()
+    cluster = "t" + uuid.uuid4().hex[:8]
+    rc = redis.Redis.from_url(server.url)
+    pipe = rc.pipeline(transaction=False)
+    for i in range(4000):
+        pipe.set(f"filler:{i}", b"x" * 1000)
+    pipe.execute()
+    time.sleep(0.5)
+    rc.config_set("maxmemory-policy", "noeviction")
+    rc.config_set("maxmemory", int(rc.info("memory")["used_memory"]) - 2_000_000)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        rc.set("plain", "refused")
+    w = Worker(server.url, cluster, "w0")  # its lease beats on a full Redis (allow-oom)
+
+    async def main():
+        index, sub = make_subscriber(server.url, cluster, {"w0": w}, redis_restart_grace_s=10.0)
+        await sub.start()
+        try:
+            await until(sub, lambda: "w0" in sub.live_workers(), 50, "w0 registered")
+            await until(sub, lambda: rc.get(data_marker_key(cluster)) is not None, 3, "data marker written")
+            w.lease.close(delete=False)
+            assert rc.flushall()
+            assert await watch_live(sub, {"w0"}, polls=5) == []
+        finally:
+            await sub.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        w.close()
+        rc.close()
+        server.stop()
+
+
+def _router_resyncs(metrics_url: str) -> float:
+    """The router's ``router_gap_resyncs_total`` (snapshots its index applied)."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("kvmesh:router_gap_resyncs_total "):
+                return float(line.split()[1])
+    raise AssertionError("no router_gap_resyncs_total in the router's metrics")
+
+
+@pytest.mark.slow
+def test_flushall_under_load_fails_no_request(tmp_path):
+    """A real router and two real workers under load, clients without retries: FLUSHALL on the
+    cluster's Redis (several times, at random moments against the lease beats) fails no request,
+    and after the last one the router's index is resynced and routes each prompt sent before
+    it to the worker that cached it."""
+    import random
+    import threading
+
+    import grpc
+
+    from kvmesh.services.client import KvmeshClient
+    from kvmesh.services.launcher import ClusterSpec, LocalCluster
+
+    rng = random.Random(5)
+
+    def prompt(n: int = 64) -> list[int]:
+        return [rng.randrange(3, 250) for _ in range(n)]
+
+    spec = ClusterSpec(num_workers=2, num_blocks=1024, threads_per_worker=1, log_dir=str(tmp_path))
+    with LocalCluster(spec) as cluster, KvmeshClient(cluster.router_address, retries=0, timeout=60) as client:
+        rc = redis.Redis.from_url(cluster.redis_url)
+        try:
+            probes = [prompt() for _ in range(6)]
+            holder = {}
+            for i, p in enumerate(probes):
+                out = client.generate(token_ids=p, max_tokens=1)
+                assert out.usage.cached_tokens == 0
+                holder[i] = out.worker_id
+            assert len(set(holder.values())) == 2, "the probes all went to one worker: nothing to route"
+
+            pool = [prompt() for _ in range(16)]
+            stop = threading.Event()
+            ok, failed = [0], []
+
+            def load(seed: int) -> None:
+                mine = random.Random(seed)
+                while not stop.is_set():
+                    try:
+                        client.generate(token_ids=mine.choice(pool), max_tokens=2)
+                        ok[0] += 1
+                    except grpc.RpcError as exc:
+                        failed.append((exc.code(), exc.details()))
+
+            threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(3)]
+            for t in threads:
+                t.start()
+            try:
+                time.sleep(1.0)
+                for _ in range(5):  # the lease beats every second: some flushes land far from the next one
+                    assert rc.flushall()
+                    time.sleep(rng.uniform(0.8, 1.6))
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(60)
+            assert not failed, f"{len(failed)} of {len(failed) + ok[0]} requests failed, e.g. {failed[:3]}"
+            assert ok[0] > 20
+
+            time.sleep(1.5)  # the last flush's resyncs are done
+            before = _router_resyncs(cluster.metrics_urls["router"])
+            assert rc.flushall()
+            deadline = time.monotonic() + 60
+            while _router_resyncs(cluster.metrics_urls["router"]) < before + 2:  # each worker, lease back
+                assert time.monotonic() < deadline, "the router did not resync both workers after FLUSHALL"
+                time.sleep(0.1)
+            for i, p in enumerate(probes):
+                out = client.generate(token_ids=p, max_tokens=1)
+                assert (out.worker_id, out.usage.cached_tokens > 0) == (holder[i], True), i
+        finally:
+            rc.close()
