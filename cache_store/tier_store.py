@@ -237,6 +237,15 @@ class TierStore:
                                "segments_written": 0, "loaded": 0, "load_failures": 0,
                                "remote_puts_skipped": 0, "remote_put_errors": 0, "loads_not_worth_it": 0,
                                "fetches_not_worth_it": 0}
+        # workers.grpc_guard imports nothing of kvmesh (no cycle); imported here, as in
+        # remote_tier, so that importing cache_store does not load grpc
+        from kvmesh.workers.grpc_guard import LogLimiter
+
+        #: a failing disk (full, read-only, broken) fails every write: one ERROR line per
+        #: failure would flood the log, so at most LOG_BURST per LOG_WINDOW_S, the rest counted
+        #: in the next line; `write_errors` counts them all (disk_write_failures_total). Used
+        #: by the disk writer thread only (a LogLimiter takes no lock)
+        self._write_error_log = LogLimiter(log, "failed disk segment writes")
         self.remote: RemoteTier | None = None
         self.remote_codec = self.codec(config.remote_codec)
         self._rjobs: deque[_WriteJob] = deque()
@@ -645,7 +654,7 @@ class TierStore:
             except OSError as exc:
                 error = exc
         if error is not None:
-            log.error("disk tier: segment write failed: %s", error)
+            self._write_error_log.error("disk tier: segment write failed: %s", error)
             with self.lock:
                 self.stats_counters["write_errors"] += 1
                 if error.errno in (errno.ENOSPC, errno.EDQUOT):

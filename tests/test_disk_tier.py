@@ -689,3 +689,48 @@ def test_a_full_filesystem_shrinks_the_tier_to_what_fits(tmp_path, caplog):
         assert store.disk.used_bytes <= store.disk.capacity_bytes
     finally:
         store.close()
+
+
+def test_failed_disk_writes_are_each_counted_but_logged_at_a_bounded_rate(tmp_path, caplog):
+    """A disk that fails every write (injected EIO: a read-only or broken filesystem) under
+    load: `write_errors` (the `disk_write_failures_total` metric) counts every failed segment
+    write, while the log gets at most `LOG_BURST` lines per `LOG_WINDOW_S` seconds; the first
+    line of the next window says how many were not logged."""
+    import errno
+    import logging
+
+    from kvmesh.workers.grpc_guard import LOG_BURST, LOG_WINDOW_S
+
+    kv = _pool().normal_()
+    store = _store(kv, tmp_path)
+    real_write = store.disk.write_segment
+
+    def broken(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    failures = 4 * LOG_BURST
+    store.disk.write_segment = broken
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvmesh.cache_store.tier_store"):
+            for i in range(failures):  # one block, so one segment write, each time
+                bh, _ = _chain(200 + i, 1)
+                store.offload(_evicted(bh, [i % 32]))
+                assert store.flush(30)
+            assert store.stats()["write_errors"] == failures
+            lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert 1 <= len(lines) <= LOG_BURST, [r.getMessage() for r in lines]
+            assert all("segment write failed" in r.getMessage() for r in lines)
+            # the window is over (moved back rather than waited for): the next failure is
+            # logged, with the count of those that were not
+            store._write_error_log.window_start -= LOG_WINDOW_S
+            caplog.clear()
+            bh, _ = _chain(199, 1)
+            store.offload(_evicted(bh, [0]))
+            assert store.flush(30)
+        assert store.stats()["write_errors"] == failures + 1
+        [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert f"({failures - len(lines)} more failed disk segment writes not logged)" in line
+        assert not store.disk.entries
+    finally:
+        store.disk.write_segment = real_write
+        store.close()
