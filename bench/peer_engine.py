@@ -82,11 +82,12 @@ def model_config(dtype: str = "bfloat16"):
 class KvmeshSide:
     """kvmesh's `Engine` in this process; times are the engine's own (ms)."""
 
-    def __init__(self, model_dir: str, num_blocks: int, device: str = "cpu"):
+    def __init__(self, model_dir: str, num_blocks: int, device: str = "cpu", compute_dtype: str = "model"):
         from kvmesh.workers.engine import Engine
 
         self.engine = Engine(model_dir=model_dir, device=device, block_size=BLOCK_SIZE, num_blocks=num_blocks,
-                             max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=64).start()
+                             max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=64,
+                             compute_dtype=compute_dtype).start()
 
     def ttft_ms(self, ids: list[int]) -> float:
         from kvmesh.workers.request import SamplingParams
@@ -304,7 +305,7 @@ def fp32_equal(model_dir: str, num_prompts: int, new_tokens: int = 8, seed: int 
 
 def run(vllm_python: str | None = None, rounds: int = 3, threads: int = 2, cold_lengths=COLD_LENGTHS,
         fp32_prompts: int = 20, kv_gib: int = 2, seed: int = 0, freeze_peer: bool = True,
-        device: str = "cpu") -> dict:
+        device: str = "cpu", compute_dtype: str = "model") -> dict:
     """Run every scenario; returns the JSON-ready figures (see the module docstring).
     ``device`` is kvmesh's torch device; the peer, vLLM's CPU build, is only run on "cpu"."""
     import torch
@@ -325,7 +326,8 @@ def run(vllm_python: str | None = None, rounds: int = 3, threads: int = 2, cold_
 
     run_on_fresh_thread(lambda: save_tiny_checkpoint(model_dir, model_config(), seed=seed))
     longest = max(max(cold_lengths), HIT_TOKENS, DECODE_REQUESTS * (DECODE_PROMPT + DECODE_OUTPUT))
-    ours = KvmeshSide(model_dir, num_blocks=4 * longest // BLOCK_SIZE + 256, device=device)
+    ours = KvmeshSide(model_dir, num_blocks=4 * longest // BLOCK_SIZE + 256, device=device,
+                      compute_dtype=compute_dtype)
     peer = VllmSide(vllm_python, model_dir, threads, kv_gib) if vllm_python else None
     sides = [("kvmesh", ours)] + ([("vllm", peer)] if peer else [])
     fig: dict[str, dict[str, list[float]]] = {}
@@ -420,6 +422,7 @@ def run(vllm_python: str | None = None, rounds: int = 3, threads: int = 2, cold_
         "rounds": rounds,
         "threads": threads,
         "device": device,
+        "compute_dtype": compute_dtype,
         "peer_frozen_during_kvmesh": bool(peer is not None and freeze_peer),
     }
 
@@ -437,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 2)")
     ap.add_argument("--device", default="cpu",
                     help="kvmesh's torch device: cpu or cuda[:N] (default cpu; the vLLM peer needs cpu)")
+    ap.add_argument("--compute-dtype", default="model", choices=["model", "auto", "float32"],
+                    help="kvmesh's --compute-dtype (default model: bfloat16, as vLLM computes; a worker's default "
+                    "auto computes a bf16 checkpoint in float32 on a CPU, see docs/ENGINE.md)")
     ap.add_argument("--no-freeze-peer", action="store_true",
                     help="leave the vLLM server running (idle) during kvmesh's turns (default: stopped with SIGSTOP)")
     args = ap.parse_args(argv)
@@ -459,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, AssertionError) as exc:
         ap.error(f"--device {args.device!r} is not usable here: {exc}")
     out = run(args.vllm_python, args.rounds, args.threads, lengths, args.fp32_prompts, args.vllm_kv_gib,
-              freeze_peer=not args.no_freeze_peer, device=args.device)
+              freeze_peer=not args.no_freeze_peer, device=args.device, compute_dtype=args.compute_dtype)
     if args.json:
         print(json.dumps(out))
     else:

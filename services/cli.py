@@ -126,8 +126,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "restarts) need the same count")
     p.add_argument("--compute-dtype", choices=["auto", "model", "float32", "bfloat16", "float16"], default="auto",
                    help="dtype of the forward pass; the KV pool keeps the checkpoint's (default auto: the "
-                   "checkpoint's, except float32 for a bf16/fp16 checkpoint on a CPU without AMX where a float32 "
-                   "GEMM measures >= 1.25x as fast at start)")
+                   "checkpoint's, except float32 for a bf16/fp16 checkpoint on a CPU, so that a cached prefix "
+                   "gives the cold run's tokens; model: the checkpoint's, faster where bf16 GEMMs are, but a cached "
+                   "prefix may then change an output)")
     p.add_argument("--long-prefill-token-threshold", type=_int_at_least(0, "--long-prefill-token-threshold"),
                    default=None, help="most prompt tokens one request prefills per step while other requests "
                    "run or wait, so short requests are not queued behind a long prompt (0 = no cap; default: a "

@@ -236,9 +236,12 @@ class Engine:
     def describe(self) -> str:
         """One line on how this engine computes: KV id, weight/compute/pool dtypes, attention path."""
         attention = self._attention_path()
-        probe = model_identity.measured_gemm_seconds(self.config.dtype) if self._compute_auto else None
-        why = "" if probe is None else (f" (auto: a {self.config.dtype} GEMM measured {probe[1] / probe[0]:.2f}x "
-                                        f"float32's speed here)")
+        why = ""
+        if self._compute_auto and self.compute_dtype != self.config.dtype:
+            why = " (auto: so that a cached prefix gives the cold run's tokens; --compute-dtype model is faster)"
+        elif self.compute_dtype in ("bfloat16", "float16"):
+            why = (f" (a {self.compute_dtype} forward rounds with the rows per step: a cached prefix may change an "
+                   "output; --compute-dtype float32 on a CPU where it must not)")
         return (f"model {self.kv_model_id}, {self.config.dtype} checkpoint computed in {self.compute_dtype}{why}, "
                 f"{str(self.kv_cache.dtype).replace('torch.', '')} KV pool, attention: {attention}")
 

@@ -324,10 +324,6 @@ def cpu_has_amx() -> bool:
     return "amx_bf16" in _cpu_flags()
 
 
-#: ``auto`` computes in float32 only when a float32 GEMM is at least this many times as
-#: fast as one in the checkpoint's dtype on this CPU (a margin, so that noise near a tie
-#: does not flip the choice, and with it the namespace, between restarts).
-FLOAT32_MARGIN = 1.25
 #: Shape of the probe GEMM ``[M, K] x [K, N]``: a 256-token chunk through a 1,024-wide layer.
 PROBE_SHAPE = (256, 1024, 1024)
 _probe_cache: dict[str, tuple[float, float]] = {}
@@ -362,24 +358,21 @@ def cpu_gemm_seconds(dtype: str) -> tuple[float, float]:
     return _probe_cache[dtype]
 
 
-def measured_gemm_seconds(dtype: str) -> tuple[float, float] | None:
-    """What `cpu_gemm_seconds` measured for ``dtype`` in this process, or None if it did not
-    measure (nothing is measured here)."""
-    return _probe_cache.get(dtype)
-
-
 def resolve_compute_dtype(requested: str, storage_dtype: str, device: str) -> str:
     """The dtype a worker's forward runs in, as a torch dtype name.
 
     ``"model"`` keeps the checkpoint's dtype; a dtype name is taken as is; ``"auto"`` keeps
-    the checkpoint's dtype except for a bfloat16/float16 checkpoint on a CPU without AMX
-    where a float32 GEMM measures at least ``FLOAT32_MARGIN`` times as fast as one in the
-    checkpoint's dtype (`cpu_gemm_seconds`): then float32, the KV pool staying in the
-    checkpoint's dtype. CPUs differ by more than that ratio either way: on one 2-core
-    AVX-512 VM torch's bfloat16 GEMM (oneDNN) ran at ~160 GFLOP/s against ~250 in float32
-    (MKL), and a prompt prefilled ~1.4x faster in float32; on a 2-core AMD EPYC VM with
-    AVX512_BF16 bfloat16 ran at ~900 GFLOP/s against ~200, and prefill was 3-4x faster in
-    bfloat16 (docs/ENGINE.md, "Compute dtype").
+    the checkpoint's dtype except for a bfloat16/float16 checkpoint on a CPU: then float32,
+    the KV pool staying in the checkpoint's dtype. Why: a 16-bit GEMM (oneDNN on the CPU)
+    rounds an output row differently with the number of rows in the call, so a prefix hit,
+    which computes only the uncached suffix, did not always give the cold prefill's tokens:
+    on a bf16 test checkpoint computing in bfloat16, 5 of 30 prompts' greedy outputs
+    differed from the cold run's, and none in float32 (docs/ENGINE.md, "Compute dtype").
+    ``"model"`` computes in bfloat16 where that is faster (3-5x prefill on CPUs with AMX or
+    AVX512_BF16, `cpu_gemm_seconds` measures it), for a deployment that accepts that a cached
+    prefix may change an output. On CUDA ``auto`` keeps the checkpoint's dtype: float32 there
+    would take twice the GPU memory and forgo the tensor cores' 16-bit speed, so the same
+    caveat holds for a GPU worker.
 
     Raises:
         ValueError: ``requested`` is none of auto, model, float32, bfloat16, float16.
@@ -389,10 +382,8 @@ def resolve_compute_dtype(requested: str, storage_dtype: str, device: str) -> st
     if requested == "model":
         return storage_dtype
     if requested == "auto":
-        if str(device).startswith("cpu") and storage_dtype in ("bfloat16", "float16") and not cpu_has_amx():
-            low, f32 = cpu_gemm_seconds(storage_dtype)
-            if low >= FLOAT32_MARGIN * f32:
-                return "float32"
+        if str(device).startswith("cpu") and storage_dtype in ("bfloat16", "float16"):
+            return "float32"
         return storage_dtype
     try:
         name = normalize_dtype_name(requested)
