@@ -126,7 +126,18 @@ class _ServerState:
     local_prefill: int = 0    # prefill tokens this router sent there, not yet answered
     last_error: str = ""
     polled_at: float = 0.0
+    failing_since: float | None = None  # monotonic time its polls began to fail; None: answering
     extra: dict = field(default_factory=dict)
+
+
+#: Seconds a server's ``/metrics`` must have gone unanswered before the requests relayed to
+#: it are ended: a frozen server (SIGSTOP, a hung node, a network partition) keeps its TCP
+#: connections open and sends nothing, so without this a relay, and the client behind it,
+#: waited forever. A request that has received nothing yet is tried on another server; one
+#: whose answer was under way has its connection closed (its stream ends without the final
+#: chunk, which clients report as an error). A busy server still answers ``/metrics`` (vLLM's
+#: API server runs apart from its engine), so a long prefill is not taken for a freeze.
+UNRESPONSIVE_S = 10.0
 
 
 #: Largest request body relayed (bytes): a 128k-token context as JSON token ids or text,
@@ -272,13 +283,21 @@ class VllmRouter:
                 log.info("vLLM server %s at %s is live", st.spec.name, st.spec.url)
             st.live = st.version is not None
             st.last_error = ""
+            st.failing_since = None
         except Exception as exc:  # any failure takes the server out of rotation until it answers again
             msg = f"{type(exc).__name__}: {exc}"
             if st.live or msg != st.last_error:
                 log.warning("vLLM server %s at %s unusable: %s", st.spec.name, st.spec.url, msg)
             st.live = False
             st.last_error = msg
+            if st.failing_since is None:
+                st.failing_since = time.monotonic()
         st.polled_at = time.monotonic()
+
+    async def _until_unresponsive(self, st: _ServerState) -> None:
+        """Return once ``st``'s polls have failed for `UNRESPONSIVE_S` seconds."""
+        while st.failing_since is None or time.monotonic() - st.failing_since < UNRESPONSIVE_S:
+            await asyncio.sleep(self.poll_s)
 
     async def _poll_loop(self) -> None:
         while True:
@@ -388,27 +407,30 @@ class VllmRouter:
             prefill = max(0, n_tokens - chosen.matched_blocks * self.hasher.block_size)
             st.local_running += 1
             st.local_prefill += prefill
-            relayed = False
+            state = {"started": False, "relayed": False}
             try:
-                assert self._session is not None
-                passed = ("accept",) if self.auth is not None else ("authorization", "accept")
-                headers = {k: v for k, v in request.headers.items() if k.lower() in passed}
-                async with self._session.post(st.spec.url + path, json=body, headers=headers,
-                                              timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0)) as r:
-                    resp = web.StreamResponse(status=r.status)
-                    resp.content_type = r.content_type
-                    resp.headers["x-kvmesh-worker"] = chosen.worker_id
-                    resp.headers["x-kvmesh-matched-blocks"] = str(chosen.matched_blocks)
-                    await resp.prepare(request)
-                    async for chunk in r.content.iter_any():
-                        if not relayed:
-                            relayed = True
-                            st.local_prefill = max(0, st.local_prefill - prefill)
-                        await resp.write(chunk)
-                    await resp.write_eof()
-                    return resp
+                relay = asyncio.ensure_future(self._relay(request, st, path, body, chosen, prefill, state))
+                watch = asyncio.ensure_future(self._until_unresponsive(st))
+                try:
+                    await asyncio.wait((relay, watch), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watch.cancel()
+                    if not relay.done():  # the server stopped answering, or this handler was cancelled
+                        relay.cancel()
+                        await asyncio.gather(relay, return_exceptions=True)
+                if not relay.cancelled():
+                    return relay.result()
+                log.warning("vLLM server %s at %s has not answered for %.0f s; ending the request relayed there",
+                            chosen.worker_id, st.spec.url, UNRESPONSIVE_S)
+                st.live = False
+                if state["started"]:
+                    # the answer was under way: the client must see it cut, not complete
+                    if request.transport is not None:
+                        request.transport.close()
+                    raise ConnectionResetError(f"vLLM server {chosen.worker_id} stopped answering")
+                last_error = f"vLLM server {chosen.worker_id}: no answer for {UNRESPONSIVE_S:.0f} s"
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                if relayed:
+                if state["started"]:
                     raise
                 last_error = f"vLLM server {chosen.worker_id}: {type(exc).__name__}"
                 log.warning("vLLM server %s at %s: %s: %s; trying another server", chosen.worker_id, st.spec.url,
@@ -416,9 +438,35 @@ class VllmRouter:
                 st.live = False
             finally:
                 st.local_running = max(0, st.local_running - 1)
-                if not relayed:
+                if not state["relayed"]:
                     st.local_prefill = max(0, st.local_prefill - prefill)
         raise _HttpError(503, f"no vLLM server could take the request: {last_error}", type_="service_unavailable")
+
+    async def _relay(self, request: web.Request, st: _ServerState, path: str, body: dict, chosen, prefill: int,
+                     state: dict) -> web.StreamResponse:
+        """POST ``body`` to ``st``'s ``path`` and stream its answer to the client; sets
+        ``state["started"]`` once the client has the answer's headers (the request can no
+        longer go to another server) and ``state["relayed"]`` at its first byte (``prefill``
+        tokens then leave the server's pending count). Raises what aiohttp's client raises
+        when the server cannot be reached or the connection breaks."""
+        assert self._session is not None
+        passed = ("accept",) if self.auth is not None else ("authorization", "accept")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in passed}
+        async with self._session.post(st.spec.url + path, json=body, headers=headers,
+                                      timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0)) as r:
+            resp = web.StreamResponse(status=r.status)
+            resp.content_type = r.content_type
+            resp.headers["x-kvmesh-worker"] = chosen.worker_id
+            resp.headers["x-kvmesh-matched-blocks"] = str(chosen.matched_blocks)
+            await resp.prepare(request)
+            state["started"] = True
+            async for chunk in r.content.iter_any():
+                if not state["relayed"]:
+                    state["relayed"] = True
+                    st.local_prefill = max(0, st.local_prefill - prefill)
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
 
     def _tenant(self, request: web.Request) -> str:
         """The caller's tenant from its API key. Raises `_HttpError` 401."""

@@ -342,3 +342,87 @@ def test_a_declared_body_over_the_cap_is_refused_at_once_and_the_connection_clos
     assert head.startswith(b"HTTP/1.1 413"), head
     assert re.search(rb"(?i)\r\nconnection: *close\r\n", head), head
     assert body["error"]["code"] == 413 and "shorten the prompt" in body["error"]["message"], body
+
+
+def test_a_server_that_stops_answering_has_its_requests_retried_or_cut(monkeypatch):
+    """A vLLM server that freezes (SIGSTOP, a hung node) keeps its connections open and sends
+    nothing; a request relayed there used to wait forever. Once the server's /metrics has
+    gone unanswered for `UNRESPONSIVE_S`, a request that has received nothing is answered by
+    another server, and one whose answer was under way is cut (the client sees an error, not
+    a complete answer). Both servers are stand-ins; freezing one is the fault injected."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from kvmesh.services import vllm_router
+    from kvmesh.services.vllm_compat import SUPPORTED_VERSIONS, VllmHashConfig
+    from kvmesh.services.vllm_router import VllmRouter
+
+    monkeypatch.setattr(vllm_router, "UNRESPONSIVE_S", 1.0)  # 10 s in service; the logic is the same
+
+    async def stand_in(name: str, frozen: asyncio.Event):
+        """A server whose every answer hangs while ``frozen`` (a streamed one after its first
+        chunk), as a stopped process's would."""
+        async def completions(request):
+            body = await request.json()
+            if frozen.is_set():
+                if body.get("stream"):
+                    resp = web.StreamResponse()
+                    await resp.prepare(request)
+                    await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+                await asyncio.Event().wait()
+            return web.json_response({"choices": [{"text": name}]})
+
+        async def metrics(request):
+            if frozen.is_set():
+                await asyncio.Event().wait()
+            return web.Response(text="")
+
+        async def version(request):
+            return web.json_response({"version": SUPPORTED_VERSIONS[-1]})
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/version", version)
+        runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner, VllmServerSpec(name, f"http://127.0.0.1:{runner.addresses[0][1]}", "tcp://127.0.0.1:1")
+
+    async def run():
+        frozen = asyncio.Event()
+        (ra, a), (rb, b) = await stand_in("a", frozen), await stand_in("b", asyncio.Event())
+        router = VllmRouter([a, b], VllmHashConfig(), policy="round_robin", poll_s=0.2)
+        fport = await router.start("127.0.0.1", 0)
+        await router.wait_live(30)
+        url = f"http://127.0.0.1:{fport}/v1/completions"
+        out = {}
+        try:
+            frozen.set()
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                # round robin sends the first request to "a"
+                async with s.post(url, json={"prompt": [1, 2, 3], "max_tokens": 1}) as r:
+                    out["retried"] = (r.status, r.headers.get("x-kvmesh-worker"), await r.json())
+                st = router.servers["a"]
+                st.live, st.failing_since = True, None  # as if a poll had answered: the next one goes there
+                router.policy = vllm_router.make_policy("round_robin")
+                try:
+                    async with s.post(url, json={"prompt": [1, 2, 3], "max_tokens": 1, "stream": True}) as r:
+                        out["cut_worker"] = r.headers.get("x-kvmesh-worker")
+                        await r.read()
+                    out["cut"] = "completed"
+                except aiohttp.ClientPayloadError as exc:
+                    out["cut"] = type(exc).__name__
+        finally:
+            frozen.clear()
+            await router.stop()
+            await ra.cleanup()
+            await rb.cleanup()
+        return out
+
+    out = asyncio.run(run())
+    status, worker, body = out["retried"]
+    assert status == 200 and worker == "b" and body["choices"][0]["text"] == "b", out
+    assert out["cut_worker"] == "a" and out["cut"] == "ClientPayloadError", out
