@@ -416,8 +416,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     # tokenizer_id: what a router compares its own tokenizer with before it sends text's token
     # ids here, without reading the weights that model_id covers
+    from kvmesh.workers.grpc_host import KEEPALIVE_LEASE_FIELD, SERVER_MIN_PING_INTERVAL_S
+
     info = {"model_id": engine.kv_model_id, "block_size": engine.block_size, "num_blocks": engine.num_blocks,
-            "max_model_len": engine.max_model_len, "kv_producer": engine.kv_producer}
+            "max_model_len": engine.max_model_len, "kv_producer": engine.kv_producer,
+            # routers send keepalive PINGs only to workers that say their server takes them
+            KEEPALIVE_LEASE_FIELD: SERVER_MIN_PING_INTERVAL_S}
     try:
         info["tokenizer_id"] = tokenizer_fingerprint(args.model)
     except OSError as exc:  # read a moment ago by the engine; without it routers compare model ids

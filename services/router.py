@@ -84,7 +84,8 @@ from kvmesh.workers.config import ModelConfig
 from kvmesh.workers.grpc_guard import LogLimiter, TenantCap, clip
 from kvmesh.workers.model_identity import (NoWeightFiles, base_model_id, checkpoint_model_id,
                                            config_without_weights, tokenizer_fingerprint)
-from kvmesh.workers.grpc_host import CHANNEL_OPTIONS, DEFAULT_MAX_CONCURRENT_RPCS, ChannelPool, GrpcHost
+from kvmesh.workers.grpc_host import (CHANNEL_OPTIONS, DEFAULT_MAX_CONCURRENT_RPCS, ChannelPool, GrpcHost,
+                                      accepts_keepalive)
 from kvmesh.workers import limits, wire
 from kvmesh.workers.request import InvalidRequest
 from kvmesh.workers.tokenizer import load_tokenizer
@@ -186,8 +187,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.shared: SharedLoad | None = None
 
     # ------------------------------------------------------------- helpers
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        return self._channels.get(address)
+    def _channel(self, address: str, keepalive: bool = False) -> grpc.aio.Channel:
+        return self._channels.get(address, keepalive)
 
     async def close(self) -> None:
         await self._channels.close()
@@ -525,7 +526,9 @@ class RouterServicer(pb_grpc.RouterServicer):
                 self.shared.note_placement(chosen.worker_id, hashes, SPECULATIVE_TTL_S)
                 await self.shared.publish()  # seen by the other replicas before their next decision
             relayed = False
-            stub = pb_grpc.WorkerStub(self._channel(chosen.address))
+            # keepalive PINGs (a frozen worker's call fails in ~10 s) to workers that accept them
+            stub = pb_grpc.WorkerStub(self._channel(chosen.address,
+                                                    accepts_keepalive(live.get(chosen.worker_id) or {})))
             timeout = context.time_remaining()
             call = None
             try:

@@ -594,3 +594,31 @@ def test_unary_request_methods_take_exactly_one_message():
             await host.server.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_keepalive_pings_only_to_workers_whose_lease_accepts_them():
+    """A router pings (`KEEPALIVE_CHANNEL_OPTIONS`) only workers whose lease states their
+    server accepts PINGs at least that often: a worker of an older kvmesh keeps gRPC's
+    default policy and would close a silent call's connection as "too many pings". The
+    pool keeps the two kinds of channel to one address apart."""
+    import asyncio
+
+    from kvmesh.workers.grpc_host import (KEEPALIVE_LEASE_FIELD, KEEPALIVE_TIME_S, SERVER_MIN_PING_INTERVAL_S,
+                                          ChannelPool, accepts_keepalive)
+
+    assert SERVER_MIN_PING_INTERVAL_S <= KEEPALIVE_TIME_S  # a router's own workers never refuse its PINGs
+    assert accepts_keepalive({KEEPALIVE_LEASE_FIELD: SERVER_MIN_PING_INTERVAL_S})
+    for lease in ({}, {KEEPALIVE_LEASE_FIELD: 300.0}, {KEEPALIVE_LEASE_FIELD: True},
+                  {KEEPALIVE_LEASE_FIELD: "4"}, {KEEPALIVE_LEASE_FIELD: 0}):
+        assert not accepts_keepalive(lease), lease
+
+    made = []
+
+    async def scenario():
+        pool = ChannelPool()
+        a, b, c = pool.get("127.0.0.1:1"), pool.get("127.0.0.1:1", keepalive=True), pool.get("127.0.0.1:1")
+        made.extend([a is c, a is not b])
+        await pool.close()
+
+    asyncio.run(scenario())
+    assert made == [True, True]

@@ -405,8 +405,8 @@ def test_a_frozen_worker_fails_its_calls_and_the_router_retries_elsewhere(tmp_pa
     """A worker that stops answering (SIGSTOP: a hung node, or one the network cut off)
     keeps its TCP connections open. Before, a call routed to it waited for its deadline
     (600 s on the HTTP front by default), also after the router had dropped its lapsed
-    lease. Channels between cluster processes now send keepalive PINGs
-    (`grpc_host.CHANNEL_OPTIONS`), and one not acknowledged closes the connection: a call
+    lease. A router's channels to workers whose lease accepts them now send keepalive PINGs
+    (`grpc_host.KEEPALIVE_CHANNEL_OPTIONS`), and one not acknowledged closes the connection: a call
     that has streamed tokens ends UNAVAILABLE saying the worker went away, and one that has
     streamed nothing is retried on another worker and answered, both long before the
     deadline they were given."""

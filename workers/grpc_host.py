@@ -42,21 +42,26 @@ DEFAULT_MAX_CONCURRENT_RPCS = 1024
 #: control-plane RPCs while the data plane is full; past that gRPC itself answers
 #: RESOURCE_EXHAUSTED before reading the request.
 CONTROL_RPC_RESERVE = 64
-#: Keepalive of channels between cluster processes (router -> worker, worker -> worker):
-#: while a call is open, an HTTP/2 PING every ``KEEPALIVE_TIME_S`` seconds, and the
-#: connection is closed when one is not acknowledged within ``KEEPALIVE_TIMEOUT_S``
-#: (gRPC core's keepalive, doc/keepalive.md of grpc/grpc). A peer that is frozen
-#: (SIGSTOP, a hung node) or cut off by the network thus fails the calls open to it with
-#: UNAVAILABLE within about 10 s, and a router retries one that has streamed nothing on
-#: another worker, instead of each call waiting for its deadline (600 s for the HTTP
-#: front's default). PINGs are answered by gRPC's own threads, so a worker busy in a long
-#: prefill acknowledges them; pings are sent without data frames too (a long prefill
-#: streams nothing).
-KEEPALIVE_TIME_S = 5.0
-KEEPALIVE_TIMEOUT_S = 5.0
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+#: Keepalive of a router's channels to its workers: while a call is open, an HTTP/2 PING
+#: every ``KEEPALIVE_TIME_S`` seconds, and the connection is closed when one is not
+#: acknowledged within ``KEEPALIVE_TIMEOUT_S`` (gRPC core's keepalive, doc/keepalive.md of
+#: grpc/grpc). A worker that is frozen (SIGSTOP, a hung node) or cut off by the network
+#: thus fails the calls open to it with UNAVAILABLE within about 10 s, and the router retries
+#: one that has streamed nothing on another worker, instead of each call waiting for its
+#: deadline (600 s for the HTTP front's default). PINGs are answered by gRPC's own threads,
+#: so a worker busy in a long prefill acknowledges them; they are sent without data frames
+#: too (a queued request or a long prefill streams nothing). Only towards a worker whose
+#: lease states that its server accepts them (`KEEPALIVE_LEASE_FIELD`): a server with gRPC's
+#: default policy (kvmesh before it) takes a PING more often than every 5 minutes on a
+#: silent call as abuse and closes the connection (GOAWAY "too_many_pings") after 3.
+KEEPALIVE_TIME_S = 5.0
+KEEPALIVE_TIMEOUT_S = 5.0
+KEEPALIVE_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS,
     ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
     ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
     # gRPC core waits this long for any PING's acknowledgement (its default: 60 s), whatever
@@ -65,13 +70,23 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-#: What a server accepts of its callers' keepalive PINGs: one every 4 s without data frames
-#: (below `KEEPALIVE_TIME_S`, so the cluster's own channels are never told "too many
-#: pings"; gRPC's default is 5 minutes). A caller that pings faster is sent GOAWAY after
-#: gRPC's default of 2 strikes.
+#: Seconds between keepalive PINGs a server accepts without data frames: 4 (below
+#: `KEEPALIVE_TIME_S`, so routers' channels are never told "too many pings"; gRPC's default
+#: is 5 minutes). A caller that pings faster is sent GOAWAY after gRPC's default of 2
+#: strikes. A worker states it in its lease (`KEEPALIVE_LEASE_FIELD`).
+SERVER_MIN_PING_INTERVAL_S = 4.0
 SERVER_KEEPALIVE_OPTIONS = [
-    ("grpc.http2.min_ping_interval_without_data_ms", 4000),
+    ("grpc.http2.min_ping_interval_without_data_ms", int(SERVER_MIN_PING_INTERVAL_S * 1000)),
 ]
+#: Lease field of a worker whose server accepts keepalive PINGs that often (seconds).
+KEEPALIVE_LEASE_FIELD = "keepalive_min_ping_s"
+
+
+def accepts_keepalive(lease: dict) -> bool:
+    """Whether a router may send `KEEPALIVE_CHANNEL_OPTIONS`' PINGs to the worker of
+    ``lease``: its lease states a minimum PING interval no longer than `KEEPALIVE_TIME_S`."""
+    value = lease.get(KEEPALIVE_LEASE_FIELD)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= KEEPALIVE_TIME_S
 #: Default of the worker's ``--drain-timeout-s`` (seconds): how long requests running at
 #: SIGTERM may take to finish. With Kubernetes' preStop sleep (5 s) and the stop steps after
 #: the drain it fits the worker's terminationGracePeriodSeconds (45 s, k8s/base/worker.yaml).
@@ -91,20 +106,26 @@ class ChannelPool:
 
     ``factory(address)`` replaces the default channel (tests use it to inject faults);
     with ``tls`` (a `kvmesh.workers.tls.TlsConfig`) channels are mutual TLS to peers.
+    ``get(address, keepalive=True)`` gives a channel that sends keepalive PINGs
+    (`KEEPALIVE_CHANNEL_OPTIONS`), kept apart from the one without.
     """
 
     def __init__(self, factory: Callable[[str], grpc.aio.Channel] | None = None, tls=None):
-        if factory is None and tls is not None:
-            factory = lambda address: tls.peer_channel(address, CHANNEL_OPTIONS)  # noqa: E731
         self._factory = factory
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tls = tls
+        self._channels: dict[tuple[str, bool], grpc.aio.Channel] = {}
 
-    def get(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
+    def get(self, address: str, keepalive: bool = False) -> grpc.aio.Channel:
+        ch = self._channels.get((address, keepalive))
         if ch is None:
-            ch = (self._factory(address) if self._factory
-                  else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
-            self._channels[address] = ch
+            options = KEEPALIVE_CHANNEL_OPTIONS if keepalive else CHANNEL_OPTIONS
+            if self._factory is not None:
+                ch = self._factory(address)
+            elif self._tls is not None:
+                ch = self._tls.peer_channel(address, options)
+            else:
+                ch = grpc.aio.insecure_channel(address, options=options)
+            self._channels[(address, keepalive)] = ch
         return ch
 
     async def close(self) -> None:
