@@ -250,17 +250,19 @@ def test_a_call_without_its_message_in_time_is_deadline_exceeded():
 
 
 def test_peer_host_names_the_client_host():
-    from kvmesh.workers.grpc_guard import HostLimit, peer_host
+    from kvmesh.workers.grpc_guard import HostLimit, host_network, peer_host
 
     assert peer_host("ipv4:10.1.2.3:5000") == "10.1.2.3"
     assert peer_host("ipv6:[::1]:5000") == "::1"
-    # an IPv6 client counts by its /64: one host can take a new address of it per call
-    assert peer_host("ipv6:%5B2001:db8::1%5D:443") == "2001:db8::/64"
-    assert peer_host("ipv6:[2001:db8::ffff:1:2]:443") == peer_host("ipv6:[2001:db8::9]:80") == "2001:db8::/64"
-    assert peer_host("ipv6:[2001:db8:0:1::9]:80") == "2001:db8:0:1::/64"
+    assert peer_host("ipv6:%5B2001:db8::1%5D:443") == "2001:db8::1"
     assert peer_host("ipv6:[::ffff:10.1.2.3]:5000") == "10.1.2.3"  # IPv4-mapped: the IPv4 host
-    assert peer_host("ipv6:[fe80::1%25eth0]:5000") == "fe80::/64"
     assert peer_host("unix:/tmp/sock") == "unix"
+    # a caller without a peer certificate counts by its IPv6 /64: one host can take a new
+    # address of it per call
+    assert host_network("2001:db8::ffff:1:2") == host_network("2001:db8::9") == "2001:db8::/64"
+    assert host_network("2001:db8:0:1::9") == "2001:db8:0:1::/64"
+    assert host_network("fe80::1%eth0") == "fe80::/64"
+    assert host_network("::1") == "::1" and host_network("10.1.2.3") == "10.1.2.3"
     limit = HostLimit(2, 3)
     assert limit.enter("a") and limit.enter("a") and not limit.enter("a")  # per host
     assert limit.enter("b") and not limit.enter("c")  # in all

@@ -215,26 +215,35 @@ DATA_PENDING_PER_HOST = 16
 
 
 def peer_host(peer: str) -> str:
-    """The client host of a gRPC peer string, as per-host limits count it:
-    ``ipv4:10.0.0.1:5000`` -> ``10.0.0.1``; an IPv6 address by its /64 network
-    (``ipv6:[2001:db8::1]:443`` -> ``2001:db8::/64``: one site or host is usually given a
-    whole /64, RFC 6177, and could otherwise take a new address per call), IPv4-mapped ones
-    as IPv4, loopback as ``::1``; a Unix socket peer is ``unix``."""
+    """The client host of a gRPC peer string: ``ipv4:10.0.0.1:5000`` -> ``10.0.0.1``,
+    ``ipv6:[2001:db8::1]:443`` -> ``2001:db8::1`` (an IPv4-mapped one as IPv4); a Unix
+    socket peer is ``unix``."""
     kind, _, rest = peer.partition(":")
     if kind == "unix" or not rest:
         return kind or "?"
     rest = rest.replace("%5B", "[").replace("%5D", "]")
     host = (rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest).strip("[]")
-    if kind != "ipv6":
-        return host
+    if kind == "ipv6":
+        try:
+            mapped = ipaddress.IPv6Address(host.partition("%")[0]).ipv4_mapped
+        except ValueError:
+            return host
+        if mapped is not None:
+            return str(mapped)
+    return host
+
+
+def host_network(host: str) -> str:
+    """What per-host limits count a caller without a peer certificate by: an IPv6 host by
+    its /64 network (``2001:db8::1`` -> ``2001:db8::/64``: a site or a host is usually given a
+    whole /64, RFC 6177, and could take a new address of it per call), loopback as itself;
+    anything else unchanged."""
     try:
-        ip = ipaddress.IPv6Address(host.partition("%")[0])  # without a zone id
+        ip = ipaddress.IPv6Address(host.partition("%")[0])
     except ValueError:
         return host
-    if ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
     if ip.is_loopback:
-        return "::1"
+        return host
     return str(ipaddress.IPv6Network((ip, 64), strict=False))
 
 
@@ -435,6 +444,7 @@ async def _hold_control(admission: CallAdmission, host: str, method: str, contex
         await _hold(admission, admission.control, host, method, context, per_host)
         return
     limit = admission.anonymous_control
+    host = host_network(host)  # a stranger's IPv6 addresses count by their /64
     await _hold(admission, limit, host, method, context,
                 per_host if limit.by_host.get(host, 0) >= limit.per_host else
                 f"{ANONYMOUS_CONTROL_LIMIT} control calls of callers without a peer certificate are open, the most "
