@@ -526,6 +526,33 @@ async def serve_app(app: web.Application, host: str, port: int, ssl_context=None
     return HttpServing(runner, server, gate)
 
 
+def expect_within(limit_bytes: int, refusal: Callable[[], web.StreamResponse]):
+    """An aiohttp ``expect_handler`` for POST routes: a request whose ``Expect:
+    100-continue`` comes with a Content-Length over ``limit_bytes`` is answered ``refusal()``
+    (the route's handler does not run) and the connection closes, instead of ``100
+    Continue``, so the client never sends the body (RFC 9110, section 10.1.1); otherwise as
+    aiohttp's default (``100 Continue``; another expectation, 417)."""
+    async def expect(request: web.Request) -> web.StreamResponse | None:
+        declared = request.content_length
+        if declared is not None and declared > limit_bytes:
+            resp = refusal()
+            resp.force_close()
+            return resp
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"unknown Expect: {clip(request.headers.get('Expect', ''), 60)}")
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # the answer's own bytes start after it
+        return None
+    return expect
+
+
+def too_large(max_body_bytes: int) -> "HttpError":
+    """The 413 of a body over ``max_body_bytes``."""
+    return HttpError(413, f"request body over {max_body_bytes:,} bytes: more than the model's context could hold; "
+                          "shorten the prompt")
+
+
 class HttpError(Exception):
     """An error answered with OpenAI's error body."""
 
@@ -613,8 +640,7 @@ def _error_middleware(max_body_bytes: int = 0):
             if exc.status < 400:
                 raise
             if exc.status == 413:
-                resp = HttpError(413, f"request body over {max_body_bytes:,} bytes: more than the model's context "
-                                      "could hold; shorten the prompt").response()
+                resp = too_large(max_body_bytes).response()
             else:
                 resp = HttpError(exc.status, f"{request.method} {request.path}: {exc.reason}",
                                  "not_found_error" if exc.status == 404 else "invalid_request_error").response()
@@ -751,9 +777,10 @@ class HttpFront:
         self.max_body_bytes = http_body_bytes_limit(max_model_len or DEFAULT_CONTEXT_TOKENS)
         self.app = web.Application(middlewares=[_error_middleware(self.max_body_bytes)],
                                    client_max_size=self.max_body_bytes)
+        expect = expect_within(self.max_body_bytes, lambda: too_large(self.max_body_bytes).response())
         self.app.add_routes([
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/completions", self.completions, expect_handler=expect),
+            web.post("/v1/chat/completions", self.chat_completions, expect_handler=expect),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model}", self.model),
             web.get("/health", self.health),

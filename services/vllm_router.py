@@ -40,7 +40,7 @@ import aiohttp
 from aiohttp import web
 
 from kvmesh.services.cluster_index import ClusterIndex, weighted_blocks
-from kvmesh.services.http_front import HttpServing, read_json_object, serve_app
+from kvmesh.services.http_front import HttpServing, expect_within, read_json_object, serve_app
 from kvmesh.services.policies import RoutedShare, RouteRequest, WorkerView, make_policy
 from kvmesh.services.vllm_compat import VllmHashConfig, VllmHasher, check_version
 from kvmesh.services.vllm_events import VllmEventSubscriber
@@ -518,8 +518,10 @@ class VllmRouter:
         async def chat_completions(request):
             return await self.forward(request, "/v1/chat/completions")
 
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_post("/v1/chat/completions", chat_completions)
+        expect = expect_within(MAX_BODY_BYTES, lambda: _HttpError(
+            413, f"request body over {MAX_BODY_BYTES:,} bytes; shorten the prompt").response())
+        app.router.add_post("/v1/completions", completions, expect_handler=expect)
+        app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)

@@ -645,6 +645,45 @@ def test_a_declared_body_over_the_cap_is_refused_before_it_is_read():
     assert "shorten the prompt" in body["error"]["message"], body
 
 
+def test_expect_100_continue_is_refused_413_when_the_declared_body_is_over_the_cap():
+    """A client that asks ``Expect: 100-continue`` for a body over the cap is answered 413
+    in place of ``100 Continue``, so it never sends the body; one within the cap gets
+    ``100 Continue`` and is served once it sends the body."""
+    seen = []
+
+    async def generate(req, ctx):
+        seen.append(list(req.token_ids.ids))
+        yield _final()
+
+    async def run():
+        front, url = await _serve(generate, max_model_len=2048)
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", front._serving.port)
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (front.max_body_bytes + 1))
+            refused = await _answer(r)
+            w.close()
+            body = b'{"prompt": [5, 6], "max_tokens": 1}'
+            r, w = await asyncio.open_connection("127.0.0.1", front._serving.port)
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+            async with asyncio.timeout(20):
+                interim = await r.readuntil(b"\r\n\r\n")
+            w.write(body)
+            served = await _answer(r)
+            w.close()
+            return refused, interim, served
+        finally:
+            await front.stop()
+
+    (head, body), interim, (ok_head, _) = asyncio.run(run())
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert re.search(rb"(?i)\r\nconnection: *close\r\n", head), head
+    assert "shorten the prompt" in body["error"]["message"], body
+    assert interim.startswith(b"HTTP/1.1 100"), interim
+    assert ok_head.startswith(b"HTTP/1.1 200") and seen == [[5, 6]], (ok_head, seen)
+
+
 def test_connections_over_the_cap_get_503_unread_and_health_answers_once_the_slow_ones_leave():
     async def never(req, ctx):  # pragma: no cover
         raise AssertionError("reached Generate")

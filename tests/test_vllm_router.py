@@ -325,23 +325,25 @@ def test_a_declared_body_over_the_cap_is_refused_at_once_and_the_connection_clos
         router = VllmRouter([VllmServerSpec("a", f"http://127.0.0.1:{port}", "tcp://127.0.0.1:1")], VllmHashConfig())
         fport = await router.start("127.0.0.1", 0)
         try:
-            r, w = await asyncio.open_connection("127.0.0.1", fport)
-            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n{\"prompt\": " % (MAX_BODY_BYTES + 1))
-            async with asyncio.timeout(20):
-                head = await r.readuntil(b"\r\n\r\n")
-                length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
-                body = json.loads(await r.readexactly(length))
-            w.close()
-            return head, body
+            answers = []
+            for expect in (b"", b"Expect: 100-continue\r\n"):  # asked first or not: 413, no 100 Continue
+                r, w = await asyncio.open_connection("127.0.0.1", fport)
+                w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + expect +
+                        b"Content-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1) + (b"" if expect else b'{"prompt": '))
+                async with asyncio.timeout(20):
+                    head = await r.readuntil(b"\r\n\r\n")
+                    length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
+                    answers.append((head, json.loads(await r.readexactly(length))))
+                w.close()
+            return answers
         finally:
             await router.stop()
             await runner.cleanup()
 
-    head, body = asyncio.run(run())
-    assert head.startswith(b"HTTP/1.1 413"), head
-    assert re.search(rb"(?i)\r\nconnection: *close\r\n", head), head
-    assert body["error"]["code"] == 413 and "shorten the prompt" in body["error"]["message"], body
+    for head, body in asyncio.run(run()):
+        assert head.startswith(b"HTTP/1.1 413"), head
+        assert re.search(rb"(?i)\r\nconnection: *close\r\n", head), head
+        assert body["error"]["code"] == 413 and "shorten the prompt" in body["error"]["message"], body
 
 
 def test_a_server_that_stops_answering_has_its_requests_retried_or_cut(monkeypatch):
