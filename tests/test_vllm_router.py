@@ -115,15 +115,16 @@ def test_the_vllm_mode_refuses_what_it_cannot_secure(argv, word, capsys):
     assert word in capsys.readouterr().err
 
 
-async def _stand_in_vllm(completions):
+async def _stand_in_vllm(completions, metrics=None):
     """A stand-in vLLM server on a free loopback port: ``completions`` answers
-    /v1/completions; /metrics and /version answer what the router polls. Returns
-    (runner, port); the caller cleans the runner up."""
+    /v1/completions; /metrics (``metrics``, default an empty page) and /version answer what
+    the router polls. Returns (runner, port); the caller cleans the runner up (handlers
+    still running then are given 0.1 s)."""
     from aiohttp import web
 
     from kvmesh.services.vllm_compat import SUPPORTED_VERSIONS
 
-    async def metrics(request):
+    async def empty(request):
         return web.Response(text="")
 
     async def version(request):
@@ -131,9 +132,9 @@ async def _stand_in_vllm(completions):
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", metrics or empty)
     app.router.add_get("/version", version)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return runner, runner.addresses[0][1]
@@ -358,7 +359,7 @@ def test_a_server_that_stops_answering_has_its_requests_retried_or_cut(monkeypat
     from aiohttp import web
 
     from kvmesh.services import vllm_router
-    from kvmesh.services.vllm_compat import SUPPORTED_VERSIONS, VllmHashConfig
+    from kvmesh.services.vllm_compat import VllmHashConfig
     from kvmesh.services.vllm_router import VllmRouter
 
     monkeypatch.setattr(vllm_router, "UNRESPONSIVE_S", 1.0)  # 10 s in service; the logic is the same
@@ -381,17 +382,8 @@ def test_a_server_that_stops_answering_has_its_requests_retried_or_cut(monkeypat
                 await asyncio.Event().wait()
             return web.Response(text="")
 
-        async def version(request):
-            return web.json_response({"version": SUPPORTED_VERSIONS[-1]})
-
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/version", version)
-        runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner, VllmServerSpec(name, f"http://127.0.0.1:{runner.addresses[0][1]}", "tcp://127.0.0.1:1")
+        runner, port = await _stand_in_vllm(completions, metrics)
+        return runner, VllmServerSpec(name, f"http://127.0.0.1:{port}", "tcp://127.0.0.1:1")
 
     async def run():
         frozen = asyncio.Event()
