@@ -130,8 +130,12 @@ class _ServerState:
     extra: dict = field(default_factory=dict)
 
 
-#: Seconds a server's ``/metrics`` must have gone unanswered before the requests relayed to
-#: it are ended: a frozen server (SIGSTOP, a hung node, a network partition) keeps its TCP
+#: Seconds a poll of a server's ``/metrics`` (or ``/version``) may take before it counts as
+#: failed.
+POLL_TIMEOUT_S = 2.0
+#: Seconds a server's ``/metrics`` polls must have kept failing before the requests relayed to
+#: it are ended (counted from the first failure, itself `POLL_TIMEOUT_S` after its poll
+#: began: about 12 s after a server stops answering): a frozen server (SIGSTOP, a hung node, a network partition) keeps its TCP
 #: connections open and sends nothing, so without this a relay, and the client behind it,
 #: waited forever. A request that has received nothing yet is tried on another server; one
 #: whose answer was under way has its connection closed (its stream ends without the final
@@ -221,7 +225,8 @@ class VllmRouter:
             self.servers[s.name] = _ServerState(s, sub)
         self.metrics = None
         self.requests_unhashed = 0
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None       # relays and /v1/models
+        self._poll_session: aiohttp.ClientSession | None = None  # /metrics and /version polls
         self._poller: asyncio.Task | None = None
         self._serving: HttpServing | None = None
 
@@ -262,9 +267,10 @@ class VllmRouter:
         return self
 
     async def _poll_one(self, st: _ServerState) -> None:
-        assert self._session is not None
+        assert self._poll_session is not None
         try:
-            async with self._session.get(st.spec.url + "/metrics", timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+            async with self._poll_session.get(st.spec.url + "/metrics",
+                                              timeout=aiohttp.ClientTimeout(total=POLL_TIMEOUT_S)) as r:
                 text = await r.text()
                 if r.status != 200:
                     raise RuntimeError(f"/metrics answered {r.status}")
@@ -274,7 +280,8 @@ class VllmRouter:
             st.waiting = int(vals.get("vllm:num_requests_waiting", 0))
             st.kv_usage = float(vals.get("vllm:kv_cache_usage_perc", 0.0))
             if st.version is None:
-                async with self._session.get(st.spec.url + "/version", timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                async with self._poll_session.get(st.spec.url + "/version",
+                                                  timeout=aiohttp.ClientTimeout(total=POLL_TIMEOUT_S)) as r:
                     ver = (await r.json()).get("version", "") if r.status == 200 else ""
                 if ver:
                     check_version(ver)  # raises UnsupportedVllm, logged below; the server stays unused
@@ -418,15 +425,18 @@ class VllmRouter:
                     if not relay.done():  # the server stopped answering, or this handler was cancelled
                         relay.cancel()
                         await asyncio.gather(relay, return_exceptions=True)
+                    elif not relay.cancelled():
+                        relay.exception()  # retrieved: the client left too (it is re-raised below otherwise)
                 if not relay.cancelled():
                     return relay.result()
                 log.warning("vLLM server %s at %s has not answered for %.0f s; ending the request relayed there",
                             chosen.worker_id, st.spec.url, UNRESPONSIVE_S)
                 st.live = False
                 if state["started"]:
-                    # the answer was under way: the client must see it cut, not complete
-                    if request.transport is not None:
-                        request.transport.close()
+                    # the answer was under way: the client must see it cut, not complete. A reset,
+                    # not a close: an HTTP/1.0 answer (nginx's default to upstreams) has no length
+                    # or chunks, and would read as complete at a clean end of the connection
+                    _reset(request.transport)
                     raise ConnectionResetError(f"vLLM server {chosen.worker_id} stopped answering")
                 last_error = f"vLLM server {chosen.worker_id}: no answer for {UNRESPONSIVE_S:.0f} s"
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
@@ -571,7 +581,11 @@ class VllmRouter:
         from kvmesh.services.metrics import RouterMetrics
 
         self.metrics = RouterMetrics(self)
-        self._session = aiohttp.ClientSession()
+        # relays are bounded by the front's connection cap, not by a pool (aiohttp's default of
+        # 100 connections held the 101st request back); the polls have a session of their own,
+        # so that relays in flight cannot starve them and make a busy server look frozen
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._poll_session = aiohttp.ClientSession()
         for st in self.servers.values():
             st.subscriber.start()
         self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
@@ -587,8 +601,26 @@ class VllmRouter:
         if self._serving is not None:
             await self._serving.stop()
             self._serving = None
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._poll_session):
+            if session is not None:
+                await session.close()
+
+
+def _reset(transport) -> None:
+    """Close ``transport``'s connection with a TCP reset (SO_LINGER 0), which a client reads as
+    an error whatever its framing; a transport without a socket is just aborted."""
+    if transport is None:
+        return
+    import socket
+    import struct
+
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    transport.abort()
 
 
 def _scrape(text: str, names: tuple[str, ...]) -> dict[str, float]:

@@ -420,3 +420,60 @@ def test_a_server_that_stops_answering_has_its_requests_retried_or_cut(monkeypat
     status, worker, body = out["retried"]
     assert status == 200 and worker == "b" and body["choices"][0]["text"] == "b", out
     assert out["cut_worker"] == "a" and out["cut"] == "ClientPayloadError", out
+
+
+def test_more_relays_than_a_connection_pool_neither_wait_nor_starve_the_polls(monkeypatch):
+    """110 streamed answers at once from two healthy servers all complete. With the polls and
+    the relays on one aiohttp session (its pool: 100 connections), the 101st request waited
+    for a free connection, and so did the /metrics polls: they timed out, the servers
+    counted as frozen, and every relay to them was cut."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from kvmesh.services import vllm_router
+    from kvmesh.services.vllm_compat import VllmHashConfig
+    from kvmesh.services.vllm_router import VllmRouter
+
+    monkeypatch.setattr(vllm_router, "UNRESPONSIVE_S", 1.0)
+    monkeypatch.setattr(vllm_router, "POLL_TIMEOUT_S", 0.5)
+    streams = 110
+
+    async def completions(request):  # a healthy server, answering slowly
+        await request.json()
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for _ in range(6):  # longer than a poll's timeout and the freeze limit together
+            await asyncio.sleep(1.0)
+            await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def run():
+        servers = [await _stand_in_vllm(completions) for _ in range(2)]
+        router = VllmRouter([VllmServerSpec(n, f"http://127.0.0.1:{port}", "tcp://127.0.0.1:1")
+                             for n, (_, port) in zip("ab", servers)], VllmHashConfig(), poll_s=0.2)
+        fport = await router.start("127.0.0.1", 0)
+        await router.wait_live(30)
+        url = f"http://127.0.0.1:{fport}/v1/completions"
+
+        async def one(s, i):
+            try:
+                async with s.post(url, json={"prompt": [i % 200 + 1], "max_tokens": 3, "stream": True}) as r:
+                    body = await r.read()
+                    return "complete" if r.status == 200 and body.endswith(b"[DONE]\n\n") else f"HTTP {r.status}"
+            except aiohttp.ClientError as exc:
+                return type(exc).__name__
+
+        try:
+            conn = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+                return await asyncio.gather(*[one(s, i) for i in range(streams)])
+        finally:
+            await router.stop()
+            for runner, _ in servers:
+                await runner.cleanup()
+
+    outcomes = asyncio.run(run())
+    assert outcomes == ["complete"] * streams, {o: outcomes.count(o) for o in set(outcomes)}
