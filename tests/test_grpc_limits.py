@@ -263,6 +263,17 @@ def test_peer_host_names_the_client_host():
     assert host_network("2001:db8:0:1::9") == "2001:db8:0:1::/64"
     assert host_network("fe80::1%eth0") == "fe80::/64"
     assert host_network("::1") == "::1" and host_network("10.1.2.3") == "10.1.2.3"
+    # which every per-host limit uses for a caller that is not a verified peer (a port
+    # without TLS tells none apart); a peer keeps its own address (pods of a node share a /64)
+    from kvmesh.workers.grpc_guard import CallAdmission, _client
+
+    class Ctx:  # what the admission reads of a call's context
+        def peer(self):
+            return "ipv6:[2001:db8::5]:443"
+
+    assert _client(CallAdmission(), Ctx()) == ("2001:db8::/64", True)
+    assert _client(CallAdmission(trusted=lambda ctx: True), Ctx()) == ("2001:db8::5", True)
+    assert _client(CallAdmission(trusted=lambda ctx: False), Ctx()) == ("2001:db8::/64", False)
     limit = HostLimit(2, 3)
     assert limit.enter("a") and limit.enter("a") and not limit.enter("a")  # per host
     assert limit.enter("b") and not limit.enter("c")  # in all

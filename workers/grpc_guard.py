@@ -436,15 +436,27 @@ async def _hold(admission: CallAdmission, limit: HostLimit, host: str, method: s
     context.add_done_callback(lambda _call: limit.leave(host))
 
 
-async def _hold_control(admission: CallAdmission, host: str, method: str, context) -> None:
+def _client(admission: CallAdmission, context) -> tuple[str, bool]:
+    """(the host per-host limits count the call's caller by, whether the caller is trusted):
+    a verified peer (or a caller on this machine, `local_peer`) by its own address; any
+    other caller, also every caller of a port without TLS where none can be told apart, by
+    `host_network` (an IPv6 /64)."""
+    host = peer_host(context.peer())
+    if admission.trusted is None:
+        return host_network(host), True
+    if admission.trusted(context):
+        return host, True
+    return host_network(host), False
+
+
+async def _hold_control(admission: CallAdmission, host: str, method: str, context, trusted: bool = True) -> None:
     """A control-plane call's slot of its client host, for the call's life (`_hold`); of
     ``anonymous_control`` when the caller is not ``trusted``."""
     per_host = f"this host has {CONTROL_PER_HOST} control calls open, the most one host may have"
-    if admission.trusted is None or admission.trusted(context):
+    if trusted:
         await _hold(admission, admission.control, host, method, context, per_host)
         return
     limit = admission.anonymous_control
-    host = host_network(host)  # a stranger's IPv6 addresses count by their /64
     await _hold(admission, limit, host, method, context,
                 per_host if limit.by_host.get(host, 0) >= limit.per_host else
                 f"{ANONYMOUS_CONTROL_LIMIT} control calls of callers without a peer certificate are open, the most "
@@ -466,8 +478,8 @@ def _guard_stream(method: str, handler: grpc.RpcMethodHandler, admission: CallAd
     inner = handler.stream_stream
 
     async def stream_stream(request_iterator, context):
-        host = peer_host(context.peer())
-        await _hold_control(admission, host, method, context)
+        host, trusted = _client(admission, context)
+        await _hold_control(admission, host, method, context, trusted)
         await _hold_stream(admission, host, method, context)
         out = inner(request_iterator, context)
         if inspect.isasyncgen(out):
@@ -499,7 +511,7 @@ def _guard(method: str, handler: grpc.RpcMethodHandler, admission: CallAdmission
     async def receive(context):
         """Admit the call and read its message; returns the request. What the call holds is
         given back when it ends."""
-        host = peer_host(context.peer())
+        host, trusted = _client(admission, context)
         if data_plane:
             if admission.admit is not None:
                 await admission.admit(context)
@@ -509,7 +521,7 @@ def _guard(method: str, handler: grpc.RpcMethodHandler, admission: CallAdmission
                 context.add_done_callback(lambda _call: cap.leave())
             raw = await _read_message(admission, method, context, admission.data_pending, host, _PROMPT_MESSAGE_S)
         else:
-            await _hold_control(admission, host, method, context)
+            await _hold_control(admission, host, method, context, trusted)
             raw = await _read_message(admission, method, context)
             if streaming:
                 await _hold_stream(admission, host, method, context)
