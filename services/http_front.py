@@ -531,18 +531,21 @@ def expect_within(limit_bytes: int, refusal: Callable[[], web.StreamResponse]):
     100-continue`` comes with a Content-Length over ``limit_bytes`` is answered ``refusal()``
     (the route's handler does not run) and the connection closes, instead of ``100
     Continue``, so the client never sends the body (RFC 9110, section 10.1.1); otherwise as
-    aiohttp's default (``100 Continue``; another expectation, 417)."""
+    aiohttp's default (HTTP/1.1: ``100 Continue``, another expectation 417; HTTP/1.0: the
+    header is ignored). The refusal comes before credentials are checked: a 413 tells a
+    caller without them nothing about the service."""
     async def expect(request: web.Request) -> web.StreamResponse | None:
         declared = request.content_length
         if declared is not None and declared > limit_bytes:
             resp = refusal()
             resp.force_close()
             return resp
+        if request.version < (1, 1):
+            return None
         if request.headers.get("Expect", "").lower() != "100-continue":
             raise web.HTTPExpectationFailed(text=f"unknown Expect: {clip(request.headers.get('Expect', ''), 60)}")
-        if request.version >= (1, 1):
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            request.writer.output_size = 0  # the answer's own bytes start after it
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's own bytes start after it
         return None
     return expect
 
