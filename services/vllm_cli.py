@@ -80,4 +80,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the HTTP port could not be bound
+        print(f"error: --http-port {port}: {exc.strerror or exc}; pick a free port", file=sys.stderr)
+        return 2
     return 0

@@ -590,10 +590,16 @@ class VllmRouter:
             st.subscriber.start()
         self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
         # the HTTP front's connection limits (header timeout, connection cap)
-        self._serving = await serve_app(self.app(), host, port, ssl_context, access_log=None)
+        try:
+            self._serving = await serve_app(self.app(), host, port, ssl_context, access_log=None)
+        except BaseException:  # e.g. the port is taken: nothing started here is left running
+            await self.stop()
+            raise
         return self._serving.port
 
     async def stop(self) -> None:
+        """Stop polling, the event subscribers, the HTTP front and the client sessions; also
+        after a `start` that failed part-way."""
         if self._poller is not None:
             self._poller.cancel()
         for st in self.servers.values():

@@ -477,3 +477,37 @@ def test_more_relays_than_a_connection_pool_neither_wait_nor_starve_the_polls(mo
 
     outcomes = asyncio.run(run())
     assert outcomes == ["complete"] * streams, {o: outcomes.count(o) for o in set(outcomes)}
+
+
+def test_a_taken_http_port_is_a_one_line_error_and_nothing_is_left_running(capsys):
+    """`kvmesh router --backend vllm` on a port another process holds exits 2 naming
+    --http-port (it ended in a traceback), and `VllmRouter.start` leaves no client session,
+    poller or subscriber running when it fails."""
+    import asyncio
+    import socket
+
+    from kvmesh.services.cli import build_parser
+    from kvmesh.services.vllm_compat import VllmHashConfig
+    from kvmesh.services.vllm_router import VllmRouter
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        args = build_parser().parse_args(["router", "--backend", "vllm", "--http-port", str(port), "--vllm-server",
+                                          "a=http://127.0.0.1:1,tcp://127.0.0.1:2", "--vllm-block-size", "16"])
+        rc = args.func(args)
+        err = capsys.readouterr().err
+
+        async def start_on_a_taken_port():
+            router = VllmRouter([VllmServerSpec("a", "http://127.0.0.1:1", "tcp://127.0.0.1:2")], VllmHashConfig())
+            with pytest.raises(OSError):
+                await router.start("127.0.0.1", port)
+            return router
+
+        router = asyncio.run(start_on_a_taken_port())
+    finally:
+        holder.close()
+    assert rc == 2 and f"--http-port {port}" in err and "Traceback" not in err, err
+    assert router._session.closed and router._poll_session.closed and router._poller.cancelled()
