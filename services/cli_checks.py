@@ -11,6 +11,7 @@ import argparse
 import os
 import re
 import socket
+from pathlib import Path
 
 #: Library field names that appear in messages, and the flag a user types for each.
 FLAG_OF_FIELD = {
@@ -283,21 +284,43 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
+def weight_bytes(args: argparse.Namespace, cfg) -> tuple[int, str]:
+    """(bytes one worker's weights take in ``args.device`` memory, how they were counted):
+    the size of ``--model``'s ``*.safetensors`` files, scaled to the dtype the forward runs in
+    (`--compute-dtype`, `workers.model_identity.resolve_compute_dtype`: a bf16 checkpoint
+    computed in float32 takes twice its files' size); (0, "") for the built-in model (a few
+    MB)."""
+    model = getattr(args, "model", None)
+    if not model:
+        return 0, ""
+    from kvmesh.workers.model_identity import resolve_compute_dtype
+
+    stored = sum(p.stat().st_size for p in Path(model).glob("*.safetensors"))
+    compute = resolve_compute_dtype(getattr(args, "compute_dtype", "auto"), cfg.dtype, args.device)
+    scaled = stored * _DTYPE_BYTES.get(compute, 4) // _DTYPE_BYTES.get(cfg.dtype, 4)
+    how = f"{_gib(stored)} of weight files" + (
+        f" ({cfg.dtype} computed in {compute}: x{_DTYPE_BYTES[compute] / _DTYPE_BYTES[cfg.dtype]:g}; "
+        "--compute-dtype model keeps the checkpoint's dtype)" if scaled != stored else "")
+    return scaled, how
+
+
 def kv_pool_problem(args: argparse.Namespace, cfg, workers: int = 1) -> str | None:
-    """A message naming ``--num-blocks`` and ``--block-size`` when the KV pool of ``workers``
-    workers (``cfg``: the model's `ModelConfig`) needs more memory than ``args.device`` has
-    free now, with both figures; else None."""
+    """A message naming ``--num-blocks`` and ``--block-size`` when the KV pool and the weights
+    (`weight_bytes`) of ``workers`` workers (``cfg``: the model's `ModelConfig`) need more
+    memory than ``args.device`` has free now, with the figures; else None."""
     per_worker = kv_block_bytes(cfg, args.block_size) * args.num_blocks
-    need = per_worker * workers
+    weights, how = weight_bytes(args, cfg)
+    need = (per_worker + weights) * workers
     free = available_memory(args.device)
     if free is None or need <= free[0]:
         return None
     each = f" per worker x {workers} workers = {need:,} bytes ({_gib(need)})" if workers > 1 else ""
+    besides = f" besides the weights' {weights:,} bytes ({how})" if weights else ""
     return (f"--num-blocks {args.num_blocks} x --block-size {args.block_size}: the KV pool needs {per_worker:,} bytes "
-            f"({_gib(per_worker)}){each} of {args.device} memory ({cfg.num_hidden_layers} layers x 2 x "
+            f"({_gib(per_worker)}){besides}{each} of {args.device} memory ({cfg.num_hidden_layers} layers x 2 x "
             f"{cfg.num_key_value_heads} kv heads x {cfg.head_dim} head_dim x {_DTYPE_BYTES[cfg.dtype]} bytes "
             f"({cfg.dtype}) per token), but {free[0]:,} bytes ({_gib(free[0])}) are available ({free[1]}); "
-            "lower --num-blocks or --block-size")
+            "lower --num-blocks or --block-size" + (", or give the worker more memory" if weights else ""))
 
 
 def tier_block_bytes(cfg, block_size: int, codec: str) -> int:

@@ -443,3 +443,33 @@ def test_up_prints_each_distinct_worker_warning_once(tmp_path):
                                            "2026-12-04 10:00:00,004 WARNING kvmesh.worker: context limited\n")
     assert startup_warnings(str(tmp_path), ["worker-0", "worker-1", "worker-2"]) == [
         f"worker-0: {small}", "worker-1: kvmesh.worker: context limited"]
+
+
+def test_the_memory_check_counts_the_weights_in_the_dtype_they_are_computed_in(monkeypatch, tmp_path):
+    """A bf16 checkpoint computed in float32 (`--compute-dtype auto` on a CPU) takes twice its
+    files' size: the start-up check counts the weights so, beside the KV pool, and names
+    --compute-dtype model, which keeps them at their size. Free memory is the fault injected."""
+    import dataclasses
+
+    from kvmesh.services import cli_checks
+    from kvmesh.services.cli import build_parser
+    from kvmesh.workers.config import ModelConfig
+    from kvmesh.workers.loader import save_tiny_checkpoint
+
+    model = save_tiny_checkpoint(str(tmp_path / "bf16"), dataclasses.replace(ModelConfig.tiny(), dtype="bfloat16"),
+                                 seed=0)
+    stored = sum(p.stat().st_size for p in (tmp_path / "bf16").glob("*.safetensors"))
+    cfg = cli_checks.model_shape(model)
+    pool = cli_checks.kv_block_bytes(cfg, 16) * 64
+
+    def args(*extra):
+        return build_parser().parse_args(["worker", "--port", "0", "--model", model, "--num-blocks", "64",
+                                          "--block-size", "16", *extra])
+
+    assert cli_checks.weight_bytes(args(), cfg)[0] == 2 * stored
+    assert cli_checks.weight_bytes(args("--compute-dtype", "model"), cfg)[0] == stored
+    # room for the pool and the bf16 weights, not for float32 ones
+    monkeypatch.setattr(cli_checks, "available_memory", lambda device: (pool + stored + stored // 2, "MemAvailable"))
+    msg = cli_checks.kv_pool_problem(args(), cfg)
+    assert msg and f"the weights' {2 * stored:,} bytes" in msg and "--compute-dtype model" in msg, msg
+    assert cli_checks.kv_pool_problem(args("--compute-dtype", "model"), cfg) is None
