@@ -496,6 +496,11 @@ class _RouterCollector:
                                   "(or was withdrawn at shutdown).")
         exp.add_metric([], getattr(sub, "lease_expiries", 0))
         yield exp
+        lost = CounterMetricFamily(_name("router_redis_data_losses"), "Times the cluster's Redis was seen to have "
+                                   "lost its keys (a restart empty, FLUSHALL or FLUSHDB); known workers were kept "
+                                   "while they re-registered.")
+        lost.add_metric([], getattr(sub, "data_losses", 0))
+        yield lost
         limited = getattr(router, "rate_limit", None)
         if limited is not None:
             refused = CounterMetricFamily(_name("router_rate_limited"), "Generate requests refused for a tenant's "

@@ -427,15 +427,16 @@ def test_flushall_of_a_full_redis_keeps_membership():
         server.stop()
 
 
-def _router_resyncs(metrics_url: str) -> float:
-    """The router's ``router_gap_resyncs_total`` (snapshots its index applied)."""
+def _router_resyncs(metrics_url: str, name: str = "router_gap_resyncs_total") -> float:
+    """A counter of the router's metrics: by default ``router_gap_resyncs_total`` (snapshots
+    its index applied)."""
     import urllib.request
 
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         for line in resp.read().decode().splitlines():
-            if line.startswith("kvmesh:router_gap_resyncs_total "):
+            if line.startswith(f"kvmesh:{name} "):
                 return float(line.split()[1])
-    raise AssertionError("no router_gap_resyncs_total in the router's metrics")
+    raise AssertionError(f"no {name} in the router's metrics")
 
 
 @pytest.mark.slow
@@ -499,11 +500,14 @@ def test_flushall_under_load_fails_no_request(tmp_path):
 
             time.sleep(1.5)  # the last flush's resyncs are done
             before = _router_resyncs(cluster.metrics_urls["router"])
+            losses = _router_resyncs(cluster.metrics_urls["router"], "router_redis_data_losses_total")
+            assert losses >= 1  # the flushes under load were seen as such
             assert rc.flushall()
             deadline = time.monotonic() + 60
             while _router_resyncs(cluster.metrics_urls["router"]) < before + 2:  # each worker, lease back
                 assert time.monotonic() < deadline, "the router did not resync both workers after FLUSHALL"
                 time.sleep(0.1)
+            assert _router_resyncs(cluster.metrics_urls["router"], "router_redis_data_losses_total") == losses + 1
             for i, p in enumerate(probes):
                 out = client.generate(token_ids=p, max_tokens=1)
                 assert (out.worker_id, out.usage.cached_tokens > 0) == (holder[i], True), i

@@ -129,7 +129,7 @@ def test_route_reasons():
 
 def test_router_metrics_count_decisions_and_lag():
     class Sub:
-        resyncs, resync_failures, lease_expiries = 2, 0, 1
+        resyncs, resync_failures, lease_expiries, data_losses = 2, 0, 1, 3
 
         def live_workers(self):
             return {"a": {}, "b": {}}
@@ -163,6 +163,7 @@ def test_router_metrics_count_decisions_and_lag():
     assert s[("kvmesh:router_indexed_blocks", ())] == 17
     assert s[("kvmesh:router_gap_resyncs_total", ())] == 2
     assert s[("kvmesh:router_lease_expiries_total", ())] == 1
+    assert s[("kvmesh:router_redis_data_losses_total", ())] == 3
     assert s[("kvmesh:router_event_lag_seconds_count", ())] == 1
     assert 0.4 < s[("kvmesh:router_event_lag_seconds_sum", ())] < 5.0
 
