@@ -238,7 +238,8 @@ class Engine:
         attention = self._attention_path()
         why = ""
         if self._compute_auto and self.compute_dtype != self.config.dtype:
-            why = " (auto: so that a cached prefix gives the cold run's tokens; --compute-dtype model is faster)"
+            why = (" (auto: so that a cached prefix gives the cold run's tokens; --compute-dtype model keeps "
+                   f"{self.config.dtype}, faster where its GEMMs are, e.g. with AMX)")
         elif self.compute_dtype in ("bfloat16", "float16"):
             why = (f" (a {self.compute_dtype} forward rounds with the rows per step: a cached prefix may change an "
                    "output; --compute-dtype float32 on a CPU where it must not)")

@@ -368,9 +368,9 @@ def resolve_compute_dtype(requested: str, storage_dtype: str, device: str) -> st
     which computes only the uncached suffix, did not always give the cold prefill's tokens:
     on a bf16 test checkpoint computing in bfloat16, 5 of 30 prompts' greedy outputs
     differed from the cold run's, and none in float32 (docs/ENGINE.md, "Compute dtype").
-    ``"model"`` computes in bfloat16 where that is faster (3-5x prefill on CPUs with AMX or
-    AVX512_BF16, `cpu_gemm_seconds` measures it), for a deployment that accepts that a cached
-    prefix may change an output. On CUDA ``auto`` keeps the checkpoint's dtype: float32 there
+    ``"model"`` keeps the checkpoint's dtype: for a bf16 checkpoint 2-4x faster where bf16
+    GEMMs are (CPUs with AMX or AVX512_BF16; `cpu_gemm_seconds` times both), slower
+    elsewhere, for a deployment that accepts that a cached prefix may change an output. On CUDA ``auto`` keeps the checkpoint's dtype: float32 there
     would take twice the GPU memory and forgo the tensor cores' 16-bit speed, so the same
     caveat holds for a GPU worker.
 
