@@ -250,11 +250,9 @@ def host_network(host: str) -> str:
 def local_peer(peer: str) -> bool:
     """Whether a gRPC peer string is a caller on this machine (a loopback address or a Unix
     socket): in a pod, its own probes; no stranger's connection arrives from there."""
-    kind, _, rest = peer.partition(":")
-    if kind == "unix":
+    host = peer_host(peer)
+    if host == "unix":
         return True
-    rest = rest.replace("%5B", "[").replace("%5D", "]")
-    host = (rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest).strip("[]")
     try:
         return ipaddress.ip_address(host.partition("%")[0]).is_loopback
     except ValueError:
