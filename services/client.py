@@ -134,7 +134,9 @@ def with_hint(exc: grpc.RpcError) -> grpc.RpcError:
 
 @dataclass(frozen=True)
 class Usage:
-    """Prompt-cache usage of one request (tokens): prompt = cached + computed_prefill."""
+    """Prompt-cache usage of one request (tokens): prompt = cached + computed_prefill, as
+    of the request's first admission to a step (a request preempted and run again keeps
+    these figures, as vLLM reports; it recomputed more)."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0

@@ -166,3 +166,65 @@ def test_worker_flags_parse_and_name_themselves(capsys):
 def test_default_threshold_is_a_quarter_of_the_budget(engine):
     assert Scheduler(engine.cache, max_num_batched_tokens=2048).long_prefill_token_threshold == 512
     assert Scheduler(engine.cache, long_prefill_token_threshold=0).long_prefill_token_threshold == 0
+
+
+def _prompt_tokens_computed(eng: Engine) -> dict[str, int]:
+    """Wrap ``eng``'s scheduler so that it counts, per request id, the prompt tokens each step
+    really computes (the truth that usage's ``computed_prefill_tokens`` must report)."""
+    counted: dict[str, int] = {}
+    sched = eng.scheduler
+    inner = sched.update_after_step
+
+    def update(batch):
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            done = max(0, min(req.num_computed + n, req.num_prompt_tokens) - req.num_computed)
+            counted[req.request_id] = counted.get(req.request_id, 0) + done
+        return inner(batch)
+
+    sched.update_after_step = update
+    return counted
+
+
+def _step_until(eng: Engine, collectors: list[_Collector], limit: int = 500) -> None:
+    for _ in range(limit):
+        if all(c.done.is_set() for c in collectors):
+            return
+        eng.step()
+    raise AssertionError("requests did not finish")
+
+
+def test_usage_is_the_cached_prefix_of_the_attempt_that_ran():
+    """A waiting request passed over (here by the partial-prefill limit) is matched again
+    when it is admitted; its usage must report that match, not the first one, whose
+    blocks a long prefill evicted meanwhile. Checked against the prompt tokens the steps
+    really computed, and its output against a cold run."""
+    rng = random.Random(15)
+    prefix = _toks(rng, 8 * BLOCK)
+    prompt_a = prefix + _toks(rng, 300)
+    long_prompt = _toks(rng, 2200)  # 69 blocks: its growth evicts most of the prefix's 8
+    eng = Engine(device=DEVICE, block_size=BLOCK, num_blocks=72, max_num_batched_tokens=512,
+                 long_prefill_token_threshold=64, max_num_partial_prefills=1)
+    try:
+        warm = _Collector(eng)
+        eng.submit(prefix + [1], GREEDY, warm)
+        _step_until(eng, [warm])
+        counted = _prompt_tokens_computed(eng)
+        long_c, a_c = _Collector(eng), _Collector(eng)
+        long_id = eng.submit(long_prompt, SamplingParams(max_tokens=1), long_c)
+        a_id = eng.submit(prompt_a, GREEDY, a_c)
+        eng.step()
+        assert a_c.first is None and a_id not in counted  # passed over: the long prompt holds the one partial slot
+        _step_until(eng, [long_c, a_c])
+        assert counted[long_id] == len(long_prompt)
+        usage = a_c.usage
+        assert usage["computed_prefill_tokens"] == counted[a_id], (usage, counted[a_id])
+        assert usage["cached_tokens"] == len(prompt_a) - counted[a_id]
+        assert sum(usage["cached_tokens_by_tier"].values()) == usage["cached_tokens"]
+        assert usage["cached_tokens"] < len(prefix)  # the prefix was evicted in part: the case under test
+        eng.clear_cache()
+        cold = _Collector(eng)
+        eng.submit(prompt_a, GREEDY, cold)
+        _step_until(eng, [cold])
+        assert cold.usage["cached_tokens"] == 0 and cold.tokens == a_c.tokens
+    finally:
+        eng.stop()

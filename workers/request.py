@@ -87,7 +87,9 @@ class Request:
     Token bookkeeping (all counts in tokens):
         ``token_ids`` = prompt + generated so far.
         ``num_computed`` tokens have their KV in ``block_table``'s blocks.
-        ``num_cached`` prompt tokens were served from the prefix cache at first schedule.
+        ``num_cached`` prompt tokens were served from the prefix cache when the request
+        was first admitted to run (-1 before); a request passed over while waiting locks
+        nothing, and one preempted and run again keeps its first figures (as vLLM reports).
         ``block_hashes`` hold the chained hash of every full block of ``token_ids`` whose
         tokens are known (prompt blocks at arrival, generated blocks as they fill).
     """
@@ -118,6 +120,9 @@ class Request:
     #: block only as lossy as it was then (exact where it was exact), so `num_lossy_cached`
     #: stays true of its output
     cached_loss: bytes = b""
+    #: ``(num_cached, cached_by_tier, cached_loss)`` of the latest cache match while the
+    #: request has not run yet; made its usage when it is admitted (`Scheduler.schedule`)
+    pending_usage: tuple | None = None
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None
     first_scheduled: float | None = None

@@ -350,6 +350,7 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             req.status = RequestStatus.RUNNING
+            self._note_first_run(req)
             if req.first_scheduled is None:
                 req.first_scheduled = time.monotonic()
             self.running.append(req)
@@ -498,17 +499,29 @@ class Scheduler:
         req.block_table = block_ids
         req.num_computed = len(block_ids) * self.block_size
         req.num_committed_blocks = len(block_ids)
-        if req.num_cached < 0:  # first schedule: this is what usage reports
-            req.allowed_loss = req.context_loss
-            req.num_cached = req.num_computed
+        if req.num_cached < 0:  # not run yet: what usage reports if this attempt is admitted
             by_tier = {"device": num_device * self.block_size} if num_device else {}
             for m in media:
                 by_tier[m] = by_tier.get(m, 0) + self.block_size
-            req.cached_by_tier = by_tier
-            if self.tiers is not None:
-                req.cached_loss = bytes(loss)
-                req.num_lossy_cached = sum(1 for r in loss if r) * self.block_size
+            loss_bytes = bytes(loss) if self.tiers is not None else b""
+            req.pending_usage = (req.num_computed, by_tier, loss_bytes)
         return True
+
+    @staticmethod
+    def _note_first_run(req: Request) -> None:
+        """Fix what usage reports for ``req``, admitted to run for the first time: the
+        cached prefix of this attempt (`_lock_cached_prefix`). An earlier attempt that was
+        passed over (partial-prefill limit, no blocks, a prefix in flight) unlocked its
+        blocks, and what it matched may since have been evicted or grown."""
+        if req.num_cached >= 0 or req.pending_usage is None:
+            return
+        num_cached, by_tier, loss = req.pending_usage
+        req.pending_usage = None
+        req.allowed_loss = req.context_loss
+        req.num_cached = num_cached
+        req.cached_by_tier = by_tier
+        req.cached_loss = loss
+        req.num_lossy_cached = sum(1 for r in loss if r) * req.block_size
 
     def _load_from_tiers(self, req: Request, block_ids: list[int], max_blocks: int) -> list[str]:
         """Extend ``block_ids`` (the locked device prefix) with blocks loaded from lower tiers.
