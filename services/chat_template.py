@@ -100,6 +100,9 @@ def normalize_messages(messages) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise ChatTemplateError(f"messages[{i}].role must be one of {', '.join(ROLES)} (got {role!r})")
+        for key in ("name", "tool_call_id"):  # strings a template pastes into the prompt
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise ChatTemplateError(f"messages[{i}].{key} must be a string (got {type(m[key]).__name__})")
         content = m.get("content")
         if isinstance(content, list):
             texts = []

@@ -164,6 +164,9 @@ def accepted_fields(route: str) -> tuple[str, ...]:
     for being unknown: honoured, ignored, and unsupported ones (refused unless neutral)."""
     return HONOURED[route] + IGNORED + UNSUPPORTED + (UNSUPPORTED_CHAT if route == "chat" else ())
 
+#: Fields of ``stream_options`` accepted: ``include_usage`` is honoured, ``include_obfuscation``
+#: (OpenAI's padding of chunks) ignored, vLLM's ``continuous_usage_stats`` refused when true.
+STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
 Authenticator = Callable[[str | None], "str | Awaitable[str]"]
 
 
@@ -767,6 +770,9 @@ class HttpFront:
         self.authenticate = authenticate
         self.check_key = check_key
         self.max_model_len = max_model_len
+        #: returns the longest context a live worker serves (tokens): a router sets it, as
+        #: its workers' KV pools may hold less than the model's context; None: ``max_model_len``
+        self.context_fn: Callable[[], int] | None = None
         self.timeout_s = timeout_s
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
@@ -879,6 +885,11 @@ class HttpFront:
                             "authentication_error", code="invalid_api_key") from None
         return out
 
+    def _context(self) -> int:
+        """Context limit (tokens) that requests are checked against here."""
+        live = self.context_fn() if self.context_fn is not None else None
+        return live or self.max_model_len or DEFAULT_CONTEXT_TOKENS
+
     async def _body(self, request: web.Request, route: str) -> dict:
         """The request's JSON object after the checks every generating route shares; ``route``
         is "completions" or "chat" (`accepted_fields`). Raises `HttpError` (400, 401, 404)."""
@@ -899,6 +910,9 @@ class HttpFront:
             if not _neutral(name, body.get(name), route):
                 raise HttpError(400, f"{name} is not supported by kvmesh; remove it from the request", param=name)
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise HttpError(400, f"model must be a string (got {type(model).__name__}): the id GET /v1/models lists",
+                            param="model")
         if model not in (None, "", self.model_id) and model not in self.model_aliases:
             raise HttpError(404, f"model {model!r} is not served here; this server serves {self.model_id!r} "
                                  f"(see GET /v1/models)", "not_found_error", param="model", code="model_not_found")
@@ -995,10 +1009,10 @@ class HttpFront:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
-        context = self.max_model_len or DEFAULT_CONTEXT_TOKENS
+        context = self._context()
         if isinstance(prompt, list) and len(prompt) >= context and self.max_model_len:
             # before looking at each id: a body of millions of ids costs the event loop nothing more
-            raise HttpError(400, f"prompt has {len(prompt)} tokens but the model's context is {context} tokens: "
+            raise HttpError(400, f"prompt has {len(prompt)} tokens but the context served here is {context} tokens: "
                                  f"shorten it to at most {context - 1} tokens", param="prompt")
         if isinstance(prompt, str) and prompt:
             req.text = _utf8(prompt, "prompt")
@@ -1026,7 +1040,7 @@ class HttpFront:
         ids = ChatTemplate.encode(self.tokenizer, _utf8(text, "messages"))
         if not ids:
             raise HttpError(400, "the rendered chat prompt is empty", param="messages")
-        default_max = max(1, (self.max_model_len or DEFAULT_CONTEXT_TOKENS) - len(ids))
+        default_max = max(1, self._context() - len(ids))
         req = self._request(body, tenant, "max_completion_tokens", min(default_max, 2**32 - 1))
         if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
             # the default is the rest of the context of whichever worker serves it, which
@@ -1074,10 +1088,18 @@ class HttpFront:
                 choice["token_ids"] = ids
             return web.json_response({"id": rid, "object": obj, "created": created, "model": self.model_id,
                                       "choices": [choice], "usage": self._usage(final)})
-        options = body.get("stream_options") or {}
+        options = body.get("stream_options")
+        options = {} if options is None else options
         if not isinstance(options, dict):
             raise HttpError(400, "stream_options must be an object such as {\"include_usage\": true}, or null",
                             param="stream_options")
+        unknown = [k for k in options if k not in STREAM_OPTIONS]
+        if unknown:
+            raise HttpError(400, f"unknown field {clip(repr(unknown[0]), 60)} in stream_options; it accepts "
+                                 f"include_usage (and ignores include_obfuscation)", param="stream_options")
+        if options.get("continuous_usage_stats"):
+            raise HttpError(400, "stream_options.continuous_usage_stats is not supported by kvmesh: usage comes in "
+                                 "the last chunk with include_usage", param="stream_options.continuous_usage_stats")
         include_usage = _flag(options, "include_usage", "stream_options.include_usage")
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         # aclosing: however the answer ends (a client gone before or after the headers, an

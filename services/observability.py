@@ -134,6 +134,7 @@ async def start_router_extras(servicer, host: str, metrics_port: int | None, htt
                           model_dir=getattr(servicer, "model_dir", None), registry=metrics.registry,
                           authenticate=authenticate, max_model_len=servicer.config.max_position_embeddings,
                           check_key=_key_check(servicer))
+        front.context_fn = servicer.served_context  # what the live workers serve
         extras.http_port = await front.start(host, http_port, ssl_context)
         extras.http_fronts.append(front)
         extras._stops.append(front.stop)

@@ -277,6 +277,11 @@ class RouterServicer(pb_grpc.RouterServicer):
         if fleet.usable and fleet.text_reason:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, fleet.text_reason)
 
+    def served_context(self) -> int:
+        """Longest context (tokens) a live worker serves (`context_limit`; the model's own
+        when no lease states one): what an HTTP front checks a prompt's length against."""
+        return self._fleet().max_context
+
     def _fleet(self) -> _Fleet:
         """The live leases and what follows from them, recomputed only when the subscriber's
         `live_version` moves (every request when the subscriber has none)."""

@@ -1177,3 +1177,42 @@ def test_a_full_checkpoint_id_named_by_model_is_sent_to_generate_and_a_folder_na
 
     asyncio.run(run())
     assert seen == ["", "m@123", "m@123+compute=float32", "", "", "", "m@123"]
+
+
+@pytest.mark.parametrize("path,body,param,says", [
+    ("completions", {"prompt": "a", "model": []}, "model", "model must be a string"),
+    ("completions", {"prompt": "a", "model": {"id": "m"}}, "model", "model must be a string"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": 5}, "model", "must be a string"),
+    ("completions", {"prompt": "a", "stream": True, "stream_options": []}, "stream_options", "must be an object"),
+    ("completions", {"prompt": "a", "stream": True, "stream_options": {"foo": 1}}, "stream_options", "'foo'"),
+    ("completions", {"prompt": "a", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats", "not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi", "name": {"x": [1]}}]}, "messages",
+     "messages[0].name must be a string"),
+])
+def test_fields_of_the_wrong_shape_are_400_naming_them(path, body, param, says):
+    status, err = _refused(path, body)
+    assert status == 400 and err["error"]["param"] == param, err
+    assert says in err["error"]["message"], err
+
+
+def test_the_early_context_check_quotes_what_the_workers_serve():
+    """A router's front checks a token-id prompt against the longest context its live workers
+    serve (their KV pools may hold less than the model's context), not the model's."""
+    async def never(req, ctx):  # pragma: no cover - refused before Generate
+        raise AssertionError("reached Generate")
+        yield
+
+    async def run():
+        front, url = await _serve(never, max_model_len=32768)
+        front.context_fn = lambda: 4096
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(f"{url}/completions", json={"prompt": [1] * 5000, "max_tokens": 1})
+                return r.status, await r.json()
+        finally:
+            await front.stop()
+
+    status, err = asyncio.run(run())
+    assert status == 400 and "context served here is 4096 tokens" in err["error"]["message"], err
+    assert "at most 4095 tokens" in err["error"]["message"], err

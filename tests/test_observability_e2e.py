@@ -241,6 +241,11 @@ def test_errors_use_openai_bodies_and_statuses(up, oa):
     with pytest.raises(openai.BadRequestError) as exc:  # the worker's own validation, mapped from gRPC
         oa.completions.create(model="", prompt=[999999], max_tokens=4)
     assert "out of range" in exc.value.message
+    # the front's early length check quotes the context the workers serve (--num-blocks 512 x
+    # 16 tokens), not the model's own (32,768), which they could not take
+    with pytest.raises(openai.BadRequestError) as exc:
+        oa.completions.create(model="", prompt=[1] * 40000, max_tokens=1)
+    assert "at most 8191 tokens" in exc.value.message, exc.value.message
 
 
 def test_bench_targets_the_http_front(up, tmp_path):
