@@ -905,7 +905,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="measure the cost model on this machine's engine (built-in model) first")
     p.add_argument("--seed", type=int, default=0, help="seed of the policies' random choices (default 0)")
-    p.add_argument("--out", default=None, help="also write OUT.json and OUT.md")
+    p.add_argument("--out", default=None, help="also write OUT.json and OUT.md (OUT: a path prefix, not a folder)")
     p.add_argument("--title", default="", help="title of OUT.md (default: none)")
     p.add_argument("--json", action="store_true", help="print {policy: fields} as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -923,6 +923,16 @@ def _capacity_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _out_paths(out: str) -> tuple[Path, Path]:
+    """``--out PREFIX``'s two files: PREFIX.json and PREFIX.md. The prefix is kept whole (a
+    prefix such as ``run_ts0.5x`` keeps its dot); a PREFIX ending in .json or .md is taken
+    without it."""
+    for ext in (".json", ".md"):
+        if out.endswith(ext):
+            out = out[:-len(ext)]
+    return Path(out + ".json"), Path(out + ".md")
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     from kvmesh.bench.cli_args import output_file_problem
     from kvmesh.bench.trace import load_mooncake
@@ -938,9 +948,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
                    f"{', '.join(sorted([*POLICIES, *_LAYOUTS]))}")
     problem = problem or _capacity_problem(args)
     if not problem and args.out:  # checked before the replay (temporary files, removed), not after it
-        out = Path(args.out)
-        problem = output_file_problem(out.with_suffix(".json"), "--out", make_parents=True) or \
-            output_file_problem(out.with_suffix(".md"), "--out", make_parents=True)
+        if Path(args.out).is_dir():
+            problem = (f"--out {args.out} is a folder; give a path prefix (such as {Path(args.out) / 'sim'}): "
+                       f"the results go to PREFIX.json and PREFIX.md")
+        else:
+            out_json, out_md = _out_paths(args.out)
+            problem = output_file_problem(out_json, "--out", make_parents=True) or \
+                output_file_problem(out_md, "--out", make_parents=True)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -1000,14 +1014,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if args.peer_fetch_gbps is not None:
         settings["peer_fetch"] = asdict(peer_fetch_from_args(args))
     if args.out:
-        out = Path(args.out)
+        out_json, out_md = _out_paths(args.out)
         command = _command(args)
         try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.with_suffix(".json").write_text(json.dumps({"command": command, "settings": settings,
-                                                            "results": results}, indent=2) + "\n")
-            out.with_suffix(".md").write_text(results_markdown(results, title=args.title, settings=settings,
-                                                               command=command))
+            out_json.parent.mkdir(parents=True, exist_ok=True)
+            out_json.write_text(json.dumps({"command": command, "settings": settings,
+                                            "results": results}, indent=2) + "\n")
+            out_md.write_text(results_markdown(results, title=args.title, settings=settings, command=command))
         except OSError as exc:
             print(f"error: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
             return 2
