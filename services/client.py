@@ -136,7 +136,7 @@ def with_hint(exc: grpc.RpcError) -> grpc.RpcError:
 class Usage:
     """Prompt-cache usage of one request (tokens): prompt = cached + computed_prefill, as
     of the request's first admission to a step (a request preempted and run again keeps
-    these figures, as vLLM reports; it recomputed more)."""
+    these figures, as vLLM reports, whatever its rerun computed or found cached)."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0

@@ -164,8 +164,9 @@ def accepted_fields(route: str) -> tuple[str, ...]:
     for being unknown: honoured, ignored, and unsupported ones (refused unless neutral)."""
     return HONOURED[route] + IGNORED + UNSUPPORTED + (UNSUPPORTED_CHAT if route == "chat" else ())
 
-#: Fields of ``stream_options`` accepted: ``include_usage`` is honoured, ``include_obfuscation``
-#: (OpenAI's padding of chunks) ignored, vLLM's ``continuous_usage_stats`` refused when true.
+#: Fields of ``stream_options`` accepted: ``include_usage`` is honoured; ``include_obfuscation``
+#: (OpenAI's padding of chunks) and vLLM's ``continuous_usage_stats`` (a boolean: usage comes in
+#: the last chunk only, with ``include_usage``) are ignored.
 STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
 Authenticator = Callable[[str | None], "str | Awaitable[str]"]
 
@@ -1096,10 +1097,9 @@ class HttpFront:
         unknown = [k for k in options if k not in STREAM_OPTIONS]
         if unknown:
             raise HttpError(400, f"unknown field {clip(repr(unknown[0]), 60)} in stream_options; it accepts "
-                                 f"include_usage (and ignores include_obfuscation)", param="stream_options")
-        if options.get("continuous_usage_stats"):
-            raise HttpError(400, "stream_options.continuous_usage_stats is not supported by kvmesh: usage comes in "
-                                 "the last chunk with include_usage", param="stream_options.continuous_usage_stats")
+                                 f"include_usage (and ignores include_obfuscation and continuous_usage_stats)", param="stream_options")
+        # vLLM's per-chunk usage: clients written for vLLM send it; usage comes in the last chunk
+        _flag(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
         include_usage = _flag(options, "include_usage", "stream_options.include_usage")
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         # aclosing: however the answer ends (a client gone before or after the headers, an

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from kvmesh.cache_store.tier_store import TierConfig
 from kvmesh.workers.engine import Engine
 from tests._device import DEVICE
 from kvmesh.workers.request import RequestOutput, SamplingParams
@@ -221,6 +222,43 @@ def test_usage_is_the_cached_prefix_of_the_attempt_that_ran():
         assert usage["cached_tokens"] == len(prompt_a) - counted[a_id]
         assert sum(usage["cached_tokens_by_tier"].values()) == usage["cached_tokens"]
         assert usage["cached_tokens"] < len(prefix)  # the prefix was evicted in part: the case under test
+        eng.clear_cache()
+        cold = _Collector(eng)
+        eng.submit(prompt_a, GREEDY, cold)
+        _step_until(eng, [cold])
+        assert cold.usage["cached_tokens"] == 0 and cold.tokens == a_c.tokens
+    finally:
+        eng.stop()
+
+
+def test_a_tier_load_by_an_attempt_passed_over_is_reported_by_its_tier():
+    """An attempt that loads a prefix from the host tier and is then passed over (the
+    partial-prefill limit) leaves the loaded blocks in the device pool; the admitted attempt
+    finds them there, but the load was this request's: usage reports them as host."""
+    bs = 16
+    block_bytes = 4 * 2 * 2 * bs * 64 * 4  # built-in model, float32
+    rng = random.Random(16)
+    prefix = _toks(rng, 8 * bs)
+    prompt_a = prefix + _toks(rng, 40)
+    eng = Engine(device=DEVICE, block_size=bs, num_blocks=160, max_num_batched_tokens=256,
+                 long_prefill_token_threshold=32, max_num_partial_prefills=1,
+                 tiers=TierConfig(host_bytes=256 * block_bytes, load_policy="always"))
+    try:
+        warm = _Collector(eng)
+        eng.submit(prefix + [1], GREEDY, warm)
+        _step_until(eng, [warm])
+        assert eng.offload_device_cache() > 0  # the prefix is on the host tier only
+        counted = _prompt_tokens_computed(eng)
+        long_c, a_c = _Collector(eng), _Collector(eng)
+        eng.submit(_toks(rng, 600), SamplingParams(max_tokens=1), long_c)
+        a_id = eng.submit(prompt_a, GREEDY, a_c)
+        eng.step()
+        assert a_c.first is None and a_id not in counted  # passed over, after loading its prefix
+        _step_until(eng, [long_c, a_c])
+        usage = a_c.usage
+        assert usage["cached_tokens_by_tier"]["host"] == len(prefix), usage
+        assert usage["cached_tokens_by_tier"]["device"] == 0, usage
+        assert usage["computed_prefill_tokens"] == counted[a_id] == len(prompt_a) - len(prefix)
         eng.clear_cache()
         cold = _Collector(eng)
         eng.submit(prompt_a, GREEDY, cold)

@@ -1185,8 +1185,8 @@ def test_a_full_checkpoint_id_named_by_model_is_sent_to_generate_and_a_folder_na
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": 5}, "model", "must be a string"),
     ("completions", {"prompt": "a", "stream": True, "stream_options": []}, "stream_options", "must be an object"),
     ("completions", {"prompt": "a", "stream": True, "stream_options": {"foo": 1}}, "stream_options", "'foo'"),
-    ("completions", {"prompt": "a", "stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats", "not supported"),
+    ("completions", {"prompt": "a", "stream": True, "stream_options": {"continuous_usage_stats": "false"}},
+     "stream_options.continuous_usage_stats", "continuous_usage_stats"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi", "name": {"x": [1]}}]}, "messages",
      "messages[0].name must be a string"),
 ])
@@ -1216,3 +1216,26 @@ def test_the_early_context_check_quotes_what_the_workers_serve():
     status, err = asyncio.run(run())
     assert status == 400 and "context served here is 4096 tokens" in err["error"]["message"], err
     assert "at most 4095 tokens" in err["error"]["message"], err
+
+
+def test_vllm_clients_continuous_usage_stats_is_accepted_and_usage_comes_last():
+    """Clients written for vLLM send ``stream_options.continuous_usage_stats``; it is taken
+    (usage still comes in the last chunk, with include_usage), not refused."""
+    async def generate(req, ctx):
+        yield _final("ok")
+
+    async def run():
+        front, url = await _serve(generate)
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(f"{url}/completions", json={
+                    "prompt": "a", "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+                return r.status, await r.text()
+        finally:
+            await front.stop()
+
+    status, text = asyncio.run(run())
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]", text
+    assert '"usage"' in events[-2] and json.loads(events[-2])["choices"] == [], text
