@@ -465,8 +465,18 @@ def _row(rec: dict) -> dict:
     return row
 
 
+def _drop_stale_plots(out_dir: Path) -> None:
+    """Remove an earlier run's plots from ``out_dir``: this run writes its own, or none
+    (``--no-plots``), and a folder must not pair this run's numbers with another's figures."""
+    from kvmesh.bench.plots import PLOT_FILES
+
+    for name in PLOT_FILES:
+        (out_dir / name).unlink(missing_ok=True)
+
+
 def _write_outputs(out_dir: Path, result: dict, records: list[dict]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
+    _drop_stale_plots(out_dir)
     (out_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     (out_dir / "result.md").write_text(report.to_markdown(result), encoding="utf-8")
     with (out_dir / "requests.jsonl").open("w", encoding="utf-8") as fh:
@@ -780,11 +790,12 @@ def run_policies(policies: Sequence[str], workload: Workload, out_dir: str | Pat
         "results": results,
         "partial": any(r.get("partial") for r in results),
     }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _drop_stale_plots(out_dir)
     if plots:
         from kvmesh.bench import plots as _plots
 
         comparison["plots"] = [p.name for p in _plots.write_plots(runs, out_dir)]
-    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "comparison.json").write_text(json.dumps(comparison, indent=2) + "\n", encoding="utf-8")
     (out_dir / "comparison.md").write_text(comparison_markdown(comparison), encoding="utf-8")
     return comparison

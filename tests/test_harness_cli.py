@@ -159,3 +159,17 @@ def test_an_unreachable_metrics_url_is_named():
     with pytest.raises(OSError) as err:
         scrape_all([url])
     assert f"--metrics-url {url}: could not read it" in str(err.value) and "--metrics-port" in str(err.value)
+
+
+def test_a_run_into_a_used_folder_leaves_no_plot_of_the_earlier_run(tmp_path):
+    """A second run into the same --out (say with --no-plots) must not leave the first run's
+    PNGs beside its own numbers."""
+    from kvmesh.bench.harness import _write_outputs
+    from kvmesh.bench.plots import PLOT_FILES
+    from kvmesh.bench.report import summarize
+
+    for name in PLOT_FILES:
+        (tmp_path / name).write_bytes(b"old run")
+    _write_outputs(tmp_path, {"policy": "kv_aware", **summarize([])}, [])
+    assert (tmp_path / "result.json").exists()
+    assert not any((tmp_path / name).exists() for name in PLOT_FILES)
