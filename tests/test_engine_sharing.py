@@ -194,6 +194,15 @@ def _step_until(eng: Engine, collectors: list[_Collector], limit: int = 500) -> 
     raise AssertionError("requests did not finish")
 
 
+def _assert_equals_cold(eng: Engine, prompt: list[int], tokens: list[int]) -> None:
+    """``tokens`` are what ``prompt`` gives cold: an empty cache, the request alone."""
+    eng.clear_cache()
+    cold = _Collector(eng)
+    eng.submit(prompt, GREEDY, cold)
+    _step_until(eng, [cold])
+    assert cold.usage["cached_tokens"] == 0 and cold.tokens == tokens
+
+
 def test_usage_is_the_cached_prefix_of_the_attempt_that_ran():
     """A waiting request passed over (here by the partial-prefill limit) is matched again
     when it is admitted; its usage must report that match, not the first one, whose
@@ -222,11 +231,7 @@ def test_usage_is_the_cached_prefix_of_the_attempt_that_ran():
         assert usage["cached_tokens"] == len(prompt_a) - counted[a_id]
         assert sum(usage["cached_tokens_by_tier"].values()) == usage["cached_tokens"]
         assert usage["cached_tokens"] < len(prefix)  # the prefix was evicted in part: the case under test
-        eng.clear_cache()
-        cold = _Collector(eng)
-        eng.submit(prompt_a, GREEDY, cold)
-        _step_until(eng, [cold])
-        assert cold.usage["cached_tokens"] == 0 and cold.tokens == a_c.tokens
+        _assert_equals_cold(eng, prompt_a, a_c.tokens)
     finally:
         eng.stop()
 
@@ -259,10 +264,6 @@ def test_a_tier_load_by_an_attempt_passed_over_is_reported_by_its_tier():
         assert usage["cached_tokens_by_tier"]["host"] == len(prefix), usage
         assert usage["cached_tokens_by_tier"]["device"] == 0, usage
         assert usage["computed_prefill_tokens"] == counted[a_id] == len(prompt_a) - len(prefix)
-        eng.clear_cache()
-        cold = _Collector(eng)
-        eng.submit(prompt_a, GREEDY, cold)
-        _step_until(eng, [cold])
-        assert cold.usage["cached_tokens"] == 0 and cold.tokens == a_c.tokens
+        _assert_equals_cold(eng, prompt_a, a_c.tokens)
     finally:
         eng.stop()
