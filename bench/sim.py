@@ -89,6 +89,7 @@ import json
 import math
 import random
 import shlex
+import signal
 import statistics
 import struct
 import sys
@@ -736,12 +737,15 @@ def simulate_live(reqs, policy: str, workers: int, num_blocks: int, tokens_per_b
                     policy_kwargs=policy_kwargs)
 
 
-def run_policies(reqs, policies: Sequence[str] = DEFAULT_POLICIES, **kwargs) -> dict[str, dict]:
+def run_policies(reqs, policies: Sequence[str] = DEFAULT_POLICIES, *, into: dict | None = None,
+                 **kwargs) -> dict[str, dict]:
     """`simulate` each policy on the same prepared workload; ``{name: result}`` in order.
 
     ``kwargs`` go to `simulate` (``block_tokens``, ``block_size`` and
     ``max_output_tokens`` to `prepare`), except ``progress``: ``progress(policy)`` returns
-    the per-request callback of that policy's run. Raises ValueError for an unknown name.
+    the per-request callback of that policy's run. Each result is also put in ``into`` as it
+    finishes (so a caller interrupted part-way keeps the finished ones). Raises ValueError
+    for an unknown name.
     """
     unknown = [p for p in policies if p not in POLICIES and p not in _LAYOUTS]
     if unknown:
@@ -750,7 +754,10 @@ def run_policies(reqs, policies: Sequence[str] = DEFAULT_POLICIES, **kwargs) -> 
     prep = {k: kwargs.pop(k) for k in ("block_tokens", "block_size", "max_output_tokens") if k in kwargs}
     wl = reqs if isinstance(reqs, Workload) else prepare(reqs, **prep)
     progress = kwargs.pop("progress", None)
-    return {p: simulate(wl, p, progress=progress(p) if progress is not None else None, **kwargs) for p in policies}
+    out = into if into is not None else {}
+    for p in policies:
+        out[p] = simulate(wl, p, progress=progress(p) if progress is not None else None, **kwargs)
+    return out
 
 
 # ------------------------------------------------------------------------------ report
@@ -988,17 +995,30 @@ def cmd_sim(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    results: dict[str, dict] = {}
+    stopped = None  # the signal that stopped the replay part-way: the finished policies are still written
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    except ValueError:  # not the main thread (called in-process): no handler of ours
+        previous = None
     try:
         with _SimProgress(not args.no_progress, len(policies) * len(reqs)) as bar:
-            results = run_policies(work, policies, num_workers=args.workers, capacity_tokens=args.capacity_tokens,
-                                   num_blocks=args.num_blocks, block_tokens=args.block_tokens,
-                                   block_size=args.block_size, concurrency=args.concurrency,
-                                   time_scale=args.time_scale, cost=cost, max_output_tokens=args.max_output_tokens,
-                                   seed=args.seed, unbounded=args.unbounded, progress=bar.policy,
-                                   peer_fetch=peer_fetch)
+            run_policies(work, policies, into=results, num_workers=args.workers, capacity_tokens=args.capacity_tokens,
+                         num_blocks=args.num_blocks, block_tokens=args.block_tokens,
+                         block_size=args.block_size, concurrency=args.concurrency,
+                         time_scale=args.time_scale, cost=cost, max_output_tokens=args.max_output_tokens,
+                         seed=args.seed, unbounded=args.unbounded, progress=bar.policy,
+                         peer_fetch=peer_fetch)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        stopped = str(exc) or "SIGINT"
+        print(f"\n{stopped}: stopped; {len(results)} of {len(policies)} policies finished"
+              + (f" ({', '.join(results)}), written below" if results else ""), file=sys.stderr)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     settings = {
         "trace": Path(args.trace).name, "requests": len(reqs), "workers": args.workers,
         "capacity_tokens": "unbounded" if args.unbounded else args.capacity_tokens,
@@ -1018,8 +1038,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
         command = _command(args)
         try:
             out_json.parent.mkdir(parents=True, exist_ok=True)
-            out_json.write_text(json.dumps({"command": command, "settings": settings,
-                                            "results": results}, indent=2) + "\n")
+            saved = {"command": command, "settings": settings, "results": results}
+            if stopped:
+                saved.update(partial=True, stopped_by=stopped)
+            out_json.write_text(json.dumps(saved, indent=2) + "\n")
             out_md.write_text(results_markdown(results, title=args.title, settings=settings, command=command))
         except OSError as exc:
             print(f"error: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
@@ -1028,7 +1050,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
         print(json.dumps(summary(results), indent=2))
     else:
         print(results_markdown(results, title=args.title, settings=settings), end="")
-    return 0
+    return 0 if stopped is None else 143 if stopped == "SIGTERM" else 130
+
+
+def _raise_interrupt(signum, frame) -> None:
+    """SIGTERM stops a replay as Ctrl-C does: the policies that finished are still written."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def register(sub) -> None:

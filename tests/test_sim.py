@@ -574,3 +574,29 @@ def test_cli_sim_out_creates_missing_folders(tmp_path, capsys):
     assert sim.main(["--trace", str(DEFAULT_SAMPLE), "--unbounded", "--no-progress", "--max-requests", "5",
                      "--policies", "round_robin", "--json", "--out", str(out)]) == 0
     assert sorted(p.name for p in out.parent.iterdir()) == ["r.json", "r.md"]
+
+
+def test_cli_sim_stopped_part_way_writes_the_policies_that_finished(tmp_path, capsys, monkeypatch):
+    """Ctrl-C (or SIGTERM) during the third policy's replay: the two finished are printed and
+    written, marked partial, and the exit status says which signal."""
+    from kvmesh.services.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": 1000 * i, "input_length": 600, "output_length": 2,
+                                            "hash_ids": [0, 1 + i]}) for i in range(4)) + "\n")
+    real = sim.simulate
+
+    def stop_at_third(wl, policy, *a, **kw):
+        if policy == "random":
+            raise KeyboardInterrupt("SIGTERM")
+        return real(wl, policy, *a, **kw)
+
+    monkeypatch.setattr(sim, "simulate", stop_at_third)
+    rc = main(["sim", "--trace", str(trace), "--workers", "2", "--capacity-tokens", "100000", "--policies",
+               "pooled,round_robin,random,kv_aware", "--no-progress", "--out", str(tmp_path / "r")])
+    assert rc == 143
+    captured = capsys.readouterr()
+    assert "2 of 4 policies finished" in captured.err and "| round_robin |" in captured.out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert list(saved["results"]) == ["pooled", "round_robin"] and saved["partial"] is True
+    assert saved["stopped_by"] == "SIGTERM"
