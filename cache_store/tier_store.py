@@ -936,8 +936,9 @@ class TierStore:
         store's lock it walks positions ``start, start+1, ...``: blocks in host
         memory or already staged are left where they are, blocks on disk are
         noted, and the walk ends at the first position no local tier holds (or
-        once as many blocks as the staging area holds were noted: it never reads
-        more than it can stage).
+        once the blocks noted and this request's blocks already staged fill the
+        staging area: it never reads more than it can stage without evicting the
+        request's own earlier blocks).
         Without the lock it then reads the disk records (checksummed), and from
         that position on the remote tier's run (one round trip, bounded by
         ``remote_timeout_s``); every block is verified against the chain and
@@ -970,14 +971,22 @@ class TierStore:
         out: dict[str, int] = {}
         if not self.can_prefetch or start >= stop:
             return out
-        budget = self.peer.num_slots  # never read more than the staging area can hold
+        # never read more than the staging area holds together with what this request has
+        # staged there already (a peer fetch's run): staging past that would evict the
+        # request's own leading blocks, and `locate` stops at the first one missing
+        budget = self.peer.num_slots
         from_disk: list[tuple[int, DiskEntry]] = []
+        staged = 0
         with self.lock:
             generation = self._generation
             i = start
-            while i < stop and len(from_disk) < budget:
+            while i < stop and len(from_disk) + staged < budget:
                 h = hashes[i]
-                if h in self.host or h in self.peer:  # fast enough for scheduling (verified there)
+                if h in self.peer:
+                    staged += 1
+                    i += 1
+                    continue
+                if h in self.host:  # fast enough for scheduling (verified there)
                     i += 1
                     continue
                 d = self.disk.entries.get(h) if self.disk is not None else None
@@ -1006,7 +1015,7 @@ class TierStore:
                                                   generation, owner)
                 if len(entries) >= self.MIN_COST_SAMPLE_BLOCKS or decision == "probe":
                     self._note_load_cost("disk", (time.perf_counter() - t0) / len(entries))
-        room = budget - len(from_disk)
+        room = budget - staged - len(from_disk)
         if self.remote is None or not (first < stop and first == i and room > 0):
             return out
         decision = self.fetch_decision("remote", compute_seconds_per_block)

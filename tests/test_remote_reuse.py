@@ -608,3 +608,43 @@ def test_remote_slower_than_prefill_is_not_fetched_under_the_cost_policy(redis_s
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_prefetch_after_a_peer_fetch_keeps_the_peer_blocks_staged(redis_server, cold_engine):
+    """A worker stages a prefix fetched from a peer, then its own prefetch stages what follows
+    from the remote tier. With a staging area smaller than both runs, the prefetch must stage
+    only what fits beside the peer blocks: staging past that evicted the request's own
+    leading blocks, and nothing at all was reused."""
+    from kvmesh.cache_store.hashing import hash_blocks
+    from kvmesh.workers.peer_fetch import _verify
+    from tests.test_engine_tiers import BLOCK_BYTES
+    from tests.test_peer_fetch import as_msgs
+
+    prompt = rand_prompt(77, 20 * BS + 5)
+    publisher = remote_engine(redis_server.url, cluster="staging")
+    try:
+        publish(publisher, prompt)  # the whole prompt in the remote tier
+    finally:
+        publisher.stop()
+    holder = Engine(num_blocks=64, block_size=BS).start()
+    fetcher = Engine(num_blocks=64, block_size=BS,
+                     tiers=TierConfig(host_bytes=8 << 20, peer_bytes=12 * BLOCK_BYTES, remote_url=redis_server.url,
+                                      remote_bytes=64 << 20, remote_cluster="staging", load_policy="always")).start()
+    try:
+        run(holder, prompt[:10 * BS + 1])  # the peer holds the first 10 blocks
+        ns = fetcher.namespace()
+        chain = hash_blocks(prompt, BS, ns.root_hash())
+        records = holder.export_blocks(chain.hashes[:10])
+        staged = fetcher.tiers.stage([_verify(m, i, chain, ns.root_hash(), fetcher)
+                                      for i, m in enumerate(as_msgs(records))])
+        assert staged == 10 and fetcher.tiers.peer.num_slots == 12
+        assert fetcher.prefetch(prompt) == {"remote": 2}  # what fits beside the 10 peer blocks
+        out, _ = run(fetcher, prompt)
+        by_tier = out["usage"]["cached_tokens_by_tier"]
+        assert by_tier["peer"] == 10 * BS, by_tier
+        assert out["usage"]["cached_tokens"] >= 12 * BS, out["usage"]  # the rest loads in scheduling or computes
+        cold, _ = run(cold_engine, prompt)
+        assert out["token_ids"] == cold["token_ids"]
+    finally:
+        holder.stop()
+        fetcher.stop()
