@@ -56,8 +56,9 @@ def output_dir_problem(path: str | os.PathLike, flag: str) -> str | None:
     return None
 
 
-def numeric_kwargs(text: str, flag: str) -> dict[str, float | int]:
-    """A JSON object of numeric constructor arguments (``--kv-aware '{"share_cap": 0.1}'``).
+def numeric_kwargs(text: str, flag: str, nullable: tuple[str, ...] = ()) -> dict[str, float | int | None]:
+    """A JSON object of numeric constructor arguments (``--kv-aware '{"share_cap": 0.1}'``);
+    the keys in ``nullable`` may also be null (None: the argument's "off").
 
     Raises:
         ValueError: not JSON, not an object, or a value that is not a finite number (NaN,
@@ -71,6 +72,8 @@ def numeric_kwargs(text: str, flag: str) -> dict[str, float | int]:
     if not isinstance(kw, dict):
         raise ValueError(f"{flag} takes a JSON object such as '{{\"share_cap\": 0.1}}', got a {type(kw).__name__}")
     for key, value in kw.items():
+        if value is None and key in nullable:
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{flag}: {key} must be a number, got {json.dumps(value)}")
         if not math.isfinite(value):

@@ -533,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     fleets = args.workers
     try:
-        kw = numeric_kwargs(args.kv_aware, "--kv-aware")  # finite numbers only: no NaN, strings or null
+        # finite numbers only (no NaN or strings); null only where it means "off"
+        kw = numeric_kwargs(args.kv_aware, "--kv-aware", nullable=("escape_prompts", "share_tokens_cap"))
     except ValueError as exc:
         p.error(str(exc))
     known = [n for n in inspect.signature(POLICIES["kv_aware"]).parameters if n != "self"]

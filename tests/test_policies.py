@@ -234,33 +234,39 @@ def test_kv_aware_share_cap_overrides_a_full_hit_well_above_mean():
 
 
 def test_kv_aware_a_worker_over_the_cap_takes_a_request_the_cap_would_queue_far_behind():
-    """Over the cap (5 % + 4 requests) but within the hard cap (10 % + 4), a worker still
-    takes a request that costs more than 16 mean prompts less there than on every worker
-    within the cap (escape_prompts): the cap must not queue a request behind that much
-    more prefill."""
+    """Over the cap (5 % + 4 requests) but within the hard cap (8 %, no slack), a worker
+    still takes a request that costs more than 16 mean prompts less there than on every
+    worker within the cap (escape_prompts): the cap must not queue a request behind that
+    much more prefill."""
     p = make_policy("kv_aware")
     req = request(20)  # 320 tokens, the mean prompt: the margin is 16 x 320 = 5,120 tokens
-    # mean share 10: cap 14.5, hard cap 15
-    ws = [view("over", routed_recent=14.8, running_requests=1), view("b", routed_recent=10.0),
-          view("c", routed_recent=10.0), view("d", routed_recent=5.2)]
+    # mean share 200: cap 1.05 x 200 + 4 = 214, hard cap 1.08 x 200 = 216
+    ws = [view("over", routed_recent=215.0, running_requests=1), view("b", routed_recent=200.0),
+          view("c", routed_recent=200.0), view("d", routed_recent=185.0)]
     for w in ws[1:]:
         w.queued_prefill_tokens = 20000
     assert set(picks(p, req, ws)) == {"over"}
-    # the others' cheapest (d: 5,000 queued + 13 x 320 - 461 share = 8,699) is within the margin
-    # of over's 4,621 (320 + 12 x 320 + 461): the cap holds
+    # the others' cheapest (d: 5,000 queued + 13 x 320 - 72 share = 9,088) is within the margin
+    # of over's 4,232 (320 + 12 x 320 + 72): the cap holds
     for w in ws[1:]:
         w.queued_prefill_tokens = 5000
     assert "over" not in picks(p, req, ws)
     for w in ws[1:]:
         w.queued_prefill_tokens = 20000
-    ws[0].routed_recent, ws[3].routed_recent = 15.5, 4.5  # past the hard cap: no cost lets it in
+    ws[0].routed_recent, ws[3].routed_recent = 217.0, 183.0  # past the hard cap: no cost lets it in
     assert "over" not in picks(p, req, ws)
-    ws[0].routed_recent, ws[3].routed_recent = 14.8, 5.2
+    ws[0].routed_recent, ws[3].routed_recent = 215.0, 185.0
     assert "over" not in picks(make_policy("kv_aware", escape_prompts=None), req, ws)
+    # with a small mean share the slack makes the cap looser than the hard cap: no escape
+    small = [view("over", routed_recent=14.8, running_requests=1), view("b", routed_recent=10.0,
+             queued_prefill_tokens=20000), view("c", routed_recent=10.0, queued_prefill_tokens=20000),
+             view("d", routed_recent=5.2, queued_prefill_tokens=20000)]
+    assert "over" not in picks(p, req, small)
     with pytest.raises(ValueError, match="escape_prompts"):
         make_policy("kv_aware", escape_prompts=-1)
-    with pytest.raises(ValueError, match="hard_cap"):
-        make_policy("kv_aware", hard_cap=-0.1)
+    for bad in (-0.1, math.nan, math.inf):
+        with pytest.raises(ValueError, match="hard_cap"):
+            make_policy("kv_aware", hard_cap=bad)
 
 
 def test_kv_aware_a_holder_keeps_a_request_until_its_queue_passes_13_times_the_saved_prefill():

@@ -130,6 +130,17 @@ def test_bad_sweep_arguments_are_usage_errors_before_any_replay(argv, named, cap
     assert exc.value.code == 2 and named in capsys.readouterr().err
 
 
+def test_kv_aware_arguments_that_mean_off_may_be_null(monkeypatch):
+    """``escape_prompts`` and ``share_tokens_cap`` are off as null, so a sweep can compare
+    kv_aware with and without them."""
+    seen = {}
+    monkeypatch.setattr(route_sweep, "run_sweep", lambda names, fleets, load, pressure, policies, mooncake, kw,
+                        **_: seen.update(kw) or [])
+    monkeypatch.setattr(route_sweep, "sweep_markdown", lambda rows: "")
+    route_sweep.main(["--workloads", "bursty", "--quiet", "--kv-aware", '{"escape_prompts": null, "share_cap": 0.1}'])
+    assert seen == {"escape_prompts": None, "share_cap": 0.1}
+
+
 def test_an_unwritable_json_path_is_refused_before_the_sweep(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(route_sweep, "run_sweep", lambda *a, **k: pytest.fail("replayed despite a bad --json"))
     with pytest.raises(SystemExit) as exc:
