@@ -1097,7 +1097,8 @@ class HttpFront:
         unknown = [k for k in options if k not in STREAM_OPTIONS]
         if unknown:
             raise HttpError(400, f"unknown field {clip(repr(unknown[0]), 60)} in stream_options; it accepts "
-                                 f"include_usage (and ignores include_obfuscation and continuous_usage_stats)", param="stream_options")
+                                 f"include_usage (and ignores include_obfuscation and continuous_usage_stats)",
+                            param="stream_options")
         # vLLM's per-chunk usage: clients written for vLLM send it; usage comes in the last chunk
         _flag(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
         include_usage = _flag(options, "include_usage", "stream_options.include_usage")

@@ -455,7 +455,8 @@ class KVAwarePolicy(RoutingPolicy):
 
     Raises:
         ValueError: a negative parameter, ``widely_held`` outside [0, 1], a
-            ``share_tokens_cap`` <= 0, a ``prompt_window`` < 1 or an ``escape_prompts`` < 0.
+            ``share_tokens_cap`` <= 0, a ``prompt_window`` < 1, an ``escape_prompts`` < 0 or a
+            ``hard_cap`` that is not finite.
     """
 
     name = "kv_aware"

@@ -123,8 +123,8 @@ class Request:
     #: ``(num_cached, cached_by_tier, cached_loss)`` of the latest cache match while the
     #: request has not run yet; made its usage when it is admitted (`Scheduler.schedule`)
     pending_usage: tuple | None = None
-    #: block index -> (block hash, medium) of blocks that an attempt passed over loaded from
-    #: a lower tier into the device pool, so the admitted attempt reports them by that medium
+    #: block index -> medium of blocks that an attempt passed over loaded from a lower tier
+    #: into the device pool, so the admitted attempt reports them by that medium
     loaded_from: dict = field(default_factory=dict)
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None

@@ -500,24 +500,17 @@ class Scheduler:
         req.num_computed = len(block_ids) * self.block_size
         req.num_committed_blocks = len(block_ids)
         if req.num_cached < 0:  # not run yet: what usage reports if this attempt is admitted
-            if media:  # a passed-over attempt's loads stay in the device pool: remember where from
-                for j, m in enumerate(media, num_device):
-                    req.loaded_from[j] = (req.block_hashes[j], m)
+            # loads are this request's even when an attempt passed over made them (they stay in
+            # the device pool): each block is reported by the tier it was loaded from
+            for j, m in enumerate(media, num_device):
+                req.loaded_from[j] = m
             by_tier: dict[str, int] = {}
             for j in range(len(block_ids)):
-                m = media[j - num_device] if j >= num_device else self._loaded_medium(req, j)
+                m = req.loaded_from.get(j, "device")
                 by_tier[m] = by_tier.get(m, 0) + self.block_size
             loss_bytes = bytes(loss) if self.tiers is not None else b""
             req.pending_usage = (req.num_computed, by_tier, loss_bytes)
         return True
-
-    @staticmethod
-    def _loaded_medium(req: Request, j: int) -> str:
-        """Where block ``j`` of ``req``'s device prefix came from: the tier an earlier attempt
-        of this request, passed over, loaded it from (the load was this request's), else
-        ``device``."""
-        got = req.loaded_from.get(j)
-        return got[1] if got is not None and got[0] == req.block_hashes[j] else "device"
 
     @staticmethod
     def _note_first_run(req: Request) -> None:
