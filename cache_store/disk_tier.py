@@ -41,6 +41,14 @@ files that are not regular files (symlinks, directories, FIFOs, ...) are
 skipped with a warning and left alone, files are opened with
 ``O_NOFOLLOW``, and permissions are tightened through the open descriptor.
 
+Segment files owned by another user are never loaded: block hashes are public
+functions of the prompt, so whoever can write the folder could plant records
+with valid checksums for a prompt another tenant will send. At start they are
+skipped with the warning above; a file replaced under an indexed segment's name
+fails the owner check on read and the segment is dropped. A folder every user
+may write is refused unless it has the sticky bit (/tmp's ``1777``), under
+which others cannot delete or rename this worker's files.
+
 Eviction is by segment, least recently used first (a hit on any block
 touches its segment), so the bytes on disk never exceed ``capacity_bytes``
 once a write completes. Blocks written together are usually read together
@@ -135,7 +143,10 @@ class DiskTier:
     Raises:
         ValueError: capacity not positive, or another live process (or another `DiskTier`
             here) holds the directory: two writers would pick the same segment ids and
-            delete each other's files.
+            delete each other's files; or every user may write the directory and it lacks the sticky bit (``o+w``, not
+            ``+t`` as /tmp has: others could delete or rename this worker's files).
+            Segment files owned by another user are never indexed nor read (skipped at
+            start with a warning, dropped if one replaces an indexed file).
         OSError: the directory cannot be created.
     """
 
@@ -150,6 +161,10 @@ class DiskTier:
         # segment files are 0600 wherever they are (a folder given, e.g. a shared mount, is
         # left as it is)
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        if os.stat(self.directory).st_mode & (stat.S_IWOTH | stat.S_ISVTX) == stat.S_IWOTH:
+            raise ValueError(f"disk tier folder {self.directory} may be written by every user of this machine "
+                             f"(o+w, no sticky bit): they could delete or replace its segments; run `chmod o-w {self.directory}` "
+                             "or name a folder of this user's own")
         self._lock_file = _lock_directory(self.directory)
         self.capacity_bytes = int(capacity_bytes)
         self.segment_bytes = int(min(segment_bytes, capacity_bytes))
@@ -339,8 +354,9 @@ class DiskTier:
         self.foreign = OrderedDict(sorted(self.foreign.items()))
         if skipped:
             shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
-            log.warning("disk tier %s: left %d entr%s named like segment files alone (not regular files, or "
-                        "unreadable): %s", self.directory, len(skipped), "y" if len(skipped) == 1 else "ies", shown)
+            log.warning("disk tier %s: left %d entr%s named like segment files alone (not regular files, "
+                        "unreadable, or of another owner): %s", self.directory, len(skipped),
+                        "y" if len(skipped) == 1 else "ies", shown)
         if foreign:
             codecs = "/".join(sorted(self.codecs)) if self.codecs is not None else "any"
             log.warning("disk tier %s: %d segment(s) of another layout, codec or KV producer left in place (%d bytes), not "
@@ -386,6 +402,8 @@ class DiskTier:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise _NotOurs(_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file"))
+            if st.st_uid != os.geteuid():
+                raise _NotOurs(_foreign_owner(st))
             if st.st_mode & 0o077 and st.st_nlink == 1 and st.st_uid == os.geteuid():
                 try:
                     os.fchmod(fd, 0o600)
@@ -609,6 +627,10 @@ class DiskTier:
             try:
                 fd = os.open(seg.path, _OPEN_EXISTING)
                 try:
+                    st = os.fstat(fd)
+                    if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+                        # replaced since it was indexed (a folder others can write)
+                        raise OSError(f"{_foreign_owner(st)}; not loaded")
                     data = os.pread(fd, end - e0.offset, e0.offset)
                 finally:
                     os.close(fd)
@@ -696,6 +718,11 @@ def _lock_directory(directory: str):
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
+
+
+def _foreign_owner(st: os.stat_result) -> str:
+    return (f"owned by uid {st.st_uid}, not this worker's ({os.geteuid()})" if st.st_uid != os.geteuid()
+            else "not a regular file")
 
 
 class _NotOurs(Exception):

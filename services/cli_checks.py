@@ -11,6 +11,7 @@ import argparse
 import os
 import re
 import socket
+import stat
 from pathlib import Path
 
 #: Library field names that appear in messages, and the flag a user types for each.
@@ -185,6 +186,21 @@ def can_create_in(folder: str | os.PathLike) -> str | None:
     return None
 
 
+def others_can_write(folder: str, flag: str = "--disk-dir") -> str | None:
+    """Why ``folder`` cannot hold a disk tier's segments because users other than its owner
+    and group may write it without the sticky bit (mode ``o+w``, not ``+t``: they could delete
+    or replace this worker's segment files), or None. Segment files owned by another user are never loaded in any case
+    (`cache_store.disk_tier`)."""
+    try:
+        mode = os.stat(folder).st_mode
+    except OSError:
+        return None
+    if mode & (stat.S_IWOTH | stat.S_ISVTX) == stat.S_IWOTH:
+        return (f"{flag} {folder}: every user of this machine may write the folder (mode {stat.S_IMODE(mode):04o}); "
+                f"run `chmod o-w {folder}` (or `chmod +t`) or name a folder of this user's own (it is created 0700 if missing)")
+    return None
+
+
 def disk_dir_problem(path: str | None, flag: str = "--disk-dir") -> str | None:
     """Why the disk tier cannot use folder ``path`` (an existing file, a path under a file,
     a parent that refuses new folders, a folder that refuses new files), or None (also for
@@ -201,7 +217,7 @@ def disk_dir_problem(path: str | None, flag: str = "--disk-dir") -> str | None:
         reason = can_create_in(full)
         if reason:
             return f"{flag} {path}: the folder is not writable ({reason}); name a folder this user can write"
-        return None
+        return others_can_write(full, flag)
     parent = os.path.dirname(full)
     while not os.path.exists(parent):  # the nearest existing ancestor: the one makedirs starts from
         parent = os.path.dirname(parent)

@@ -734,3 +734,52 @@ def test_failed_disk_writes_are_each_counted_but_logged_at_a_bounded_rate(tmp_pa
     finally:
         store.disk.write_segment = real_write
         store.close()
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root (CI runs as root)")
+STRANGER = 65534  # nobody
+
+
+@needs_root
+def test_segments_of_another_owner_are_never_indexed_nor_read(tmp_path, caplog):
+    """Block hashes are public functions of the prompt: a local user who can write the folder
+    could plant records with valid checksums for a prompt another tenant will send. A segment
+    owned by another user is skipped at start (left in place, warned about), and one swapped
+    in under an indexed segment's name fails on read instead of serving its KV."""
+    d = tmp_path / "disk"
+    t = new_tier(d)
+    mine, planted = items(2, seed=21), items(2, seed=22)
+    write(t, mine)
+    write(t, planted)
+    by_name = sorted(f for f in files(d) if f.startswith("seg-"))
+    os.chown(d / by_name[1], STRANGER, STRANGER)
+    with caplog.at_level("WARNING", logger="kvmesh.cache_store.disk_tier"):
+        t2 = new_tier(d)
+    assert set(t2.entries) == {m.block_hash for m, _ in mine}
+    assert (d / by_name[1]).exists()
+    assert any("of another owner" in r.getMessage() and f"uid {STRANGER}" in r.getMessage() for r in caplog.records)
+    # the indexed segment is replaced by a forged copy (same records, other owner) after the scan
+    forged = d / "forged.kvs"
+    forged.write_bytes((d / by_name[0]).read_bytes())
+    os.chown(forged, STRANGER, STRANGER)
+    os.replace(forged, d / by_name[0])
+    with pytest.raises(SegmentReadError) as err:
+        t2.read([t2.entries[m.block_hash] for m, _ in mine])
+    assert err.value.damaged and "owned by uid" in str(err.value)
+
+
+def test_a_folder_every_user_may_write_is_refused_unless_sticky(tmp_path):
+    """Without the sticky bit, other users could delete or rename a worker's segments in a
+    0777 folder: the tier refuses it, and the worker's flag check says how to fix it."""
+    from kvmesh.services.cli_checks import disk_dir_problem
+
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(ValueError, match="chmod o-w"):
+        DiskTier(str(open_dir), 1 << 20, SHAPE, "float32")
+    problem = disk_dir_problem(str(open_dir))
+    assert problem is not None and "--disk-dir" in problem and "chmod o-w" in problem
+    os.chmod(open_dir, 0o1777)
+    assert disk_dir_problem(str(open_dir)) is None
+    new_tier(open_dir)  # /tmp's mode: accepted

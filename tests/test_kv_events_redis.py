@@ -269,7 +269,8 @@ def test_prune_removes_only_ids_whose_lease_and_stream_are_gone(rclient, cluster
 
 
 def test_subscriber_prunes_gone_workers_from_the_registry(shared_redis, cluster, rclient):
-    rclient.sadd(workers_key(cluster), *[f"old-{i}" for i in range(40)])
+    rclient.sadd(workers_key(cluster), *[f"old-{i}" for i in range(40)], "streamed")
+    rclient.xadd(stream_key("streamed", cluster), {"seq": "1"})  # no lease, stream not expired: kept
 
     async def main():
         a = Worker(shared_redis.url, cluster, "a")
@@ -279,8 +280,10 @@ def test_subscriber_prunes_gone_workers_from_the_registry(shared_redis, cluster,
         await sub.start()
         try:
             await wait_until(lambda: set(sub.live_workers()) == {"a"}, timeout=30.0)
-            await wait_until(lambda: rclient.smembers(workers_key(cluster)) == {b"a"}, timeout=30.0)
-            assert sub.pruned_ids == 40
+            await wait_until(lambda: rclient.smembers(workers_key(cluster)) == {b"a", b"streamed"}, timeout=30.0)
+            # the count is what Redis replied: a reply lost to a timeout on a loaded machine
+            # (redis-py then runs the script again, which finds nothing left) counts 0
+            assert sub.pruned_ids in (0, 40)
         finally:
             await sub.stop()
             a.close()
