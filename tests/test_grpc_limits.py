@@ -635,3 +635,67 @@ def test_keepalive_pings_only_to_workers_whose_lease_accepts_them():
 
     asyncio.run(scenario())
     assert made == [True, True]
+
+
+def test_silent_connections_are_closed_and_capped():
+    """A stranger who opens TCP connections and never starts a handshake held each one for
+    gRPC's default 120 s, with no cap: enough of them took every descriptor of the process
+    and nobody could connect. A connection now has ``handshake_timeout_s`` to finish its
+    handshake, and past ``max_connections`` new ones are closed at accept."""
+    import asyncio
+    import socket
+
+    from grpc import aio
+
+    from kvmesh.workers.grpc_host import GrpcHost, max_incoming_connections
+
+    assert 16 <= max_incoming_connections() <= 4096
+
+    def closed_by_server(sock, within_s):
+        """Whether the server closes ``sock`` within ``within_s`` (what it sends first, e.g. a
+        plaintext server's HTTP/2 SETTINGS, is read and dropped)."""
+        end = time.monotonic() + within_s
+        try:
+            while time.monotonic() < end:
+                sock.settimeout(max(0.01, end - time.monotonic()))
+                if sock.recv(4096) == b"":
+                    return True
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            pass
+        return False
+
+    async def check(host, timeout):
+        async with aio.insecure_channel(f"127.0.0.1:{host.port}") as ch:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def scenario():
+        quick = GrpcHost("127.0.0.1", 0, [], handshake_timeout_s=0.5)
+        capped = GrpcHost("127.0.0.1", 0, [], handshake_timeout_s=600, max_connections=2)
+        quick.port = await quick.start()
+        capped.port = await capped.start()
+        try:
+            silent = socket.create_connection(("127.0.0.1", quick.port))
+            assert await asyncio.to_thread(closed_by_server, silent, 60.0)  # was held 120 s
+            silent.close()
+            held = [socket.create_connection(("127.0.0.1", capped.port)) for _ in range(2)]
+            with pytest.raises(aio.AioRpcError) as err:  # the cap is taken: refused at accept
+                await check(capped, 2.0)
+            assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            for sock in held:
+                sock.close()
+            deadline = time.monotonic() + 30
+            while True:  # the server sees the close on its next read
+                try:
+                    assert await check(capped, 5.0)
+                    break
+                except aio.AioRpcError:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.2)
+        finally:
+            await quick.server.stop(0)
+            await capped.server.stop(0)
+
+    asyncio.run(scenario())

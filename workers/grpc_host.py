@@ -78,6 +78,30 @@ SERVER_MIN_PING_INTERVAL_S = 4.0
 SERVER_KEEPALIVE_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", int(SERVER_MIN_PING_INTERVAL_S * 1000)),
 ]
+#: Seconds a new connection has to finish its TLS (or plaintext HTTP/2) handshake before the
+#: server closes it (gRPC core's default: 120 s, so a stranger who opens TCP connections and
+#: never speaks held each descriptor for two minutes).
+SERVER_HANDSHAKE_TIMEOUT_S = 10.0
+#: Most connections a server keeps open at once (gRPC core's ``max_allowed_incoming_connections``;
+#: lowered to a quarter of the process's open-file limit when that is smaller, see
+#: `max_incoming_connections`). Past it new connections are closed at accept: the process
+#: keeps the descriptors its Redis, disk-tier and outgoing connections need. Limits per
+#: client address belong in front of the port (a NetworkPolicy, a load balancer).
+DEFAULT_MAX_INCOMING_CONNECTIONS = 4096
+
+
+def max_incoming_connections() -> int:
+    """`DEFAULT_MAX_INCOMING_CONNECTIONS`, or a quarter of this process's open-file limit
+    (``RLIMIT_NOFILE``, soft) when that is lower (at least 16)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return DEFAULT_MAX_INCOMING_CONNECTIONS
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return DEFAULT_MAX_INCOMING_CONNECTIONS
+    return max(16, min(DEFAULT_MAX_INCOMING_CONNECTIONS, soft // 4))
 #: Lease field of a worker whose server accepts keepalive PINGs that often (seconds).
 KEEPALIVE_LEASE_FIELD = "keepalive_min_ping_s"
 
@@ -304,7 +328,9 @@ class GrpcHost:
     once, and calls that never send their message cannot hold the reserve; each call has
     ``message_timeout_s`` seconds to deliver its message. ``drain`` is the `DrainGate` its
     servicers run their data-plane calls under (default: a new one, named ``name``), which
-    `drain` uses.
+    `drain` uses. A connection has ``handshake_timeout_s`` seconds (default
+    `SERVER_HANDSHAKE_TIMEOUT_S`) to finish its handshake, and at most ``max_connections``
+    (default `max_incoming_connections`) are open at once.
 
     Raises:
         ValueError: ``max_concurrent_rpcs`` < 1.
@@ -315,7 +341,8 @@ class GrpcHost:
                  reflection_on: bool = False, max_receive_bytes: int = 1024 * 1024,
                  max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS, admit=None,
                  message_timeout_s: float = REQUEST_MESSAGE_TIMEOUT_S, drain: DrainGate | None = None,
-                 name: str = "this server"):
+                 name: str = "this server", handshake_timeout_s: float = SERVER_HANDSHAKE_TIMEOUT_S,
+                 max_connections: int | None = None):
         self.host = host
         self.port = port
         self.tls = tls
@@ -330,7 +357,10 @@ class GrpcHost:
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", int(max_receive_bytes)),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS],
+            ("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS,
+            ("grpc.server_handshake_timeout_ms", int(handshake_timeout_s * 1000)),
+            ("grpc.max_allowed_incoming_connections",
+             int(max_connections if max_connections is not None else max_incoming_connections()))],
             # callers without a peer certificate have control slots of their own (CallAdmission)
             maximum_concurrent_rpcs=self.cap.limit + CONTROL_RPC_RESERVE + (ANONYMOUS_CONTROL_LIMIT if tls else 0))
         self.health = health_aio.HealthServicer()
