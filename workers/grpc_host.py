@@ -90,6 +90,21 @@ SERVER_HANDSHAKE_TIMEOUT_S = 10.0
 DEFAULT_MAX_INCOMING_CONNECTIONS = 4096
 
 
+def pending_call_options(rpc_limit: int) -> list[tuple[str, int]]:
+    """Server options that let a burst of calls reach kvmesh's own limits.
+
+    gRPC core queues each new call until the Python server asks for it; past
+    ``grpc.server.max_pending_requests`` queued calls (default 1000) it drops new ones at
+    random, and the caller sees a bare CANCELLED, which reads as its own cancellation and
+    is never retried. Bursts of 1,200-2,000 calls at once lost 1-18 % of them that way,
+    whatever ``maximum_concurrent_rpcs`` was. Queued calls hold no more than their stream's
+    flow-control window; with room for 10,000 of them (or 4 x ``rpc_limit``; hard limit
+    twice that) a burst reaches ``maximum_concurrent_rpcs`` and the admission checks, which
+    answer RESOURCE_EXHAUSTED, or is served."""
+    soft = max(10_000, 4 * int(rpc_limit))
+    return [("grpc.server.max_pending_requests", soft), ("grpc.server.max_pending_requests_hard_limit", 2 * soft)]
+
+
 def max_incoming_connections() -> int:
     """`DEFAULT_MAX_INCOMING_CONNECTIONS`, or a quarter of this process's open-file limit
     (``RLIMIT_NOFILE``, soft) when that is lower (at least 16)."""
@@ -354,15 +369,17 @@ class GrpcHost:
         # Requests are capped at what the longest allowed prompt needs (workers.limits):
         # gRPC refuses a bigger body with RESOURCE_EXHAUSTED before reading it into memory.
         self.cap = RpcCap(max_concurrent_rpcs)
+        rpc_limit = self.cap.limit + CONTROL_RPC_RESERVE + (ANONYMOUS_CONTROL_LIMIT if tls else 0)
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", int(max_receive_bytes)),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS,
             ("grpc.server_handshake_timeout_ms", int(handshake_timeout_s * 1000)),
             ("grpc.max_allowed_incoming_connections",
-             int(max_connections if max_connections is not None else max_incoming_connections()))],
+             int(max_connections if max_connections is not None else max_incoming_connections())),
+            *pending_call_options(rpc_limit)],
             # callers without a peer certificate have control slots of their own (CallAdmission)
-            maximum_concurrent_rpcs=self.cap.limit + CONTROL_RPC_RESERVE + (ANONYMOUS_CONTROL_LIMIT if tls else 0))
+            maximum_concurrent_rpcs=rpc_limit)
         self.health = health_aio.HealthServicer()
         self.names = [name for _, _, name in services]
         # calls are admitted at their start, before their message (grpc_guard.CallAdmission):
