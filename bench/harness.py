@@ -510,7 +510,7 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
                        vocab_size: int = 256, tenant: str = "", timeout_s: float = 600.0, service: str = "auto",
                        progress: bool = True, connect_timeout_s: float = 30.0,
                        plots: bool = False, api: str = "grpc",
-                       metrics_urls: Sequence[str] = (),
+                       metrics_urls: Sequence[str] = (), metrics_token: str | None = None,
                        credentials: dict | None = None) -> tuple[dict, list[dict]]:
     """Run ``workload`` against ``target`` and write the outputs; returns (result, records).
 
@@ -546,7 +546,7 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
             front's base URL or HOST:PORT; `bench.openai_target`).
         metrics_urls: ``/metrics`` endpoints scraped before and after the measured run;
             their counters go in ``result["server"]`` (`bench.server_metrics.run_delta`)
-            and ``server_hit_rate_tokens``.
+            and ``server_hit_rate_tokens``. ``metrics_token``: the bearer token they ask for.
 
     Raises:
         TargetUnreachable: no connection within ``connect_timeout_s``.
@@ -627,15 +627,16 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
                     print(f"[{policy}] sending {len(measured)} requests to {target}; Ctrl-C stops and writes the "
                           "requests that finished", file=sys.stderr, flush=True)
                 bar.phase(f"{policy}", len(measured))
-                scraped = await asyncio.to_thread(server_metrics.scrape_all, metrics_urls) if metrics_urls else None
+                scraped = await asyncio.to_thread(server_metrics.scrape_all, metrics_urls,
+                                                  metrics_token) if metrics_urls else None
                 origin["t"] = time.perf_counter()
                 records, not_sent = await drive(measured, send, offsets=offsets, cap=arrival.cap,
                                                 stop_after_s=duration_s, grace_s=grace_s, finished=finished,
                                                 on_sent=bar.sent, on_record=bar.done, interrupt=interrupt.event)
                 duration = time.perf_counter() - origin["t"]
                 if scraped is not None:
-                    server = server_metrics.run_delta(scraped, await asyncio.to_thread(server_metrics.scrape_all,
-                                                                                       metrics_urls))
+                    server = server_metrics.run_delta(scraped, await asyncio.to_thread(
+                        server_metrics.scrape_all, metrics_urls, metrics_token))
 
     records.sort(key=lambda r: r["index"])
     warm_records.sort(key=lambda r: r["index"])
@@ -774,6 +775,7 @@ def run_policies(policies: Sequence[str], workload: Workload, out_dir: str | Pat
             result, records = asyncio.run(run_workload(cluster.router_address, workload, run_dir, arrival,
                                                        policy_label=policy, progress=progress,
                                                        metrics_urls=list(cluster.metrics_urls.values()),
+                                                       metrics_token=cluster.metrics_token,
                                                        credentials=cluster.client_options(),
                                                        **run_kwargs))
         results.append(result)
@@ -921,6 +923,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="with --target: a /metrics endpoint to scrape around the run (repeat for each worker); "
                           "the report then shows the server-side hit rate beside the client-side one "
                           "(default: none)")
+    out.add_argument("--metrics-token-file", default=None, metavar="FILE",
+                     help="with --metrics-url: the bearer token file those ports ask for (the servers' "
+                          "--metrics-token-file; `kvmesh up` prints it)")
 
 
 def _flag(dest: str) -> str:
@@ -1019,8 +1024,10 @@ def _check_mode(args: argparse.Namespace) -> None:
         problem = target_problem(args.target, args.api)  # before waiting for a connection to it
         if problem:
             raise ValueError(problem)
-    elif args.policy_label or args.service != "auto" or args.api != "grpc" or args.metrics_url:
-        raise ValueError("--policy-label, --service, --api and --metrics-url only apply with --target "
+    elif (args.policy_label or args.service != "auto" or args.api != "grpc" or args.metrics_url
+          or args.metrics_token_file):
+        raise ValueError("--policy-label, --service, --api, --metrics-url and --metrics-token-file only apply with "
+                         "--target "
                          "(with --policies each local cluster's metrics are scraped on their own)")
 
 
@@ -1097,9 +1104,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                       slo=slo, vocab_size=args.vocab_size,
                       tenant=args.tenant, timeout_s=args.timeout)
         if args.target is not None:
+            from kvmesh.services.metrics import read_metrics_token
+
+            metrics_token = read_metrics_token(args.metrics_token_file) if args.metrics_token_file else None
             result, _ = asyncio.run(run_workload(args.target, workload, args.out, arrival,
                                                  policy_label=args.policy_label, service=args.service,
                                                  api=args.api, metrics_urls=args.metrics_url, credentials=client_options(args),
+                                                 metrics_token=metrics_token,
                                                  progress=not args.no_progress, plots=not args.no_plots, **common))
             print(report.to_markdown(result), end="")
             print(f"wrote {Path(args.out) / 'result.json'}", file=sys.stderr)

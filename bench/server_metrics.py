@@ -19,13 +19,15 @@ from prometheus_client.parser import text_string_to_metric_families
 TIERS = ("device", "host", "disk", "peer", "remote")
 
 
-def scrape(url: str, timeout_s: float = 10.0) -> dict[tuple, float]:
-    """``{(sample name, sorted label items): value}`` of one ``/metrics`` endpoint.
+def scrape(url: str, timeout_s: float = 10.0, token: str | None = None) -> dict[tuple, float]:
+    """``{(sample name, sorted label items): value}`` of one ``/metrics`` endpoint, sending
+    ``Authorization: Bearer token`` when ``token`` is given (`services.metrics.bearer_only`).
 
     Raises:
         OSError: the endpoint could not be read (URLError is an OSError).
     """
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
         text = resp.read().decode("utf-8")
     out: dict[tuple, float] = {}
     for family in text_string_to_metric_families(text):
@@ -34,8 +36,8 @@ def scrape(url: str, timeout_s: float = 10.0) -> dict[tuple, float]:
     return out
 
 
-def scrape_all(urls: Sequence[str]) -> list[dict[tuple, float]]:
-    """`scrape` of each URL, in order.
+def scrape_all(urls: Sequence[str], token: str | None = None) -> list[dict[tuple, float]]:
+    """`scrape` of each URL, in order (with bearer ``token`` when given).
 
     Raises:
         OSError: one could not be read; the message names ``--metrics-url`` and the URL.
@@ -43,7 +45,7 @@ def scrape_all(urls: Sequence[str]) -> list[dict[tuple, float]]:
     out = []
     for u in urls:
         try:
-            out.append(scrape(u))
+            out.append(scrape(u, token=token))
         except OSError as exc:
             raise OSError(f"--metrics-url {u}: could not read it ({getattr(exc, 'reason', exc)}); give the "
                           "/metrics URL of a running router or worker (its --metrics-port), or leave the flag out") \

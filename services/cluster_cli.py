@@ -211,7 +211,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"secure: mTLS between processes, TLS + API key for clients (credentials in {c.run_dir}).\n"
                   f"clients: set -a; . {c.client_env}; set +a   (or pass --tls-ca {c.ca} --tls-cert "
                   f"{c.client_cert} --tls-key {c.client_key} --api-key KEY; the key is in {c.client_env})\n"
-                  f"  e.g. kvmesh generate --target {cluster.router_address} --prompt hello", flush=True)
+                  f"  e.g. kvmesh generate --target {cluster.router_address} --prompt hello\n"
+                  f"metrics: send 'Authorization: Bearer TOKEN', TOKEN in {c.metrics_token}\n"
+                  f"  e.g. curl -H \"Authorization: Bearer $(cat {c.metrics_token})\" URL", flush=True)
         rc = _supervise(cluster, RestartPolicy(args.max_restarts), stop)
     except StartCancelled:  # as `kvmesh bench` interrupted: 130, whichever signal
         name = signal.Signals(received[0]).name if received else "a signal"

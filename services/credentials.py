@@ -53,6 +53,7 @@ class ClusterCredentials:
     client_cert: str
     client_key: str
     record_key: str = ""   # the remote tier's record MAC key file ("" for none)
+    metrics_token: str = ""   # the metrics ports' bearer token file ("" for none)
 
     def worker_args(self) -> list[str]:
         """Flags of `kvmesh worker` for these credentials: `server_args` and the record key."""
@@ -176,9 +177,10 @@ def generate_cluster_credentials(run_dir: str, dns: tuple[str, ...] = (),
                              f"KVMESH_TLS_CERT={p('client.pem')}\nKVMESH_TLS_KEY={p('client.key')}\n").encode(),
            private=True)
     _write(p("record.key"), (secrets.token_hex(32) + "\n").encode(), private=True)
+    _write(p("metrics.token"), (secrets.token_urlsafe(32) + "\n").encode(), private=True)
     return ClusterCredentials(run_dir, p("ca.pem"), p("ca.key"), p("peer.pem"), p("peer.key"), p("api-keys"),
                               p("client.env"), api_key, p("client-ca.pem"), p("client.pem"), p("client.key"),
-                              p("record.key"))
+                              p("record.key"), p("metrics.token"))
 
 
 #: File in a generated run directory naming the process it was made for (`mark_owner`).

@@ -172,7 +172,18 @@ class LocalCluster:
             return []
         port = self._kept_port(f"metrics:{name}")
         self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
-        return ["--metrics-port", str(port)]
+        token = ["--metrics-token-file", self.credentials.metrics_token] if self.metrics_token else []
+        return ["--metrics-port", str(port), *token]
+
+    @property
+    def metrics_token(self) -> str | None:
+        """The bearer token the metrics ports of a secure cluster ask for (None: none)."""
+        c = self.credentials
+        if c is None or not c.metrics_token:
+            return None
+        from kvmesh.services.metrics import read_metrics_token
+
+        return read_metrics_token(c.metrics_token)
 
     def _kept_port(self, key: str) -> int:
         """A free port for ``key`` (e.g. "metrics:worker-0"), the same one on every restart."""

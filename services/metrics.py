@@ -114,11 +114,53 @@ class _CappedWSGIServer(ThreadingWSGIServer):
         super().handle_error(request, client_address)
 
 
+def bearer_only(app, token: str):
+    """WSGI ``app`` answered only to requests with ``Authorization: Bearer <token>``
+    (RFC 6750 section 2.1; compared in constant time), else 401 with a
+    ``WWW-Authenticate: Bearer`` challenge, as Prometheus's ``authorization`` scrape
+    setting (``credentials_file``) sends it."""
+    import hmac
+
+    expected = f"Bearer {token}".encode()
+    body = b"401: this metrics port needs 'Authorization: Bearer <token>' (the file of --metrics-token-file)\n"
+
+    def guarded(environ, start_response):
+        got = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+        if hmac.compare_digest(got, expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("Content-Length", str(len(body))),
+                                            ("WWW-Authenticate", 'Bearer realm="kvmesh metrics"')])
+        return [body]
+
+    return guarded
+
+
+def read_metrics_token(path: str) -> str:
+    """The bearer token in file ``path`` (surrounding whitespace stripped).
+
+    Raises:
+        ValueError: the file cannot be read, is empty, or holds characters a header value
+            cannot carry (names ``--metrics-token-file``).
+    """
+    try:
+        with open(path, encoding="ascii") as f:
+            token = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--metrics-token-file {path}: cannot read it ({exc}); name a file holding one "
+                         "printable ASCII token") from None
+    if not token or not token.isprintable() or any(c.isspace() for c in token):
+        raise ValueError(f"--metrics-token-file {path}: holds no token (or one with spaces or control "
+                         "characters); write one printable ASCII token into it")
+    return token
+
+
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1",
                   socket_timeout_s: float = METRICS_SOCKET_TIMEOUT_S,
-                  max_connections: int = METRICS_MAX_CONNECTIONS):
+                  max_connections: int = METRICS_MAX_CONNECTIONS, token: str | None = None):
     """Serve ``registry`` at ``http://host:port/metrics`` on a daemon thread, with
-    prometheus-client's WSGI app (`prometheus_client.make_wsgi_app`).
+    prometheus-client's WSGI app (`prometheus_client.make_wsgi_app`); with ``token``, only
+    to requests bearing it (`bearer_only`): the counters move with each request and would
+    tell a stranger polling them around another tenant's request whether it was cached.
 
     Returns ``(bound_port, server)``; ``server.shutdown()`` stops it.
 
@@ -128,13 +170,16 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1
     Raises:
         RuntimeError: the port could not be bound (names the ``--metrics-port`` flag).
     """
+    app = make_wsgi_app(registry)
+    if token is not None:
+        app = bearer_only(app, token)
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                        flags=socket.AI_PASSIVE)[0]
         server_cls = type("MetricsServer", (_CappedWSGIServer,),
                           {"address_family": family, "max_connections": max_connections})
         handler_cls = type("MetricsHandler", (_QuietHandler,), {"timeout": socket_timeout_s})
-        server = make_server(sockaddr[0], port, make_wsgi_app(registry), server_cls, handler_class=handler_cls)
+        server = make_server(sockaddr[0], port, app, server_cls, handler_class=handler_cls)
     except OSError as exc:
         raise RuntimeError(f"--metrics-port {port}: could not bind {host}:{port} ({exc}); "
                            f"pick a free port or 0") from None

@@ -38,10 +38,10 @@ class Extras:
         self._stops.clear()
 
 
-def _serve_metrics(extras: Extras, registry, host: str, port: int, what: str) -> None:
+def _serve_metrics(extras: Extras, registry, host: str, port: int, what: str, token: str | None = None) -> None:
     from kvmesh.services.metrics import serve_metrics
 
-    bound, server = serve_metrics(registry, port, host)
+    bound, server = serve_metrics(registry, port, host, token=token)
     extras.metrics_port = bound
     extras._stops.append(server.shutdown)
     print(f"kvmesh {what} metrics on http://{host}:{bound}/metrics", flush=True)
@@ -58,11 +58,11 @@ def _register_admission(servicer, registry) -> None:
 
 
 async def start_worker_extras(servicer, host: str, metrics_port: int | None, http_port: int | None,
-                              authenticate=None, ssl_context=None) -> Extras:
+                              authenticate=None, ssl_context=None, metrics_token: str | None = None) -> Extras:
     """Serve a worker's metrics and, optionally, its HTTP front.
 
     Metrics are recorded whenever either is on (the HTTP front also serves ``/metrics``).
-    ``authenticate`` and ``ssl_context`` as in `start_router_extras`.
+    ``authenticate``, ``ssl_context`` and ``metrics_token`` as in `start_router_extras`.
 
     Raises:
         RuntimeError: a port could not be bound (names the flag).
@@ -77,7 +77,7 @@ async def start_worker_extras(servicer, host: str, metrics_port: int | None, htt
     extras.registry = metrics.registry
     _register_admission(servicer, metrics.registry)
     if metrics_port is not None:
-        _serve_metrics(extras, metrics.registry, host, metrics_port, f"worker {servicer.worker_id}")
+        _serve_metrics(extras, metrics.registry, host, metrics_port, f"worker {servicer.worker_id}", metrics_token)
     if http_port is not None:
         from kvmesh.services.http_front import HttpFront
 
@@ -104,13 +104,15 @@ def _key_check(servicer):
 
 
 async def start_router_extras(servicer, host: str, metrics_port: int | None, http_port: int | None,
-                              authenticate=None, ssl_context=None) -> Extras:
+                              authenticate=None, ssl_context=None, metrics_token: str | None = None) -> Extras:
     """Serve a router's metrics and, optionally, its HTTP front.
 
     ``authenticate`` maps an ``Authorization`` header value (or None) to a tenant id and
     raises for a refused key (see `services.http_front.HttpFront`): the shape of
     ``services.auth``'s tenant resolver, e.g. ``lambda h: resolver.tenant_for(h)``. None
-    allows anonymous requests. ``ssl_context`` serves the HTTP front over HTTPS.
+    allows anonymous requests. ``ssl_context`` serves the HTTP front over HTTPS. With
+    ``metrics_token`` the metrics port answers only requests bearing it
+    (`services.metrics.bearer_only`).
 
     Raises:
         RuntimeError: a port could not be bound (names the flag).
@@ -126,7 +128,7 @@ async def start_router_extras(servicer, host: str, metrics_port: int | None, htt
     extras.registry = metrics.registry
     _register_admission(servicer, metrics.registry)
     if metrics_port is not None:
-        _serve_metrics(extras, metrics.registry, host, metrics_port, "router")
+        _serve_metrics(extras, metrics.registry, host, metrics_port, "router", metrics_token)
     if http_port is not None:
         from kvmesh.services.http_front import HttpFront
 
@@ -175,6 +177,11 @@ def add_server_flags(p, what: str) -> None:
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help=f"serve Prometheus metrics of this {what} at http://HOST:PORT/metrics (0 = a free port; "
                         "-1 or unset: off)")
+    p.add_argument("--metrics-token-file", default=None, metavar="FILE",
+                   help="answer --metrics-port only to requests with 'Authorization: Bearer TOKEN', TOKEN being "
+                        "this file's content (Prometheus: authorization.credentials_file). The counters move with "
+                        "each request: without a token, anyone who reaches the port can tell whether another "
+                        "tenant's request was cached (default: no token; `kvmesh up` makes one)")
     p.add_argument("--http-port", type=int, default=None, metavar="PORT",
                    help=f"serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                         f"/health, /metrics) from this {what} (0 = a free port; -1 or unset: off, as for "
@@ -193,4 +200,9 @@ def server_ports(args) -> dict:
             if not 0 <= value < 65536:
                 raise ValueError(f"--{name.replace('_', '-')} must be a port in [0, 65535] (got {value})")
             out[name] = value
+    token_file = getattr(args, "metrics_token_file", None)
+    if token_file is not None:
+        from kvmesh.services.metrics import read_metrics_token
+
+        out["metrics_token"] = read_metrics_token(token_file)
     return out

@@ -20,11 +20,12 @@ node's IP and advertising it:
   run directory and deletes the two CA keys as soon as the certificates are issued (nothing
   is issued later: a restarted actor gets the same files), ships the files each process
   needs to its actor (written 0600 on that node), and starts every process with
-  ``--tls-cert/--tls-key/--tls-ca/--client-ca/--api-keys``; the Redis URL with its password
+  ``--tls-cert/--tls-key/--tls-ca/--client-ca/--api-keys/--metrics-token-file``; the Redis URL with its password
   reaches the processes in ``KVMESH_REDIS_URL``, never in argv. `RayPlacement.stop` deletes
   the driver's credentials and every actor its own copy. ``insecure`` turns all of it off;
-- every worker and the router serve Prometheus metrics on a free port of their node, and
-  the router its HTTP front; `format_status` prints their URLs.
+- every worker and the router serve Prometheus metrics on a free port of their node (to
+  bearers of the run directory's ``credentials/metrics.token`` when secure), and the router
+  its HTTP front; `format_status` prints their URLs.
 
 ``ray`` is imported only here, so other kvmesh commands never load it.
 """
@@ -360,6 +361,7 @@ class RayPlacement:
             return ["--insecure"]
         return ["--tls-cert", "{creds}/peer.pem", "--tls-key", "{creds}/peer.key", "--tls-ca", "{creds}/ca.pem",
                 "--client-ca", "{creds}/client-ca.pem", "--api-keys", "{creds}/api-keys",
+                "--metrics-token-file", "{creds}/metrics.token",
                 *(["--remote-record-key-file", "{creds}/record.key"] if worker else [])]
 
     def _make_credentials(self) -> None:
@@ -391,7 +393,8 @@ class RayPlacement:
         c = self.credentials = dataclasses.replace(c, ca_key="")
         self._files = {}
         for name, path in (("peer.pem", c.cert), ("peer.key", c.key), ("ca.pem", c.ca),
-                           ("client-ca.pem", c.client_ca), ("api-keys", c.api_keys), ("record.key", c.record_key)):
+                           ("client-ca.pem", c.client_ca), ("api-keys", c.api_keys), ("record.key", c.record_key),
+                           ("metrics.token", c.metrics_token)):
             with open(path, "rb") as f:
                 self._files[name] = f.read()
         self.peer_tls = TlsConfig.from_files(c.cert, c.key, c.ca, c.client_ca)

@@ -881,14 +881,15 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
                        model_dir: str | None = None, cluster: str = "default", seed: int | None = None,
                        ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                        metrics_port: int | None = None, http_port: int | None = None,
-                       gate: Gate | None = None, reflection: bool = False,
+                       metrics_token: str | None = None, gate: Gate | None = None, reflection: bool = False,
                        max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
                        max_inflight_per_tenant: int = 0, tenant_request_limit: str | None = None,
                        tenant_token_limit: str | None = None) -> None:
     """Serve kvmesh.v1.Router on host:port until ``stop`` is set or SIGINT/SIGTERM.
 
-    ``metrics_port`` serves Prometheus ``/metrics`` (`services.metrics`); ``http_port``
-    serves the OpenAI-compatible HTTP front (`services.http_front`); None = off.
+    ``metrics_port`` serves Prometheus ``/metrics`` (`services.metrics`; only to bearers of
+    ``metrics_token`` when given); ``http_port`` serves the OpenAI-compatible HTTP front
+    (`services.http_front`); None = off.
     ``gate`` holds the port's TLS config and the tenant resolution (default: no TLS, open);
     its TLS config also secures the calls to workers. ``reflection`` turns on gRPC reflection;
     ``max_concurrent_rpcs`` caps the Generate and Tokenize calls in flight (`GrpcHost`), and
@@ -928,7 +929,7 @@ async def serve_router(port: int, redis_url: str, policy: str = "kv_aware", host
 
     extras = await observability.start_router_extras(
         servicer, host, metrics_port, http_port,
-        ssl_context=gate.tls.server_ssl_context() if gate.tls is not None else None)
+        ssl_context=gate.tls.server_ssl_context() if gate.tls is not None else None, metrics_token=metrics_token)
     await subscriber.start()
     startup_check = asyncio.get_running_loop().call_later(
         2.0, lambda: servicer._select(subscriber.live_workers()))  # logs mismatched workers at start

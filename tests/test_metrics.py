@@ -318,3 +318,40 @@ def test_the_small_host_tier_warning_and_docs_name_the_exported_series(tmp_path,
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "TIERS.md"), encoding="utf-8") as fh:
         named = set(re.findall(r"kvmesh:tier_blocks_not_stored\w*", fh.read()))
     assert named == {name}
+
+
+def test_a_metrics_port_with_a_token_answers_only_its_bearers(tmp_path):
+    """`--metrics-token-file`: without ``Authorization: Bearer TOKEN`` (or with another
+    token) the port answers 401 with a Bearer challenge and no counter; a bad token file
+    is a usage error naming the flag."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from kvmesh.services.metrics import read_metrics_token, serve_metrics
+
+    registry = CollectorRegistry()
+    Counter("kvmesh_secret_hits", "hits", registry=registry).inc(7)
+    token_file = tmp_path / "metrics.token"
+    token_file.write_text("s3cr3t-token\n")
+    port, server = serve_metrics(registry, 0, token=read_metrics_token(str(token_file)))
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        for headers in ({}, {"Authorization": "Bearer s3cr3t-toke"}, {"Authorization": "Basic s3cr3t-token"},
+                        {"Authorization": "Bearer s3cr3t-token2"}):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=20)
+            assert err.value.code == 401 and err.value.headers["WWW-Authenticate"].startswith("Bearer")
+            assert b"kvmesh_secret_hits" not in err.value.read()
+        ok = urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": "Bearer s3cr3t-token"}),
+                                    timeout=20).read()
+        assert b"kvmesh_secret_hits_total 7.0" in ok
+    finally:
+        server.shutdown()
+    for content in ("", "  \n", "two words"):
+        token_file.write_text(content)
+        with pytest.raises(ValueError, match="--metrics-token-file"):
+            read_metrics_token(str(token_file))
+    with pytest.raises(ValueError, match="--metrics-token-file"):
+        read_metrics_token(str(tmp_path / "missing"))

@@ -453,7 +453,7 @@ def test_kvmesh_up_is_secure_by_default_and_says_how_to_connect():
 
     proc = _up("--workers", "1")
     try:
-        lines = _read_until(proc, "e.g. kvmesh generate")
+        lines = _read_until(proc, "e.g. curl")
         assert lines[0].startswith("kvmesh cluster up") and ":***@" in lines[0]  # Redis password redacted
         router = lines[1]
         import re
@@ -468,6 +468,23 @@ def test_kvmesh_up_is_secure_by_default_and_says_how_to_connect():
         with pytest.raises(grpc.RpcError) as err:
             generate(router, token_ids=[1, 2, 3], max_tokens=2, timeout=60, **{**creds, "api_key": None})
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # the metrics ports answer only the token's bearers: their counters would tell a
+        # stranger polling them whether another tenant's request was cached
+        import urllib.error
+
+        from kvmesh.bench.server_metrics import scrape
+
+        metrics = [line for line in lines if re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", line)]
+        token_file = next(m.group(1) for m in (re.search(r"TOKEN in (\S+metrics\.token)$", line)
+                                               for line in lines) if m)
+        token = open(token_file).read().strip()
+        assert len(metrics) == 2 and token
+        for url in metrics:
+            for wrong in (None, token[:-1], "x" + token):
+                with pytest.raises(urllib.error.HTTPError) as http_err:
+                    scrape(url, token=wrong)
+                assert http_err.value.code == 401
+            assert any(name.startswith("kvmesh:") for name, _ in scrape(url, token=token))
         # `up` killed with SIGKILL cannot delete its generated CA key and API key; the next
         # `up` removes them (`remove_stale_credentials`), and only those of a dead `up`
         import os

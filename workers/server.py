@@ -358,6 +358,7 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
                        ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                        peer: dict | None = None, advertise: str | None = None,
                        metrics_port: int | None = None, http_port: int | None = None, tls=None, gate=None,
+                       metrics_token: str | None = None,
                        reflection: bool = False, max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
                        max_inflight_per_tenant: int = 0, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
                        on_drain: Callable[[], None] | None = None,
@@ -371,7 +372,7 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     turns on gRPC server reflection; ``max_concurrent_rpcs`` caps the data-plane RPCs in
     flight (`GrpcHost`), ``max_inflight_per_tenant`` each tenant's Generate calls
     (`grpc_guard.TenantCap`; 0: no cap). ``metrics_port`` serves Prometheus ``/metrics``
-    (`services.metrics`); ``http_port`` serves the OpenAI-compatible HTTP front
+    (`services.metrics`; only to bearers of ``metrics_token`` when given); ``http_port`` serves the OpenAI-compatible HTTP front
     (`services.http_front`); None = off. With a remote tier, ``remote_gc_grace_s`` > 0 runs
     `cache_store.remote_gc.RemoteGC` on a thread of its own: the cluster's remote-tier
     namespaces that no live lease has named for that many seconds are deleted (0 = off).
@@ -409,7 +410,7 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
 
     extras = await observability.start_worker_extras(
         servicer, host, metrics_port, http_port,
-        ssl_context=tls.server_ssl_context() if tls is not None else None)
+        ssl_context=tls.server_ssl_context() if tls is not None else None, metrics_token=metrics_token)
     bound = await grpc_host.start()
     remote_gc = _start_remote_gc(engine, remote_gc_grace_s)
     log.info("worker %s serving on %s:%d", worker_id, host, bound)
