@@ -793,3 +793,18 @@ def test_k8s_secrets_refuses_names_kubernetes_would_not_take(argv, tmp_path, cap
 
     assert main([*argv, "--out-dir", str(tmp_path / "out")]) == 2
     assert "is not a" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_metrics_ports_admit_the_scraper_of_one_namespace_only(rendered):
+    """A metrics rule that admits pods labelled as Prometheus from any namespace admits any
+    tenant allowed to create a pod with that label: every peer of a rule on the "metrics"
+    port names its namespace."""
+    _, objs = rendered
+    rules = [rule for pol in find(objs, "NetworkPolicy") for rule in pol["spec"].get("ingress", [])
+             if any(p.get("port") == "metrics" for p in rule.get("ports", []))]
+    for rule in rules:
+        for peer in rule.get("from", [{}]):
+            ns = peer.get("namespaceSelector")
+            assert ns is None or ns.get("matchLabels") or ns.get("matchExpressions"), peer
+    assert rules or not any(p.get("name") == "metrics" for _, t in pod_templates(objs)
+                            for c in t["spec"]["containers"] for p in c.get("ports", []))
