@@ -71,6 +71,7 @@ import inspect
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from typing import AsyncIterator, Awaitable, Callable
@@ -451,13 +452,18 @@ def limit_resource_error_logs(loop: asyncio.AbstractEventLoop) -> None:
         loop.set_exception_handler(_ResourceErrorLog(current))
 
 
+#: Bytes of the request that aiohttp quotes in a parse error (``b'...'``: a chunk-size line
+#: may be a prompt's JSON); the log keeps the error's kind, not the tenant's text.
+_REQUEST_BYTES = re.compile(r"""\bb'(?:[^'\\]|\\.)*'?|\bb"(?:[^"\\]|\\.)*"?""")
+
+
 class _ServerLogLimit(logging.Filter):
     """A filter on aiohttp's server logger, which writes an ERROR with a traceback for every
     malformed request (a bad chunk size, a body that does not decode as its Content-Encoding
     says, an oversized header...), before any authentication: anyone who reaches the port
     could fill the log. Client errors (`HttpProcessingError`, ``RequestPayloadError``, a
     reset connection) become one
-    WARNING line without a traceback; anything else keeps its traceback; both go through a
+    WARNING line without a traceback or the request bytes aiohttp quotes; anything else keeps its traceback; both go through a
     `LogLimiter` (at most ``LOG_BURST`` lines a window, the rest counted)."""
 
     def __init__(self) -> None:
@@ -471,7 +477,7 @@ class _ServerLogLimit(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, (HttpProcessingError, web.RequestPayloadError, ConnectionError)):
             self.client_errors.warn("%s: %s: %s", record.getMessage(), type(exc).__name__,
-                                    clip(" ".join(str(exc).split())))
+                                    clip(" ".join(_REQUEST_BYTES.sub("<request bytes>", str(exc)).split())))
         else:
             self.other_errors.error("%s", record.getMessage(), exc_info=record.exc_info)
         return False

@@ -1028,6 +1028,37 @@ def test_malformed_requests_cannot_flood_the_log_with_tracebacks(caplog):
         [r.getMessage() for r in ours]
 
 
+def test_a_malformed_request_is_logged_without_its_bytes(caplog):
+    """aiohttp quotes the bytes it could not parse (a chunk-size line that is in fact the
+    prompt's JSON): the log line keeps the error's kind, never the tenant's text."""
+    import logging
+
+    async def never(req, ctx):  # pragma: no cover
+        raise AssertionError("reached Generate")
+        yield
+
+    async def run():
+        front, _ = await _serve(never)
+        for f in logging.getLogger("aiohttp.server").filters:  # a window of its own (earlier tests)
+            if hasattr(f, "client_errors"):
+                f.client_errors.window_start = float("-inf")
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", front._serving.port)
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b'{"prompt": "TOPSECRET"}\r\n')
+            status = int((await _closed_within(r, 20.0) or b"HTTP/1.1 0")[9:12])
+            w.close()
+        finally:
+            await front.stop()
+        return status
+
+    with caplog.at_level(logging.WARNING):
+        assert asyncio.run(run()) == 400
+    ours = [r.getMessage() for r in caplog.records if r.name == "kvmesh.services.http_front"]
+    assert any("chunk" in m.lower() and "<request bytes>" in m for m in ours), ours
+    assert not any("TOPSECRET" in r.getMessage() for r in caplog.records)
+
+
 def test_a_worker_refusing_max_tokens_over_its_context_names_the_field():
     """The front cannot check a request against a worker's context it does not know; the
     worker's refusal (`limits.check_completion_room`) comes back as a 400 naming max_tokens,
