@@ -21,9 +21,12 @@ routed]}, "s": [[worker_id, expiry (epoch seconds), [[position, hash hex], ...]]
 take every other field in one ``HGETALL`` and ignore (and delete) fields older than
 ``stale_s``, so a crashed router's counts vanish on their own.
 
-Redis trouble never blocks routing: each call is bounded by ``timeout_s``; a failure means
-"no shared load" for the next ``COOLDOWN_S`` seconds, without asking Redis meanwhile
-(logged at most once per ``LOG_EVERY_S``).
+Redis trouble never blocks routing for more than one ``timeout_s``: each call is bounded by
+it, and after a read fails routing uses "no shared load" without waiting on Redis again.
+Redis is not asked for ``COOLDOWN_S`` seconds, then one read at a time is tried in the
+background (a probe) until one answers; only then do decisions read it again. A hung Redis
+therefore costs one request one ``timeout_s``, not one per cooldown (logged at most once per
+``LOG_EVERY_S``).
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two warnings about Redis failures.
 LOG_EVERY_S = 30.0
-#: Seconds without shared-load calls after one failed (a hung Redis costs one timeout per cooldown).
+#: Seconds without shared-load calls after one failed; then background probes, one at a time.
 COOLDOWN_S = 2.0
 
 
@@ -103,6 +106,8 @@ class SharedLoad:
         self._last_write = 0.0
         self._write_lock = asyncio.Lock()
         self._down_until = float("-inf")  # after a failure, Redis is not asked until then
+        self._failed = False   # a read failed and no probe has answered since: decisions do not read
+        self._probe: asyncio.Task | None = None
         self._placements: list[tuple[str, float, list]] = []  # ours: (worker, expiry wall, checkpoints)
         #: the other replicas' live placements as of the last `others` call:
         #: ``[(worker_id, expiry (epoch seconds), [(position, hash)])]``
@@ -111,8 +116,26 @@ class SharedLoad:
     def _available(self) -> bool:
         return time.monotonic() >= self._down_until
 
+    def _probe_when_due(self) -> None:
+        """After a failed read: once the cooldown is over, one background read at a time;
+        the first that answers lets decisions read Redis again."""
+        if not self._available() or (self._probe is not None and not self._probe.done()):
+            return
+
+        async def probe() -> None:
+            try:
+                await within(self._redis.hgetall(self.key), self.timeout_s)
+            except (asyncio.TimeoutError, redis.RedisError, OSError) as exc:
+                self._warn("read", exc)
+            else:
+                self._failed = False
+
+        self._probe = asyncio.get_running_loop().create_task(probe())
+
     def _warn(self, what: str, exc: Exception) -> None:
         now = time.monotonic()
+        if what == "read":
+            self._failed = True
         self._down_until = now + COOLDOWN_S  # no Redis call, and no added latency, for a while
         if now - self._last_warn >= LOG_EVERY_S:
             self._last_warn = now
@@ -120,10 +143,13 @@ class SharedLoad:
 
     async def others(self) -> dict[str, tuple[int, int, float]]:
         """``{worker_id: (running, prefill_tokens, routed)}`` summed over the other live
-        replicas; ``{}`` when Redis does not answer within ``timeout_s`` (or did not, less
-        than ``COOLDOWN_S`` ago)."""
+        replicas; ``{}`` when Redis does not answer within ``timeout_s``, and without asking
+        it while no read has answered since one failed (see the module doc)."""
         self.remote_placements = []
-        if not self._available():
+        if self._failed:
+            self._probe_when_due()
+            return {}
+        if not self._available():  # a write failed: the cooldown holds reads too
             return {}
         try:
             raw = await within(self._redis.hgetall(self.key), self.timeout_s)
@@ -205,6 +231,8 @@ class SharedLoad:
 
     async def close(self) -> None:
         """Remove this router's entry (best effort) and close the client."""
+        if self._probe is not None and not self._probe.done():
+            self._probe.cancel()
         try:
             await within(self._redis.hdel(self.key, self.router_id), self.timeout_s)
         except (asyncio.TimeoutError, redis.RedisError, OSError):
