@@ -737,3 +737,47 @@ def test_a_burst_of_calls_is_answered_or_refused_never_cancelled():
     assert sum(codes.values()) == 2000
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
     assert codes[grpc.StatusCode.OK] > 0
+
+
+def test_a_verified_peer_is_not_held_to_the_per_host_bound_on_slow_messages(tmp_path):
+    """A busy worker's event loop can miss the grace in which a call's message counts as
+    sent with it, and a router's relayed calls were then refused RESOURCE_EXHAUSTED as slow
+    senders (`DATA_PENDING_PER_HOST`) while the worker had room. A caller with a peer
+    certificate is not held to that bound (strangers still are: see the test above)."""
+    import asyncio
+
+    from grpc import aio
+
+    from kvmesh.services.credentials import generate_cluster_credentials
+    from kvmesh.workers.grpc_guard import DATA_PENDING_PER_HOST
+    from kvmesh.workers.grpc_host import GrpcHost
+    from kvmesh.workers.tls import PEER_SERVER_NAME, TlsConfig
+
+    c = generate_cluster_credentials(str(tmp_path / "creds"))
+    tls = TlsConfig.from_files(c.cert, c.key, c.ca, c.client_ca)
+    n = DATA_PENDING_PER_HOST + 4
+
+    async def scenario():
+        trivial = type("S", (_Trivial, pb_grpc.WorkerServicer), {})()
+        host = GrpcHost("127.0.0.1", 0, [(pb_grpc.add_WorkerServicer_to_server, trivial, "kvmesh.v1.Worker")],
+                        tls=tls, max_concurrent_rpcs=n + 4)
+        port = await host.start()
+        release = asyncio.Event()
+        creds = grpc.ssl_channel_credentials(open(c.ca, "rb").read(), open(c.key, "rb").read(),
+                                             open(c.cert, "rb").read())
+        try:
+            async with aio.secure_channel(f"127.0.0.1:{port}", creds,
+                                          options=[("grpc.ssl_target_name_override", PEER_SERVER_NAME)]) as ch:
+                gens = await _stalled_calls(ch, "/kvmesh.v1.Worker/Generate", n, release)
+                deadline = time.monotonic() + 30
+                while host.admission.cap.active < n and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                open_calls = await _settle(gens, n, timeout=1.0)
+                for call in gens:
+                    call.cancel()
+        finally:
+            release.set()
+            await host.server.stop(0)
+        return open_calls
+
+    assert asyncio.run(scenario()) == n

@@ -517,7 +517,12 @@ def _guard(method: str, handler: grpc.RpcMethodHandler, admission: CallAdmission
                 if not cap.enter():
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, cap.refusal())
                 context.add_done_callback(lambda _call: cap.leave())
-            raw = await _read_message(admission, method, context, admission.data_pending, host, _PROMPT_MESSAGE_S)
+            # a verified peer (a router relaying a request it has read whole) is not held to the
+            # per-host bound on calls awaiting their message: on a busy worker its messages can
+            # miss the grace and it was refused as a slow sender while the queue had room
+            verified = trusted and admission.trusted is not None
+            raw = await _read_message(admission, method, context, None if verified else admission.data_pending,
+                                      host, _PROMPT_MESSAGE_S)
         else:
             await _hold_control(admission, host, method, context, trusted)
             raw = await _read_message(admission, method, context)
