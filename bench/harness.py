@@ -637,6 +637,10 @@ async def run_workload(target: str, workload: Workload, out_dir: str | Path, arr
                 if scraped is not None:
                     server = server_metrics.run_delta(scraped, await asyncio.to_thread(
                         server_metrics.scrape_all, metrics_urls, metrics_token))
+                    if server["restarted_endpoints"]:
+                        print(f"warning: {server['restarted_endpoints']} of the --metrics-url servers restarted during "
+                              "the run (their counters went down): the server-side figures count only what they "
+                              "did since", file=sys.stderr, flush=True)
 
     records.sort(key=lambda r: r["index"])
     warm_records.sort(key=lambda r: r["index"])
@@ -771,13 +775,22 @@ def run_policies(policies: Sequence[str], workload: Workload, out_dir: str | Pat
         spec = ClusterSpec(num_workers=workers, policy=policy, log_dir=str(log_dir), secure=True, **options)
         print(f"[{policy}] starting a cold cluster: {workers} workers, router, redis-server (logs in {log_dir})",
               file=sys.stderr, flush=True)
-        with LocalCluster(spec) as cluster:
-            result, records = asyncio.run(run_workload(cluster.router_address, workload, run_dir, arrival,
-                                                       policy_label=policy, progress=progress,
-                                                       metrics_urls=list(cluster.metrics_urls.values()),
-                                                       metrics_token=cluster.metrics_token,
-                                                       credentials=cluster.client_options(),
-                                                       **run_kwargs))
+        result = None
+        try:
+            with LocalCluster(spec) as cluster:
+                result, records = asyncio.run(run_workload(cluster.router_address, workload, run_dir, arrival,
+                                                           policy_label=policy, progress=progress,
+                                                           metrics_urls=list(cluster.metrics_urls.values()),
+                                                           metrics_token=cluster.metrics_token,
+                                                           credentials=cluster.client_options(),
+                                                           **run_kwargs))
+        except KeyboardInterrupt:
+            if result is None:
+                raise
+            # the run had ended and its cluster was stopping (its stop cleans up all the same):
+            # keep the result, run no further policy, write the comparison
+            result = {**result, "partial": True,
+                      "interrupted_by": result.get("interrupted_by") or "a signal while its cluster stopped"}
         results.append(result)
         runs[policy] = [r for r in records if not r.get("warmup")]
         if result.get("partial"):  # interrupted: the policies after this one do not run
@@ -1106,6 +1119,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if args.target is not None:
             from kvmesh.services.metrics import read_metrics_token
 
+            if args.metrics_token_file and not args.metrics_url:
+                raise ValueError("--metrics-token-file is the token of the --metrics-url endpoints: add them, or "
+                                 "leave the token file out")
             metrics_token = read_metrics_token(args.metrics_token_file) if args.metrics_token_file else None
             result, _ = asyncio.run(run_workload(args.target, workload, args.out, arrival,
                                                  policy_label=args.policy_label, service=args.service,

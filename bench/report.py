@@ -438,7 +438,8 @@ def _rows(result: dict) -> list[tuple[str, str]]:
         rows.append(("hit rate bound, infinite cache from empty", _pct(result.get("infinite_cache_hit_rate_blocks"))))
     rows += [
         ("hit rate, tokens", _pct(result.get("hit_rate_tokens"))),
-        *([("hit rate, tokens, server metrics", _pct(result["server_hit_rate_tokens"]))]
+        *([("hit rate, tokens, server metrics" + _restarts(result.get("server")),
+            _pct(result["server_hit_rate_tokens"]))]
           if result.get("server_hit_rate_tokens") is not None else []),
         ("computed prefill tokens", _num(result.get("computed_prefill_tokens"))),
         ("TTFT ms p50 / p90 / p99", _pcts(result.get("ttft_ms"))),
@@ -474,6 +475,12 @@ def arrival_text(arrival: dict) -> str:
     if arrival.get("max_concurrency"):
         text += f", at most {arrival['max_concurrency']} in flight"
     return text
+
+
+def _restarts(server: dict | None) -> str:
+    """A note for the server-side hit rate when endpoints restarted during the run."""
+    n = (server or {}).get("restarted_endpoints") or 0
+    return f" ({n} server{'s' if n > 1 else ''} restarted during the run: counts since the restart)" if n else ""
 
 
 def to_markdown(result: dict) -> str:

@@ -47,6 +47,11 @@ def scrape_all(urls: Sequence[str], token: str | None = None) -> list[dict[tuple
         try:
             out.append(scrape(u, token=token))
         except OSError as exc:
+            if getattr(exc, "code", None) == 401:
+                raise OSError(f"--metrics-url {u}: the port asks for a bearer token (401); pass "
+                              "--metrics-token-file with the file its server was given (`kvmesh up` prints it: "
+                              "metrics.token beside the client credentials)" +
+                              (", and check it is that cluster's" if token else "")) from None
             raise OSError(f"--metrics-url {u}: could not read it ({getattr(exc, 'reason', exc)}); give the "
                           "/metrics URL of a running router or worker (its --metrics-port), or leave the flag out") \
                 from None
@@ -63,11 +68,20 @@ def run_delta(before: Sequence[dict], after: Sequence[dict]) -> dict:
 
     Returns ``prefix_cache_queries_tokens``, ``prefix_cache_hits_tokens``,
     ``prefix_cache_hits_tokens_by_tier``, ``prompt_tokens``, ``generation_tokens``,
-    ``requests`` (finished, any reason) and ``hit_rate_tokens`` (hits / queries; None
-    without queries).
+    ``requests`` (finished, any reason), ``hit_rate_tokens`` (hits / queries; None
+    without queries) and ``restarted_endpoints``: how many endpoints' counters went down
+    between the scrapes (their process restarted, e.g. a worker `kvmesh up` started
+    again). Such an endpoint counts what it accumulated since its restart, as Prometheus's
+    ``increase()`` does: what it counted before is lost, so the sums cover part of the run.
     """
+    restarted = [any(value < b.get(key, 0.0) for key, value in a.items()
+                     if key[0].endswith("_total") or key[0].endswith("_count") or key[0].endswith("_sum"))
+                 or any(key not in a for key in b if key[0].endswith("_total"))
+                 for b, a in zip(before, after)]
+
     def delta(name: str, **labels) -> float:
-        return sum(_total(a, name, **labels) - _total(b, name, **labels) for b, a in zip(before, after))
+        return sum(_total(a, name, **labels) - (0.0 if reset else _total(b, name, **labels))
+                   for b, a, reset in zip(before, after, restarted))
 
     queries = delta("kvmesh:prefix_cache_queries_total")
     by_tier = {t: int(round(delta("kvmesh:prefix_cache_hits_total", tier=t))) for t in TIERS}
@@ -80,4 +94,5 @@ def run_delta(before: Sequence[dict], after: Sequence[dict]) -> dict:
         "generation_tokens": int(round(delta("kvmesh:generation_tokens_total"))),
         "requests": int(round(delta("kvmesh:request_success_total"))),
         "hit_rate_tokens": round(hits / queries, 6) if queries else None,
+        "restarted_endpoints": sum(restarted),
     }

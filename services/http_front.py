@@ -772,6 +772,9 @@ class HttpFront:
         #: fleet changed while the request waited) refuses it NOT_FOUND instead of answering
         #: with another model (a router sets this; a worker's front checks ``model`` alone)
         self.forward_model_id = False
+        #: the process's metrics port takes a bearer token (`--metrics-token-file`): this front,
+        #: which cannot ask for it, does not serve them either
+        self.metrics_private = False
         self.chat_template = ChatTemplate.for_model(model_dir)
         self.registry = registry
         self.authenticate = authenticate
@@ -857,6 +860,9 @@ class HttpFront:
         if self.authenticate is not None or self.check_key is not None:
             raise HttpError(404, "this front requires API keys and does not serve /metrics (they would reveal "
                                  "other tenants' cache hits); scrape the process's --metrics-port", "not_found_error")
+        if self.metrics_private:
+            raise HttpError(404, "this process's metrics are for bearers of its --metrics-token-file token; scrape "
+                                 "its --metrics-port with it", "not_found_error")
         if self.registry is None:
             raise HttpError(404, "metrics are not recorded by this process", "not_found_error")
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

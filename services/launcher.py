@@ -351,6 +351,22 @@ class LocalCluster:
         return self.start_router(port)
 
     def stop(self) -> None:
+        """Stop the router and the workers (each drains first), then redis-server, and
+        delete the credentials generated for this run. The clean-up runs even when the
+        processes' stop is interrupted (Ctrl-C while waiting on them): the processes left
+        are killed, so no secret and no Redis configuration outlives the cluster."""
+        try:
+            self._stop_processes()
+        finally:
+            for proc in [self.router_proc, *(p for _, p in self.workers.values())]:
+                if proc is not None and proc.poll() is None:
+                    try:
+                        proc.kill()
+                    except ProcessLookupError:
+                        pass
+            self._clean_up()
+
+    def _stop_processes(self) -> None:
         stop_process(self.router_proc)
         # every worker drains at once (one SIGTERM each: a second one would cut the drain),
         # then each gets what is left of WORKER_STOP_S before SIGKILL
@@ -367,6 +383,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+    def _clean_up(self) -> None:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None

@@ -116,17 +116,18 @@ class _CappedWSGIServer(ThreadingWSGIServer):
 
 def bearer_only(app, token: str):
     """WSGI ``app`` answered only to requests with ``Authorization: Bearer <token>``
-    (RFC 6750 section 2.1; compared in constant time), else 401 with a
-    ``WWW-Authenticate: Bearer`` challenge, as Prometheus's ``authorization`` scrape
-    setting (``credentials_file``) sends it."""
+    (RFC 6750 section 2.1; the scheme's case does not matter, RFC 7235 section 2.1; the
+    token is compared in constant time), else 401 with a ``WWW-Authenticate: Bearer``
+    challenge, as Prometheus's ``authorization`` scrape setting (``credentials_file``)
+    sends it."""
     import hmac
 
-    expected = f"Bearer {token}".encode()
+    expected = token.encode()
     body = b"401: this metrics port needs 'Authorization: Bearer <token>' (the file of --metrics-token-file)\n"
 
     def guarded(environ, start_response):
-        got = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
-        if hmac.compare_digest(got, expected):
+        scheme, _, got = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(got.encode("latin-1", "replace"), expected):
             return app(environ, start_response)
         start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("Content-Length", str(len(body))),
                                             ("WWW-Authenticate", 'Bearer realm="kvmesh metrics"')])

@@ -85,6 +85,7 @@ async def start_worker_extras(servicer, host: str, metrics_port: int | None, htt
                           model_dir=getattr(servicer.engine, "model_dir", None), registry=metrics.registry,
                           max_model_len=servicer.engine.max_model_len, authenticate=authenticate,
                           check_key=_key_check(servicer))
+        front.metrics_private = metrics_token is not None
         extras.http_port = await front.start(host, http_port, ssl_context)
         extras.http_fronts.append(front)
         extras._stops.append(front.stop)
@@ -137,6 +138,7 @@ async def start_router_extras(servicer, host: str, metrics_port: int | None, htt
                           authenticate=authenticate, max_model_len=servicer.config.max_position_embeddings,
                           check_key=_key_check(servicer))
         front.context_fn = servicer.served_context  # what the live workers serve
+        front.metrics_private = metrics_token is not None
         extras.http_port = await front.start(host, http_port, ssl_context)
         extras.http_fronts.append(front)
         extras._stops.append(front.stop)
@@ -204,5 +206,8 @@ def server_ports(args) -> dict:
     if token_file is not None:
         from kvmesh.services.metrics import read_metrics_token
 
+        if "metrics_port" not in out:
+            raise ValueError("--metrics-token-file guards --metrics-port, which is off: add --metrics-port PORT "
+                             "or leave the token file out")
         out["metrics_token"] = read_metrics_token(token_file)
     return out

@@ -161,6 +161,50 @@ def test_an_unreachable_metrics_url_is_named():
     assert f"--metrics-url {url}: could not read it" in str(err.value) and "--metrics-port" in str(err.value)
 
 
+def test_a_metrics_port_that_wants_a_token_is_named_and_the_token_needs_urls(tmp_path, capsys):
+    """A 401 from a --metrics-url said "Unauthorized; give the /metrics URL of a running
+    router or worker": it now names --metrics-token-file; and a token file without any
+    --metrics-url is a usage error, not ignored."""
+    from prometheus_client import CollectorRegistry
+
+    from kvmesh.bench.server_metrics import scrape_all
+    from kvmesh.services.metrics import serve_metrics
+
+    port, server = serve_metrics(CollectorRegistry(), 0, token="right")
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        for token in (None, "wrong"):
+            with pytest.raises(OSError) as err:
+                scrape_all([url], token)
+            assert "401" in str(err.value) and "--metrics-token-file" in str(err.value)
+        assert scrape_all([url], "right") == [{}]
+    finally:
+        server.shutdown()
+    (tmp_path / "tok").write_text("right\n")
+    assert main(["--target", "h:1", "--metrics-token-file", str(tmp_path / "tok"), "--out", str(tmp_path / "o"),
+                 "--no-progress"]) == 2
+    assert "--metrics-token-file" in capsys.readouterr().err
+
+
+def test_server_counters_that_went_down_are_counted_from_the_restart():
+    """A worker restarted during a run (its counters start again from 0) made the server
+    hit rate the ratio of two negative numbers (-47440 / -95807 = 49.5 %); such an endpoint
+    now counts what it did since the restart, as Prometheus's increase() does, and the
+    result says how many restarted."""
+    from kvmesh.bench.server_metrics import run_delta
+
+    def sample(queries, hits):
+        return {("kvmesh:prefix_cache_queries_total", ()): float(queries),
+                ("kvmesh:prefix_cache_hits_total", (("tier", "device"),)): float(hits)}
+
+    steady = run_delta([sample(100, 40), sample(1000, 500)], [sample(300, 140), sample(1400, 700)])
+    assert (steady["prefix_cache_queries_tokens"], steady["prefix_cache_hits_tokens"]) == (600, 300)
+    assert steady["restarted_endpoints"] == 0
+    restarted = run_delta([sample(100, 40), sample(1000, 500)], [sample(300, 140), sample(50, 10)])
+    assert (restarted["prefix_cache_queries_tokens"], restarted["prefix_cache_hits_tokens"]) == (250, 110)
+    assert restarted["restarted_endpoints"] == 1 and restarted["hit_rate_tokens"] == round(110 / 250, 6)
+
+
 def test_a_run_into_a_used_folder_leaves_no_plot_of_the_earlier_run(tmp_path):
     """A second run into the same --out (say with --no-plots) must not leave the first run's
     PNGs beside its own numbers."""

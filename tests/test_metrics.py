@@ -355,3 +355,17 @@ def test_a_metrics_port_with_a_token_answers_only_its_bearers(tmp_path):
             read_metrics_token(str(token_file))
     with pytest.raises(ValueError, match="--metrics-token-file"):
         read_metrics_token(str(tmp_path / "missing"))
+
+
+def test_a_metrics_token_without_a_metrics_port_is_a_usage_error(tmp_path):
+    """A token file given to a process with no --metrics-port guarded nothing, silently."""
+    import argparse
+
+    from kvmesh.services.observability import server_ports
+
+    token = tmp_path / "t"
+    token.write_text("tok\n")
+    with pytest.raises(ValueError, match="--metrics-token-file guards --metrics-port"):
+        server_ports(argparse.Namespace(metrics_port=None, http_port=0, metrics_token_file=str(token)))
+    assert server_ports(argparse.Namespace(metrics_port=0, http_port=None, metrics_token_file=str(token))) == \
+        {"metrics_port": 0, "metrics_token": "tok"}

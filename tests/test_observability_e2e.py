@@ -333,3 +333,30 @@ def test_policy_runs_report_the_servers_hit_rate(tmp_path):
     assert result["server"]["requests"] == 4
     assert result["server"]["prefix_cache_hits_tokens"] == round(result["hit_rate_tokens"] * result["prompt_tokens"]) > 0
     assert result["server_hit_rate_tokens"] == pytest.approx(result["hit_rate_tokens"], abs=1e-6)
+
+
+def test_a_worker_with_a_metrics_token_serves_no_metrics_without_it(spawn_worker, tmp_path):
+    """`--metrics-token-file` guards the counters: the metrics port answers 401 without the
+    token, and the same process's HTTP front, which cannot ask for it, answers 404 naming
+    the flag instead of serving them (a review read them there without a token)."""
+    import urllib.error
+    import urllib.request
+
+    from kvmesh.services.procs import free_port
+
+    token = tmp_path / "metrics.token"
+    token.write_text("tok-" + "x" * 20 + "\n")
+    http, metrics = free_port(), free_port()
+    spawn_worker("--http-port", str(http), "--metrics-port", str(metrics), "--metrics-token-file", str(token))
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10)
+    assert err.value.code == 401
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10)
+    body = err.value.read().decode()
+    assert err.value.code == 404 and "--metrics-token-file" in body and "kvmesh:" not in body
+    for scheme in ("Bearer", "bearer"):  # the scheme's case does not matter (RFC 7235)
+        req = urllib.request.Request(f"http://127.0.0.1:{metrics}/metrics",
+                                     headers={"Authorization": f"{scheme} tok-{'x' * 20}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert b"kvmesh:" in r.read()

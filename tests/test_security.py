@@ -789,3 +789,30 @@ def test_shared_namespace_requests_count_against_their_own_tenants_cap(cluster, 
             long.close()
     finally:
         stop_process(proc)
+
+
+def test_a_stop_interrupted_while_it_waits_still_removes_the_secrets(tmp_path, monkeypatch):
+    """Ctrl-C while `kvmesh bench --policies` stopped a cluster (waiting on its workers) left
+    the generated CA keys, API keys, metrics token and the Redis configuration (with its
+    password) on disk. The interrupt is injected where the wait was; the processes are
+    killed and the files removed all the same."""
+    import os
+
+    from kvmesh.services.launcher import ClusterSpec, LocalCluster
+
+    c = LocalCluster(ClusterSpec(num_workers=1, num_blocks=128, threads_per_worker=1, secure=True,
+                                 log_dir=str(tmp_path / "logs")))
+    c.start()
+    run_dir, redis_dir = c.credentials.run_dir, c.redis.dir
+    procs = [c.router_proc, *(p for _, p in c.workers.values())]
+    assert os.path.exists(os.path.join(run_dir, "metrics.token")) and os.path.isdir(redis_dir)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(c, "_stop_processes", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        c.stop()
+    assert not os.path.exists(run_dir) and not os.path.exists(redis_dir)
+    for proc in procs:
+        proc.wait(timeout=30)  # killed, not left running
