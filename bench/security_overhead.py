@@ -52,11 +52,12 @@ def measure(secure: bool, requests: int, prompt_tokens: int, max_tokens: int, se
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvmesh.bench.security_overhead", description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=40)
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=2)
-    p.add_argument("--json", action="store_true")
+    p = argparse.ArgumentParser(prog="python -m kvmesh.bench.security_overhead",
+                                description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--requests", type=int, default=40, help="requests per cluster (default 40)")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="tokens of each (distinct) prompt (default 64)")
+    p.add_argument("--max-tokens", type=int, default=2, help="output tokens of each request (default 2)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = p.parse_args(argv)
     plain, secure = (measure(s, a.requests, a.prompt_tokens, a.max_tokens) for s in (False, True))
     ratio = {k: secure["e2e_ms"][k] / plain["e2e_ms"][k] for k in ("p50", "p90", "mean")}

@@ -927,6 +927,10 @@ def _capacity_problem(args: argparse.Namespace) -> str | None:
         return "give --capacity-tokens, --num-blocks or --unbounded (the KV capacity of each worker)"
     if len(given) > 1:
         return f"{' and '.join(given)} exclude each other; give one of them"
+    block = args.block_size or args.block_tokens
+    if args.capacity_tokens is not None and args.capacity_tokens < block:
+        return (f"--capacity-tokens {args.capacity_tokens} holds no cache block of {block} tokens (the "
+                f"{'--block-size' if args.block_size else '--block-tokens'}); give at least {block}")
     return None
 
 

@@ -600,3 +600,14 @@ def test_cli_sim_stopped_part_way_writes_the_policies_that_finished(tmp_path, ca
     saved = json.loads((tmp_path / "r.json").read_text())
     assert list(saved["results"]) == ["pooled", "round_robin"] and saved["partial"] is True
     assert saved["stopped_by"] == "SIGTERM"
+
+
+def test_a_capacity_under_one_block_names_the_flag_before_the_replay(capsys):
+    """`--capacity-tokens 100` (under one 512-token trace block) failed after the progress
+    bar started, with a message that named no flag."""
+    from kvmesh.bench.sim import main
+
+    assert main(["--trace", "bench/data/mooncake_conversation_sample.jsonl", "--workers", "2",
+                 "--capacity-tokens", "100", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--capacity-tokens 100" in err and "512" in err
