@@ -104,6 +104,14 @@ async def wait_until(cond, timeout=5.0):
         await asyncio.sleep(0.01)
 
 
+async def synced(sub, *worker_ids):
+    """``sub.wait_synced`` once each of ``worker_ids`` is live to it. A `Worker`'s first lease
+    beat runs on its own thread: a subscriber polling before it lands has no live worker to
+    sync with, and its wait returned before reading anything (a loaded machine saw it)."""
+    await wait_until(lambda: set(worker_ids) <= set(sub.live_workers()), timeout=60.0)
+    await sub.wait_synced(5.0)
+
+
 class HungRedis:
     """Stands in for a publisher's Redis client: every call blocks until ``release`` is set
     (or, as a last resort against a deadlocked test, 30 s pass, recorded in ``expired``),
@@ -357,13 +365,13 @@ def test_second_subscriber_started_later_rebuilds_the_same_index_from_redis(shar
                 w.pub.flush_now()
             for w in workers:
                 assert w.pub.wait_published()
-            await sub1.wait_synced(5.0)
+            await synced(sub1, "w0", "w1", "w2")
             # No new traffic from here on: the late subscriber has only what Redis kept.
             second = ClusterIndex()
             sub2 = IndexSubscriber(shared_redis.url, second, resync, cluster=cluster, poll_interval_s=POLL)
             sub2.start()
             try:
-                await sub2.wait_synced(5.0)
+                await synced(sub2, "w0", "w1", "w2")
                 assert second.workers() == first.workers() == ["w0", "w1", "w2"]
                 for w in workers:
                     assert second.worker_blocks(w.worker_id) == first.worker_blocks(w.worker_id) == w.expected()
@@ -399,7 +407,7 @@ def test_stream_trimmed_before_the_subscriber_starts_triggers_resync(shared_redi
             sub = IndexSubscriber(shared_redis.url, index, resync, cluster=cluster, poll_interval_s=POLL)
             sub.start()
             try:
-                await sub.wait_synced(5.0)
+                await synced(sub, "a")
                 assert calls == [("a", "a:7000")]
                 assert index.worker_blocks("a") == w.expected()
                 assert index.last_seq("a") == 5
@@ -481,7 +489,7 @@ def test_injected_gap_is_always_resynced(shared_redis, cluster, rclient):
         try:
             w.emit(stored([1]))
             assert w.pub.wait_published()
-            await sub.wait_synced(5.0)
+            await synced(sub, "a")
             key = stream_key("a", cluster)
             for seq in (3, 9, 10):  # 2 and 4..8 missing; 3 and 9 are covered by the snapshot
                 data = encode_batch(EventBatch("a", seq, time.time(), [stored([seq])]))
@@ -509,7 +517,7 @@ def test_restarted_worker_replaces_its_entries(shared_redis, cluster):
                 old.emit(stored([i]))
                 old.pub.flush_now()
             assert old.pub.wait_published()
-            await sub.wait_synced(5.0)
+            await synced(sub, "a")
             assert index.last_seq("a") == 4
             old.pub.close()  # crash and restart: a new process numbers from 1 again
             new = KVEventPublisher(shared_redis.url, "a", cluster=cluster, flush_interval_s=0.01)
