@@ -83,7 +83,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.services.aio import within
 from kvmesh.services.chat_template import ChatTemplate, ChatTemplateError
-from kvmesh.workers.grpc_guard import LogLimiter, clip
+from kvmesh.workers.grpc_guard import LogLimiter, clip, open_file_share
 from kvmesh.workers.limits import MAX_CACHE_SALT_CHARS
 
 log = logging.getLogger(__name__)
@@ -223,16 +223,9 @@ async def read_json_object(request: web.Request, timeout_s: float | None = DEFAU
 
 def default_max_connections() -> int:
     """`DEFAULT_MAX_CONNECTIONS`, or a quarter of the process's open-file limit when that is
-    lower: the front's connections never take the descriptors the gRPC port needs."""
-    try:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (ImportError, OSError, ValueError):
-        return DEFAULT_MAX_CONNECTIONS
-    if soft == resource.RLIM_INFINITY or soft <= 0:
-        return DEFAULT_MAX_CONNECTIONS
-    return max(1, min(DEFAULT_MAX_CONNECTIONS, soft // 4))
+    lower: the front's connections never take the descriptors the gRPC port needs
+    (`grpc_guard.open_file_share`)."""
+    return open_file_share(DEFAULT_MAX_CONNECTIONS)
 
 
 _BUSY_BODY = json.dumps({"error": {"message": "too many open connections to this server; retry later",

@@ -43,6 +43,22 @@ LOG_BURST = 10
 LOG_WINDOW_S = 10.0
 
 
+def open_file_share(default: int, minimum: int = 1) -> int:
+    """``default``, or a quarter of this process's open-file limit (``RLIMIT_NOFILE``,
+    soft) when that is lower, and at least ``minimum``: the most connections one server of
+    the process keeps, so that they never take the descriptors its other ports, Redis and
+    disk files need."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return default
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return default
+    return max(minimum, min(default, soft // 4))
+
+
 class LogLimiter:
     """WARNING lines about what callers send, at most ``LOG_BURST`` per ``LOG_WINDOW_S``
     seconds; the lines dropped are counted and reported in the next line written, so a

@@ -27,7 +27,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from kvmesh.workers.grpc_guard import (
-    ANONYMOUS_CONTROL_LIMIT, REQUEST_MESSAGE_TIMEOUT_S, CallAdmission, RpcCap, add_guarded, local_peer)
+    ANONYMOUS_CONTROL_LIMIT, REQUEST_MESSAGE_TIMEOUT_S, CallAdmission, RpcCap, add_guarded, local_peer,
+    open_file_share)
 from kvmesh.workers.tls import caller_of
 
 #: Largest message a channel accepts and a server sends (bytes): FetchBlocks streams KV
@@ -107,16 +108,10 @@ def pending_call_options(rpc_limit: int) -> list[tuple[str, int]]:
 
 def max_incoming_connections() -> int:
     """`DEFAULT_MAX_INCOMING_CONNECTIONS`, or a quarter of this process's open-file limit
-    (``RLIMIT_NOFILE``, soft) when that is lower (at least 16)."""
-    try:
-        import resource
+    when that is lower (at least 16; `grpc_guard.open_file_share`)."""
+    return open_file_share(DEFAULT_MAX_INCOMING_CONNECTIONS, 16)
 
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (ImportError, OSError, ValueError):
-        return DEFAULT_MAX_INCOMING_CONNECTIONS
-    if soft == resource.RLIM_INFINITY or soft <= 0:
-        return DEFAULT_MAX_INCOMING_CONNECTIONS
-    return max(16, min(DEFAULT_MAX_INCOMING_CONNECTIONS, soft // 4))
+
 #: Lease field of a worker whose server accepts keepalive PINGs that often (seconds).
 KEEPALIVE_LEASE_FIELD = "keepalive_min_ping_s"
 
