@@ -143,8 +143,9 @@ class DiskTier:
     Raises:
         ValueError: capacity not positive, or another live process (or another `DiskTier`
             here) holds the directory: two writers would pick the same segment ids and
-            delete each other's files; or every user may write the directory and it lacks the sticky bit (``o+w``, not
-            ``+t`` as /tmp has: others could delete or rename this worker's files).
+            delete each other's files; or every user may write the directory and it lacks
+            the sticky bit (`others_may_write`: others could delete or rename this
+            worker's files).
             Segment files owned by another user are never indexed nor read (skipped at
             start with a warning, dropped if one replaces an indexed file).
         OSError: the directory cannot be created.
@@ -161,10 +162,10 @@ class DiskTier:
         # segment files are 0600 wherever they are (a folder given, e.g. a shared mount, is
         # left as it is)
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        if os.stat(self.directory).st_mode & (stat.S_IWOTH | stat.S_ISVTX) == stat.S_IWOTH:
+        if others_may_write(os.stat(self.directory).st_mode):
             raise ValueError(f"disk tier folder {self.directory} may be written by every user of this machine "
-                             f"(o+w, no sticky bit): they could delete or replace its segments; run `chmod o-w {self.directory}` "
-                             "or name a folder of this user's own")
+                             f"(o+w, no sticky bit): they could delete or replace its segments; run "
+                             f"`chmod o-w {self.directory}` or name a folder of this user's own")
         self._lock_file = _lock_directory(self.directory)
         self.capacity_bytes = int(capacity_bytes)
         self.segment_bytes = int(min(segment_bytes, capacity_bytes))
@@ -718,6 +719,12 @@ def _lock_directory(directory: str):
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
+
+
+def others_may_write(mode: int) -> bool:
+    """Whether a folder of ``mode`` lets every user of the machine delete or rename the files
+    in it: writable by others (``o+w``) without the sticky bit (``+t``, as /tmp has)."""
+    return mode & (stat.S_IWOTH | stat.S_ISVTX) == stat.S_IWOTH
 
 
 def _foreign_owner(st: os.stat_result) -> str:

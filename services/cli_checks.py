@@ -187,17 +187,19 @@ def can_create_in(folder: str | os.PathLike) -> str | None:
 
 
 def others_can_write(folder: str, flag: str = "--disk-dir") -> str | None:
-    """Why ``folder`` cannot hold a disk tier's segments because users other than its owner
-    and group may write it without the sticky bit (mode ``o+w``, not ``+t``: they could delete
-    or replace this worker's segment files), or None. Segment files owned by another user are never loaded in any case
-    (`cache_store.disk_tier`)."""
+    """Why ``folder`` cannot hold a disk tier's segments because every user may delete or
+    replace files in it (`cache_store.disk_tier.others_may_write`), or None. Segment files
+    owned by another user are never loaded in any case."""
+    from kvmesh.cache_store.disk_tier import others_may_write
+
     try:
         mode = os.stat(folder).st_mode
     except OSError:
         return None
-    if mode & (stat.S_IWOTH | stat.S_ISVTX) == stat.S_IWOTH:
-        return (f"{flag} {folder}: every user of this machine may write the folder (mode {stat.S_IMODE(mode):04o}); "
-                f"run `chmod o-w {folder}` (or `chmod +t`) or name a folder of this user's own (it is created 0700 if missing)")
+    if others_may_write(mode):
+        return (f"{flag} {folder}: every user of this machine may write the folder (mode "
+                f"{stat.S_IMODE(mode):04o}); run `chmod o-w {folder}` (or `chmod +t`) or name a folder of "
+                "this user's own (it is created 0700 if missing)")
     return None
 
 

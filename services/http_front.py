@@ -455,8 +455,8 @@ class _ServerLogLimit(logging.Filter):
     malformed request (a bad chunk size, a body that does not decode as its Content-Encoding
     says, an oversized header...), before any authentication: anyone who reaches the port
     could fill the log. Client errors (`HttpProcessingError`, ``RequestPayloadError``, a
-    reset connection) become one
-    WARNING line without a traceback or the request bytes aiohttp quotes; anything else keeps its traceback; both go through a
+    reset connection) become one WARNING line without a traceback or the request bytes
+    aiohttp quotes; anything else keeps its traceback; both go through a
     `LogLimiter` (at most ``LOG_BURST`` lines a window, the rest counted)."""
 
     def __init__(self) -> None:

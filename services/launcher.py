@@ -172,7 +172,8 @@ class LocalCluster:
             return []
         port = self._kept_port(f"metrics:{name}")
         self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
-        token = ["--metrics-token-file", self.credentials.metrics_token] if self.metrics_token else []
+        c = self.credentials
+        token = ["--metrics-token-file", c.metrics_token] if c is not None and c.metrics_token else []
         return ["--metrics-port", str(port), *token]
 
     @property

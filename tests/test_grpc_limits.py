@@ -136,6 +136,16 @@ async def _stalled_calls(channel, method: str, n: int, release):
     return [call(never(), timeout=120) for _ in range(n)]
 
 
+async def _until(cond, timeout: float = 30.0) -> None:
+    """Wait until ``cond()`` holds or ``timeout`` seconds pass (the assertions after it say
+    which)."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
 async def _settle(calls, still_open: int, timeout: float = 60.0) -> int:
     """Wait until only ``still_open`` of ``calls`` are open (the rest refused; on a busy
     machine that takes a while), or ``timeout`` seconds; returns how many are open."""
@@ -439,10 +449,7 @@ def test_a_caller_on_the_servers_loopback_counts_as_trusted(monkeypatch, tmp_pat
             async with aio.secure_channel(f"127.0.0.1:{port}", creds,
                                           options=[("grpc.ssl_target_name_override", PEER_SERVER_NAME)]) as ch:
                 calls = await _stalled_calls(ch, "/grpc.health.v1.Health/Check", 2, release)
-                deadline = time.monotonic() + 30
-                while host.admission.control.total + host.admission.anonymous_control.total < 2 and \
-                        time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
+                await _until(lambda: host.admission.control.total + host.admission.anonymous_control.total >= 2)
                 counts = host.admission.control.total, host.admission.anonymous_control.total
                 for call in calls:
                     call.cancel()
@@ -769,9 +776,7 @@ def test_a_verified_peer_is_not_held_to_the_per_host_bound_on_slow_messages(tmp_
             async with aio.secure_channel(f"127.0.0.1:{port}", creds,
                                           options=[("grpc.ssl_target_name_override", PEER_SERVER_NAME)]) as ch:
                 gens = await _stalled_calls(ch, "/kvmesh.v1.Worker/Generate", n, release)
-                deadline = time.monotonic() + 30
-                while host.admission.cap.active < n and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
+                await _until(lambda: host.admission.cap.active >= n)
                 open_calls = await _settle(gens, n, timeout=1.0)
                 for call in gens:
                     call.cancel()

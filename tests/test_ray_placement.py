@@ -135,8 +135,8 @@ def test_place_serve_kill_recover(ray_cluster, capsys, tmp_path):
         # the CA keys are gone once the certificates are issued; each actor holds its own copy
         # of what its process needs, on its node
         assert creds.ca_key == "" and sorted(os.listdir(creds.run_dir)) == [
-            "api-keys", "ca.pem", "client-ca.pem", "client.env", "client.key", "client.pem", "metrics.token", "peer.key",
-            "peer.pem", "record.key"]
+            "api-keys", "ca.pem", "client-ca.pem", "client.env", "client.key", "client.pem", "metrics.token",
+            "peer.key", "peer.pem", "record.key"]
         logs = tmp_path / "logs"
         assert sorted(p.name for p in logs.glob("*-credentials")) == [
             "redis-credentials", "router-credentials", "worker-0-credentials", "worker-1-credentials"]

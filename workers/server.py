@@ -372,7 +372,8 @@ async def serve_worker(engine: Engine, port: int, host: str = "127.0.0.1", worke
     turns on gRPC server reflection; ``max_concurrent_rpcs`` caps the data-plane RPCs in
     flight (`GrpcHost`), ``max_inflight_per_tenant`` each tenant's Generate calls
     (`grpc_guard.TenantCap`; 0: no cap). ``metrics_port`` serves Prometheus ``/metrics``
-    (`services.metrics`; only to bearers of ``metrics_token`` when given); ``http_port`` serves the OpenAI-compatible HTTP front
+    (`services.metrics`; only to bearers of ``metrics_token`` when given); ``http_port``
+    serves the OpenAI-compatible HTTP front
     (`services.http_front`); None = off. With a remote tier, ``remote_gc_grace_s`` > 0 runs
     `cache_store.remote_gc.RemoteGC` on a thread of its own: the cluster's remote-tier
     namespaces that no live lease has named for that many seconds are deleted (0 = off).
