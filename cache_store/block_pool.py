@@ -18,6 +18,15 @@ holds more than another, and a tenant holding fewer cached blocks than the large
 never loses one (between tenants holding equally many, the one whose block is at the queue
 head loses). Choosing the owner costs O(owners with evictable blocks) per evicted block.
 With one owner (or none) this is the plain queue order.
+
+**Protected shares** (`set_protection`, off by default). Blocks that running requests hold
+cannot be evicted, so the rule above alone lets one tenant's running requests, once its own
+cached blocks are gone, evict another tenant's blocks down to none. With a floor set, the
+cached blocks of *idle* owners (named by the caller: tenants with no recent request) go
+first, then those of the allocating owner and of owners holding more than the floor, by
+the rule above; an owner at or under the floor loses a block only when nothing else is
+evictable. `room_for` counts what an owner can be given without that, so a scheduler can
+hold back a request that would need more (`workers.scheduler`).
 """
 
 from __future__ import annotations
@@ -141,7 +150,7 @@ class BlockPool:
     """
 
     __slots__ = ("num_blocks", "_blocks", "_head", "_tail", "_fresh", "_num_free", "_num_evictable", "_on_evict",
-                 "_lru", "_held")
+                 "_lru", "_held", "_floor", "_idle")
 
     def __init__(self, num_blocks: int, on_evict: Callable[[int, bytes], None] | None = None):
         _check_dims(num_blocks=num_blocks)
@@ -162,6 +171,8 @@ class BlockPool:
         self._num_evictable = 0
         self._lru: dict[object, _OwnerLRU] = {}   # owners with evictable blocks
         self._held: dict[object, int] = {}        # owner -> cached (hashed) blocks, held or not
+        self._floor: int | None = None            # protected share (`set_protection`); None: off
+        self._idle: frozenset = frozenset()       # owners whose cached blocks go first
 
     # -- owner lists -------------------------------------------------------
     def _olink(self, b: Block, front: bool = False) -> None:
@@ -199,9 +210,28 @@ class BlockPool:
         else:
             del self._held[owner]
 
-    def _victim(self, head: Block) -> Block:
-        """The evictable block to hand out next: the LRU block of the owner holding the
-        most cached blocks (``head``, the queue head, when its owner is among them)."""
+    def _victim(self, head: Block, owner: object) -> Block:
+        """The evictable block to hand out next to ``owner``: the LRU block of the owner
+        holding the most cached blocks (``head``, the queue head, when its owner is among
+        them); with a protected share, idle owners' first and owners at or under the floor
+        last (module docstring)."""
+        if self._floor is not None:
+            floor, idle = self._floor, self._idle
+            pick_idle = pick = None
+            most_idle = most = -1
+            for o, q in self._lru.items():
+                if o is _EMPTY:
+                    continue
+                held = self._held[o]
+                if o in idle:
+                    if held > most_idle:
+                        pick_idle, most_idle = q.head.onext, held
+                elif (o == owner or held > floor) and held > most:
+                    pick, most = q.head.onext, held
+            if pick_idle is not None:
+                return pick_idle
+            if pick is not None:
+                return pick
         best, most = head, self._held[head.owner]
         for owner, q in self._lru.items():
             if owner is _EMPTY:
@@ -295,7 +325,7 @@ class BlockPool:
                 continue
             if b.block_hash is not None and len(self._held) > 1:  # several owners: empties first, then fairness
                 empties = self._lru.get(_EMPTY)
-                b = empties.head.onext if empties is not None else self._victim(b)
+                b = empties.head.onext if empties is not None else self._victim(b, owner)
             self._unlink(b)
             b.ref_cnt = 1
             h = b.block_hash
@@ -308,6 +338,37 @@ class BlockPool:
             self._held[owner] = self._held.get(owner, 0) + 1
             out.append(b.block_id)
         return out
+
+    def set_protection(self, floor: int | None, idle: Iterable[object] = ()) -> None:
+        """Protect each owner's first ``floor`` blocks (in use or cached) from the other
+        owners' allocations while anything else is evictable; the cached blocks of the
+        owners in ``idle`` are evicted before anyone's. ``floor`` None turns it off (the
+        default: plain max-min fair eviction, module docstring).
+
+        Raises:
+            ValueError: ``floor`` < 0.
+        """
+        if floor is not None and floor < 0:
+            raise ValueError(f"floor must be >= 0 (got {floor})")
+        self._floor = floor
+        self._idle = frozenset(idle) if floor is not None else frozenset()
+
+    def room_for(self, owner: object) -> int:
+        """Blocks ``owner`` can be given without taking a cached block of another owner
+        that is not idle and holds no more than the protected floor (`set_protection`):
+        empty blocks, idle owners' and its own cached blocks, and what other owners hold
+        above the floor. Without protection, every ref-0 block. O(owners) (blocks)."""
+        if self._floor is None:
+            return self._num_free
+        room = self._num_free - self._num_evictable
+        for o, q in self._lru.items():
+            if o is _EMPTY:
+                continue
+            if o == owner or o in self._idle:
+                room += q.count
+            else:
+                room += min(q.count, max(0, self._held[o] - self._floor))
+        return room
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add a reference to each block; a ref-0 block leaves the free queue.

@@ -421,3 +421,80 @@ def test_pool_with_owners_matches_reference_model(ops):
         assert [p.get_hash(i) for i in range(n)] == m.hash
         assert evicted == m.evicted
         assert p.blocks_by_owner() == {o: m.held(o) for o in (None, "a", "b") if m.held(o)}
+
+
+# -- protected shares (set_protection, room_for) -------------------------------------
+
+
+def cached_pool(owners: str, n: int | None = None) -> BlockPool:
+    """A pool whose blocks ``i`` are cached for ``owners[i]`` (queue order = index order),
+    plus ``n - len(owners)`` empty blocks."""
+    p = BlockPool(n or len(owners))
+    ids = p.get_new_blocks(len(owners))
+    for i, bid in enumerate(ids):
+        p.set_hash(bid, h(i), owners[i])
+    p.free(ids)
+    return p
+
+
+def test_an_owner_at_the_floor_keeps_its_blocks_while_others_are_evictable():
+    """b caches 3 blocks, a 1, and a's running requests hold 2 (6 blocks). Max-min alone:
+    a's next block is b's (b holds the most evictable). With a floor of 3 (two tenants),
+    b keeps its 3 and a's own cached block goes; ``room_for`` counts what a can take so."""
+    def pool():
+        p = cached_pool("bbba", 6)
+        p.get_new_blocks(2, "a")  # the two never-used blocks: running, for a
+        return p
+    plain = pool()
+    assert plain.blocks_by_owner() == {"a": 3, "b": 3}
+    assert plain.get_new_blocks(1, "a") == [0]  # b's oldest
+    p = pool()
+    p.set_protection(3)
+    assert p.room_for("a") == 1 and p.room_for("b") == 3
+    assert p.get_new_blocks(1, "a") == [3]  # a's own
+    assert p.blocks_by_owner() == {"a": 3, "b": 3}
+    p.check_integrity()
+    # nothing but b's blocks left: b at the floor still gives them up rather than fail
+    assert p.room_for("a") == 0
+    assert p.get_new_blocks(1, "a") == [0]
+    p.check_integrity()
+
+
+def test_idle_owners_blocks_go_first():
+    p = cached_pool("cccbbbaa")
+    p.set_protection(2, idle=["c"])
+    assert p.room_for("a") == 3 + 2 + 1  # c's (idle), a's own, b's one over the floor
+    assert p.get_new_blocks(3, "a") == [0, 1, 2]  # c's, though b holds as many and a's are there
+    p.set_protection(None)
+    assert p.room_for("a") == p.num_free_blocks
+    with pytest.raises(ValueError):
+        p.set_protection(-1)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(1, 6), st.booleans()), max_size=40),
+       st.integers(0, 6), st.sampled_from(["", "c"]))
+def test_an_allocation_within_room_keeps_every_active_owner_at_its_floor(ops, floor, idle):
+    """Random allocations (some freed and cached again) by three owners with a floor: one of
+    at most ``room_for`` blocks never takes an active owner under min(its blocks, floor)."""
+    p = BlockPool(16)
+    p.set_protection(floor, idle=idle)
+    step = 0
+    for owner, k, keep in ops:
+        before = p.blocks_by_owner()
+        room = p.room_for(owner)
+        got = p.get_new_blocks(k, owner)
+        if got is None:
+            assert k > p.num_free_blocks
+            continue
+        after = p.blocks_by_owner()
+        if k <= room:
+            for o, held in before.items():
+                if o != owner and o not in idle:
+                    assert after.get(o, 0) >= min(held, floor), (o, before, after, room)
+        for bid in got:  # cache them (or drop them) so that later allocations can evict them
+            step += 1
+            p.set_hash(bid, h(step % 256), owner)
+        if not keep:
+            p.free(got)
+        p.check_integrity()

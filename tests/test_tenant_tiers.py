@@ -5,6 +5,7 @@ Also the namespace root: a tenant is not a salt (no salt of one tenant reaches a
 from __future__ import annotations
 
 import random
+import threading
 
 from kvmesh.cache_store.hashing import Namespace, hash_blocks
 from kvmesh.cache_store.tier_store import TierConfig
@@ -192,3 +193,55 @@ def test_a_tenant_whose_requests_fill_the_pool_still_evicts_only_its_own_blocks(
     finally:
         e.stop()
         cold.stop()
+
+
+def _flood_while_running(idle_s: float) -> tuple[dict, list[dict], list[list[int]]]:
+    """Tenant B caches a 20-block prompt on a 64-block pool; tenant A then sends four
+    31-block prompts at once (each fits alone; together nearly twice the pool). Returns B's
+    prompt sent again afterwards, A's results, and A's prompts."""
+    b_ids = prompt(9, 20 * BS + 1)
+    a_ids = [prompt(400 + i, 30 * BS + 1) for i in range(4)]
+    e = Engine(num_blocks=64, block_size=BS).start()
+    e.scheduler.tenant_idle_s = idle_s
+    try:
+        e.generate(b_ids, GREEDY, tenant="tenant-b")
+        results: list = [None] * len(a_ids)
+
+        def send(i: int) -> None:
+            results[i] = e.generate(a_ids[i], GREEDY, tenant="tenant-a")
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(a_ids))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert all(r is not None for r in results), "a request of tenant A did not finish"
+        e.check_integrity()
+        return e.generate(b_ids, GREEDY, tenant="tenant-b"), results, a_ids
+    finally:
+        e.stop()
+
+
+def test_another_tenants_running_requests_leave_an_active_tenant_its_share():
+    """Blocks held by running requests cannot be evicted, so without the protected share
+    tenant A's concurrent prompts took B's cached blocks once A's own were in use. With B
+    active (its last request within ``tenant_idle_s``) and under an equal split (20 of 64
+    blocks), A's later prompts wait for A's earlier ones to end and reuse their blocks:
+    B's prompt is still a full device hit, and A's outputs equal cold runs."""
+    again, results, a_ids = _flood_while_running(idle_s=600)
+    assert again["usage"]["cached_tokens_by_tier"].get("device") == 20 * BS, again["usage"]
+    cold = Engine(num_blocks=64, block_size=BS).start()
+    try:
+        for ids, r in zip(a_ids, results):
+            assert r["token_ids"] == cold.generate(ids, GREEDY, tenant="tenant-a")["token_ids"]
+    finally:
+        cold.stop()
+
+
+def test_an_idle_tenants_blocks_are_not_protected():
+    """The same flood with B idle (``tenant_idle_s`` 0: active only while it has a request
+    on the worker): B's blocks are evicted first, so a busy tenant is not held to a share
+    of the pool by tenants that stopped sending."""
+    again, results, _ = _flood_while_running(idle_s=0)
+    assert again["usage"]["cached_tokens"] < 20 * BS, again["usage"]
+    assert all(r["finish_reason"] for r in results)

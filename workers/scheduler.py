@@ -29,6 +29,17 @@ from the prefix cache) so that the oldest request always makes progress. A reque
 engine's context limit (``max_model_len``) is at most what the pool holds
 (`workers.limits.fit_max_model_len_to_pool`), and longer prompts are refused at admission
 (INVALID_ARGUMENT).
+
+Tenants: blocks are allocated for the request's tenant (``namespace.tenant``), and the
+pool's eviction is fair between tenants (`BlockPool`). While more than one tenant is active
+on the worker (a request waiting, running, or ended within ``tenant_idle_s``), each is
+protected down to an equal split of the pool (`BlockPool.set_protection`: blocks of idle
+tenants go first) and a tenant that already runs a request waits to start another whose
+prompt would need more blocks than it can take without pushing another active tenant under
+that split (`BlockPool.room_for`); later requests of other tenants go ahead meanwhile. A
+tenant's first running request is always admitted (it fits the pool alone), and a running
+request's growth is never held back, so the split can be crossed by one request per
+tenant, by decode growth and by blocks loaded from lower tiers for a prompt's prefix.
 """
 from __future__ import annotations
 
@@ -41,6 +52,10 @@ from typing import Callable, Sequence
 from kvmesh.cache_store.prefix_cache import PrefixCache
 from kvmesh.cache_store.tier_store import TierStore
 from kvmesh.workers.request import DEFAULT_DEADLINE_SHED_FACTOR, Request, RequestStatus
+
+
+#: seconds a tenant stays active (protected) after its last request (`Scheduler`)
+DEFAULT_TENANT_IDLE_S = 600.0
 
 
 @dataclass
@@ -181,6 +196,10 @@ class Scheduler:
             delaying the requests queued behind it for nothing.
         shed_rate: the prefill rate (tokens/s; None: not known yet) deadline shedding
             estimates with; None (the argument): shed only requests past their deadline.
+        tenant_idle_s: seconds after its last request waited, ran or ended that a tenant
+            stops being active, and so stops being protected (its cached blocks are
+            evicted first; module docstring). 0: only tenants with a request on the
+            worker are active.
 
     Fair scheduling of long prefills follows vLLM's ``long_prefill_token_threshold`` and
     ``max_num_partial_prefills`` (vLLM engine arguments, v0.8+).
@@ -197,13 +216,16 @@ class Scheduler:
                  max_num_partial_prefills: int = DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
                  prefill_rate: Callable[[], float | None] | None = None,
                  deadline_shed_factor: float = DEFAULT_DEADLINE_SHED_FACTOR,
-                 shed_rate: Callable[[], float | None] | None = None):
+                 shed_rate: Callable[[], float | None] | None = None,
+                 tenant_idle_s: float = DEFAULT_TENANT_IDLE_S):
         if long_prefill_token_threshold is None:
             long_prefill_token_threshold = max(1, max_num_batched_tokens // LONG_PREFILL_BUDGET_SHARE)
         if long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (got {long_prefill_token_threshold})")
         if max_num_partial_prefills < 1:
             raise ValueError(f"max_num_partial_prefills must be >= 1 (got {max_num_partial_prefills})")
+        if not tenant_idle_s >= 0:  # NaN too
+            raise ValueError(f"tenant_idle_s must be >= 0 (got {tenant_idle_s})")
         if not deadline_shed_factor >= 0:  # NaN too
             raise ValueError(f"deadline_shed_factor must be >= 0 (got {deadline_shed_factor})")
         self.cache = cache
@@ -227,6 +249,11 @@ class Scheduler:
         #: only its own requests shed sooner
         self._pressure: OrderedDict[str, DeadlinePressure] = OrderedDict()
         self._contended = False
+        self.tenant_idle_s = float(tenant_idle_s)
+        #: tenant -> when a request of its last waited, ran or ended (monotonic s), oldest first
+        self._tenant_seen: OrderedDict[object, float] = OrderedDict()
+        #: times a waiting request was held back to keep other tenants' shares (`_fair_to_admit`)
+        self.num_held_for_fairness = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -262,6 +289,12 @@ class Scheduler:
     def add(self, req: Request) -> None:
         """Queue a validated request (arrival order)."""
         self.waiting.append(req)
+        self._seen(req)
+
+    def _seen(self, req: Request) -> None:
+        owner = req.namespace.tenant or None
+        self._tenant_seen[owner] = time.monotonic()
+        self._tenant_seen.move_to_end(owner)
 
     def remove(self, req: Request, finished: bool = False, failed: bool = False) -> None:
         """Drop a request wherever it is and release its blocks: an abort (its caller
@@ -278,6 +311,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
+        self._seen(req)
         if (req.deadline is not None and req.first_scheduled is not None and not failed
                 and req.status is not RequestStatus.FINISHED):
             now = time.monotonic()
@@ -295,6 +329,7 @@ class Scheduler:
         """
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
+        fair = self._protect_active_tenants()
         # a prompt alone on the worker takes the whole budget; with company it is capped
         self._contended = len(self.running) + len(self.waiting) > 1
         # 1. running requests, oldest first; preempt from the newest when out of blocks
@@ -338,6 +373,11 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED
                 batch.shed.append((req, why))
                 self.num_shed += 1
+                continue
+            if fair and not self._fair_to_admit(req):
+                self._release(req)
+                passed.append(req)  # another tenant's share: wait for one of its own to end
+                self.num_held_for_fairness += 1
                 continue
             n = min(self._chunk(req), budget)
             unfinished = req.num_computed + n < req.num_prompt_tokens
@@ -436,6 +476,40 @@ class Scheduler:
                 f"{self.deadline_shed_factor:g}{raised} x that ({factor * need:.2f} s) is more than the "
                 f"{left:.2f} s left of its deadline; retry with a longer deadline, a shorter prompt, or when the worker "
                 f"is less busy (a worker operator can lower the factor)")
+
+    def _protect_active_tenants(self) -> bool:
+        """Set the pool's protected share for this step: an equal split between the active
+        tenants, idle holders' blocks first (module docstring). Returns whether more than one
+        tenant is active (else protection is off)."""
+        now = time.monotonic()
+        seen = self._tenant_seen
+        active = {r.namespace.tenant or None for r in self.running}
+        active.update(r.namespace.tenant or None for r in self.waiting)
+        while seen:  # forget tenants idle for longer than the window, oldest first
+            owner, t = next(iter(seen.items()))
+            if now - t <= self.tenant_idle_s or owner in active:
+                break
+            del seen[owner]
+        active.update(seen)
+        pool = self.cache.pool
+        if len(active) < 2:
+            pool.set_protection(None)
+            return False
+        pool.set_protection(pool.num_blocks // len(active),
+                            [o for o in pool.blocks_by_owner() if o not in active])
+        return True
+
+    def _fair_to_admit(self, req: Request) -> bool:
+        """Whether ``req`` may start now under the tenants' protected shares: its tenant runs
+        no other request, or the blocks its whole prompt and the rest of its tenant's running
+        prompts still need are within what the tenant can take (`BlockPool.room_for`)."""
+        owner = req.namespace.tenant or None
+        mine = [r for r in self.running if (r.namespace.tenant or None) == owner]
+        if not mine:
+            return True
+        # chunked prefill allocates as it goes: count what its running requests will still take
+        need = sum(max(0, self.blocks_needed(r.num_tokens) - len(r.block_table)) for r in mine + [req])
+        return need <= self.cache.pool.room_for(owner)
 
     def _chunk(self, req: Request) -> int:
         """Tokens ``req`` may compute this step before the budget: its remaining tokens,
