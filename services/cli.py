@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import sys
 import time
 import uuid
@@ -97,12 +98,15 @@ def _temperature(text: str) -> float:
 
 def _top_p(text: str) -> float:
     """argparse type of ``generate --top-p``: a number in (0, 1]. 1 turns nucleus sampling
-    off; 0 is refused, since the wire format reads a top_p of 0 as 1 (off)."""
+    off; 0 is refused, since the wire format reads a top_p of 0 as 1 (off), and so is a value
+    its 32-bit float holds as 0 (under about 1.4e-45)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--top-p takes a number, got {text!r}") from None
-    if not 0 < value <= 1:
+    from kvmesh.workers.limits import as_float32
+
+    if not 0 < value <= 1 or as_float32(value) == 0.0:  # the wire's 32-bit float would carry 0 (off)
         raise argparse.ArgumentTypeError(f"--top-p must be in (0, 1], got {text} (1 keeps every token: nucleus "
                                          "sampling off; a small P such as 0.01 keeps only the likeliest)")
     return value
@@ -588,7 +592,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         out = generate(args.target, prompt=args.prompt, token_ids=args.token_ids, max_tokens=args.max_tokens,
-                       tenant=args.tenant, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                       tenant=args.tenant, temperature=args.temperature, top_p=args.top_p,
+                       seed=args.seed if args.seed is not None else secrets.randbits(64),
                        ignore_eos=args.ignore_eos, timeout=args.timeout, on_text=show if stream else None,
                        **client_options(args))
     except ValueError as exc:  # a local check of the client's
@@ -762,8 +767,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_top_p, default=1.0,
                    help="nucleus sampling: keep the smallest set of tokens whose probability reaches P, "
                         "in (0, 1] (default 1: every token, nucleus sampling off)")
-    p.add_argument("--seed", type=_int_at_least(0, "--seed", 2**64), default=0,
-                   help="sampling seed in [0, 2**64), for reproducible sampling (default 0)")
+    p.add_argument("--seed", type=_int_at_least(0, "--seed", 2**64), default=None,
+                   help="sampling seed in [0, 2**64), for reproducible sampling (default: a random one per "
+                        "call, so sampled outputs differ)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past end-of-sequence tokens until --max-tokens (default: stop at EOS)")
     p.add_argument("--timeout", type=positive_float("--timeout"), default=600.0,

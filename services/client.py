@@ -48,6 +48,7 @@ import grpc
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.services.aio import within
+from kvmesh.workers.limits import as_float32
 
 #: Tiers of ``Usage.cached_tokens_by_tier`` (always all present, 0 when unused).
 TIERS = ("device", "host", "disk", "peer", "remote")
@@ -211,7 +212,8 @@ def make_request(prompt: str | None = None, token_ids=None, max_tokens: int = 16
         ValueError: both or neither of ``prompt`` and ``token_ids``; ``tenant`` and
             ``cache_salt`` both given and different; or a number the message cannot carry
             (``max_tokens`` outside 1..2**32-1, ``seed`` outside 0..2**64-1, a token id
-            outside 0..2**32-1); the message names the argument.
+            outside 0..2**32-1, a positive ``top_p`` that a 32-bit float holds as 0); the
+            message names the argument.
     """
     if (prompt is None) == (token_ids is None):
         raise ValueError("give exactly one of prompt (text) and token_ids")
@@ -225,6 +227,9 @@ def make_request(prompt: str | None = None, token_ids=None, max_tokens: int = 16
             number = None
         if number is None or not low <= number <= top:
             raise ValueError(f"{name} must be an integer in {low}..{top}, got {value!r}")
+    if isinstance(top_p, (int, float)) and top_p > 0 and as_float32(top_p) == 0.0:
+        raise ValueError(f"top_p {top_p!r} is 0 as the wire's 32-bit float, which means off (every token): "
+                         "give at least 1e-38, or 1 for off")
     req = pb.GenerateRequest(
         request_id=request_id,
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,

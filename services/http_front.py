@@ -41,7 +41,7 @@ or one of the front's ``model_aliases``; in front of a router a full checkpoint 
 serves that checkpoint when the request is routed),
 ``prompt`` / ``messages``, ``max_tokens`` (``max_completion_tokens`` for chat; default 16
 for completions, the rest of the context for chat, as in vLLM), ``temperature`` (default 1),
-``top_p``, ``seed``, ``stream``, ``stream_options.include_usage``, ``n`` (only 1), and the
+``top_p``, ``seed`` (absent: a random one per request), ``stream``, ``stream_options.include_usage``, ``n`` (only 1), and the
 extensions ``ignore_eos``, ``return_token_ids`` (each choice then carries ``token_ids``)
 and ``cache_salt``. OpenAI fields that do not change the output (``user``, ``metadata``,
 ``store``, ...; `IGNORED`) are accepted and ignored. Anything that would change the output
@@ -72,6 +72,7 @@ import json
 import logging
 import math
 import re
+import secrets
 import time
 import uuid
 from typing import AsyncIterator, Awaitable, Callable
@@ -84,7 +85,7 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.services.aio import within
 from kvmesh.services.chat_template import ChatTemplate, ChatTemplateError
 from kvmesh.workers.grpc_guard import LogLimiter, clip, open_file_share
-from kvmesh.workers.limits import MAX_CACHE_SALT_CHARS
+from kvmesh.workers.limits import MAX_CACHE_SALT_CHARS, as_float32
 
 log = logging.getLogger(__name__)
 
@@ -680,10 +681,20 @@ def _number(body: dict, name: str, default, lo: float | None = None, hi: float |
     return int(value) if integer else float(value)
 
 
+def _seed(body: dict) -> int:
+    """``seed`` in [0, 2**64); absent or null, a random one, so that sampled completions
+    differ between requests as OpenAI's and vLLM's do (the wire's seed has no "unset": a
+    worker seeds every sampled request's generator with it). Raises `HttpError` 400."""
+    if body.get("seed") is None:
+        return secrets.randbits(64)
+    return _number(body, "seed", 0, lo=0, hi=2**64 - 1, integer=True)
+
+
 def _top_p(body: dict) -> float:
     """``top_p`` in (0, 1] (as vLLM's ``SamplingParams``). 0 is refused rather than taken: the
     wire format reads a top_p of 0 as 1 (nucleus sampling off), the opposite of what a client
-    asking for 0 means. Raises `HttpError` 400."""
+    asking for 0 means; so is a positive value under float32's smallest (about 1.4e-45), which
+    the wire's 32-bit float holds as 0. Raises `HttpError` 400."""
     why = (f"top_p must be in (0, 1] (got {clip(repr(body.get('top_p')), 60)}): 1 keeps every token, a small "
            "value such as 0.01 keeps only the likeliest; for greedy decoding send temperature 0")
     try:
@@ -692,7 +703,7 @@ def _top_p(body: dict) -> float:
         if "must be in" in exc.message:
             raise HttpError(400, why, param="top_p") from None
         raise  # not a number
-    if value == 0.0:
+    if as_float32(value) == 0.0:  # 0, or so small that the wire's 32-bit float holds it as 0
         raise HttpError(400, why, param="top_p")
     return value
 
@@ -960,7 +971,7 @@ class HttpFront:
                 max_tokens=max_tokens,
                 temperature=_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
                 top_p=_top_p(body),
-                seed=_number(body, "seed", 0, lo=0, hi=2**64 - 1, integer=True),
+                seed=_seed(body),
                 ignore_eos=ignore_eos),
             cache_salt=salt, return_text=True, model_id=self._model_id(body))
 

@@ -231,6 +231,7 @@ def test_worker_errors_are_one_line_naming_the_flag(capsys):
     (["generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--temperature", "1e308"], "--temperature"),  # inf as float32
     (["generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--top-p", "0"], "--top-p"),  # the wire's "off"
     (["generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--top-p", "1.5"], "--top-p"),
+    (["generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--top-p", "1e-300"], "--top-p"),  # 0 as float32
     (["generate", "--target", "127.0.0.1:5", "--prompt", "hi", "--seed", "-1"], "--seed"),
     (["generate", "--target", "127.0.0.1:5", "--token-ids", "1,,2"], "--token-ids"),  # was read as [1, 2]
     (["generate", "--target", "127.0.0.1:5", "--token-ids", "1,2,"], "--token-ids"),

@@ -199,7 +199,8 @@ def test_make_request_names_a_number_the_message_cannot_carry():
 
     for kwargs, name in [({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"),
                          ({"max_tokens": 2 ** 32}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"),
-                         ({"seed": -1}, "seed"), ({"seed": 2 ** 64}, "seed")]:
+                         ({"seed": -1}, "seed"), ({"seed": 2 ** 64}, "seed"),
+                         ({"top_p": 1e-300}, "top_p")]:  # 0 as a 32-bit float: nucleus sampling off
         with pytest.raises(ValueError, match=name):
             make_request("hi", **kwargs)
     with pytest.raises(ValueError, match="token_ids"):

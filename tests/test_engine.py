@@ -169,6 +169,19 @@ def test_seeded_sampling_same_with_cache(engine):
     assert other["token_ids"] != ref["token_ids"]
 
 
+def test_seeds_that_differ_above_bit_32_sample_differently(engine):
+    """torch's CPU generator keeps a seed's low 32 bits, so seeds 1, 2**32 + 1 and 2**63 + 1
+    once gave the same tokens; larger seeds are mixed down to 32 bits (`generator_seed`)
+    instead, leaving seeds under 2**32 as they were."""
+    from kvmesh.workers.request import generator_seed
+
+    assert [generator_seed(s) for s in (0, 1, 2**32 - 1)] == [0, 1, 2**32 - 1]
+    prompt = rand_prompt(random.Random(12), 20)
+    outs = [run(engine, prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True))["token_ids"]
+            for s in (1, 2**32 + 1, 2**63 + 1, 2**64 - 1)]
+    assert len({tuple(o) for o in outs}) == 4, outs
+
+
 def test_concurrent_batch_equals_sequential(engine):
     rng = random.Random(21)
     prompts = [rand_prompt(rng, rng.randrange(5, 120)) for _ in range(6)]

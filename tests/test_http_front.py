@@ -168,6 +168,7 @@ def _refused(path: str, body: dict | bytes, headers: dict | None = None, **kw) -
     ({"prompt": "a", "temperature": -1}, "temperature"),
     ({"prompt": "a", "top_p": 0}, "top_p"),  # the wire reads 0 as "off": taken, it would sample from every token
     ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "top_p": 1e-300}, "top_p"),  # the wire's 32-bit float holds it as 0, "off"
     ({"prompt": "a", "top_p": 10 ** 400}, "top_p"),  # once a 500: float() of it overflows
     ({"prompt": "a", "best_of": 2}, "best_of"),
     ({"prompt": "a", "best_of": True}, "best_of"),
@@ -321,6 +322,32 @@ def test_openai_client_fields_are_accepted():
     assert h_status == 200 and h_body["choices"][0]["message"]["content"] == "ok", h_body
     assert [r.sampling.max_tokens for r in seen] == [2, 2] and seen[0].sampling.seed == 3
     assert a_status == 400 and a_body["error"]["param"] == "modalities", a_body
+
+
+def test_a_request_without_a_seed_gets_a_random_one():
+    """The wire's seed has no "unset" (a worker seeds every sampled request with it), so a
+    front that sent 0 for an absent seed made every sampled completion the same; OpenAI's
+    and vLLM's differ per request. A given seed (0 too) is passed on as is."""
+    seen = []
+
+    async def generate(req, ctx):
+        seen.append(req)
+        yield _final()
+
+    async def run():
+        front, url = await _serve(generate)
+        try:
+            async with aiohttp.ClientSession() as s:
+                for body in ({}, {}, {"seed": None}, {"seed": 0}, {"seed": 2**64 - 1}):
+                    r = await s.post(f"{url}/completions", json={"prompt": "abc", "max_tokens": 2, **body})
+                    assert r.status == 200, await r.text()
+        finally:
+            await front.stop()
+
+    asyncio.run(run())
+    drawn = [r.sampling.seed for r in seen[:3]]
+    assert len(set(drawn)) == 3, drawn
+    assert [r.sampling.seed for r in seen[3:]] == [0, 2**64 - 1]
 
 
 def test_a_null_cache_salt_is_no_salt_and_a_non_string_one_is_400():

@@ -20,6 +20,8 @@ Both the worker (from its own engine) and the router (from the workers' leases) 
 """
 from __future__ import annotations
 
+import struct
+
 from kvmesh.workers.request import InvalidRequest
 
 #: Text bytes allowed per token of context (bytes/token); see the module docstring.
@@ -34,6 +36,12 @@ MAX_TOKEN_ID_BYTES = 5
 #: know its workers' context when it starts (128K tokens of ids = 640 KiB); for longer
 #: contexts give it ``--model``.
 ROUTER_TOKEN_ID_CONTEXT = 128 * 1024
+
+
+def as_float32(value: float) -> float:
+    """``value`` as the wire's 32-bit ``float`` fields hold it (IEEE 754 binary32, round to
+    nearest): a positive number under about 1.4e-45 becomes 0."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
 def resolve_max_model_len(requested: int | None, model_limit: int) -> int:

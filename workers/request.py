@@ -40,6 +40,21 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+def generator_seed(seed: int) -> int:
+    """The 32-bit seed a request's sampler is seeded with, from its 64-bit ``seed``. torch's
+    CPU generator (a Mersenne Twister) keeps only the low 32 bits of a seed, so seeds that
+    differed above bit 32 gave the same samples. Seeds under 2**32 are kept as they are;
+    larger ones are mixed by SplitMix64's finalizer (Steele, Lea and Flood, "Fast Splittable
+    Pseudorandom Number Generators", OOPSLA 2014) and the low 32 bits taken, so that seeds
+    with the same low or high half, or the same halves swapped, do not meet."""
+    if seed < 1 << 32:
+        return seed
+    z = seed & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Decoding settings of one request.
@@ -50,7 +65,8 @@ class SamplingParams:
         top_p: nucleus sampling mass (Holtzman et al. 2020, "The Curious Case of Neural
             Text Degeneration"); values <= 0 or >= 1 disable it.
         seed: seed of the request's own torch.Generator, so a seeded request gives the
-            same tokens whichever other requests share its batch.
+            same tokens whichever other requests share its batch; 0 to 2**64 - 1, brought
+            to the generator's 32 bits by `generator_seed`.
         ignore_eos: keep decoding past EOS until max_tokens.
     """
 
@@ -151,7 +167,7 @@ class Request:
         if self.sampling.temperature > 0:
             import torch
 
-            self.generator = torch.Generator().manual_seed(int(self.sampling.seed))
+            self.generator = torch.Generator().manual_seed(generator_seed(int(self.sampling.seed)))
 
     @property
     def num_prompt_tokens(self) -> int:
