@@ -52,6 +52,22 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if getattr(args, flag, None):  # a limit that would be silently ignored is refused
             parser.error(f"--{flag.replace('_', '-')} is not supported with --backend vllm "
                          "(its counters live in the cluster's Redis, which this mode has none of)")
+    from kvmesh.workers.grpc_host import DEFAULT_MAX_CONCURRENT_RPCS
+
+    ignored = [  # flags of kvmesh's own router that this mode would otherwise silently ignore
+        ("--metrics-port", getattr(args, "metrics_port", None) not in (None, -1),
+         "its metrics are at /metrics on the HTTP port (served without --api-keys)"),
+        ("--metrics-token-file", getattr(args, "metrics_token_file", None) is not None,
+         "its metrics are at /metrics on the HTTP port, which is not served with --api-keys"),
+        ("--max-inflight-per-tenant", bool(getattr(args, "max_inflight_per_tenant", 0)),
+         "bound each tenant in front of the router, or with the vLLM servers' own limits"),
+        ("--max-concurrent-rpcs", getattr(args, "max_concurrent_rpcs", DEFAULT_MAX_CONCURRENT_RPCS)
+         != DEFAULT_MAX_CONCURRENT_RPCS, "it serves HTTP, not gRPC"),
+        ("--reflection", bool(getattr(args, "reflection", False)), "it serves HTTP, not gRPC"),
+    ]
+    for flag, given, instead in ignored:
+        if given:
+            parser.error(f"{flag} is not supported with --backend vllm ({instead})")
     port = args.http_port if args.http_port is not None else args.port
     if port is None:
         parser.error("--backend vllm serves OpenAI HTTP: give --http-port (or --port)")

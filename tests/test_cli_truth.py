@@ -1051,3 +1051,25 @@ def test_the_stop_flag_is_set_by_a_signal_handler_while_waited_on():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (["--metrics-port", "0"], "--metrics-port"),
+    (["--metrics-token-file", "/dev/null"], "--metrics-token-file"),
+    (["--max-inflight-per-tenant", "4"], "--max-inflight-per-tenant"),
+    (["--max-concurrent-rpcs", "7"], "--max-concurrent-rpcs"),
+    (["--reflection"], "--reflection"),
+])
+def test_the_vllm_router_mode_refuses_flags_it_would_ignore(capsys, extra, flag):
+    """kvmesh's own router flags that the vLLM mode has no use for were accepted and
+    ignored (a metrics port never opened, a per-tenant cap never applied); each is a usage
+    error naming the flag and what to use instead."""
+    from kvmesh.services.cli import build_parser
+
+    p = build_parser()
+    args = p.parse_args(["router", "--backend", "vllm", "--http-port", "1", "--vllm-server",
+                         "http://127.0.0.1:1,tcp://127.0.0.1:2", "--vllm-block-size", "16", *extra])
+    with pytest.raises(SystemExit) as exc:
+        args.func(args)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"{flag} is not supported with --backend vllm (" in err, err
