@@ -8,16 +8,20 @@ as the LRU order of cached blocks, after the design of vLLM's
 reference count drops to 0 joins the tail, allocation pops the head, and a
 cached block popped from the head is evicted.
 
+An allocation takes an empty block wherever it sits in the queue before it evicts
+anything (a request's partial last block, freed after its cached blocks, sits behind
+them; vLLM's queue would evict a cached block first).
+
 **Owners.** A cached block may carry an owner (the tenant whose request cached it).
 A block in use counts as its allocator's (`get_new_blocks`), a cached one as its owner's.
-While more than one owner holds blocks, an allocation takes an empty block wherever it
-sits in the queue before it evicts anything, and then evicts the least recently used
-cached block of the owner holding the most blocks (ties: the queue head's owner):
+While more than one owner holds blocks, an allocation with no empty block left evicts the
+least recently used cached block of the owner holding the most blocks (ties: the queue
+head's owner):
 max-min fair eviction, so a tenant that floods the pool evicts its own blocks once it
 holds more than another, and a tenant holding fewer cached blocks than the largest holder
 never loses one (between tenants holding equally many, the one whose block is at the queue
 head loses). Choosing the owner costs O(owners with evictable blocks) per evicted block.
-With one owner (or none) this is the plain queue order.
+With one owner (or none) cached blocks are evicted in queue order (LRU).
 
 **Protected shares** (`set_protection`, off by default). Blocks that running requests hold
 cannot be evicted, so the rule above alone lets one tenant's running requests, once its own
@@ -297,8 +301,9 @@ class BlockPool:
 
     # -- public API --------------------------------------------------------
     def get_new_blocks(self, n: int, owner: object = None) -> list[int] | None:
-        """Take ``n`` blocks from the head of the free queue (LRU first; between owners,
-        see the module docstring), for ``owner`` (they count as its from now on).
+        """Take ``n`` blocks from the free queue: empty ones first, then cached ones from the
+        head (LRU first; between owners, see the module docstring), for ``owner`` (they
+        count as its from now on).
 
         Each returned block has ref 1 and no hash. A popped block that was
         cached is evicted: ``on_evict(block_id, hash)`` is called, then its
@@ -323,9 +328,12 @@ class BlockPool:
             if b is fresh:
                 out.append(self._take_fresh(owner).block_id)
                 continue
-            if b.block_hash is not None and len(self._held) > 1:  # several owners: empties first, then fairness
+            if b.block_hash is not None:  # an empty block wherever it sits, before evicting anything
                 empties = self._lru.get(_EMPTY)
-                b = empties.head.onext if empties is not None else self._victim(b, owner)
+                if empties is not None:
+                    b = empties.head.onext
+                elif len(self._held) > 1:  # several owners: fairness
+                    b = self._victim(b, owner)
             self._unlink(b)
             b.ref_cnt = 1
             h = b.block_hash
@@ -502,8 +510,8 @@ class BlockPool:
         return (self.num_blocks - self._num_free) / self.num_blocks
 
     def free_queue(self) -> list[int]:
-        """Block ids in the free queue, head first: the hand-out order while one owner (or
-        none) holds the evictable blocks. O(num_blocks)."""
+        """Block ids in the free queue, head first: with one owner (or none), the hand-out
+        order of cached blocks once no empty one is left. O(num_blocks)."""
         out = []
         b = self._head.next
         while b is not self._tail:

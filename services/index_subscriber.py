@@ -33,6 +33,13 @@ workers are up; each known worker then stays live for
 are kept meanwhile, and it is resynced from its snapshot once its lease is
 back. A worker not back within the grace is dropped.
 
+Recovery, a stall: Redis (or this process) stopped answering for longer than the leases'
+TTL (``CLIENT PAUSE`` during a failover, a slow fork, a network stall) and the leases
+expired meanwhile on Redis's clock, although no worker left. A poll that comes
+``STALL_S`` or more after the previous one and finds more than half of the known workers'
+leases gone keeps those workers (and their entries) for up to ``STALL_GRACE_S`` while they
+beat again; their streams are intact, so nothing is resynced.
+
 All Redis calls go through ``redis.asyncio``; nothing here blocks the loop.
 """
 from __future__ import annotations
@@ -123,6 +130,12 @@ class IndexSubscriber:
             ``redis_restart_grace_s`` is negative.
     """
 
+    #: A registry poll answered this long (seconds) after the previous one follows a stall
+    #: (of Redis or of this process): leases that lapsed meanwhile are no news of workers.
+    STALL_S = 2.0
+    #: How long (seconds) workers whose leases lapsed during a stall are kept while they beat
+    #: again (at most ``redis_restart_grace_s``).
+    STALL_GRACE_S = 5.0
     #: Seconds between prunings of gone workers' ids, and most ids looked at in one.
     PRUNE_EVERY_S = 60.0
     PRUNE_BATCH = 5000
@@ -138,6 +151,9 @@ class IndexSubscriber:
         self._marker_flagged = True           # False: this Redis knows no script flags, plain SET NX
         self._grace_until = float("-inf")     # loop time until which missing leases are kept
         self._awaited: set[str] = set()       # workers known when Redis lost its data, not back yet
+        self._answered: float | None = None   # loop time of the last registry poll's first reply
+        #: stalls after which lapsed leases were kept (see the module docstring)
+        self.stalls = 0
         self.data_losses = 0
         self.index = index
         self.cluster = cluster
@@ -322,6 +338,10 @@ class IndexSubscriber:
         pipe.smembers(workers_key(self.cluster))
         pipe.info("server")
         raw_members, info = await pipe.execute()
+        answered = asyncio.get_running_loop().time()
+        gap = answered - self._answered if self._answered is not None else 0.0
+        stalled = gap >= max(self.STALL_S, 4 * self.poll_interval_s)
+        self._answered = answered
         members = sorted(m.decode() if isinstance(m, bytes) else m for m in raw_members)
         # The marker is read after the leases, in the same round trip: Redis runs the commands
         # in order, so leases read after a flush come with a marker read after it too.
@@ -354,6 +374,16 @@ class IndexSubscriber:
                 continue
             if isinstance(lease, dict):
                 live[w] = lease
+        lapsed = set(self._live) - set(live)
+        if stalled and self.redis_restart_grace_s > 0 and 2 * len(lapsed) > len(self._live):
+            self.stalls += 1
+            self._awaited |= lapsed
+            self._grace_until = max(self._grace_until,
+                                    answered + min(self.redis_restart_grace_s, self.STALL_GRACE_S))
+            log.warning("redis answered %.1f s after the previous poll and %d of %d worker lease(s) lapsed "
+                        "meanwhile; keeping them for up to %.1f s while they beat again",
+                        gap, len(lapsed), len(self._live),
+                        min(self.redis_restart_grace_s, self.STALL_GRACE_S))
         if self._awaited:
             self._awaited -= set(live)  # back: from now on its lease alone counts
             if asyncio.get_running_loop().time() < self._grace_until:
@@ -361,8 +391,8 @@ class IndexSubscriber:
                     if w in self._live:
                         live[w] = self._live[w]
             else:
-                log.warning("%d worker(s) did not re-register within %.1f s after redis lost its data: %s",
-                            len(self._awaited), self.redis_restart_grace_s, ", ".join(sorted(self._awaited)))
+                log.warning("%d worker(s) did not re-register within the grace after redis lost its data or "
+                            "stalled: %s", len(self._awaited), ", ".join(sorted(self._awaited)))
                 self._awaited.clear()
         for w in [w for w in self._streams if w not in live]:
             self._forget(w)

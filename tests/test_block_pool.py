@@ -86,11 +86,11 @@ def test_eviction_order_and_callback():
     assert p.free_queue() == [5, 6, 7, 8, 9, 2, 1, 0, 4, 3]
     assert p.num_evictable_blocks == 4
     got = p.get_new_blocks(8)
-    assert got == [5, 6, 7, 8, 9, 2, 1, 0]
+    assert got == [5, 6, 7, 8, 9, 4, 2, 1]  # the empty block 4 before any eviction
     # callback sees the hash before it is cleared
-    assert evicted == [(2, h(12), h(12)), (1, h(11), h(11)), (0, h(10), h(10))]
+    assert evicted == [(2, h(12), h(12)), (1, h(11), h(11))]
     assert all(p.get_hash(b) is None for b in got)
-    assert p.num_evictable_blocks == 1 and p.free_queue() == [4, 3]
+    assert p.num_evictable_blocks == 2 and p.free_queue() == [0, 3]
     p.check_integrity()
 
 
@@ -244,7 +244,8 @@ def test_block_has_slots():
 
 
 class ModelPool:
-    """Reference: plain lists, O(n) everything."""
+    """Reference: plain lists, O(n) everything; an allocation takes the queue's first empty
+    block, else its head."""
 
     def __init__(self, n):
         self.ref = [0] * n
@@ -255,8 +256,11 @@ class ModelPool:
     def get(self, k):
         if k > len(self.queue):
             return None
-        out = self.queue[:k]
-        del self.queue[:k]
+        out = []
+        for _ in range(k):  # the first empty block, else the queue head
+            b = next((c for c in self.queue if self.hash[c] is None), self.queue[0])
+            self.queue.remove(b)
+            out.append(b)
         for b in out:
             self.ref[b] = 1
             if self.hash[b] is not None:
@@ -343,8 +347,8 @@ def test_the_owner_holding_most_is_evicted_first():
 
 class OwnerModelPool(ModelPool):
     """Reference with owners (a block in use counts as its allocator's, None here; a cached
-    one as its owner's): while several owners hold blocks, the queue's first empty block,
-    else the queue's first cached block of the owner holding the most blocks (ties: the
+    one as its owner's): the queue's first empty block; else, while several owners hold
+    blocks, the queue's first cached block of the owner holding the most blocks (ties: the
     queue head's owner); with one owner, the queue head."""
 
     def __init__(self, n):
@@ -361,9 +365,9 @@ class OwnerModelPool(ModelPool):
         for _ in range(k):
             b = self.queue[0]
             owners = {self.owner[i] for i, hh in enumerate(self.hash) if hh is not None or self.ref[i]}
-            if self.hash[b] is not None and len(owners) > 1:
+            if self.hash[b] is not None:
                 empty = [c for c in self.queue if self.hash[c] is None]
-                b = empty[0] if empty else None
+                b = empty[0] if empty else (None if len(owners) > 1 else b)
             if b is None:
                 b = self.queue[0]
                 best = self.owner[b]
@@ -421,6 +425,25 @@ def test_pool_with_owners_matches_reference_model(ops):
         assert [p.get_hash(i) for i in range(n)] == m.hash
         assert evicted == m.evicted
         assert p.blocks_by_owner() == {o: m.held(o) for o in (None, "a", "b") if m.held(o)}
+
+
+def test_an_empty_block_is_used_before_a_cached_one_is_evicted():
+    """One owner: a request's partial last block (never hashed) is freed after its cached
+    blocks, so it sits behind them in the queue; allocating took the queue head and evicted
+    a cached block while the empty one sat there (one hot prompt drained the cache a block
+    per request)."""
+    evicted = []
+    p = BlockPool(4, on_evict=lambda b, hh: evicted.append(b))
+    ids = p.get_new_blocks(2)
+    for i, bid in enumerate(ids):
+        p.set_hash(bid, h(i))
+    p.free(ids[::-1])
+    ids = p.get_new_blocks(2)  # the two never used
+    p.set_hash(ids[0], h(7))
+    p.free(ids[::-1])  # queue: cached, cached, empty, cached
+    assert p.free_queue() == [1, 0, 3, 2]
+    assert p.get_new_blocks(1) == [3] and evicted == []
+    p.check_integrity()
 
 
 # -- protected shares (set_protection, room_for) -------------------------------------

@@ -327,6 +327,53 @@ def test_flushall_keeps_membership_and_resyncs():
         server.stop()
 
 
+def test_a_redis_stall_longer_than_the_leases_keeps_membership():
+    """``CLIENT PAUSE`` (a failover, a slow fork) for longer than the leases' 3 s TTL: Redis's
+    clock expires every lease meanwhile, though no worker left. The router's first poll
+    after the pause found no lease and dropped every worker and its index entries (clients
+    got "no live workers" until the next beats); it now keeps them while they beat again,
+    with their entries, and resyncs nothing (their streams are intact)."""
+    server = RedisServer()
+    cluster = "t" + uuid.uuid4().hex[:8]
+    workers = {f"w{i}": Worker(server.url, cluster, f"w{i}") for i in range(2)}
+    rc = redis.Redis.from_url(server.url)
+
+    async def main():
+        index, sub = make_subscriber(server.url, cluster, workers, redis_restart_grace_s=10.0)
+        await sub.start()
+        try:
+            for i, w in enumerate(workers.values()):
+                for j in range(3):
+                    w.publish(stored(100 * i + j))
+            await converged(index, sub, list(workers.values()))
+            resyncs = sub.resyncs
+            for w in workers.values():
+                w.lease.close(delete=False)  # no beat queued behind the pause renews a lease
+            polls = sub._polls
+            rc.execute_command("CLIENT", "PAUSE", 4000, "ALL")
+            await until(sub, lambda: sub._polls > polls + 1, 2, "a poll after the pause")
+            missing = await watch_live(sub, set(workers), polls=5)
+            assert not missing, f"router lost workers after a stall: {missing[:3]}"
+            assert sub.stalls == 1
+            for w in workers.values():
+                assert index.worker_blocks(w.worker_id) == w.truth()
+                w.restart_lease()
+            await until(sub, lambda: not sub._awaited, 50, "the workers beat again")
+            assert not await watch_live(sub, set(workers), polls=5)
+            await converged(index, sub, list(workers.values()))
+            assert sub.resyncs == resyncs
+        finally:
+            await sub.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for w in workers.values():
+            w.close()
+        rc.close()
+        server.stop()
+
+
 def test_workers_leaving_are_dropped_at_once_and_a_flush_holds_them_only_for_the_grace():
     """Only a loss of Redis's data holds workers: a worker whose lease is deleted (drain) is
     dropped at the next poll, also when it is the last one; after a FLUSHALL a worker that
