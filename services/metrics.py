@@ -367,6 +367,11 @@ class _EngineCollector:
         waiting = GaugeMetricFamily(_name("num_requests_waiting"), "Requests queued, not yet scheduled.")
         waiting.add_metric([], len(sched.waiting) + len(e._inbox))
         yield waiting
+        held = CounterMetricFamily(_name("requests_held_for_tenant_share"), "Requests held back (once or more) "
+                                   "because starting them would push another active tenant under its share of "
+                                   "the device KV pool (docs/SECURITY.md).")
+        held.add_metric([], int(sched.num_held_for_fairness))
+        yield held
         pool = e.cache.pool
         total = int(e.num_blocks)
         free = int(pool.num_free_blocks)
@@ -547,6 +552,11 @@ class _RouterCollector:
                                    "while they re-registered.")
         lost.add_metric([], getattr(sub, "data_losses", 0))
         yield lost
+        stalls = CounterMetricFamily(_name("router_redis_stalls"), "Times the cluster's Redis answered a registry "
+                                     "poll late (2 s or more) with most leases lapsed meanwhile; the workers were "
+                                     "kept while they beat again.")
+        stalls.add_metric([], getattr(sub, "stalls", 0))
+        yield stalls
         limited = getattr(router, "rate_limit", None)
         if limited is not None:
             refused = CounterMetricFamily(_name("router_rate_limited"), "Generate requests refused for a tenant's "

@@ -70,6 +70,7 @@ def test_engine_gauges_match_the_engine(engine):
     assert s[("kvmesh:tier_used_blocks", (("tier", "device"),))] >= 3  # the prompt's 3 full blocks stay cached
     assert s[("kvmesh:num_requests_running", ())] == 0
     assert s[("kvmesh:kv_cache_usage_perc", ())] == 0.0  # cached but unused blocks count as free, as in vLLM
+    assert s[("kvmesh:requests_held_for_tenant_share_total", ())] == engine.scheduler.num_held_for_fairness
 
 
 def test_scrape_never_waits_on_the_engine_lock(engine):
@@ -129,7 +130,7 @@ def test_route_reasons():
 
 def test_router_metrics_count_decisions_and_lag():
     class Sub:
-        resyncs, resync_failures, lease_expiries, data_losses = 2, 0, 1, 3
+        resyncs, resync_failures, lease_expiries, data_losses, stalls = 2, 0, 1, 3, 4
 
         def live_workers(self):
             return {"a": {}, "b": {}}
@@ -164,6 +165,7 @@ def test_router_metrics_count_decisions_and_lag():
     assert s[("kvmesh:router_gap_resyncs_total", ())] == 2
     assert s[("kvmesh:router_lease_expiries_total", ())] == 1
     assert s[("kvmesh:router_redis_data_losses_total", ())] == 3
+    assert s[("kvmesh:router_redis_stalls_total", ())] == 4
     assert s[("kvmesh:router_event_lag_seconds_count", ())] == 1
     assert 0.4 < s[("kvmesh:router_event_lag_seconds_sum", ())] < 5.0
 

@@ -198,7 +198,8 @@ def test_a_tenant_whose_requests_fill_the_pool_still_evicts_only_its_own_blocks(
 def _flood_while_running(idle_s: float) -> tuple[dict, list[dict], list[list[int]]]:
     """Tenant B caches a 20-block prompt on a 64-block pool; tenant A then sends four
     31-block prompts at once (each fits alone; together nearly twice the pool). Returns B's
-    prompt sent again afterwards, A's results, and A's prompts."""
+    prompt sent again afterwards, A's results followed by the number of requests held back
+    for B's share, and A's prompts."""
     b_ids = prompt(9, 20 * BS + 1)
     a_ids = [prompt(400 + i, 30 * BS + 1) for i in range(4)]
     e = Engine(num_blocks=64, block_size=BS).start()
@@ -217,6 +218,7 @@ def _flood_while_running(idle_s: float) -> tuple[dict, list[dict], list[list[int
             t.join(120)
         assert all(r is not None for r in results), "a request of tenant A did not finish"
         e.check_integrity()
+        results.append(e.scheduler.num_held_for_fairness)
         return e.generate(b_ids, GREEDY, tenant="tenant-b"), results, a_ids
     finally:
         e.stop()
@@ -230,6 +232,8 @@ def test_another_tenants_running_requests_leave_an_active_tenant_its_share():
     B's prompt is still a full device hit, and A's outputs equal cold runs."""
     again, results, a_ids = _flood_while_running(idle_s=600)
     assert again["usage"]["cached_tokens_by_tier"].get("device") == 20 * BS, again["usage"]
+    held = results.pop()
+    assert 1 <= held <= 3, held  # A's later prompts waited, each counted once
     cold = Engine(num_blocks=64, block_size=BS).start()
     try:
         for ids, r in zip(a_ids, results):
@@ -244,4 +248,5 @@ def test_an_idle_tenants_blocks_are_not_protected():
     of the pool by tenants that stopped sending."""
     again, results, _ = _flood_while_running(idle_s=0)
     assert again["usage"]["cached_tokens"] < 20 * BS, again["usage"]
+    assert results.pop() == 0
     assert all(r["finish_reason"] for r in results)

@@ -148,6 +148,9 @@ class Request:
     prefill_done: float | None = None
     first_token: float | None = None
     num_preemptions: int = 0
+    #: held back at least once so that another tenant keeps its share of the device pool
+    #: (`workers.scheduler.Scheduler`)
+    held_for_share: bool = False
     num_emitted: int = 0
     #: when the caller stops waiting (``time.monotonic()`` seconds; None: never): the
     #: scheduler sheds a request that cannot reach its first token by then before computing

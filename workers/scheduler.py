@@ -252,7 +252,7 @@ class Scheduler:
         self.tenant_idle_s = float(tenant_idle_s)
         #: tenant -> when a request of its last waited, ran or ended (monotonic s), oldest first
         self._tenant_seen: OrderedDict[object, float] = OrderedDict()
-        #: times a waiting request was held back to keep other tenants' shares (`_fair_to_admit`)
+        #: requests held back (once or more) to keep other tenants' shares (`_fair_to_admit`)
         self.num_held_for_fairness = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -377,7 +377,9 @@ class Scheduler:
             if fair and not self._fair_to_admit(req):
                 self._release(req)
                 passed.append(req)  # another tenant's share: wait for one of its own to end
-                self.num_held_for_fairness += 1
+                if not req.held_for_share:
+                    req.held_for_share = True
+                    self.num_held_for_fairness += 1
                 continue
             n = min(self._chunk(req), budget)
             unfinished = req.num_computed + n < req.num_prompt_tokens
