@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 #: Ray's custom resource present only on the head node.
 HEAD_RESOURCE = "node:__internal_head__"
@@ -101,6 +102,27 @@ class RaySpec:
         return b
 
 
+def stop_when_orphaned(stop: Callable[[], None], interval_s: float = 1.0) -> threading.Thread:
+    """Call ``stop()`` once this process's parent changes (it died and the process was handed
+    to init or a subreaper), from a daemon thread polling ``os.getppid()`` every
+    ``interval_s`` seconds; returns the thread.
+
+    A Ray actor's process is a child of its node's raylet. When the raylet dies, Ray kills
+    neither the actor nor what the actor started: a worker kept serving, and its credentials
+    stayed on disk, after the driver had reported everything stopped. Linux's
+    ``PR_SET_PDEATHSIG`` would cover this, but Ray starts the actor's process, not kvmesh."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        stop()
+
+    t = threading.Thread(target=watch, name="kvmesh-orphan-watch", daemon=True)
+    t.start()
+    return t
+
+
 class ProcessSupervisor:
     """Body of the Ray actor class: runs one kvmesh (or redis-server) process on its node.
 
@@ -110,9 +132,10 @@ class ProcessSupervisor:
     ``env``: extra environment of the child (``KVMESH_REDIS_URL``). The child is started in
     ``__init__`` (so a restarted actor starts it again, writing ``files`` again); a watcher
     thread ends the actor's process when the child exits unexpectedly, which is what makes
-    Ray restart the actor. The ``{creds}`` folder exists only while the child runs: it is
-    deleted when the child does not become ready, when it exits unexpectedly (before the
-    actor's process ends) and by `stop`.
+    Ray restart the actor; another stops the child and ends the actor's process when the
+    node's raylet dies (`stop_when_orphaned`). The ``{creds}`` folder exists only while the
+    child runs: it is deleted when the child does not become ready, when it exits
+    unexpectedly (before the actor's process ends), when the raylet dies and by `stop`.
 
     Raises:
         RuntimeError: from ``__init__``, the child did not become ready in ``ready_timeout``.
@@ -196,6 +219,7 @@ class ProcessSupervisor:
             self._remove_files()
             raise
         threading.Thread(target=self._watch, daemon=True).start()
+        stop_when_orphaned(self._orphaned)
 
     def _write_files(self, files: dict[str, bytes] | None) -> str | None:
         """Write ``files`` into LOG_DIR/NAME-credentials (0700; files 0600); its path, also
@@ -241,6 +265,16 @@ class ProcessSupervisor:
         self.proc.wait()
         if not self.stopping:   # crashed or killed: let Ray restart this actor, which writes the files again
             self._remove_files()
+            os._exit(1)
+
+    def _orphaned(self) -> None:
+        """The raylet that started this actor is gone (`stop_when_orphaned`): stop the child as
+        `stop` does and end this process; nobody is left to restart it here."""
+        print(f"kvmesh on Ray: {self.name}: the node's raylet is gone; stopping the {self.role}", file=sys.stderr,
+              flush=True)
+        try:
+            self.stop()
+        finally:
             os._exit(1)
 
     def info(self) -> dict:

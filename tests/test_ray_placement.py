@@ -316,3 +316,45 @@ def test_secure_mode_refuses_a_ray_cluster_anyone_can_reach():
     assert "10.1.2.3" in ray_exposure_problem(None, ["10.1.2.3"])
     args = build_parser().parse_args(["ray", "--address", "auto", "--allow-unauthenticated-ray"])
     assert args.allow_unauthenticated_ray
+
+
+_ORPHAN = """
+import os, subprocess, sys, time
+from kvmesh.services.ray_cluster import stop_when_orphaned
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(child.pid, flush=True)
+def stop():
+    child.terminate()
+    child.wait()
+    os._exit(3)
+stop_when_orphaned(stop, interval_s=0.05)
+time.sleep(120)
+"""
+
+
+def test_a_supervisor_whose_parent_dies_stops_its_child():
+    """A Ray actor's process is a child of its node's raylet; when the raylet was killed the
+    actor process lived on, reparented, and so did the kvmesh worker it had started (serving,
+    its credentials on disk) after the driver reported everything stopped. `stop_when_orphaned`
+    notices the new parent and stops the child. Here a plain process stands in for the
+    raylet: it is SIGKILLed, and the grandchild it left must be gone soon after."""
+    raylet = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                               f"subprocess.Popen([sys.executable, '-c', {_ORPHAN!r}]).wait()"],
+                              stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        grandchild = int(raylet.stdout.readline())
+        os.kill(grandchild, 0)  # alive while its supervisor's parent lives
+        time.sleep(0.3)
+        os.kill(grandchild, 0)
+        raylet.kill()
+        raylet.wait()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                os.kill(grandchild, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "the supervisor did not stop its child after its parent died"
+            time.sleep(0.05)
+    finally:
+        raylet.kill()

@@ -51,12 +51,21 @@ __all__ = [
     "live_lease_holder",
     "prune_worker_ids",
     "STREAM_IDLE_TTL_S",
+    "STREAM_MAXLEN",
 ]
 
 log = logging.getLogger(__name__)
 
 #: Cluster name used when none is given.
 DEFAULT_CLUSTER = "default"
+
+#: Approximate cap on a worker's event stream (batches). The stream only has to cover how far
+#: a subscriber may fall behind: a router that finds entries trimmed away (or starts after
+#: them) resyncs that worker from its snapshot. At a busy worker's ~20 batches a second that
+#: is about 100 s of events, and at most ~2,000 x 256 events x ~82 bytes (about 40 MB; a
+#: few MB in practice) of Redis memory per worker. It was 100,000, which let 16 workers'
+#: streams outgrow the 1 GB Redis of the Kubernetes base under `noeviction`.
+STREAM_MAXLEN = 2_000
 
 _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 2.0
@@ -109,7 +118,7 @@ class KVEventPublisher:
         cluster: cluster name (key prefix).
         flush_interval_s: longest time an event waits before being batched (seconds).
         max_batch_events: most events per batch (events).
-        stream_maxlen: approximate cap on stream entries (batches).
+        stream_maxlen: approximate cap on stream entries (batches; `STREAM_MAXLEN`).
         max_queued_batches: most batches held while Redis is unreachable (batches).
         instance: this process's lease instance token (`WorkerLease.instance`); with it
             every write to the stream (the first trim, each batch) is one Lua script that
@@ -124,7 +133,7 @@ class KVEventPublisher:
 
     def __init__(self, redis_url: str, worker_id: str, cluster: str = DEFAULT_CLUSTER,
                  flush_interval_s: float = 0.05, max_batch_events: int = 256,
-                 stream_maxlen: int = 100_000, max_queued_batches: int = 4096, instance: str | None = None):
+                 stream_maxlen: int = STREAM_MAXLEN, max_queued_batches: int = 4096, instance: str | None = None):
         if flush_interval_s <= 0 or max_batch_events < 1 or stream_maxlen < 1 or max_queued_batches < 1:
             raise ValueError("flush_interval_s, max_batch_events, stream_maxlen and max_queued_batches "
                              "must be positive")
