@@ -250,3 +250,105 @@ def test_an_idle_tenants_blocks_are_not_protected():
     assert again["usage"]["cached_tokens"] < 20 * BS, again["usage"]
     assert results.pop() == 0
     assert all(r["finish_reason"] for r in results)
+
+
+class Stepped:
+    """An engine stepped by hand (deterministic): ``send`` queues a request, ``until`` steps."""
+
+    def __init__(self, **kw):
+        self.e = Engine(block_size=BS, **kw)
+        self.done: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+
+    def send(self, name: str, ids: list[int], max_tokens: int, tenant: str) -> None:
+        self.tokens[name] = []
+
+        def on_output(o):
+            self.tokens[name].extend(o.new_token_ids)
+            if o.finished:
+                self.done[name] = self.tokens[name]
+
+        self.e.submit(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), on_output, tenant=tenant)
+
+    def until(self, cond, steps: int = 3000, each=None) -> int:
+        for i in range(steps):
+            if cond():
+                return i
+            self.e.step()
+            if each is not None:
+                each()
+        raise AssertionError(f"not within {steps} steps")
+
+    def held(self, tenant: str) -> int:
+        return self.e.cache.pool.blocks_by_owner().get(tenant, 0)
+
+
+def test_two_tenants_second_requests_do_not_share_the_same_free_blocks():
+    """B caches 30 of 96 blocks (under its split of 32 among three active tenants). A and C
+    each run a one-block request, then each sends a 56-block prompt. Each alone fits in the
+    free blocks, but not both: counted for each tenant alone, both started and B fell to 11
+    blocks. Every running prompt's remaining blocks count now, so C's waits while A's runs
+    and B keeps its 30. (C's then starts once C's own small request ends, as its first
+    running request, and may take B's blocks: the documented one-request allowance.)"""
+    s = Stepped(num_blocks=96, max_num_batched_tokens=64)
+    s.send("b", prompt(1, 30 * BS + 1), 1, "B")
+    s.until(lambda: "b" in s.done)
+    s.send("a1", prompt(2, 17), 400, "A")
+    s.send("c1", prompt(3, 17), 400, "C")
+    s.e.step()
+    s.e.step()
+    s.send("a2", prompt(4, 55 * BS + 1), 1, "A")
+    s.send("c2", prompt(5, 55 * BS + 1), 1, "C")
+    low = [s.held("B")]
+    s.until(lambda: "a2" in s.done or "c2" in s.done, each=lambda: low.append(s.held("B")))
+    assert min(low) == 30, min(low)
+    assert s.e.scheduler.num_held_for_fairness >= 1
+    s.until(lambda: "a2" in s.done and "c2" in s.done)
+    s.e.check_integrity()
+
+
+def test_a_held_request_is_not_overtaken_by_its_tenants_later_ones():
+    """A keeps three small requests in flight and sends a 33-block prompt that fits A's room
+    alone but not beside them: it waited for one of A's own to end, and A's later small
+    requests kept starting meanwhile, so it waited forever (200 of them finished after it
+    in a run of 1,500 steps). A's later requests now wait behind it."""
+    s = Stepped(num_blocks=64)
+    s.send("b", prompt(1, 30 * BS + 1), 1, "B")
+    s.until(lambda: "b" in s.done)
+    s.send("s0", prompt(100, 17), 20, "A")
+    s.e.step()
+    s.send("big", prompt(2, 33 * BS), 1, "A")
+    sent = iter(range(1, 10**6))
+
+    def top_up():
+        live = [n for n in s.tokens if n.startswith("s") and n not in s.done]
+        for _ in range(3 - len(live)):
+            k = next(sent)
+            s.send(f"s{k}", prompt(100 + k, 17), 20 + k % 7, "A")
+
+    s.until(lambda: "big" in s.done, steps=400, each=top_up)
+    assert s.e.scheduler.num_held_for_fairness >= 1
+    ref = Engine(num_blocks=64, block_size=BS).start()
+    try:
+        cold = ref.generate(prompt(2, 33 * BS), SamplingParams(max_tokens=1, ignore_eos=True), tenant="A")
+    finally:
+        ref.stop()
+    assert s.done["big"] == cold["token_ids"]
+
+
+def test_a_long_request_does_not_keep_idle_tenants_active():
+    """``tenant_idle_s`` 0: only tenants with a request on the worker are active. A long
+    request of X, older than C's, stopped the pruning of tenants seen after it, so C (done,
+    30 cached blocks) stayed protected and A's second prompt was held for it."""
+    s = Stepped(num_blocks=64)
+    s.e.scheduler.tenant_idle_s = 0
+    s.send("x", prompt(1, 17), 300, "X")
+    s.e.step()
+    s.send("c", prompt(2, 30 * BS + 1), 1, "C")
+    s.until(lambda: "c" in s.done)
+    s.send("a1", prompt(3, 17), 200, "A")
+    s.e.step()
+    s.send("a2", prompt(4, 45 * BS), 1, "A")
+    s.until(lambda: "a2" in s.done, steps=200)
+    assert s.e.scheduler.num_held_for_fairness == 0
+    assert s.held("C") < 30  # idle: its cached blocks went first

@@ -35,8 +35,10 @@ pool's eviction is fair between tenants (`BlockPool`). While more than one tenan
 on the worker (a request waiting, running, or ended within ``tenant_idle_s``), each is
 protected down to an equal split of the pool (`BlockPool.set_protection`: blocks of idle
 tenants go first) and a tenant that already runs a request waits to start another whose
-prompt would need more blocks than it can take without pushing another active tenant under
-that split (`BlockPool.room_for`); later requests of other tenants go ahead meanwhile. A
+prompt (with what every running prompt still needs) would need more blocks than it can
+take without pushing another active tenant under that split (`BlockPool.room_for`); its
+later requests wait behind it (so that its running ones drain) and other tenants' go ahead
+meanwhile. A
 tenant's first running request is always admitted (it fits the pool alone), and a running
 request's growth is never held back, so the split can be crossed by one request per
 tenant, by decode growth and by blocks loaded from lower tiers for a prompt's prefix.
@@ -359,8 +361,12 @@ class Scheduler:
         # resumed request recomputes, or its next decode token), admitted ones appended
         ahead = [r.num_tokens - r.num_computed for r in self.running] if self.shed_rate is not None else []
         passed: list[Request] = []
+        held: set = set()  # tenants with a request held back this step: their later ones wait too
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
+            if held and (req.namespace.tenant or None) in held:
+                passed.append(req)  # behind its tenant's held request: let its running ones drain
+                continue
             check = req.deadline is not None and req.first_scheduled is None
             why = self._past_deadline(req) if check else None
             if why is None and not self._lock_cached_prefix(req, inflight):
@@ -377,6 +383,7 @@ class Scheduler:
             if fair and not self._fair_to_admit(req):
                 self._release(req)
                 passed.append(req)  # another tenant's share: wait for one of its own to end
+                held.add(req.namespace.tenant or None)
                 if not req.held_for_share:
                     req.held_for_share = True
                     self.num_held_for_fairness += 1
@@ -487,9 +494,12 @@ class Scheduler:
         seen = self._tenant_seen
         active = {r.namespace.tenant or None for r in self.running}
         active.update(r.namespace.tenant or None for r in self.waiting)
+        for owner in active:  # seen now: the oldest entries are then of tenants with no request
+            seen[owner] = now
+            seen.move_to_end(owner)
         while seen:  # forget tenants idle for longer than the window, oldest first
             owner, t = next(iter(seen.items()))
-            if now - t <= self.tenant_idle_s or owner in active:
+            if now - t <= self.tenant_idle_s:
                 break
             del seen[owner]
         active.update(seen)
@@ -503,14 +513,17 @@ class Scheduler:
 
     def _fair_to_admit(self, req: Request) -> bool:
         """Whether ``req`` may start now under the tenants' protected shares: its tenant runs
-        no other request, or the blocks its whole prompt and the rest of its tenant's running
-        prompts still need are within what the tenant can take (`BlockPool.room_for`)."""
+        no other request, or the blocks its whole prompt and the rest of every running
+        request's prompt still need are within what its tenant can take without pushing an
+        active tenant under its share (`BlockPool.room_for`). Counting every tenant's
+        running prompts is conservative (another tenant may take some from its own cached
+        blocks) but never counts the same free blocks for two tenants."""
         owner = req.namespace.tenant or None
-        mine = [r for r in self.running if (r.namespace.tenant or None) == owner]
-        if not mine:
+        if not any((r.namespace.tenant or None) == owner for r in self.running):
             return True
-        # chunked prefill allocates as it goes: count what its running requests will still take
-        need = sum(max(0, self.blocks_needed(r.num_tokens) - len(r.block_table)) for r in mine + [req])
+        # chunked prefill allocates as it goes: what every running request will still take comes
+        # out of the same free blocks (another tenant's as well as this one's)
+        need = sum(max(0, self.blocks_needed(r.num_tokens) - len(r.block_table)) for r in self.running + [req])
         return need <= self.cache.pool.room_for(owner)
 
     def _chunk(self, req: Request) -> int:
