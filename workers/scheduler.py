@@ -38,10 +38,10 @@ tenants go first) and a tenant that already runs a request waits to start anothe
 prompt (with what every running prompt still needs) would need more blocks than it can
 take without pushing another active tenant under that split (`BlockPool.room_for`); its
 later requests wait behind it (so that its running ones drain) and other tenants' go ahead
-meanwhile. A
-tenant's first running request is always admitted (it fits the pool alone), and a running
-request's growth is never held back, so the split can be crossed by one request per
-tenant, by decode growth and by blocks loaded from lower tiers for a prompt's prefix.
+meanwhile. A tenant's first running request is always admitted (it fits the pool alone),
+and a running request's growth is never held back, so the split can be crossed by one
+request per tenant, by decode growth and by blocks loaded from lower tiers for a prompt's
+prefix.
 """
 from __future__ import annotations
 
