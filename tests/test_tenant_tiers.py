@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 from kvmesh.cache_store.hashing import Namespace, hash_blocks
 from kvmesh.cache_store.tier_store import TierConfig
@@ -352,3 +353,23 @@ def test_a_long_request_does_not_keep_idle_tenants_active():
     s.until(lambda: "a2" in s.done, steps=200)
     assert s.e.scheduler.num_held_for_fairness == 0
     assert s.held("C") < 30  # idle: its cached blocks went first
+
+
+def test_a_request_behind_a_held_one_is_still_shed_at_its_deadline():
+    """A's later requests wait behind A's held one; one whose deadline passed meanwhile was
+    kept queued (and counted as load) until A's running request ended. It is shed as soon
+    as it is considered past its deadline, held tenant or not."""
+    s = Stepped(num_blocks=64)
+    s.send("b", prompt(1, 30 * BS + 1), 1, "B")
+    s.until(lambda: "b" in s.done)
+    s.send("a1", prompt(3, 17), 150, "A")
+    s.e.step()
+    s.send("a2", prompt(4, 40 * BS), 1, "A")
+    s.e.step()
+    assert s.e.scheduler.num_held_for_fairness == 1
+    out = {}
+    s.e.submit(prompt(5, 17), SamplingParams(max_tokens=1), lambda o: o.finished and out.update(code=o.error_code),
+               tenant="A", deadline=time.monotonic() + 0.05)
+    time.sleep(0.1)
+    s.until(lambda: out, steps=3)
+    assert out["code"] == "DEADLINE_EXCEEDED" and "a1" not in s.done

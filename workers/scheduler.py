@@ -364,11 +364,11 @@ class Scheduler:
         held: set = set()  # tenants with a request held back this step: their later ones wait too
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
-            if held and (req.namespace.tenant or None) in held:
-                passed.append(req)  # behind its tenant's held request: let its running ones drain
-                continue
             check = req.deadline is not None and req.first_scheduled is None
             why = self._past_deadline(req) if check else None
+            if why is None and held and (req.namespace.tenant or None) in held:
+                passed.append(req)  # behind its tenant's held request: let its running ones drain
+                continue
             if why is None and not self._lock_cached_prefix(req, inflight):
                 passed.append(req)  # its prefix is being computed: attach once committed
                 continue
