@@ -283,10 +283,10 @@ async def watch_live(sub: IndexSubscriber, want: set[str], polls: int) -> list:
     return missing
 
 
-def test_flushall_keeps_membership_and_resyncs():
-    """FLUSHALL wipes every lease, stream and the workers set while Redis keeps running (same
-    run_id) and the workers stay up: the router keeps both workers live, with their index
-    entries, until their leases are back, then resyncs each from its snapshot."""
+def with_two_converged_workers(body) -> None:
+    """Start a private redis-server, two `Worker`s with five published blocks each and a
+    subscriber (grace 10 s) that has converged on them; then ``await body(index, sub,
+    workers, rc)`` (``rc``: a Redis client); stop everything afterwards."""
     server = RedisServer()
     cluster = "t" + uuid.uuid4().hex[:8]
     workers = {f"w{i}": Worker(server.url, cluster, f"w{i}") for i in range(2)}
@@ -300,21 +300,7 @@ def test_flushall_keeps_membership_and_resyncs():
                 for j in range(5):
                     w.publish(stored(100 * i + j))
             await converged(index, sub, list(workers.values()))
-            resyncs = sub.resyncs
-            for w in workers.values():
-                w.lease.close(delete=False)  # no beat lands between the flush and the polls watched
-            assert rc.flushall()
-            missing = await watch_live(sub, set(workers), polls=5)
-            assert not missing, f"router lost workers after FLUSHALL: {missing[:3]}"
-            for w in workers.values():  # a prompt cached before the flush is still found
-                assert index.worker_blocks(w.worker_id) == w.truth()
-            for w in workers.values():  # the cache changes meanwhile; the events go to new streams
-                w.publish(stored(999))
-                w.restart_lease()
-            missing = await watch_live(sub, set(workers), polls=5)
-            assert not missing, f"router lost workers as they re-registered: {missing[:3]}"
-            await converged(index, sub, list(workers.values()))
-            assert sub.resyncs >= resyncs + 2
+            await body(index, sub, workers, rc)
         finally:
             await sub.stop()
 
@@ -325,6 +311,31 @@ def test_flushall_keeps_membership_and_resyncs():
             w.close()
         rc.close()
         server.stop()
+
+
+def test_flushall_keeps_membership_and_resyncs():
+    """FLUSHALL wipes every lease, stream and the workers set while Redis keeps running (same
+    run_id) and the workers stay up: the router keeps both workers live, with their index
+    entries, until their leases are back, then resyncs each from its snapshot."""
+
+    async def body(index, sub, workers, rc):
+        resyncs = sub.resyncs
+        for w in workers.values():
+            w.lease.close(delete=False)  # no beat lands between the flush and the polls watched
+        assert rc.flushall()
+        missing = await watch_live(sub, set(workers), polls=5)
+        assert not missing, f"router lost workers after FLUSHALL: {missing[:3]}"
+        for w in workers.values():  # a prompt cached before the flush is still found
+            assert index.worker_blocks(w.worker_id) == w.truth()
+        for w in workers.values():  # the cache changes meanwhile; the events go to new streams
+            w.publish(stored(999))
+            w.restart_lease()
+        missing = await watch_live(sub, set(workers), polls=5)
+        assert not missing, f"router lost workers as they re-registered: {missing[:3]}"
+        await converged(index, sub, list(workers.values()))
+        assert sub.resyncs >= resyncs + 2
+
+    with_two_converged_workers(body)
 
 
 def test_a_redis_stall_longer_than_the_leases_keeps_membership():
@@ -333,45 +344,26 @@ def test_a_redis_stall_longer_than_the_leases_keeps_membership():
     after the pause found no lease and dropped every worker and its index entries (clients
     got "no live workers" until the next beats); it now keeps them while they beat again,
     with their entries, and resyncs nothing (their streams are intact)."""
-    server = RedisServer()
-    cluster = "t" + uuid.uuid4().hex[:8]
-    workers = {f"w{i}": Worker(server.url, cluster, f"w{i}") for i in range(2)}
-    rc = redis.Redis.from_url(server.url)
 
-    async def main():
-        index, sub = make_subscriber(server.url, cluster, workers, redis_restart_grace_s=10.0)
-        await sub.start()
-        try:
-            for i, w in enumerate(workers.values()):
-                for j in range(3):
-                    w.publish(stored(100 * i + j))
-            await converged(index, sub, list(workers.values()))
-            resyncs = sub.resyncs
-            for w in workers.values():
-                w.lease.close(delete=False)  # no beat queued behind the pause renews a lease
-            polls = sub._polls
-            rc.execute_command("CLIENT", "PAUSE", 4000, "ALL")
-            await until(sub, lambda: sub._polls > polls + 1, 2, "a poll after the pause")
-            missing = await watch_live(sub, set(workers), polls=5)
-            assert not missing, f"router lost workers after a stall: {missing[:3]}"
-            assert sub.stalls == 1
-            for w in workers.values():
-                assert index.worker_blocks(w.worker_id) == w.truth()
-                w.restart_lease()
-            await until(sub, lambda: not sub._awaited, 50, "the workers beat again")
-            assert not await watch_live(sub, set(workers), polls=5)
-            await converged(index, sub, list(workers.values()))
-            assert sub.resyncs == resyncs
-        finally:
-            await sub.stop()
-
-    try:
-        asyncio.run(main())
-    finally:
+    async def body(index, sub, workers, rc):
+        resyncs = sub.resyncs
         for w in workers.values():
-            w.close()
-        rc.close()
-        server.stop()
+            w.lease.close(delete=False)  # no beat queued behind the pause renews a lease
+        polls = sub._polls
+        rc.execute_command("CLIENT", "PAUSE", 4000, "ALL")
+        await until(sub, lambda: sub._polls > polls + 1, 2, "a poll after the pause")
+        missing = await watch_live(sub, set(workers), polls=5)
+        assert not missing, f"router lost workers after a stall: {missing[:3]}"
+        assert sub.stalls == 1
+        for w in workers.values():
+            assert index.worker_blocks(w.worker_id) == w.truth()
+            w.restart_lease()
+        await until(sub, lambda: not sub._awaited, 50, "the workers beat again")
+        assert not await watch_live(sub, set(workers), polls=5)
+        await converged(index, sub, list(workers.values()))
+        assert sub.resyncs == resyncs
+
+    with_two_converged_workers(body)
 
 
 def test_workers_leaving_are_dropped_at_once_and_a_flush_holds_them_only_for_the_grace():

@@ -283,6 +283,13 @@ class Stepped:
     def held(self, tenant: str) -> int:
         return self.e.cache.pool.blocks_by_owner().get(tenant, 0)
 
+    def cache_b_then_run_a(self, name: str, ids: list[int], max_tokens: int) -> None:
+        """Tenant B caches a 30-block prompt and stays active; tenant A then runs ``name``."""
+        self.send("b", prompt(1, 30 * BS + 1), 1, "B")
+        self.until(lambda: "b" in self.done)
+        self.send(name, ids, max_tokens, "A")
+        self.e.step()
+
 
 def test_two_tenants_second_requests_do_not_share_the_same_free_blocks():
     """B caches 30 of 96 blocks (under its split of 32 among three active tenants). A and C
@@ -314,10 +321,7 @@ def test_a_held_request_is_not_overtaken_by_its_tenants_later_ones():
     requests kept starting meanwhile, so it waited forever (200 of them finished after it
     in a run of 1,500 steps). A's later requests now wait behind it."""
     s = Stepped(num_blocks=64)
-    s.send("b", prompt(1, 30 * BS + 1), 1, "B")
-    s.until(lambda: "b" in s.done)
-    s.send("s0", prompt(100, 17), 20, "A")
-    s.e.step()
+    s.cache_b_then_run_a("s0", prompt(100, 17), 20)
     s.send("big", prompt(2, 33 * BS), 1, "A")
     sent = iter(range(1, 10**6))
 
@@ -360,10 +364,7 @@ def test_a_request_behind_a_held_one_is_still_shed_at_its_deadline():
     kept queued (and counted as load) until A's running request ended. It is shed as soon
     as it is considered past its deadline, held tenant or not."""
     s = Stepped(num_blocks=64)
-    s.send("b", prompt(1, 30 * BS + 1), 1, "B")
-    s.until(lambda: "b" in s.done)
-    s.send("a1", prompt(3, 17), 150, "A")
-    s.e.step()
+    s.cache_b_then_run_a("a1", prompt(3, 17), 150)
     s.send("a2", prompt(4, 40 * BS), 1, "A")
     s.e.step()
     assert s.e.scheduler.num_held_for_fairness == 1
