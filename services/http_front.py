@@ -41,8 +41,8 @@ or one of the front's ``model_aliases``; in front of a router a full checkpoint 
 serves that checkpoint when the request is routed),
 ``prompt`` / ``messages``, ``max_tokens`` (``max_completion_tokens`` for chat; default 16
 for completions, the rest of the context for chat, as in vLLM), ``temperature`` (default 1),
-``top_p``, ``seed`` (absent: a random one per request), ``stream``, ``stream_options.include_usage``, ``n`` (only 1), and the
-extensions ``ignore_eos``, ``return_token_ids`` (each choice then carries ``token_ids``)
+``top_p``, ``seed`` (absent: a random one per request), ``stream``,
+``stream_options.include_usage``, ``n`` (only 1), and the extensions ``ignore_eos``, ``return_token_ids`` (each choice then carries ``token_ids``)
 and ``cache_salt``. OpenAI fields that do not change the output (``user``, ``metadata``,
 ``store``, ...; `IGNORED`) are accepted and ignored. Anything that would change the output
 and is not supported (``stop``, ``logprobs``, ``n`` > 1, penalties, tools, ``echo``...;

@@ -35,8 +35,8 @@ back. A worker not back within the grace is dropped.
 
 Recovery, a stall: Redis (or this process) stopped answering for longer than the leases'
 TTL (``CLIENT PAUSE`` during a failover, a slow fork, a network stall) and the leases
-expired meanwhile on Redis's clock, although no worker left. A poll that comes
-``STALL_S`` or more after the previous one and finds more than half of the known workers'
+expired meanwhile on Redis's clock, although no worker left. A poll answered ``STALL_S``
+(or four poll intervals, if longer) or more after the previous one that finds more than half of the known workers'
 leases gone keeps those workers (and their entries) for up to ``STALL_GRACE_S`` while they
 beat again; their streams are intact, so nothing is resynced.
 
@@ -376,14 +376,13 @@ class IndexSubscriber:
                 live[w] = lease
         lapsed = set(self._live) - set(live)
         if stalled and self.redis_restart_grace_s > 0 and 2 * len(lapsed) > len(self._live):
+            keep = min(self.redis_restart_grace_s, self.STALL_GRACE_S)
             self.stalls += 1
             self._awaited |= lapsed
-            self._grace_until = max(self._grace_until,
-                                    answered + min(self.redis_restart_grace_s, self.STALL_GRACE_S))
+            self._grace_until = max(self._grace_until, answered + keep)
             log.warning("redis answered %.1f s after the previous poll and %d of %d worker lease(s) lapsed "
                         "meanwhile; keeping them for up to %.1f s while they beat again",
-                        gap, len(lapsed), len(self._live),
-                        min(self.redis_restart_grace_s, self.STALL_GRACE_S))
+                        gap, len(lapsed), len(self._live), keep)
         if self._awaited:
             self._awaited -= set(live)  # back: from now on its lease alone counts
             if asyncio.get_running_loop().time() < self._grace_until:

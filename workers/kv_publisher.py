@@ -63,8 +63,7 @@ DEFAULT_CLUSTER = "default"
 #: a subscriber may fall behind: a router that finds entries trimmed away (or starts after
 #: them) resyncs that worker from its snapshot. At a busy worker's ~20 batches a second that
 #: is about 100 s of events, and at most ~2,000 x 256 events x ~82 bytes (about 40 MB; a
-#: few MB in practice) of Redis memory per worker. It was 100,000, which let 16 workers'
-#: streams outgrow the 1 GB Redis of the Kubernetes base under `noeviction`.
+#: few MB in practice) of Redis memory per worker (docs/DEPLOY.md, Sizing).
 STREAM_MAXLEN = 2_000
 
 _BACKOFF_START_S = 0.05
